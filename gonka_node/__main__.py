@@ -1,0 +1,5 @@
+import sys
+
+from gonka_node.cli import main
+
+sys.exit(main())
