@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 import sys
 from collections.abc import Sequence
-
-# Modules under gonka_node.cli that contribute verbs, in the order `--help` lists them.
-_VERB_MODULES = ("train",)
 
 
 class CliError(Exception):
@@ -25,8 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decentralized DiLoCo training with an EVM chain keeping the books.",
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    for name in _VERB_MODULES:
-        importlib.import_module(f"gonka_node.cli.{name}").register(sub)
+    # Every module of this package that defines `register` contributes its verbs, in name order.
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
     return parser
 
 
