@@ -10,4 +10,5 @@ if [ ! -x node_modules/.bin/anvil ]; then
 fi
 export PATH="$PWD/node_modules/.bin:$PATH"
 .venv/bin/ruff check .
+.venv/bin/python scripts/gen_proto.py --check
 .venv/bin/python -m pytest "$@"
