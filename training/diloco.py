@@ -1,0 +1,207 @@
+"""DiLoCo's outer loop: the pseudo-gradient, its deterministic average, and the outer Nesterov step.
+
+Every host and the aggregator must compute the same new global model bit for bit (so a host can check
+the checkpoint hash posted on chain). Three rules make that hold on any CPU or GPU:
+
+1. Everything is fp32 and every tensor operation used here is a single IEEE-754 operation with one
+   rounding (add, sub, mul), which every backend implements exactly.
+2. No fused kernels whose rounding depends on the machine. `torch.add(x, y, alpha=a)` is one fused
+   multiply-add on AVX2/AVX-512/NEON/CUDA but two roundings on a plain build; so the outer step computes
+   fused multiply-adds itself, exactly (`fma32`): the product of two fp32 numbers is exact in fp64, and
+   the fp64 sum is rounded *to odd* before the final rounding to fp32, which makes that double rounding
+   equal to a single correct rounding (Boldo & Melquiond, 2008). That is precisely what
+   `torch.optim.SGD(nesterov=True, foreach=False)` computes on an FMA machine, so the two agree bit for
+   bit there, and ours also agrees with itself on machines that have no FMA.
+3. A fixed order: parameters in sorted name order, contributions in strictly increasing host order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_FMA_CHUNK = 1 << 20  # elements per fp64 temporary: bounds the outer step's extra memory to a few MiB
+
+
+def pseudo_gradient(
+    global_params: Mapping[str, Tensor], local_params: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """Δ = θ_global − θ_local in fp32, one tensor per parameter name (the outer optimizer's gradient)."""
+    _check_same_keys(global_params, local_params, "local_params")
+    delta: dict[str, Tensor] = {}
+    for name in sorted(global_params):
+        g, loc = global_params[name], local_params[name]
+        if g.shape != loc.shape:
+            raise ValueError(
+                f"pseudo_gradient: {name} has shape {tuple(loc.shape)}, expected {tuple(g.shape)}"
+            )
+        delta[name] = g.detach().float() - loc.detach().to(device=g.device, dtype=torch.float32)
+    return delta
+
+
+def fma32(a: Tensor, b: Tensor | float, c: Tensor) -> Tensor:
+    """a·b + c for fp32 tensors with a single rounding (IEEE fusedMultiplyAdd), identically on any device.
+
+    `b` may be a tensor of a's shape or a scalar (taken as the nearest fp32, as torch does for `alpha`).
+    """
+    a, c = a.float(), c.float()
+    out = torch.empty_like(c)
+    a_flat, c_flat, o_flat = a.reshape(-1), c.reshape(-1), out.view(-1)
+    b_flat = b.float().reshape(-1) if isinstance(b, Tensor) else None
+    b_scalar = float(torch.tensor(b, dtype=torch.float32)) if b_flat is None else 0.0
+    for start in range(0, c_flat.numel(), _FMA_CHUNK):
+        sl = slice(start, start + _FMA_CHUNK)
+        prod = a_flat[sl].double() * (b_flat[sl].double() if b_flat is not None else b_scalar)  # exact
+        o_flat[sl] = _round_to_odd_sum(prod, c_flat[sl].double()).float()
+    return out
+
+
+def _round_to_odd_sum(x: Tensor, y: Tensor) -> Tensor:
+    """x + y in fp64 rounded to odd: exact if representable, else the neighbour whose last bit is 1."""
+    s = x + y
+    # TwoSum (Knuth): err is exactly (x + y) − s, so we know which side of s the true sum lies on.
+    y_virtual = s - x
+    err = (x - (s - y_virtual)) + (y - y_virtual)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, math.inf, -math.inf).to(s.dtype)
+    return torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+
+
+class StreamingAverager:
+    """Weighted mean of pseudo-gradients, accumulated one contribution at a time in fp32.
+
+    Memory is one model however many hosts contribute. Floating-point addition is not associative, so
+    the order is part of the result: contributions must arrive in strictly increasing `key` order
+    (the aggregator uses the host's lower-case 0x address). The mean is
+    `(Σ_i fp32(w_i)·Δ_i) · fp32(1 / Σ_i w_i)`, each operation rounded once, summed in key order.
+    """
+
+    def __init__(self, spec: Mapping[str, tuple[int, ...]], device: torch.device | str = "cpu") -> None:
+        self._spec = {name: tuple(shape) for name, shape in spec.items()}
+        self._sum = {
+            name: torch.zeros(shape, dtype=torch.float32, device=device) for name, shape in self._spec.items()
+        }
+        self._total_weight = 0.0
+        self._last_key: str | None = None
+        self.keys: list[str] = []
+
+    def add(self, key: str, delta: Mapping[str, Tensor], weight: float = 1.0) -> None:
+        """Accumulate one host's decoded pseudo-gradient; checks everything before changing any state."""
+        if self._last_key is not None and key <= self._last_key:
+            raise ValueError(
+                f"StreamingAverager.add: key {key!r} is not after {self._last_key!r}; add contributions in sorted order"
+            )
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(
+                f"StreamingAverager.add: weight for {key!r} must be finite and > 0, got {weight}"
+            )
+        _check_same_keys(self._spec, delta, f"delta from {key!r}")
+        for name, shape in self._spec.items():
+            if tuple(delta[name].shape) != shape:
+                raise ValueError(
+                    f"StreamingAverager.add: {key!r} sent {name} with shape {tuple(delta[name].shape)}, expected {shape}"
+                )
+        w = torch.tensor(weight, dtype=torch.float32)
+        for name in sorted(self._spec):
+            d = delta[name].to(device=self._sum[name].device, dtype=torch.float32)
+            self._sum[name].add_(d if weight == 1.0 else d * w.to(d.device))
+        self._total_weight += float(w)
+        self._last_key = key
+        self.keys.append(key)
+
+    def result(self) -> dict[str, Tensor]:
+        """The weighted mean (new tensors); the averager can keep accumulating afterwards."""
+        if not self.keys:
+            raise ValueError("StreamingAverager.result: no contributions were added")
+        inv = torch.tensor(1.0 / self._total_weight, dtype=torch.float32)
+        return {name: self._sum[name] * inv.to(self._sum[name].device) for name in sorted(self._sum)}
+
+
+def average(deltas: Mapping[str, Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Unweighted mean of pseudo-gradients keyed by host, accumulated in sorted key order."""
+    if not deltas:
+        raise ValueError("average: no pseudo-gradients given")
+    first = deltas[min(deltas)]
+    avg = StreamingAverager(
+        {n: tuple(t.shape) for n, t in first.items()}, device=next(iter(first.values())).device
+    )
+    for key in sorted(deltas):
+        avg.add(key, deltas[key])
+    return avg.result()
+
+
+class OuterOptimizer:
+    """SGD with (Nesterov) momentum applied to the averaged pseudo-gradient, bit-exact on any machine.
+
+    Same semantics as `torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0)`:
+    first step buf = g, later buf = μ·buf + g; update = g + μ·buf (Nesterov) or buf; p ← p − lr·update.
+    The multiply-adds that torch fuses are computed as exact fused multiply-adds (`fma32`).
+    """
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> None:
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"OuterOptimizer: lr must be finite and > 0, got {lr}")
+        if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
+            raise ValueError(f"OuterOptimizer: momentum must be in [0, 1), got {momentum}")
+        if nesterov and momentum == 0.0:
+            raise ValueError("OuterOptimizer: Nesterov needs momentum > 0 (as in torch.optim.SGD)")
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        self.steps = 0
+        self.buffers: dict[str, Tensor] = {}
+
+    def step(self, params: Mapping[str, Tensor], avg_delta: Mapping[str, Tensor]) -> None:
+        """Update `params` in place (fp32 tensors) with the averaged pseudo-gradient, in sorted name order."""
+        _check_same_keys(params, avg_delta, "avg_delta")
+        for name in sorted(params):
+            p, g = params[name], avg_delta[name]
+            if p.dtype != torch.float32 or g.shape != p.shape:
+                raise ValueError(
+                    f"OuterOptimizer.step: {name} must be fp32 with shape {tuple(p.shape)} (got {p.dtype}, {tuple(g.shape)})"
+                )
+        mu = torch.tensor(self.momentum, dtype=torch.float32)
+        for name in sorted(params):
+            p, g = params[name], avg_delta[name].to(device=params[name].device, dtype=torch.float32)
+            update = g
+            if self.momentum != 0.0:
+                buf = self.buffers.get(name)
+                # torch: buf = g first, then buf.mul_(μ).add_(g): two roundings (alpha=1 fuses nothing).
+                buf = g.clone() if buf is None else buf * mu.to(buf.device) + g
+                self.buffers[name] = buf
+                update = fma32(buf, self.momentum, g) if self.nesterov else buf
+            with torch.no_grad():
+                p.copy_(fma32(update, -self.lr, p))
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "steps": self.steps,
+            "momentum_buffer": {name: buf.clone() for name, buf in sorted(self.buffers.items())},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a saved state; hyperparameters must match (a mismatch is a configuration mistake)."""
+        for field in ("lr", "momentum", "nesterov"):
+            if state.get(field) != getattr(self, field):
+                raise ValueError(
+                    f"OuterOptimizer.load_state_dict: saved {field}={state.get(field)!r}, this optimizer has {getattr(self, field)!r}"
+                )
+        buffers = state.get("momentum_buffer")
+        if not isinstance(buffers, Mapping) or not all(
+            isinstance(b, Tensor) and b.dtype == torch.float32 for b in buffers.values()
+        ):
+            raise ValueError("OuterOptimizer.load_state_dict: momentum_buffer must map names to fp32 tensors")
+        self.steps = int(state["steps"])
+        self.buffers = {name: buf.clone() for name, buf in buffers.items()}
+
+
+def _check_same_keys(expected: Mapping[str, Any], got: Mapping[str, Any], what: str) -> None:
+    if set(expected) != set(got):
+        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        raise ValueError(f"{what}: parameter names differ (missing {missing[:5]}, unexpected {extra[:5]})")
