@@ -18,15 +18,15 @@ from nacl.signing import SigningKey, VerifyKey
 SUBMISSION_TAG = b"gonka/submission"
 RECEIPT_TAG = b"gonka/receipt".ljust(16, b"\x00")
 LAYOUT_VERSION = 1
-CODEC_FIELD_BYTES = 16
+CODEC_FIELD_BYTES = 64  # the chain's EpochSpec allows codec strings of 1..64 bytes
 SIGNATURE_BYTES = 64
 PUBLIC_KEY_BYTES = 32
 
 # tag, version, chain id, registry, epoch, round, host, base sha, codec, payload sha, length, tokens, time
-_SUBMISSION = struct.Struct(">16sHQ20sQQ20s32s16s32sQQQ")
+_SUBMISSION = struct.Struct(">16sHQ20sQQ20s32s64s32sQQQ")
 # tag, version, chain id, registry, epoch, round, host, payload sha, length, accepted, reason, time
 _RECEIPT = struct.Struct(">16sHQ20sQQ20s32sQBHQ")
-SUBMISSION_BYTES = _SUBMISSION.size  # 186
+SUBMISSION_BYTES = _SUBMISSION.size  # 234
 RECEIPT_BYTES = _RECEIPT.size  # 133
 
 _U64_MAX = 2**64 - 1
@@ -48,10 +48,10 @@ def _check_u64(name: str, value: int) -> None:
 
 
 def encode_codec(codec: str) -> bytes:
-    """The codec name as its 16-byte field: printable ASCII, 1..16 bytes, right-padded with NUL."""
+    """The codec string as its 64-byte field: printable ASCII, 1..64 bytes, right-padded with NUL."""
     raw = codec.encode("utf-8")
     if not 1 <= len(raw) <= CODEC_FIELD_BYTES or not all(0x21 <= b <= 0x7E for b in raw):
-        raise EnvelopeError(f"codec must be 1..16 printable ASCII characters without spaces, got {codec!r}")
+        raise EnvelopeError(f"codec must be 1..64 printable ASCII characters without spaces, got {codec!r}")
     return raw.ljust(CODEC_FIELD_BYTES, b"\x00")
 
 

@@ -25,7 +25,7 @@ def make_submission(**overrides: object) -> Submission:
         round=3,
         host=bytes(range(100, 120)),
         base_checkpoint_sha256=hashlib.sha256(b"base").digest(),
-        codec="topk-int8",
+        codec="topk:chunk=4096,k=32,bits=2",
         payload_sha256=hashlib.sha256(b"payload").digest(),
         payload_length=123_456,
         tokens_trained=65_536,
@@ -38,7 +38,7 @@ def make_submission(**overrides: object) -> Submission:
 def test_submission_layout_matches_the_documented_offsets() -> None:
     s = make_submission()
     raw = s.canonical_bytes()
-    assert len(raw) == SUBMISSION_BYTES == 186
+    assert len(raw) == SUBMISSION_BYTES == 234
     assert raw[0:16] == b"gonka/submission"
     assert raw[16:18] == b"\x00\x01"
     assert raw[18:26] == (31337).to_bytes(8, "big")
@@ -47,11 +47,12 @@ def test_submission_layout_matches_the_documented_offsets() -> None:
     assert raw[54:62] == (3).to_bytes(8, "big")
     assert raw[62:82] == bytes(range(100, 120))
     assert raw[82:114] == hashlib.sha256(b"base").digest()
-    assert raw[114:130] == b"topk-int8" + b"\x00" * 7
-    assert raw[130:162] == hashlib.sha256(b"payload").digest()
-    assert raw[162:170] == (123_456).to_bytes(8, "big")
-    assert raw[170:178] == (65_536).to_bytes(8, "big")
-    assert raw[178:186] == (1_700_000_000_123).to_bytes(8, "big")
+    codec = b"topk:chunk=4096,k=32,bits=2"
+    assert raw[114:178] == codec + b"\x00" * (64 - len(codec))
+    assert raw[178:210] == hashlib.sha256(b"payload").digest()
+    assert raw[210:218] == (123_456).to_bytes(8, "big")
+    assert raw[218:226] == (65_536).to_bytes(8, "big")
+    assert raw[226:234] == (1_700_000_000_123).to_bytes(8, "big")
 
 
 def test_submission_golden_digest() -> None:
@@ -61,7 +62,7 @@ def test_submission_golden_digest() -> None:
     assert digest == GOLDEN_SUBMISSION_SHA256
 
 
-GOLDEN_SUBMISSION_SHA256 = "ab258c1f05ea2a7684946ab83053b54f51dc65d8b1080a4726584217c23f5cf7"
+GOLDEN_SUBMISSION_SHA256 = "cc87088debe5ca370fee302fa8c00b275a200065fb09054bb2ef6e5170f1df52"
 
 
 def test_signature_verifies_and_binds_every_field() -> None:
@@ -107,7 +108,7 @@ def test_verify_rejects_wrong_key_and_malformed_inputs() -> None:
         ("epoch", -1, "epoch must be an integer"),
         ("round", 2**64, "round must be an integer"),
         ("codec", "", "codec must be"),
-        ("codec", "x" * 17, "codec must be"),
+        ("codec", "x" * 65, "codec must be"),
         ("codec", "top k", "codec must be"),
         ("codec", "tøpk", "codec must be"),
     ],
