@@ -1,0 +1,218 @@
+"""Codecs: error bounds, exact sizes, strict decoding of garbage, error feedback."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from training.codecs import (
+    CODEC_NAMES,
+    HEADER_SIZE,
+    BlockQuantCodec,
+    Codec,
+    CodecError,
+    ErrorFeedback,
+    TopKCodec,
+    get_codec,
+    spec_of,
+)
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(48, 33, generator=g) * 0.01,
+        "model.norm.weight": torch.randn(7, generator=g),
+        "empty": torch.zeros(0, 3),
+        "zeros": torch.zeros(130),
+    }
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_every_codec_round_trips_with_the_exact_announced_size(name: str) -> None:
+    codec = get_codec(name)
+    tensors = _tensors()
+    payload = codec.encode(tensors)
+    assert len(payload) == codec.encoded_size(spec_of(tensors))
+    decoded = codec.decode(payload, spec_of(tensors))
+    assert list(decoded) == sorted(tensors)
+    for key, t in tensors.items():
+        assert decoded[key].shape == t.shape and decoded[key].dtype == torch.float32
+    assert torch.equal(decoded["zeros"], tensors["zeros"])  # an all-zero tensor stays exactly zero
+    assert codec.encode(tensors) == payload  # encoding is deterministic
+
+
+def test_fp32_is_lossless_and_bf16_within_half_an_ulp() -> None:
+    tensors = _tensors()
+    exact = get_codec("fp32").decode(get_codec("fp32").encode(tensors), spec_of(tensors))
+    assert all(torch.equal(exact[k], tensors[k]) for k in tensors)
+    half = get_codec("bf16").decode(get_codec("bf16").encode(tensors), spec_of(tensors))
+    for k, t in tensors.items():
+        assert torch.equal(half[k], t.to(torch.bfloat16).float())  # what torch's RNE conversion gives
+        assert ((half[k] - t).abs() <= t.abs() * 2.0**-8).all()
+
+
+@pytest.mark.parametrize(("bits", "block"), [(8, 128), (8, 5), (4, 64), (4, 3)])
+def test_block_quantization_error_is_at_most_half_a_step_per_block(bits: int, block: int) -> None:
+    codec = BlockQuantCodec(bits, block)
+    x = _tensors()["model.layers.0.mlp.up_proj.weight"]
+    y = codec.decode(codec.encode({"x": x}), {"x": tuple(x.shape)})["x"]
+    flat_x, flat_y = x.reshape(-1), y.reshape(-1)
+    for start in range(0, flat_x.numel(), block):
+        xb, yb = flat_x[start : start + block], flat_y[start : start + block]
+        half_step = xb.abs().max() / codec.qmax / 2
+        assert (xb - yb).abs().max() <= half_step * (1 + 1e-6)
+        assert yb.abs().max() == pytest.approx(xb.abs().max().item(), rel=1e-6)  # the absmax survives
+
+
+def test_exact_byte_counts_written_out() -> None:
+    spec = {"w": (10, 10), "b": (3,)}
+    # header 32, then per tensor 8 bytes of numel plus the section:
+    assert get_codec("fp32").encoded_size(spec) == 32 + (8 + 400) + (8 + 12)
+    assert get_codec("bf16").encoded_size(spec) == 32 + (8 + 200) + (8 + 6)
+    # int8, block 64: w has 2 blocks (8 bytes of scales) + 100 codes; b has 1 block + 3 codes
+    assert get_codec("int8:block=64").encoded_size(spec) == 32 + (8 + 8 + 100) + (8 + 4 + 3)
+    # int4, block 64: 50 bytes of codes for 100 elements, 2 bytes for 3 elements
+    assert get_codec("int4:block=64").encoded_size(spec) == 32 + (8 + 8 + 50) + (8 + 4 + 2)
+    # topk chunk 64, k 4, 2-bit values: w = chunks of 64 and 36 → 8 kept, 6-bit positions (6 bytes),
+    # 2-bit values (2 bytes), (lo, hi) per chunk (16 bytes); b = 1 chunk of 3 → 3 kept: 18 bits → 3 bytes,
+    # 6 bits → 1 byte, 8 bytes of scales
+    assert get_codec("topk:chunk=64,k=4,bits=2").encoded_size(spec) == 32 + (8 + 16 + 6 + 2) + (8 + 8 + 3 + 1)
+
+
+def test_topk_keeps_the_largest_entries_per_chunk_with_two_level_magnitudes() -> None:
+    codec = TopKCodec(chunk=8, k=2, bits=2)
+    x = torch.tensor([0.1, -5.0, 0.2, 0.0, 3.0, 0.0, 0.0, 0.0, 1.0, -2.0, 0.5])  # chunks of 8 and 3
+    y = codec.decode(codec.encode({"x": x}), {"x": (11,)})["x"]
+    # chunk 1 keeps -5 and 3 (lo 3, hi 5: both exact); chunk 2 keeps 1 and -2 (lo 1, hi 2)
+    assert y.tolist() == [0.0, -5.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 1.0, -2.0, 0.0]
+
+
+def test_topk_magnitudes_snap_to_the_nearest_grid_level() -> None:
+    codec = TopKCodec(chunk=4, k=4, bits=4)  # 7 steps between lo and hi
+    x = torch.tensor([1.0, 8.0, -4.4, 2.0])  # lo 1, hi 8, step 1: 4.4 → 4, 2 → 2
+    y = codec.decode(codec.encode({"x": x}), {"x": (4,)})["x"]
+    assert y.tolist() == [1.0, 8.0, -4.0, 2.0]
+
+
+def _payload(codec: Codec) -> tuple[bytes, dict[str, tuple[int, ...]]]:
+    tensors = {"w": torch.linspace(-1, 1, 100).reshape(10, 10), "b": torch.tensor([0.5, -0.25, 2.0])}
+    return codec.encode(tensors), spec_of(tensors)
+
+
+def _patch(data: bytes, offset: int, new: bytes) -> bytes:
+    return data[:offset] + new + data[offset + len(new) :]
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_garbage_truncation_and_trailing_bytes_raise_codec_error(name: str) -> None:
+    codec = get_codec(name)
+    payload, spec = _payload(codec)
+    cases = {
+        "shorter than": payload[:10],
+        "bad magic": b"XXXX" + payload[4:],
+        "version": _patch(payload, 4, b"\x09"),
+        "encoded with codec": _patch(payload, 5, bytes([99])),
+        "reserved": _patch(payload, 6, b"\x01\x00"),
+        "truncated": payload[:-1],
+        "trailing bytes": payload + b"\x00",
+        "different tensor spec": payload[:24] + b"\xff" * 8 + payload[32:],
+        "claims": _patch(payload, HEADER_SIZE, struct.pack("<Q", 4)),  # "b" is first in sorted order
+    }
+    for message, data in cases.items():
+        with pytest.raises(CodecError, match=message):
+            codec.decode(data, spec)
+    with pytest.raises(CodecError, match="different tensor spec"):
+        codec.decode(payload, {**spec, "w": (100,)})
+    with pytest.raises(CodecError, match="encoded with codec"):
+        codec.decode(
+            get_codec("fp32" if name != "fp32" else "bf16").encode({"b": torch.zeros(3)}), {"b": (3,)}
+        )
+
+
+def test_parameter_mismatch_is_rejected() -> None:
+    payload, spec = _payload(get_codec("int8:block=64"))
+    with pytest.raises(CodecError, match="parameters"):
+        get_codec("int8:block=128").decode(payload, spec)
+
+
+def test_non_finite_values_and_bad_scales_are_rejected() -> None:
+    first = HEADER_SIZE + 8  # the first section in sorted order is tensor "b"
+    payload, spec = _payload(get_codec("fp32"))
+    with pytest.raises(CodecError, match="NaN or infinity"):
+        get_codec("fp32").decode(_patch(payload, first, struct.pack("<f", float("nan"))), spec)
+    payload, spec = _payload(get_codec("bf16"))
+    with pytest.raises(CodecError, match="NaN or infinity"):
+        get_codec("bf16").decode(_patch(payload, first, b"\x80\x7f"), spec)  # bf16 +inf
+    for name in ("int8", "int4"):
+        payload, spec = _payload(get_codec(name))
+        with pytest.raises(CodecError, match="block scale"):
+            get_codec(name).decode(_patch(payload, first, struct.pack("<f", float("inf"))), spec)
+        with pytest.raises(CodecError, match="block scale"):
+            get_codec(name).decode(_patch(payload, first, struct.pack("<f", -1.0)), spec)
+    payload, spec = _payload(get_codec("int8"))
+    with pytest.raises(CodecError, match="code 0"):
+        get_codec("int8").decode(_patch(payload, first + 4, b"\x00"), spec)
+
+
+def test_topk_positions_are_checked() -> None:
+    codec = TopKCodec(chunk=4, k=2, bits=2)
+    spec = {"x": (6,)}  # chunks of 4 and 2: positions are 2 bits each, 4 kept entries → 1 byte
+    payload = codec.encode({"x": torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, -4.0])})
+    positions_at = HEADER_SIZE + 8 + 16
+    assert payload[positions_at] == 0b01_00_11_01  # chunk 1 keeps 1 and 3, chunk 2 keeps 0 and 1
+    with pytest.raises(CodecError, match="out of range"):
+        codec.decode(_patch(payload, positions_at, bytes([0b11_00_11_01])), spec)  # position 3 in a 2-chunk
+    with pytest.raises(CodecError, match="strictly increasing"):
+        codec.decode(_patch(payload, positions_at, bytes([0b01_00_01_01])), spec)  # 1, 1 in chunk 1
+    with pytest.raises(CodecError, match="scale"):
+        codec.decode(_patch(payload, HEADER_SIZE + 8, struct.pack("<ff", 2.0, 1.0)), spec)  # lo > hi
+    # 4 values of 2 bits fill one byte exactly; a 3-element tensor leaves padding bits that must be zero
+    three = codec.encode({"x": torch.tensor([1.0, 2.0, 3.0])})
+    with pytest.raises(CodecError, match="padding"):
+        codec.decode(three[:-1] + bytes([three[-1] | 0b1100_0000]), {"x": (3,)})
+
+
+def test_error_feedback_recovers_what_topk_dropped_over_rounds() -> None:
+    codec = TopKCodec(chunk=64, k=2, bits=2)  # keeps 1/32 of the entries, 2-bit values
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(4, 64, generator=g)  # a persistent direction, like a slowly varying gradient
+    inputs = [{"w": base + 0.3 * torch.randn(4, 64, generator=g)} for _ in range(200)]
+    ef, total_in = ErrorFeedback(codec), torch.zeros(4, 64)
+    with_ef, without_ef = torch.zeros(4, 64), torch.zeros(4, 64)
+    for delta in inputs:
+        total_in += delta["w"]
+        with_ef += codec.decode(ef.compress(delta), {"w": (4, 64)})["w"]
+        without_ef += codec.decode(codec.encode(delta), {"w": (4, 64)})["w"]
+    rel = lambda s: ((s - total_in).norm() / total_in.norm()).item()  # noqa: E731
+    assert rel(with_ef) < 0.1 < 0.5 < rel(without_ef)
+    # nothing is lost: what was sent plus what is still held equals what came in (up to fp32 rounding)
+    assert torch.allclose(with_ef + ef.residual["w"], total_in, atol=1e-3)
+
+
+def test_error_feedback_state_round_trips() -> None:
+    codec = get_codec("int4")
+    ef = ErrorFeedback(codec, decay=0.9)
+    ef.compress({"w": torch.randn(50)})
+    restored = ErrorFeedback(codec, decay=0.9)
+    restored.load_state_dict(ef.state_dict())
+    nxt = {"w": torch.randn(50)}
+    assert restored.compress(nxt) == ef.compress(nxt)
+    with pytest.raises(ValueError, match="decay"):
+        ErrorFeedback(codec, decay=1.0).load_state_dict(ef.state_dict())
+
+
+def test_get_codec_parses_options_and_rejects_unknown_ones() -> None:
+    assert get_codec("topk:chunk=1024,k=16,bits=4").params() == (1024, 16, 4)
+    with pytest.raises(ValueError, match="unknown codec"):
+        get_codec("zip")
+    with pytest.raises(ValueError, match="key=integer"):
+        get_codec("int8:block")
+    with pytest.raises(ValueError, match="does not take"):
+        get_codec("fp32:block=3")
+    with pytest.raises(ValueError, match="k must be"):
+        get_codec("topk:chunk=8,k=9")
+    with pytest.raises(ValueError, match="NaN"):
+        get_codec("fp32").encode({"w": torch.tensor([float("inf")])})

@@ -1,0 +1,463 @@
+"""Compression codecs for pseudo-gradients: one interface, exact byte counts, strict decoding.
+
+Every payload is `header · (numel · section)` per tensor, tensors in sorted name order:
+
+    header (32 bytes, little-endian): magic b"GNKC" | version u8 | codec id u8 | reserved u16 = 0 |
+        three codec parameters u32 | tensor count u32 | first 8 bytes of sha256(canonical spec)
+    per tensor: numel u64, then the codec's section, whose size depends only on numel.
+
+So a payload's size is a function of the codec and the tensor spec alone (`encoded_size`), the decoder
+knows the exact size before reading anything, and every field it reads is checked against the spec it
+expects (the global model's names and shapes): garbage raises `CodecError` naming what is wrong, and
+nothing is allocated from a size the payload claims. Decoding uses single IEEE operations only, so
+every machine decodes a payload to the same bits (the aggregate must be recomputable).
+
+Codecs: `fp32`, `bf16`, `int8` and `int4` (block-wise absmax), `topk` (per chunk, the k largest
+magnitudes with low-bit values). `ErrorFeedback` keeps what a lossy codec dropped on the host and adds
+it to the next round's pseudo-gradient.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+MAGIC = b"GNKC"
+VERSION = 1
+_HEADER = struct.Struct("<4sBBHIIII8s")
+_NUMEL = struct.Struct("<Q")
+HEADER_SIZE = _HEADER.size  # 32
+
+Spec = Mapping[str, tuple[int, ...]]
+
+
+class CodecError(ValueError):
+    """A payload that cannot be what the sender should have produced (garbage, truncation, wrong spec)."""
+
+
+def spec_of(tensors: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    """The spec (name → shape) that `decode` needs to read what `encode(tensors)` wrote."""
+    return {name: tuple(t.shape) for name, t in tensors.items()}
+
+
+def spec_digest(spec: Spec) -> bytes:
+    """8 bytes identifying the names and shapes, so a payload for another model is rejected up front."""
+    h = hashlib.sha256()
+    for name in sorted(spec):
+        h.update(name.encode() + b"\0" + ",".join(str(d) for d in spec[name]).encode() + b"\n")
+    return h.digest()[:8]
+
+
+class Codec(ABC):
+    """Encode named fp32 tensors to bytes and back. Subclasses define one tensor's section."""
+
+    name: str
+    codec_id: int
+
+    @abstractmethod
+    def params(self) -> tuple[int, int, int]:
+        """The three header parameters; a payload whose parameters differ is rejected."""
+
+    @abstractmethod
+    def section_size(self, numel: int) -> int:
+        """Exact bytes of one tensor's section (data-independent)."""
+
+    @abstractmethod
+    def _encode_flat(self, x: Tensor) -> bytes:
+        """One flat fp32 CPU tensor to exactly `section_size(x.numel())` bytes."""
+
+    @abstractmethod
+    def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
+        """One section (already of the right length) to a flat fp32 tensor; raise CodecError on garbage."""
+
+    def encoded_size(self, spec: Spec) -> int:
+        return HEADER_SIZE + sum(_NUMEL.size + self.section_size(_numel(spec[n], n)) for n in spec)
+
+    def encode(self, tensors: Mapping[str, Tensor]) -> bytes:
+        spec = spec_of(tensors)
+        out = [_HEADER.pack(MAGIC, VERSION, self.codec_id, 0, *self.params(), len(spec), spec_digest(spec))]
+        for name in sorted(tensors):
+            flat = tensors[name].detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+            if not bool(torch.isfinite(flat).all()):
+                raise ValueError(f"{self.name}.encode: {name} contains NaN or infinity")
+            section = self._encode_flat(flat)
+            assert len(section) == self.section_size(flat.numel()), "codec wrote a section of the wrong size"
+            out += [_NUMEL.pack(flat.numel()), section]
+        return b"".join(out)
+
+    def decode(self, data: bytes | bytearray | memoryview, spec: Spec) -> dict[str, Tensor]:
+        view = memoryview(data).cast("B")
+        self._check_header(view, spec)
+        expected = self.encoded_size(spec)
+        if len(view) != expected:
+            kind = "truncated" if len(view) < expected else "trailing bytes"
+            raise CodecError(
+                f"{self.name} payload is {len(view)} bytes, expected {expected} for this spec ({kind})"
+            )
+        out: dict[str, Tensor] = {}
+        pos = HEADER_SIZE
+        for name in sorted(spec):
+            numel = _numel(spec[name], name)
+            (claimed,) = _NUMEL.unpack_from(view, pos)
+            if claimed != numel:
+                raise CodecError(
+                    f"{self.name} payload: tensor {name} claims {claimed} elements, spec has {numel}"
+                )
+            pos += _NUMEL.size
+            size = self.section_size(numel)
+            out[name] = self._decode_flat(view[pos : pos + size], numel, name).reshape(spec[name])
+            pos += size
+        return out
+
+    def _check_header(self, view: memoryview, spec: Spec) -> None:
+        if len(view) < HEADER_SIZE:
+            raise CodecError(
+                f"payload is {len(view)} bytes, shorter than the {HEADER_SIZE}-byte codec header"
+            )
+        magic, version, codec_id, reserved, p1, p2, p3, count, digest = _HEADER.unpack_from(view, 0)
+        if magic != MAGIC:
+            raise CodecError(f"bad magic {magic!r}: not a gonka codec payload (expected {MAGIC!r})")
+        if version != VERSION:
+            raise CodecError(f"unsupported codec payload version {version} (this build reads {VERSION})")
+        if codec_id != self.codec_id:
+            sent = _BY_ID.get(codec_id, f"unknown id {codec_id}")
+            raise CodecError(f"payload was encoded with codec {sent!r}, this decoder is {self.name!r}")
+        if reserved != 0:
+            raise CodecError(f"reserved header field is {reserved}, must be 0")
+        if (p1, p2, p3) != self.params():
+            raise CodecError(
+                f"{self.name} payload parameters {(p1, p2, p3)} differ from the expected {self.params()}"
+            )
+        if count != len(spec) or digest != spec_digest(spec):
+            raise CodecError(
+                f"{self.name} payload was encoded for a different tensor spec ({count} tensors, digest {digest.hex()})"
+            )
+
+
+class Fp32Codec(Codec):
+    """Raw little-endian fp32: lossless, the reference point for every byte count."""
+
+    name, codec_id = "fp32", 1
+
+    def params(self) -> tuple[int, int, int]:
+        return (0, 0, 0)
+
+    def section_size(self, numel: int) -> int:
+        return 4 * numel
+
+    def _encode_flat(self, x: Tensor) -> bytes:
+        return x.numpy().astype("<f4", copy=False).tobytes()
+
+    def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
+        return _finite(torch.from_numpy(np.frombuffer(buf, dtype="<f4").astype(np.float32)), self.name, name)
+
+
+class Bf16Codec(Codec):
+    """bfloat16 (round to nearest even): half the bytes, relative error ≤ 2^-8."""
+
+    name, codec_id = "bf16", 2
+
+    def params(self) -> tuple[int, int, int]:
+        return (0, 0, 0)
+
+    def section_size(self, numel: int) -> int:
+        return 2 * numel
+
+    def _encode_flat(self, x: Tensor) -> bytes:
+        return x.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+
+    def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
+        # bf16 is the top half of fp32: widening is exact, done on integers to stay bit-identical anywhere.
+        bits = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
+        return _finite(torch.from_numpy(bits.view(np.float32).copy()), self.name, name)
+
+
+class BlockQuantCodec(Codec):
+    """Signed integers of `bits` bits per element with one fp32 scale (absmax / qmax) per block.
+
+    Section: fp32 scales for ceil(n / block) blocks, then the codes, packed little-endian (4-bit: low
+    nibble first). A code stores q + 2^(bits-1) with q in [-qmax, qmax]; code 0 is never written.
+    Round-trip error per element ≤ scale / 2 = absmax(block) / (2·qmax) (plus fp32 rounding).
+    """
+
+    def __init__(self, bits: int, block: int) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"BlockQuantCodec: bits must be 4 or 8, got {bits}")
+        if not 1 <= block <= 1 << 20:
+            raise ValueError(f"BlockQuantCodec: block must be in [1, 2^20], got {block}")
+        self.bits, self.block = bits, block
+        self.qmax = (1 << (bits - 1)) - 1
+        self.name, self.codec_id = ("int8", 3) if bits == 8 else ("int4", 4)
+
+    def params(self) -> tuple[int, int, int]:
+        return (self.bits, self.block, 0)
+
+    def section_size(self, numel: int) -> int:
+        return 4 * _ceil_div(numel, self.block) + _ceil_div(numel * self.bits, 8)
+
+    def _encode_flat(self, x: Tensor) -> bytes:
+        n = x.numel()
+        blocks = torch.nn.functional.pad(x, (0, _ceil_div(n, self.block) * self.block - n)).view(
+            -1, self.block
+        )
+        scale = blocks.abs().amax(dim=1) / self.qmax
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(blocks / safe[:, None]).clamp_(-self.qmax, self.qmax).reshape(-1)[:n]
+        codes = (q.to(torch.int64) + self.qmax + 1).numpy().astype(np.uint8)
+        return scale.numpy().astype("<f4").tobytes() + _pack_codes(codes, self.bits)
+
+    def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
+        n_blocks = _ceil_div(numel, self.block)
+        scale = np.frombuffer(buf[: 4 * n_blocks], dtype="<f4").astype(np.float32)
+        if not (np.isfinite(scale).all() and (scale >= 0).all()):
+            raise CodecError(f"{self.name} payload: tensor {name} has a negative or non-finite block scale")
+        codes = _unpack_codes(buf[4 * n_blocks :], numel, self.bits, self.name, name)
+        if numel and codes.min() == 0:
+            raise CodecError(
+                f"{self.name} payload: tensor {name} has code 0, outside [-{self.qmax}, {self.qmax}]"
+            )
+        q = torch.from_numpy(codes.astype(np.float32) - float(self.qmax + 1))
+        per_elem = torch.from_numpy(scale).repeat_interleave(self.block)[:numel]
+        return q * per_elem
+
+
+class TopKCodec(Codec):
+    """Per chunk of `chunk` elements, the `k` largest magnitudes, their positions and low-bit values.
+
+    Values: a sign bit and (bits − 1) magnitude bits on a uniform grid from the chunk's smallest to its
+    largest selected magnitude (two fp32 per chunk), so 2-bit values are ±lo or ±hi. Positions are
+    chunk-relative, ceil(log2 chunk) bits each, strictly increasing within a chunk. The last chunk of a
+    tensor may be shorter; it keeps min(k, its length) entries.
+    Section: (lo, hi) fp32 per chunk | packed positions | packed value codes.
+    """
+
+    name, codec_id = "topk", 5
+
+    def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2) -> None:
+        if not 2 <= chunk <= 1 << 24:
+            raise ValueError(f"TopKCodec: chunk must be in [2, 2^24], got {chunk}")
+        if not 1 <= k <= chunk:
+            raise ValueError(f"TopKCodec: k must be in [1, chunk={chunk}], got {k}")
+        if bits not in (2, 4, 8):
+            raise ValueError(f"TopKCodec: value bits must be 2, 4 or 8, got {bits}")
+        self.chunk, self.k, self.bits = chunk, k, bits
+        self.index_bits = max(1, (chunk - 1).bit_length())
+        self.levels = (1 << (bits - 1)) - 1  # magnitude steps between lo and hi
+
+    def params(self) -> tuple[int, int, int]:
+        return (self.chunk, self.k, self.bits)
+
+    def _kept(self, numel: int) -> tuple[int, int]:
+        """(number of chunks, total entries kept) for a tensor of `numel` elements."""
+        full, rest = divmod(numel, self.chunk)
+        return full + (rest > 0), full * self.k + min(self.k, rest)
+
+    def section_size(self, numel: int) -> int:
+        chunks, kept = self._kept(numel)
+        return 8 * chunks + _ceil_div(kept * self.index_bits, 8) + _ceil_div(kept * self.bits, 8)
+
+    def _encode_flat(self, x: Tensor) -> bytes:
+        full = (x.numel() // self.chunk) * self.chunk
+        rows = [x[:full].view(-1, self.chunk), x[full:].view(1, -1)]
+        scales, positions, codes = [], [], []
+        for r in (r for r in rows if r.numel()):
+            idx, v = self._select(r, min(self.k, r.shape[1]))
+            lo, hi = v.abs().amin(dim=1), v.abs().amax(dim=1)
+            scales.append(torch.stack([lo, hi], dim=1).reshape(-1))
+            positions.append(idx.reshape(-1))
+            codes.append(self._quantize(v, lo, hi))
+        return (
+            _cat(scales, torch.float32).numpy().astype("<f4").tobytes()
+            + _pack_codes(_cat(positions, torch.int64).numpy().astype(np.uint32), self.index_bits)
+            + _pack_codes(_cat(codes, torch.int64).numpy().astype(np.uint8), self.bits)
+        )
+
+    @staticmethod
+    def _select(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        idx = rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        return idx, rows.gather(1, idx)
+
+    def _quantize(self, v: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+        span = (hi - lo)[:, None]
+        step = torch.where(span > 0, span / self.levels, torch.ones_like(span))
+        mag = torch.round((v.abs() - lo[:, None]) / step).clamp_(0, self.levels)
+        sign = (v < 0).to(torch.int64) << (self.bits - 1)
+        return (sign | mag.to(torch.int64)).reshape(-1)
+
+    def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
+        chunks, kept = self._kept(numel)
+        scales = np.frombuffer(buf[: 8 * chunks], dtype="<f4").astype(np.float32).reshape(chunks, 2)
+        if not (
+            np.isfinite(scales).all() and (scales[:, 0] >= 0).all() and (scales[:, 1] >= scales[:, 0]).all()
+        ):
+            raise CodecError(
+                f"topk payload: tensor {name} has a non-finite or inconsistent chunk scale (need 0 ≤ lo ≤ hi)"
+            )
+        pos = 8 * chunks
+        idx_len = _ceil_div(kept * self.index_bits, 8)
+        idx = _unpack_codes(buf[pos : pos + idx_len], kept, self.index_bits, self.name, name).astype(np.int64)
+        codes = _unpack_codes(buf[pos + idx_len :], kept, self.bits, self.name, name).astype(np.int64)
+        # Which chunk each kept entry belongs to, and that chunk's length (the last may be short).
+        per_chunk = np.full(chunks, self.k, dtype=np.int64)
+        if chunks:
+            per_chunk[-1] = min(self.k, numel - (chunks - 1) * self.chunk)
+        owner = np.repeat(np.arange(chunks, dtype=np.int64), per_chunk)
+        chunk_len = np.minimum(self.chunk, numel - owner * self.chunk)
+        if (idx >= chunk_len).any():
+            raise CodecError(f"topk payload: tensor {name} has a position out of range of its chunk")
+        starts = np.cumsum(per_chunk) - per_chunk
+        rising = np.diff(idx) > 0
+        rising[starts[1:] - 1] = True  # a new chunk may restart at any position
+        if not rising.all():
+            raise CodecError(
+                f"topk payload: tensor {name} has positions not strictly increasing within a chunk"
+            )
+        lo, hi = torch.from_numpy(scales[:, 0].copy()), torch.from_numpy(scales[:, 1].copy())
+        step = (hi - lo) / float(self.levels)
+        owner_t = torch.from_numpy(owner)
+        c = torch.from_numpy(codes)
+        mag = lo[owner_t] + (c & self.levels).to(torch.float32) * step[owner_t]
+        values = torch.where((c >> (self.bits - 1)) == 1, -mag, mag)
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[torch.from_numpy(owner * self.chunk + idx)] = values
+        return out
+
+
+class ErrorFeedback:
+    """What a lossy codec dropped stays on the host and joins the next round's pseudo-gradient.
+
+    compress(Δ): e ← decay·e + Δ; payload = encode(e); e ← e − decode(payload). With decay = 1 this is
+    classic error feedback (the sum of everything decoded converges on the sum of every Δ); decay < 1
+    is SparseLoCo's variant, where the residual also acts as a momentum. The residual is decoded from
+    the very payload sent, so it matches what the aggregator sees bit for bit.
+    """
+
+    def __init__(self, codec: Codec, decay: float = 1.0) -> None:
+        if not (math.isfinite(decay) and 0.0 <= decay <= 1.0):
+            raise ValueError(f"ErrorFeedback: decay must be in [0, 1], got {decay}")
+        self.codec, self.decay = codec, decay
+        self.residual: dict[str, Tensor] = {}
+
+    def compress(self, delta: Mapping[str, Tensor]) -> bytes:
+        if self.residual and set(self.residual) != set(delta):
+            raise ValueError("ErrorFeedback.compress: tensor names differ from the previous round's")
+        decay = torch.tensor(self.decay, dtype=torch.float32)
+        target = {}
+        for name, d in delta.items():
+            d = d.detach().to(device="cpu", dtype=torch.float32)
+            prev = self.residual.get(name)
+            if prev is None:
+                target[name] = d.clone()
+            else:
+                target[name] = (prev if self.decay == 1.0 else prev * decay) + d
+        payload = self.codec.encode(target)
+        decoded = self.codec.decode(payload, spec_of(target))
+        self.residual = {name: target[name] - decoded[name] for name in target}
+        return payload
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "codec": self.codec.name,
+            "decay": self.decay,
+            "residual": {n: t.clone() for n, t in self.residual.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("codec") != self.codec.name or state.get("decay") != self.decay:
+            raise ValueError(
+                f"ErrorFeedback.load_state_dict: saved codec/decay {state.get('codec')}/{state.get('decay')} differ from {self.codec.name}/{self.decay}"
+            )
+        self.residual = {n: t.clone() for n, t in state["residual"].items()}
+
+
+_FACTORIES: dict[str, Callable[..., Codec]] = {
+    "fp32": Fp32Codec,
+    "bf16": Bf16Codec,
+    "int8": lambda block=128: BlockQuantCodec(8, block),
+    "int4": lambda block=64: BlockQuantCodec(4, block),
+    "topk": TopKCodec,
+}
+_BY_ID = {1: "fp32", 2: "bf16", 3: "int8", 4: "int4", 5: "topk"}
+CODEC_NAMES = tuple(_FACTORIES)
+
+
+def get_codec(name: str) -> Codec:
+    """A codec by name, with optional integer options: "int8", "int8:block=64", "topk:chunk=4096,k=32,bits=2"."""
+    base, _, opts = name.partition(":")
+    if base not in _FACTORIES:
+        raise ValueError(f"unknown codec {base!r}; choose one of {', '.join(CODEC_NAMES)}")
+    kwargs: dict[str, int] = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not value.strip().isdigit():
+            raise ValueError(f"codec option {item!r} in {name!r} must be key=integer")
+        kwargs[key.strip()] = int(value)
+    try:
+        return _FACTORIES[base](**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"codec {base!r} does not take options {sorted(kwargs)}") from exc
+
+
+def _pack_codes(codes: np.ndarray, width: int) -> bytes:
+    """Unsigned codes of `width` bits each, packed little-endian bit order, zero-padded to a byte."""
+    if width == 8:
+        return codes.astype(np.uint8).tobytes()
+    if 8 % width == 0:  # 2 or 4 bits: combine whole groups without a per-bit temporary
+        per = 8 // width
+        padded = np.zeros(_ceil_div(len(codes), per) * per, dtype=np.uint8)
+        padded[: len(codes)] = codes
+        groups = padded.reshape(-1, per)
+        out = np.zeros(len(groups), dtype=np.uint8)
+        for j in range(per):
+            out |= groups[:, j] << (j * width)
+        return out.tobytes()
+    shifts = np.arange(width, dtype=np.uint32)
+    bits = ((codes.astype(np.uint32)[:, None] >> shifts) & 1).astype(np.uint8)
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_codes(buf: memoryview, count: int, width: int, codec: str, name: str) -> np.ndarray:
+    """Inverse of `_pack_codes`; `buf` has exactly ceil(count·width / 8) bytes; padding must be zero."""
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    if width == 8:
+        return raw.copy()
+    if 8 % width == 0:
+        shifts = np.arange(0, 8, width, dtype=np.uint8)
+        codes = ((raw[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)
+    else:
+        bits = np.unpackbits(raw, bitorder="little")
+        if bits[count * width :].any():
+            raise CodecError(f"{codec} payload: tensor {name} has non-zero padding bits")
+        weights = (1 << np.arange(width, dtype=np.uint32)).astype(np.uint32)
+        return bits[: count * width].reshape(count, width).astype(np.uint32) @ weights
+    if codes[count:].any():
+        raise CodecError(f"{codec} payload: tensor {name} has non-zero padding bits")
+    return codes[:count]
+
+
+def _cat(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+
+def _finite(t: Tensor, codec: str, name: str) -> Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise CodecError(f"{codec} payload: tensor {name} contains NaN or infinity")
+    return t
+
+
+def _numel(shape: tuple[int, ...], name: str) -> int:
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"spec: {name} has an invalid shape {shape}")
+    return math.prod(shape)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
