@@ -1,0 +1,77 @@
+"""Start and stop a local anvil node (Foundry's EVM) on 127.0.0.1 with an OS-chosen port."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections import deque
+
+from chain.errors import ChainError
+
+_LISTENING = re.compile(r"Listening on (\S+):(\d+)")
+
+
+class AnvilNode:
+    def __init__(self, binary: str = "anvil", host: str = "127.0.0.1", extra_args: tuple[str, ...] = ()) -> None:
+        self.binary = binary
+        self.host = host
+        self.extra_args = extra_args
+        self.url: str | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._tail: deque[str] = deque(maxlen=50)
+
+    @staticmethod
+    def available(binary: str = "anvil") -> bool:
+        return shutil.which(binary) is not None
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        path = shutil.which(self.binary)
+        if path is None:
+            raise ChainError(f"{self.binary!r} not found on PATH (npm install puts it in node_modules/.bin)")
+        # --port 0: the OS picks a free port and anvil prints it; no port is picked, closed and reused.
+        self._proc = subprocess.Popen(
+            [path, "--host", self.host, "--port", "0", *self.extra_args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self._tail.append(line)
+            match = _LISTENING.search(line)
+            if match:
+                self.url = f"http://{match.group(1)}:{match.group(2)}"
+                break
+            if time.monotonic() > deadline:
+                break
+        if self.url is None:
+            self.stop()
+            raise ChainError("anvil did not report its port:\n" + "".join(self._tail))
+        # Keep draining its output: a full pipe would block anvil.
+        threading.Thread(target=self._drain, name="anvil-log", daemon=True).start()
+        return self.url
+
+    def _drain(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.stdout is not None:
+            for line in proc.stdout:
+                self._tail.append(line)
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> AnvilNode:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,346 @@
+"""`ChainClient`: deploys, reads and transacts with the GNK, Governor and Registry contracts.
+
+The constructor stores; `connect()` opens the backend. Every transaction goes through one `TxSender`
+(nonce, gas, signing, bounded retries, receipt, uniform `ChainRevert`). Reads return the dataclasses of
+`chain.types`. All amounts are integers in ngonka (1 GNK = 10**9 ngonka).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from eth_account.signers.local import LocalAccount
+from eth_utils import to_checksum_address
+from web3 import Web3
+from web3.contract import Contract
+from web3.logs import DISCARD
+from web3.types import TxReceipt
+
+from chain.artifacts import load_artifact
+from chain.backends import ChainBackend
+from chain.errors import ChainError, DeploymentError
+from chain.tx import TxSender, translate_call
+from chain.types import Action, Deployment, EpochInfo, EpochSpec, HostInfo, Proposal, RoundResult
+
+HOSTS_PAGE = 256
+
+
+def _bytes32(name: str, value: bytes | str) -> bytes:
+    raw = bytes.fromhex(value.removeprefix("0x")) if isinstance(value, str) else bytes(value)
+    if len(raw) != 32:
+        raise ValueError(f"{name} must be 32 bytes, got {len(raw)}")
+    return raw
+
+
+class ChainClient:
+    def __init__(
+        self,
+        backend: ChainBackend,
+        account: LocalAccount,
+        deployment: Deployment | None = None,
+        *,
+        receipt_timeout_s: float = 120.0,
+    ) -> None:
+        self.backend = backend
+        self.account = account
+        self.deployment = deployment
+        self.receipt_timeout_s = receipt_timeout_s
+        self._w3: Web3 | None = None
+        self._sender: TxSender | None = None
+        self._contracts: dict[str, Contract] = {}
+
+    # ------------------------------------------------------------------ connection
+
+    def connect(self) -> ChainClient:
+        if self._w3 is None:
+            self._w3 = self.backend.connect()
+            self._sender = TxSender(self._w3, self.account, receipt_timeout_s=self.receipt_timeout_s)
+            if self.deployment is not None:
+                self._bind(self.deployment)
+        return self
+
+    def with_account(self, account: LocalAccount) -> ChainClient:
+        """Another signer on the same connection and deployment (its own nonce lock)."""
+        other = ChainClient(self.backend, account, self.deployment, receipt_timeout_s=self.receipt_timeout_s)
+        return other.connect()
+
+    @property
+    def w3(self) -> Web3:
+        if self._w3 is None:
+            raise ChainError("ChainClient is not connected; call connect() first")
+        return self._w3
+
+    @property
+    def sender(self) -> TxSender:
+        self.w3  # noqa: B018 (raises if not connected)
+        assert self._sender is not None
+        return self._sender
+
+    @property
+    def address(self) -> str:
+        return str(self.account.address)
+
+    @property
+    def chain_id(self) -> int:
+        return self.sender.chain_id
+
+    def _bind(self, deployment: Deployment) -> None:
+        chain_id = int(self.w3.eth.chain_id)
+        if deployment.chain_id != chain_id:
+            raise DeploymentError(f"deployment is for chain id {deployment.chain_id}, the node runs {chain_id}")
+        for name, address in (("GNK", deployment.gnk), ("Governor", deployment.governor), ("Registry", deployment.registry)):
+            if not self.w3.eth.get_code(to_checksum_address(address)):
+                raise DeploymentError(f"no {name} contract at {address} on chain {chain_id}")
+            self._contracts[name] = self.w3.eth.contract(address=to_checksum_address(address), abi=load_artifact(name).abi)
+        self.deployment = deployment
+
+    def _contract(self, name: str) -> Contract:
+        if name not in self._contracts:
+            raise DeploymentError("no deployment bound: deploy_all() or pass a Deployment")
+        return self._contracts[name]
+
+    @property
+    def gnk(self) -> Contract:
+        return self._contract("GNK")
+
+    @property
+    def governor(self) -> Contract:
+        return self._contract("Governor")
+
+    @property
+    def registry(self) -> Contract:
+        return self._contract("Registry")
+
+    # ------------------------------------------------------------------ plumbing
+
+    def transact(self, contract: Contract, fn: str, *args: Any) -> TxReceipt:
+        data = contract.encode_abi(fn, args=list(args))
+        return self.sender.send({"to": contract.address, "data": data})
+
+    def read(self, contract: Contract, fn: str, *args: Any) -> Any:
+        return translate_call(lambda: getattr(contract.functions, fn)(*args).call())
+
+    def encode(self, contract: Contract, fn: str, *args: Any) -> Action:
+        return Action(contract.address, bytes.fromhex(contract.encode_abi(fn, args=list(args))[2:]), fn)
+
+    def _deploy(self, name: str, *args: Any) -> str:
+        artifact = load_artifact(name)
+        factory = self.w3.eth.contract(abi=artifact.abi, bytecode=artifact.bytecode)
+        receipt = self.sender.send({"data": factory.constructor(*args).data_in_transaction})
+        return str(receipt["contractAddress"])
+
+    # ------------------------------------------------------------------ deployment
+
+    def deploy_all(
+        self,
+        *,
+        use_governor: bool = False,
+        voting_period_s: int = 3600,
+        quorum_bps: int = 2000,
+        proposal_threshold: int = 0,
+        initial_mint: Mapping[str, int] | None = None,
+    ) -> Deployment:
+        """Deploy GNK, Governor and Registry; mint `initial_mint`; return (and bind) the addresses.
+
+        With `use_governor` the Governor ends up holding both the Registry's governance role and GNK
+        minting, so scheduling, funding, slashing and minting all go through a vote. Otherwise this
+        account (an EOA) holds both roles: the devnet setting.
+        """
+        self.connect()
+        block = int(self.w3.eth.block_number)
+        gnk = self._deploy("GNK", self.address)
+        governor = self._deploy("Governor", gnk, voting_period_s, quorum_bps, proposal_threshold)
+        governance = governor if use_governor else self.address
+        registry = self._deploy("Registry", gnk, governance)
+        deployment = Deployment(
+            chain_id=self.chain_id, gnk=gnk, governor=governor, registry=registry,
+            governance=governance, deployer=self.address, block=block,
+        )
+        self._bind(deployment)
+        for receiver, amount in (initial_mint or {}).items():
+            self.mint(receiver, amount)
+        if use_governor:
+            self.transact(self.gnk, "set_minter", governor)
+        return deployment
+
+    # ------------------------------------------------------------------ GNK
+
+    def mint(self, receiver: str, amount: int) -> TxReceipt:
+        return self.transact(self.gnk, "mint", to_checksum_address(receiver), amount)
+
+    def approve(self, spender: str, amount: int) -> TxReceipt:
+        return self.transact(self.gnk, "approve", to_checksum_address(spender), amount)
+
+    def transfer(self, receiver: str, amount: int) -> TxReceipt:
+        return self.transact(self.gnk, "transfer", to_checksum_address(receiver), amount)
+
+    def gnk_balance(self, owner: str | None = None) -> int:
+        return int(self.read(self.gnk, "balanceOf", to_checksum_address(owner or self.address)))
+
+    def allowance(self, owner: str, spender: str) -> int:
+        return int(self.read(self.gnk, "allowance", to_checksum_address(owner), to_checksum_address(spender)))
+
+    def _ensure_allowance(self, spender: str, amount: int) -> None:
+        if self.allowance(self.address, spender) < amount:
+            self.approve(spender, amount)
+
+    # ------------------------------------------------------------------ epochs (governance role)
+
+    def create_epoch(self, spec: EpochSpec) -> int:
+        receipt = self.transact(self.registry, "create_epoch", spec.to_abi())
+        return self.epochs_created(receipt)[0]
+
+    def epochs_created(self, receipt: TxReceipt) -> list[int]:
+        events = self.registry.events.EpochCreated().process_receipt(receipt, errors=DISCARD)
+        return [int(e["args"]["epoch"]) for e in events]
+
+    def fund_epoch(self, epoch: int, amount: int) -> TxReceipt:
+        self._ensure_allowance(self.registry.address, amount)
+        return self.transact(self.registry, "fund_epoch", epoch, amount)
+
+    def set_aggregators(self, epoch: int, aggregators: Sequence[str], quorum: int = 1) -> TxReceipt:
+        return self.transact(
+            self.registry, "set_aggregators", epoch, [to_checksum_address(a) for a in aggregators], quorum
+        )
+
+    def slash(self, epoch: int, host: str, amount: int, evidence_hash: bytes | str) -> TxReceipt:
+        evidence = _bytes32("evidence_hash", evidence_hash)
+        return self.transact(self.registry, "slash", epoch, to_checksum_address(host), amount, evidence)
+
+    def epoch_count(self) -> int:
+        return int(self.read(self.registry, "epoch_count"))
+
+    def get_epoch(self, epoch: int) -> EpochInfo:
+        spec = EpochSpec.from_abi(self.read(self.registry, "get_spec", epoch))
+        st = self.read(self.registry, "get_state", epoch)
+        return EpochInfo(
+            epoch=epoch, spec=spec, created_at=st[0], signin_end=st[1], n_hosts=st[2], total_stake=st[3],
+            pool=st[4], funded=st[5], latest_round=st[6], ended=bool(self.read(self.registry, "has_ended", epoch)),
+        )
+
+    # ------------------------------------------------------------------ hosts
+
+    def join(self, epoch: int, stake: int, node_key: bytes | str) -> int:
+        """Sign in with `stake` ngonka (approved here if needed) and the ed25519 node key; returns the slot."""
+        key = _bytes32("node_key", node_key)
+        self._ensure_allowance(self.registry.address, stake)
+        self.transact(self.registry, "join", epoch, stake, key)
+        return self.host_info(epoch, self.address).slot
+
+    def leave(self, epoch: int) -> TxReceipt:
+        return self.transact(self.registry, "leave", epoch)
+
+    def withdraw_stake(self, epoch: int) -> int:
+        receipt = self.transact(self.registry, "withdraw_stake", epoch)
+        events = self.registry.events.StakeWithdrawn().process_receipt(receipt, errors=DISCARD)
+        return int(events[0]["args"]["amount"])
+
+    def host_info(self, epoch: int, host: str) -> HostInfo:
+        return HostInfo.from_abi(self.read(self.registry, "host_info", epoch, to_checksum_address(host)))
+
+    def hosts(self, epoch: int) -> list[str]:
+        """Hosts of `epoch` in slot order (slot i is element i), including those that left."""
+        n = self.get_epoch(epoch).n_hosts
+        out: list[str] = []
+        while len(out) < n:
+            out.extend(self.read(self.registry, "hosts_page", epoch, len(out), HOSTS_PAGE))
+        return [to_checksum_address(a) for a in out]
+
+    # ------------------------------------------------------------------ rounds and rewards
+
+    def finalize_round(
+        self,
+        epoch: int,
+        round_: int,
+        checkpoint_sha256: bytes | str,
+        rewards_root: bytes | str,
+        n_contributors: int,
+        total_reward: int,
+    ) -> TxReceipt:
+        return self.transact(
+            self.registry, "finalize_round", epoch, round_,
+            _bytes32("checkpoint_sha256", checkpoint_sha256), _bytes32("rewards_root", rewards_root),
+            n_contributors, total_reward,
+        )
+
+    def round_result(self, epoch: int, round_: int) -> RoundResult:
+        t = self.read(self.registry, "round_result", epoch, round_)
+        return RoundResult(
+            epoch=epoch, round=round_, checkpoint_sha256=bytes(t[0]), rewards_root=bytes(t[1]),
+            n_contributors=t[2], total_reward=t[3], claimed=t[4], finalized_at=t[5],
+        )
+
+    def latest_round(self, epoch: int) -> int:
+        return int(self.read(self.registry, "get_state", epoch)[6])
+
+    def claim(self, epoch: int, round_: int, amount: int, proof: Sequence[bytes]) -> TxReceipt:
+        return self.transact(self.registry, "claim", epoch, round_, amount, [bytes(p) for p in proof])
+
+    def claimed(self, epoch: int, round_: int, host: str | None = None) -> bool:
+        return bool(self.read(self.registry, "claimed", epoch, round_, to_checksum_address(host or self.address)))
+
+    # ------------------------------------------------------------------ governance (Governor contract)
+
+    def gov_deposit(self, amount: int) -> TxReceipt:
+        self._ensure_allowance(self.governor.address, amount)
+        return self.transact(self.governor, "deposit", amount)
+
+    def gov_withdraw(self, amount: int) -> TxReceipt:
+        return self.transact(self.governor, "withdraw", amount)
+
+    def propose(self, actions: Sequence[Action], description: str) -> int:
+        receipt = self.transact(
+            self.governor, "propose", [a.target for a in actions], [a.calldata for a in actions], description
+        )
+        events = self.governor.events.ProposalCreated().process_receipt(receipt, errors=DISCARD)
+        return int(events[0]["args"]["proposal_id"])
+
+    def vote(self, proposal_id: int, support: bool) -> TxReceipt:
+        return self.transact(self.governor, "vote", proposal_id, support)
+
+    def proposal_actions(self, proposal_id: int) -> list[Action]:
+        """The actions of a proposal, read back from its ProposalCreated event."""
+        start = self.deployment.block if self.deployment else 0
+        logs = self.governor.events.ProposalCreated().get_logs(
+            from_block=start, argument_filters={"proposal_id": proposal_id}
+        )
+        if not logs:
+            raise ChainError(f"no ProposalCreated event for proposal {proposal_id}")
+        args = logs[0]["args"]
+        return [Action(to_checksum_address(t), bytes(c)) for t, c in zip(args["targets"], args["calldatas"], strict=True)]
+
+    def execute(self, proposal_id: int, actions: Sequence[Action] | None = None) -> TxReceipt:
+        actions = list(actions) if actions is not None else self.proposal_actions(proposal_id)
+        return self.transact(
+            self.governor, "execute", proposal_id, [a.target for a in actions], [a.calldata for a in actions]
+        )
+
+    def proposal(self, proposal_id: int) -> Proposal:
+        t = self.read(self.governor, "proposals", proposal_id)
+        return Proposal(
+            proposal_id=proposal_id, proposer=t[0], actions_hash=bytes(t[1]), vote_end=t[2], quorum=t[3],
+            for_votes=t[4], against_votes=t[5], executed=t[6], state=self.read(self.governor, "state", proposal_id),
+        )
+
+    # Actions a proposal can carry (governance through a vote).
+
+    def action_create_epoch(self, spec: EpochSpec) -> Action:
+        return self.encode(self.registry, "create_epoch", spec.to_abi())
+
+    def action_fund_epoch(self, epoch: int, amount: int) -> list[Action]:
+        """Funding from the Governor's treasury: approve the registry, then fund (two calls)."""
+        return [
+            self.encode(self.gnk, "approve", self.registry.address, amount),
+            self.encode(self.registry, "fund_epoch", epoch, amount),
+        ]
+
+    def action_set_aggregators(self, epoch: int, aggregators: Sequence[str], quorum: int = 1) -> Action:
+        return self.encode(self.registry, "set_aggregators", epoch, [to_checksum_address(a) for a in aggregators], quorum)
+
+    def action_slash(self, epoch: int, host: str, amount: int, evidence_hash: bytes | str) -> Action:
+        evidence = _bytes32("evidence_hash", evidence_hash)
+        return self.encode(self.registry, "slash", epoch, to_checksum_address(host), amount, evidence)
+
+    def action_mint(self, receiver: str, amount: int) -> Action:
+        return self.encode(self.gnk, "mint", to_checksum_address(receiver), amount)
