@@ -73,7 +73,7 @@ class KeyFileFormatError(KeyStoreError):
 
 @dataclass(frozen=True)
 class KdfCost:
-    """Work factors of the passphrase KDFs. STANDARD takes ~2 s per unlock here; INTERACTIVE ~0.2 s."""
+    """Work factors of the passphrase KDFs. STANDARD: 1.7-3.6 s to unlock both keys here; INTERACTIVE ~0.2 s."""
 
     scrypt_n: int
     argon2_opslimit: int

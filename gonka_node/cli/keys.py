@@ -68,7 +68,7 @@ def _add_protection(parser: argparse.ArgumentParser) -> None:
         "--kdf",
         choices=sorted(_KDF),
         default="standard",
-        help="passphrase hashing cost: standard (~2 s to unlock) or interactive (~0.2 s, weaker)",
+        help="passphrase hashing cost: standard (~2-4 s to unlock) or interactive (~0.2 s, weaker)",
     )
 
 

@@ -396,3 +396,19 @@ def test_cli_import_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     code, _, err = _run(capsys, *base, "--evm-key", str(tmp_path / "missing.hex"))
     assert code == 2 and "missing.hex: cannot read EVM key file" in err
     assert not (tmp_path / "k").exists()
+
+
+def test_cli_passphrase_from_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GONKA_KEY_PASSPHRASE", PASS)
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": pytest.fail("prompted despite the variable"))
+    key_dir = str(tmp_path / "k")
+    assert _run(capsys, "keys", "init", "--key-dir", key_dir, "--kdf", "interactive")[0] == 0
+    assert (
+        load_keys(tmp_path / "k", PASS).node_public_key.hex()
+        in _run(capsys, "keys", "show", "--key-dir", key_dir)[1]
+    )
+    monkeypatch.setenv("GONKA_KEY_PASSPHRAZE", PASS)  # a typo fails loudly instead of being ignored
+    code, _, err = _run(capsys, "keys", "show", "--key-dir", key_dir)
+    assert code == 2 and "GONKA_KEY_PASSPHRAZE" in err
