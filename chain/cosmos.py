@@ -26,14 +26,17 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation, localcontext
+from typing import Any
 
 import bech32
 import grpc
 from cosmpy.aerial.client import LedgerClient, NetworkConfig
 from cosmpy.crypto.keypairs import PrivateKey
+from cosmpy.protos.cosmos.auth.v1beta1.auth_pb2 import BaseAccount
+from cosmpy.protos.cosmos.auth.v1beta1.query_pb2 import QueryAccountRequest
 from cosmpy.protos.cosmos.bank.v1beta1.query_pb2 import QueryBalanceRequest
 from cosmpy.protos.cosmos.bank.v1beta1.tx_pb2 import MsgSend
 from cosmpy.protos.cosmos.base.v1beta1.coin_pb2 import Coin
@@ -300,15 +303,24 @@ def _pack(message: object) -> ProtoAny:
 
 
 _URL_SCHEMES = ("grpc+http://", "grpc+https://", "rest+http://", "rest+https://")
+_MAX_REST_ANSWER = 64 * 1024  # balance and account answers are tiny; never read unbounded
+
+
+@dataclass(frozen=True)
+class AccountInfo:
+    """What a signer needs from the chain: `TxParams.account_number` and the next `sequence`."""
+
+    account_number: int
+    sequence: int
 
 
 class CosmosQuery:
-    """Balance queries against a Gonka node, bounded in time.
+    """Balance and account queries against a Gonka node, bounded in time.
 
     `url` is `grpc+http(s)://host:port` (served through cosmpy's LedgerClient) or `rest+http(s)://host[:port]
     [/path]` (the LCD). Nothing connects until a query runs. cosmpy's own calls carry no deadline, and its
     REST client drops URL paths (Gonka's public LCD lives under `/chain-api/`), so gRPC calls go to the
-    LedgerClient's stub with an explicit deadline and REST goes through urllib with a timeout.
+    LedgerClient's stubs with an explicit deadline and REST goes through urllib with a timeout.
     """
 
     def __init__(self, url: str | None, *, chain_id: str = "gonka-mainnet", timeout_s: float = 10.0) -> None:
@@ -322,19 +334,53 @@ class CosmosQuery:
         self._ledger: LedgerClient | None = None
 
     def balance(self, address: str, denom: str = DENOM) -> int:
-        """The account's balance of `denom`, an integer number of base units."""
+        """The account's balance of `denom`, an integer number of base units (0 for an unknown account)."""
         parse_address(address)
-        if self.url is None:
-            raise CosmosQueryError("no Cosmos node URL configured; cannot query balances")
-        if self.url.startswith("rest+"):
-            amount = self._rest_balance(address, denom)
+        if self._use_rest():
+            answer = self._rest_get(f"/cosmos/bank/v1beta1/balances/{address}/by_denom", {"denom": denom})
+            coin = _field(answer, "balance", dict, self.url)
+            answered_denom, amount = (
+                _field(coin, "denom", str, self.url),
+                _field(coin, "amount", str, self.url),
+            )
         else:
-            amount = self._grpc_balance(address, denom)
-        if not amount.isdigit():
-            raise CosmosQueryError(f"node at {self.url} returned a non-integer balance {amount!r}")
-        return int(amount)
+            response = self._grpc(
+                lambda ledger: ledger.bank.Balance, QueryBalanceRequest(address=address, denom=denom)
+            )
+            answered_denom, amount = response.balance.denom, response.balance.amount or "0"
+        if answered_denom not in ("", denom):
+            raise CosmosQueryError(f"node at {self.url} answered in {answered_denom!r}, asked {denom!r}")
+        return _uint(amount, "balance", self.url)
 
-    def _grpc_balance(self, address: str, denom: str) -> str:
+    def account(self, address: str) -> AccountInfo:
+        """Account number and sequence of a plain `BaseAccount` (one that has received funds)."""
+        parse_address(address)
+        if self._use_rest():
+            account = _field(
+                self._rest_get(f"/cosmos/auth/v1beta1/accounts/{address}"), "account", dict, self.url
+            )
+            kind = account.get("@type")
+            number, sequence = account.get("account_number", "0"), account.get("sequence", "0")
+        else:
+            packed = self._grpc(
+                lambda ledger: ledger.auth.Account, QueryAccountRequest(address=address)
+            ).account
+            kind, base = "/" + packed.TypeName(), BaseAccount()
+            packed.Unpack(base)  # False for other account types: refused just below
+            number, sequence = str(base.account_number), str(base.sequence)
+        if kind != "/cosmos.auth.v1beta1.BaseAccount":
+            # Vesting and module accounts nest the base account; payouts come from plain accounts only.
+            raise CosmosQueryError(
+                f"{address} is a {kind} on {self.url}; only BaseAccount signers are supported"
+            )
+        return AccountInfo(_uint(number, "account_number", self.url), _uint(sequence, "sequence", self.url))
+
+    def _use_rest(self) -> bool:
+        if self.url is None:
+            raise CosmosQueryError("no Cosmos node URL configured; cannot query the Cosmos chain")
+        return self.url.startswith("rest+")
+
+    def _grpc(self, method: Callable[[LedgerClient], Callable[..., Any]], request: object) -> Any:
         if self._ledger is None:
             config = NetworkConfig(
                 chain_id=self.chain_id,
@@ -344,43 +390,56 @@ class CosmosQuery:
                 staking_denomination=DENOM,
             )
             self._ledger = LedgerClient(config)  # creates a lazy channel; no I/O yet
-        request = QueryBalanceRequest(address=address, denom=denom)
         try:
-            response = self._ledger.bank.Balance(request, timeout=self.timeout_s)  # type: ignore[call-arg]
+            return method(self._ledger)(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise CosmosQueryError(
                     f"node at {self.url} gave no answer within {self.timeout_s} s"
                 ) from exc
-            raise CosmosQueryError(f"node at {self.url} failed the balance query: {code}: {exc}") from exc
-        if response.balance.denom not in ("", denom):
-            raise CosmosQueryError(
-                f"node at {self.url} answered in {response.balance.denom!r}, asked {denom!r}"
-            )
-        return response.balance.amount or "0"
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise CosmosQueryError(
+                    f"node at {self.url}: not found (an account exists once funded)"
+                ) from exc
+            raise CosmosQueryError(f"node at {self.url} failed the query: {code}: {exc}") from exc
 
-    def _rest_balance(self, address: str, denom: str) -> str:
+    def _rest_get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
         base = (self.url or "").removeprefix("rest+").rstrip("/")
-        query = urllib.parse.urlencode({"denom": denom})
-        url = f"{base}/cosmos/bank/v1beta1/balances/{address}/by_denom?{query}"
+        url = base + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
         try:
             with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-                body = response.read(64 * 1024 + 1)  # a balance answer is tiny; never read unbounded
+                body = response.read(_MAX_REST_ANSWER + 1)
         except urllib.error.HTTPError as exc:
-            raise CosmosQueryError(f"node at {base} answered HTTP {exc.code} to the balance query") from exc
+            raise CosmosQueryError(f"node at {base} answered HTTP {exc.code} to {path}") from exc
         except (TimeoutError, urllib.error.URLError) as exc:
             # A connect timeout arrives wrapped in URLError, a read timeout bare.
             if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
                 raise CosmosQueryError(f"node at {base} gave no answer within {self.timeout_s} s") from exc
             raise CosmosQueryError(f"node at {base} is unreachable: {exc.reason}") from exc
-        if len(body) > 64 * 1024:
-            raise CosmosQueryError(f"node at {base} sent an oversized balance answer")
+        if len(body) > _MAX_REST_ANSWER:
+            raise CosmosQueryError(f"node at {base} sent an oversized answer to {path}")
         try:
-            balance = json.loads(body)["balance"]
-            answered_denom, amount = balance["denom"], balance["amount"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CosmosQueryError(f"node at {base} sent a malformed balance answer: {body[:200]!r}") from exc
-        if answered_denom not in ("", denom):
-            raise CosmosQueryError(f"node at {base} answered in {answered_denom!r}, asked {denom!r}")
-        return str(amount)
+            answer = json.loads(body)
+        except ValueError as exc:
+            raise CosmosQueryError(
+                f"node at {base} sent a malformed answer to {path}: {body[:200]!r}"
+            ) from exc
+        if not isinstance(answer, dict):
+            raise CosmosQueryError(f"node at {base} sent a malformed answer to {path}: {body[:200]!r}")
+        return answer
+
+
+def _field(document: dict[str, Any], name: str, kind: type, url: str | None) -> Any:
+    value = document.get(name)
+    if not isinstance(value, kind):
+        raise CosmosQueryError(
+            f"node at {url} sent a malformed answer: {name!r} missing or not a {kind.__name__}"
+        )
+    return value
+
+
+def _uint(text: object, what: str, url: str | None) -> int:
+    if not isinstance(text, str) or not text.isascii() or not text.isdigit() or int(text) > UINT64_MAX:
+        raise CosmosQueryError(f"node at {url} returned a non-integer or out-of-range {what} {text!r}")
+    return int(text)

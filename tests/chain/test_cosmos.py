@@ -19,16 +19,21 @@ from typing import ClassVar
 
 import grpc
 import pytest
+from cosmpy.protos.cosmos.auth.v1beta1 import query_pb2 as auth_query
+from cosmpy.protos.cosmos.auth.v1beta1 import query_pb2_grpc as auth_query_grpc
+from cosmpy.protos.cosmos.auth.v1beta1.auth_pb2 import BaseAccount
 from cosmpy.protos.cosmos.bank.v1beta1 import query_pb2, query_pb2_grpc
 from cosmpy.protos.cosmos.bank.v1beta1.tx_pb2 import MsgSend
 from cosmpy.protos.cosmos.base.v1beta1.coin_pb2 import Coin
 from cosmpy.protos.cosmos.crypto.secp256k1.keys_pb2 import PubKey
 from cosmpy.protos.cosmos.tx.v1beta1.tx_pb2 import AuthInfo, TxBody, TxRaw
 from eth_keys import keys as eth_keys
+from google.protobuf.any_pb2 import Any as AnyProto
 
 from chain.cosmos import (
     NGONKA_PER_GNK,
     UINT64_MAX,
+    AccountInfo,
     CosmosAccount,
     CosmosAddressError,
     CosmosAmountError,
@@ -331,11 +336,26 @@ class _Bank(query_pb2_grpc.QueryServicer):
         return query_pb2.QueryBalanceResponse(balance=Coin(denom=request.denom, amount="123456789"))
 
 
+class _Auth(auth_query_grpc.QueryServicer):
+    """Knows one funded account; any other address is NOT_FOUND, as on a real node."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def Account(self, request, context):  # the generated servicer name
+        if request.address != self.address:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"account {request.address} not found")
+        packed = AnyProto()
+        packed.Pack(BaseAccount(address=self.address, account_number=31, sequence=9), type_url_prefix="/")
+        return auth_query.QueryAccountResponse(account=packed)
+
+
 @pytest.fixture
 def bank_server() -> Iterator[tuple[int, _Bank]]:
     bank = _Bank()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     query_pb2_grpc.add_QueryServicer_to_server(bank, server)
+    auth_query_grpc.add_QueryServicer_to_server(_Auth(CosmosAccount(KEY).address), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield port, bank
@@ -366,9 +386,18 @@ def test_grpc_balance_against_a_real_grpc_server(bank_server: tuple[int, _Bank])
     assert [(r.address, r.denom) for r in bank.requests] == [(address, "ngonka")]
 
 
+def test_grpc_account_against_a_real_grpc_server(bank_server: tuple[int, _Bank]) -> None:
+    query = CosmosQuery(f"grpc+http://127.0.0.1:{bank_server[0]}")
+    assert query.account(CosmosAccount(KEY).address) == AccountInfo(account_number=31, sequence=9)
+    with pytest.raises(CosmosQueryError, match="not found"):
+        query.account(_recipient(1))
+
+
 def test_no_url_means_no_query() -> None:
     with pytest.raises(CosmosQueryError, match="no Cosmos node URL configured"):
         CosmosQuery(None).balance(_recipient(1))
+    with pytest.raises(CosmosQueryError, match="no Cosmos node URL configured"):
+        CosmosQuery("").account(_recipient(1))
 
 
 def test_unknown_url_scheme_is_refused_up_front() -> None:
@@ -437,10 +466,17 @@ def test_rest_balance_keeps_the_url_path(lcd: tuple[str, type[_Lcd]]) -> None:
     ("status", "body", "message"),
     [
         (500, b"{}", "HTTP 500"),
-        (200, b"not json", "malformed balance answer"),
-        (200, b'{"balance": {"denom": "ngonka"}}', "malformed balance answer"),
+        (200, b"not json", "malformed answer"),
+        (200, b"[1, 2]", "malformed answer"),
+        (200, b'{"balance": {"denom": "ngonka"}}', "'amount' missing"),
         (200, b'{"balance": {"denom": "uatom", "amount": "1"}}', "answered in 'uatom'"),
-        (200, b'{"balance": {"denom": "ngonka", "amount": "-1"}}', "non-integer balance"),
+        (200, b'{"balance": {"denom": "ngonka", "amount": "-1"}}', "non-integer or out-of-range balance"),
+        (200, b'{"balance": {"denom": "ngonka", "amount": "18446744073709551616"}}', "out-of-range"),
+        (
+            200,
+            b'{"balance": {"denom": "ngonka", "amount": "1"}, "pad": "' + b"x" * 70_000 + b'"}',
+            "oversized",
+        ),
     ],
 )
 def test_rest_bad_answers(lcd: tuple[str, type[_Lcd]], status: int, body: bytes, message: str) -> None:
@@ -449,3 +485,23 @@ def test_rest_bad_answers(lcd: tuple[str, type[_Lcd]], status: int, body: bytes,
     handler.answers[f"/cosmos/bank/v1beta1/balances/{address}/by_denom"] = (status, body)
     with pytest.raises(CosmosQueryError, match=message):
         CosmosQuery(url).balance(address)
+
+
+def test_rest_account(lcd: tuple[str, type[_Lcd]]) -> None:
+    url, handler = lcd
+    plain, vesting = _recipient(9), _recipient(10)
+    handler.answers[f"/cosmos/auth/v1beta1/accounts/{plain}"] = (
+        200,
+        json.dumps(
+            {"account": {"@type": "/cosmos.auth.v1beta1.BaseAccount", "account_number": "7", "sequence": "2"}}
+        ).encode(),
+    )
+    handler.answers[f"/cosmos/auth/v1beta1/accounts/{vesting}"] = (
+        200,
+        json.dumps({"account": {"@type": "/cosmos.vesting.v1beta1.ContinuousVestingAccount"}}).encode(),
+    )
+    assert CosmosQuery(url).account(plain) == AccountInfo(account_number=7, sequence=2)
+    with pytest.raises(CosmosQueryError, match="only BaseAccount signers"):
+        CosmosQuery(url).account(vesting)
+    with pytest.raises(CosmosQueryError, match="HTTP 404"):
+        CosmosQuery(url).account(_recipient(11))
