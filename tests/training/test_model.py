@@ -38,6 +38,8 @@ HF_NAMES_2_LAYERS = [
     "lm_head.weight",
 ]
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_parameter_names_equal_hugging_face_llama() -> None:
     model = build_model(TINY, seed=0)
