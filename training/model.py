@@ -286,9 +286,6 @@ def init_weights(model: Llama, seed: int) -> None:
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Llama:
     """A freshly initialised model, identical for the same (cfg, seed) on any machine."""
-    model = Llama(cfg, device="meta")  # allocates nothing: the weights are written once, below
-    model.to_empty(device="cpu")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty() from meta unties them
+    model = Llama(cfg)  # PyTorch's default init runs first (cheap); every tensor is overwritten below
     init_weights(model, seed)
     return model.to(device)
