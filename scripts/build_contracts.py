@@ -54,16 +54,20 @@ def expected_artifacts() -> dict[Path, str]:
     return {ARTIFACTS / f"{p.stem}.json": render(build_artifact(p)) for p in sorted(SOURCES.glob("*.vy"))}
 
 
+def _show(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def check(expected: dict[Path, str]) -> list[str]:
     problems = []
     for path, text in expected.items():
         if not path.exists():
-            problems.append(f"{path.relative_to(ROOT)}: missing")
+            problems.append(f"{_show(path)}: missing")
         elif path.read_text(encoding="utf-8") != text:
-            problems.append(f"{path.relative_to(ROOT)}: stale (source or compiler changed)")
+            problems.append(f"{_show(path)}: stale (source or compiler changed)")
     for path in sorted(ARTIFACTS.glob("*.json")):
         if path not in expected:
-            problems.append(f"{path.relative_to(ROOT)}: no source chain/contracts/{path.stem}.vy")
+            problems.append(f"{_show(path)}: no source chain/contracts/{path.stem}.vy")
     return problems
 
 
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for path, text in expected.items():
         path.write_text(text, encoding="utf-8")
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {_show(path)}")
     return 0
 
 
