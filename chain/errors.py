@@ -38,6 +38,7 @@ class SpecError(ChainError):
 
     def __init__(self, field: str, message: str, path: str | None = None) -> None:
         self.field = field
+        self.message = message
         self.path = path
         where = f"{path}: " if path else ""
         super().__init__(f"{where}field '{field}': {message}")

@@ -1,0 +1,117 @@
+"""Epoch specs in TOML: one flat table whose keys are EpochSpec's fields, amounts in GNK.
+
+    model_spec_hash = "0x<64 hex>"      # also data_manifest_hash, init_checkpoint_hash
+    model_uri = "https://…"
+    inner_steps = 50                    # also batch_size, n_rounds, max_hosts, aggregator_quorum
+    inner_lr = 3e-4                     # also outer_lr, outer_momentum (at most 9 decimals)
+    codec = "topk-int8"
+    round_length = 600                  # seconds; also signin_window
+    min_stake_gnk = "100"               # also reward_per_round_gnk ("1.5" = 1.5 GNK)
+    aggregators = ["0x…", "0x…"]
+
+Every mistake raises SpecError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from chain.errors import SpecError
+from chain.types import EpochSpec
+from chain.units import parse_gnk
+
+_HASHES = ("model_spec_hash", "data_manifest_hash", "init_checkpoint_hash")
+_INTS = ("inner_steps", "batch_size", "n_rounds", "round_length", "signin_window", "max_hosts", "aggregator_quorum")
+_FLOATS = ("inner_lr", "outer_lr", "outer_momentum")
+_GNK = {"min_stake_gnk": "min_stake", "reward_per_round_gnk": "reward_per_round"}
+_OPTIONAL = {"aggregator_quorum": 1, "reward_per_round_gnk": "0"}
+
+
+def _hash(value: Any) -> bytes:
+    if not isinstance(value, str):
+        raise ValueError("must be a hex string of 32 bytes")
+    try:
+        raw = bytes.fromhex(value.removeprefix("0x"))
+    except ValueError:
+        raise ValueError(f"not hex: {value!r}") from None
+    if len(raw) != 32:
+        raise ValueError(f"must be 32 bytes (64 hex digits), got {len(raw)}")
+    return raw
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"must be an integer, got {value!r}")
+    return value
+
+
+def _float(value: Any) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string, got {value!r}")
+    return value
+
+
+def _addresses(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+        raise ValueError("must be a list of address strings")
+    return tuple(value)
+
+
+def _converter(key: str) -> tuple[str, Callable[[Any], Any]]:
+    if key in _HASHES:
+        return key, _hash
+    if key in _INTS:
+        return key, _int
+    if key in _FLOATS:
+        return key, _float
+    if key in _GNK:
+        return _GNK[key], lambda v: parse_gnk(v if isinstance(v, str) else _float(v))
+    if key == "aggregators":
+        return key, _addresses
+    return key, _str
+
+
+def spec_keys() -> list[str]:
+    inverse = {v: k for k, v in _GNK.items()}
+    return [inverse.get(f.name, f.name) for f in fields(EpochSpec)]
+
+
+def parse_epoch_spec(data: dict[str, Any], path: str | None = None) -> EpochSpec:
+    keys = spec_keys()
+    unknown = sorted(set(data) - set(keys))
+    if unknown:
+        raise SpecError(unknown[0], f"unknown field (known: {', '.join(keys)})", path)
+    values: dict[str, Any] = {}
+    for key in keys:
+        if key not in data and key not in _OPTIONAL:
+            raise SpecError(key, "missing", path)
+        name, convert = _converter(key)
+        try:
+            values[name] = convert(data.get(key, _OPTIONAL.get(key)))
+        except ValueError as exc:
+            raise SpecError(key, str(exc), path) from None
+    try:
+        return EpochSpec(**values)
+    except SpecError as exc:
+        key = {v: k for k, v in _GNK.items()}.get(exc.field, exc.field)
+        raise SpecError(key, exc.message, path) from None
+
+
+def load_epoch_spec(path: str | Path) -> EpochSpec:
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError("-", "no such file", str(path)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError("-", f"not valid TOML ({exc})", str(path)) from None
+    return parse_epoch_spec(data, str(path))

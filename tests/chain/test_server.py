@@ -1,0 +1,70 @@
+"""The embedded chain served over JSON-RPC: other processes see a standard Ethereum node."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import GNK, make_spec, sha
+
+from chain.backends import EmbeddedBackend, RpcBackend, embedded_accounts
+from chain.client import ChainClient
+from chain.errors import ChainRejected, ChainRevert
+from chain.server import ChainServer
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ChainServer]:
+    with ChainServer(EmbeddedBackend()) as srv:
+        yield srv
+
+
+def post(url: str, body: Any) -> Any:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_binds_port_zero_on_loopback_and_answers_in_hex(server: ChainServer) -> None:
+    assert server.url.startswith("http://127.0.0.1:") and not server.url.endswith(":0")
+    answer = post(server.url, [{"jsonrpc": "2.0", "id": 1, "method": "eth_chainId", "params": []},
+                               {"jsonrpc": "2.0", "id": 2, "method": "eth_getBlockByNumber", "params": ["latest", False]}])
+    assert answer[0]["result"] == hex(EmbeddedBackend().connect().eth.chain_id)
+    block = answer[1]["result"]
+    assert block["number"].startswith("0x") and block["hash"].startswith("0x") and "gasLimit" in block
+
+
+def test_malformed_requests_get_json_rpc_errors(server: ChainServer) -> None:
+    request = urllib.request.Request(server.url, b"{not json", {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.loads(response.read())["error"]["code"] == -32700
+    assert post(server.url, {"jsonrpc": "2.0", "id": 3, "method": "eth_noSuchThing", "params": []})["error"]
+
+
+def test_clients_in_other_processes_get_the_same_behaviour(server: ChainServer) -> None:
+    backend = RpcBackend(server.url)
+    accounts = backend.dev_accounts()
+    assert [a.address for a in accounts] == [a.address for a in embedded_accounts()]
+    gov = ChainClient(backend, accounts[0]).connect()
+    gov.deploy_all(initial_mint={accounts[2].address: 1000 * GNK})
+    epoch = gov.create_epoch(make_spec(accounts[1].address))
+    host = gov.with_account(accounts[2])
+    snapshot = backend.snapshot()
+    assert host.join(epoch, 100 * GNK, sha("k")) == 0
+    with pytest.raises(ChainRevert) as err:
+        host.join(epoch, 100 * GNK, sha("k"))
+    assert err.value.reason == "registry: already joined"
+    backend.revert(snapshot)
+    assert gov.get_epoch(epoch).n_hosts == 0
+    backend.increase_time(3601)
+    with pytest.raises(ChainRevert, match="sign-in window closed"):
+        host.join(epoch, 100 * GNK, sha("k"))
+    raw = accounts[2].sign_transaction(
+        {"to": accounts[3].address, "value": 1, "gas": 21000, "maxFeePerGas": 10**11,
+         "maxPriorityFeePerGas": 1, "nonce": 0, "chainId": 1, "type": 2}
+    ).raw_transaction
+    with pytest.raises(ChainRejected, match="chain id"):
+        host.sender.send_raw(bytes(raw))
