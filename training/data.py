@@ -24,9 +24,10 @@ import hashlib
 import os
 import sysconfig
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -135,11 +136,12 @@ def manifest_text(files: Sequence[CorpusFile], tokenizer: ByteTokenizer | None =
     return "\n".join(lines) + "\n"
 
 
-def _write_atomically(path: Path, array: np.ndarray) -> None:
+def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Concurrent builders (the processes of a rig) each write a temporary file and rename it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            np.save(handle, array)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -175,8 +177,9 @@ class TokenCorpus:
         tokens = cls._tokenize(files, expected_len)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomically(cache, tokens)
-            (cache.parent / f"{digest}.manifest.txt").write_text(manifest_text(files))
+            manifest = manifest_text(files).encode()
+            _write_atomically(cache.parent / f"{digest}.manifest.txt", lambda handle: handle.write(manifest))
+            _write_atomically(cache, lambda handle: np.save(handle, tokens))
         return cls(files, tokens, cache_hit=False)
 
     @staticmethod
