@@ -258,7 +258,7 @@ class Windows:
                 f"the corpus has {len(tokens)} tokens: fewer than 2 windows of {seq_len + 1}; "
                 "add data or shorten seq_len"
             )
-        n_heldout = max(1, round(self.n_windows * heldout_fraction))
+        n_heldout = min(max(1, round(self.n_windows * heldout_fraction)), self.n_windows - 1)
         # The split depends on the corpus and seq_len only, so every epoch on the same data shares it.
         order = _seeded_state(f"gonka-heldout-v1:{self.n_windows}").permutation(self.n_windows)
         self.heldout_ids = np.sort(order[:n_heldout])

@@ -117,6 +117,12 @@ def test_heldout_split_is_disjoint_and_fixed() -> None:
     assert np.array_equal(again.heldout_ids, windows.heldout_ids)
 
 
+def test_both_splits_keep_at_least_one_window() -> None:
+    tiny = Windows(np.zeros(20, dtype=np.uint8), seq_len=9, heldout_fraction=0.9)  # 2 windows
+    assert (len(tiny.train_ids), len(tiny.heldout_ids)) == (1, 1)
+    assert len(Windows(np.zeros(200, dtype=np.uint8), seq_len=9, heldout_fraction=0.01).heldout_ids) == 1
+
+
 def test_too_small_corpus_is_rejected() -> None:
     with pytest.raises(ValueError, match="fewer than 2 windows of 65"):
         Windows(np.zeros(100, dtype=np.uint8), seq_len=64)
