@@ -11,4 +11,5 @@ fi
 export PATH="$PWD/node_modules/.bin:$PATH"
 .venv/bin/ruff check .
 .venv/bin/python scripts/gen_proto.py --check
+.venv/bin/python scripts/build_contracts.py --check
 .venv/bin/python -m pytest "$@"

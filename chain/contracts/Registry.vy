@@ -8,6 +8,8 @@
         root, a claim verifies one proof (log2 of the number of hosts).
         Reward leaf = keccak256(abi_encode(LEAF_TAG, chain.id, self, epoch, round, host, amount));
         inner node = keccak256(min(a, b) ++ max(a, b)) (sorted pairs, so proofs carry no indices).
+        n_contributors is the aggregator's report, kept for clients; nothing is paid by it (payments
+        need a leaf in the root and stay within total_reward), so finalize reads no per-host state.
         Slashing is governance's alone: one aggregator's word should not cost a host its stake;
         aggregators publish their evidence and governance (an EOA on a devnet, a vote otherwise) acts.
         Slashed stake goes back to the epoch's reward pool.
@@ -344,7 +346,6 @@ def finalize_round(
     assert round <= convert(self.specs[epoch].n_rounds, uint256), "registry: round beyond n_rounds"
     assert checkpoint_sha256 != empty(bytes32), "registry: empty checkpoint hash"
     assert total_reward == 0 or rewards_root != empty(bytes32), "registry: rewards without a root"
-    assert n_contributors <= st.n_hosts, "registry: more contributors than hosts"
     assert self.round_votes[epoch][round][msg.sender] == empty(bytes32), "registry: aggregator already voted this round"
     result_hash: bytes32 = keccak256(abi_encode(checkpoint_sha256, rewards_root, n_contributors, total_reward))
     self.round_votes[epoch][round][msg.sender] = result_hash

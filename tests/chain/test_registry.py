@@ -117,8 +117,10 @@ def test_finalize_rules(world: World) -> None:
         agg.finalize_round(epoch, 2, sha("c2"), sha("root"), 3, 1000 * GNK)
     with reverts("registry: total reward exceeds the epoch's pool"):
         agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 3001 * GNK)
-    with reverts("registry: more contributors than hosts"):
-        agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 4, 1000 * GNK)
+    with reverts("registry: empty checkpoint hash"):
+        agg.finalize_round(epoch, 1, bytes(32), sha("root"), 3, 1000 * GNK)
+    with reverts("registry: rewards without a root"):
+        agg.finalize_round(epoch, 1, sha("c1"), bytes(32), 3, 1000 * GNK)
     agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 1000 * GNK)
     with reverts("registry: round out of order"):
         agg.finalize_round(epoch, 1, sha("c1-again"), sha("root"), 3, 1000 * GNK)
