@@ -1,0 +1,106 @@
+"""The aggregator's view of the chain: who may submit in an epoch, and finalizing a round once.
+
+`chain.ChainClient` is synchronous (web3); every call here runs in one worker thread, serialized by a
+lock, so the event loop keeps streaming other hosts' payloads meanwhile. Host records are cached per
+epoch: a joined host stays joined for the epoch (slashing is re-checked when the cache entry expires),
+an unknown host is re-asked after a short while so that a late sign-in is seen quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from eth_utils import to_checksum_address
+
+T = TypeVar("T")
+
+
+class HostRecord(Protocol):
+    joined: bool
+    left: bool
+    slot: int
+    node_key: bytes
+    slashed: int
+
+
+class RoundRecord(Protocol):
+    checkpoint_sha256: bytes
+    rewards_root: bytes
+    n_contributors: int
+    total_reward: int
+
+    @property
+    def finalized(self) -> bool: ...
+
+
+class ChainReader(Protocol):
+    """The part of `chain.ChainClient` the aggregator uses."""
+
+    def host_info(self, epoch: int, host: str) -> HostRecord: ...
+
+    def hosts(self, epoch: int) -> list[str]: ...
+
+    def round_result(self, epoch: int, round_: int) -> RoundRecord: ...
+
+    def finalize_round(
+        self,
+        epoch: int,
+        round_: int,
+        checkpoint_sha256: bytes,
+        rewards_root: bytes,
+        n_contributors: int,
+        total_reward: int,
+    ) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Member:
+    """A host allowed to submit: signed in to the epoch, not left, not slashed."""
+
+    address: bytes
+    slot: int
+    node_key: bytes
+
+
+class ChainView:
+    def __init__(self, chain: ChainReader, member_ttl_s: float = 60.0, unknown_ttl_s: float = 2.0) -> None:
+        self.chain = chain
+        self._lock = threading.Lock()
+        self._members: dict[tuple[int, bytes], tuple[float, Member | None]] = {}
+        self._member_ttl, self._unknown_ttl = member_ttl_s, unknown_ttl_s
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            return fn(*args)
+
+    async def acall(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(self.call, fn, *args)
+
+    async def member(self, epoch: int, host: bytes) -> Member | None:
+        now = time.monotonic()
+        cached = self._members.get((epoch, host))
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        info = await self.acall(self.chain.host_info, epoch, to_checksum_address(host))
+        ok = info.joined and not info.left and not info.slashed and len(bytes(info.node_key)) == 32
+        member = Member(address=host, slot=int(info.slot), node_key=bytes(info.node_key)) if ok else None
+        self._members[(epoch, host)] = (now + (self._member_ttl if ok else self._unknown_ttl), member)
+        return member
+
+    def members(self, epoch: int) -> list[Member]:
+        """Every host that may submit in `epoch` (synchronous: used when closing a round)."""
+        out = []
+        for addr in self.call(self.chain.hosts, epoch):
+            info = self.call(self.chain.host_info, epoch, addr)
+            if info.joined and not info.left and not info.slashed:
+                out.append(
+                    Member(
+                        address=bytes.fromhex(addr[2:]), slot=int(info.slot), node_key=bytes(info.node_key)
+                    )
+                )
+        return out

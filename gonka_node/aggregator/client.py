@@ -1,0 +1,199 @@
+"""A small typed client of the Aggregator service, for hosts, tests and the benchmark.
+
+Submitting: `submit(round_info, payload, ...)` signs the envelope with the node key and streams the
+payload in chunks of the round's `max_chunk_bytes`. A refusal comes back as `SubmitRejected` carrying
+the machine-readable reason, the gRPC status and the aggregator's signed receipt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+from nacl.signing import SigningKey
+
+from gonka_node.envelope import ReceiptBody, Submission
+from proto.gonka.v1 import aggregator_pb2 as pb
+from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
+from proto.gonka.v1 import common_pb2 as common
+
+MESSAGE_LIMIT = 4 << 20
+
+
+class SubmitRejected(Exception):
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str, receipt: pb.Receipt | None) -> None:
+        super().__init__(f"{code.name} {reason}: {message}")
+        self.code, self.reason, self.message, self.receipt = code, reason, message, receipt
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    meta: common.FileMeta
+    data: bytes
+
+
+def receipt_body(r: pb.Receipt) -> ReceiptBody:
+    return ReceiptBody(
+        chain_id=r.chain_id,
+        registry=r.registry,
+        epoch=r.epoch,
+        round=r.round,
+        host=r.host,
+        payload_sha256=r.payload_sha256,
+        payload_length=r.payload_length,
+        accepted=r.accepted,
+        reason=r.reason,
+        received_ms=r.received_unix_ms,
+    )
+
+
+def verify_receipt(r: pb.Receipt, aggregator_key: bytes) -> bool:
+    """True when `r` is signed by `aggregator_key` (learned from GetOpenRound or configuration)."""
+    return receipt_body(r).verify(r.signature, aggregator_key)
+
+
+def header_for(
+    info: pb.RoundInfo,
+    host: bytes,
+    payload: bytes,
+    tokens_trained: int,
+    key: SigningKey,
+    timestamp_ms: int | None = None,
+) -> pb.SubmitHeader:
+    sub = Submission(
+        chain_id=info.chain_id,
+        registry=info.registry,
+        epoch=info.epoch,
+        round=info.round,
+        host=host,
+        base_checkpoint_sha256=info.base_checkpoint_sha256,
+        codec=info.codec,
+        payload_sha256=hashlib.sha256(payload).digest(),
+        payload_length=len(payload),
+        tokens_trained=tokens_trained,
+        timestamp_ms=time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms,
+    )
+    return header_pb(sub, sub.sign(key))
+
+
+def header_pb(sub: Submission, signature: bytes) -> pb.SubmitHeader:
+    return pb.SubmitHeader(
+        chain_id=sub.chain_id,
+        registry=sub.registry,
+        epoch=sub.epoch,
+        round=sub.round,
+        host=sub.host,
+        base_checkpoint_sha256=sub.base_checkpoint_sha256,
+        codec=sub.codec,
+        payload_sha256=sub.payload_sha256,
+        payload_length=sub.payload_length,
+        tokens_trained=sub.tokens_trained,
+        timestamp_unix_ms=sub.timestamp_ms,
+        signature=signature,
+    )
+
+
+def _requests(header: pb.SubmitHeader, payload: bytes, chunk: int) -> Iterator[pb.SubmitRequest]:
+    yield pb.SubmitRequest(header=header)
+    view = memoryview(payload)
+    for start in range(0, len(payload), chunk):
+        yield pb.SubmitRequest(chunk=bytes(view[start : start + chunk]))
+
+
+class AggregatorClient:
+    """Synchronous client (one channel). Use as a context manager or call `close()`."""
+
+    def __init__(self, target: str, timeout_s: float = 120.0) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                ("grpc.max_send_message_length", MESSAGE_LIMIT),
+            ],
+        )
+        self.stub = pb_grpc.AggregatorStub(self.channel)
+
+    def __enter__(self) -> AggregatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def open_round(self) -> pb.RoundInfo:
+        return self.stub.GetOpenRound(pb.GetOpenRoundRequest(), timeout=self.timeout_s)
+
+    def submit_raw(self, requests: Iterator[pb.SubmitRequest]) -> pb.Receipt:
+        """Send a hand-built request stream (tests of malformed streams use this)."""
+        try:
+            return self.stub.Submit(requests, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _rejected(exc) from exc
+
+    def submit(
+        self,
+        info: pb.RoundInfo,
+        host: bytes,
+        payload: bytes,
+        key: SigningKey,
+        tokens_trained: int = 0,
+    ) -> pb.Receipt:
+        header = header_for(info, host, payload, tokens_trained, key)
+        receipt = self.submit_raw(_requests(header, payload, info.limits.max_chunk_bytes or (1 << 20)))
+        if not verify_receipt(receipt, info.aggregator_key):
+            raise SubmitRejected(
+                grpc.StatusCode.UNAUTHENTICATED, "BAD_RECEIPT", "receipt signature does not verify", receipt
+            )
+        return receipt
+
+    def round_result(self, epoch: int, round_: int) -> pb.RoundResult:
+        return self.stub.GetRoundResult(pb.RoundRef(epoch=epoch, round=round_), timeout=self.timeout_s)
+
+    def reward_proof(self, epoch: int, round_: int, host: bytes) -> pb.RewardProof:
+        return self.stub.GetRewardProof(
+            pb.GetRewardProofRequest(epoch=epoch, round=round_, host=host), timeout=self.timeout_s
+        )
+
+    def round_update(self, epoch: int, round_: int) -> Downloaded:
+        return download(
+            self.stub.GetRoundUpdate(pb.RoundRef(epoch=epoch, round=round_), timeout=self.timeout_s)
+        )
+
+    def checkpoint(self, epoch: int, round_: int) -> Downloaded:
+        return download(
+            self.stub.GetCheckpoint(pb.RoundRef(epoch=epoch, round=round_), timeout=self.timeout_s)
+        )
+
+
+def download(stream: Iterator[common.FileChunk]) -> Downloaded:
+    """Collect a FileChunk stream; checks the length and the file sha256 announced by its FileMeta."""
+    it = iter(stream)
+    first = next(it)
+    if first.WhichOneof("part") != "meta":
+        raise ValueError("file stream did not start with FileMeta")
+    parts = []
+    size = 0
+    for msg in it:
+        size += len(msg.data)
+        if size > first.meta.length:
+            raise ValueError(f"file stream longer than the announced {first.meta.length} bytes")
+        parts.append(msg.data)
+    data = b"".join(parts)
+    if len(data) != first.meta.length or hashlib.sha256(data).digest() != first.meta.file_sha256:
+        raise ValueError("file stream does not match its announced length and sha256")
+    return Downloaded(first.meta, data)
+
+
+def _rejected(exc: grpc.RpcError) -> SubmitRejected:
+    trailing = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+    receipt = None
+    if "gonka-receipt-bin" in trailing:
+        receipt = pb.Receipt.FromString(trailing["gonka-receipt-bin"])
+    return SubmitRejected(exc.code(), str(trailing.get("gonka-reason", "")), exc.details() or "", receipt)  # type: ignore[attr-defined]

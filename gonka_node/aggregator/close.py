@@ -1,0 +1,216 @@
+"""What closing a round computes, from files on disk only: scores, copies, the robust aggregate, the
+outer step, the new checkpoint and the rewards. Deterministic: a crash here is recovered by running
+it again. Peak memory: the base model, the new model, the aggregate, a scoring model and one decoded
+update — independent of the number of hosts (updates are decoded from disk one at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from gonka_node.aggregator import robust
+from gonka_node.aggregator.scoring import Scorer
+from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow, fsync_dir
+from gonka_node.aggregator.validate import cosine, decode_update
+from gonka_node.config import AggregationSettings
+from training.diloco import OuterOptimizer
+
+if TYPE_CHECKING:
+    from gonka_node.aggregator.rounds import CheckpointIO, EpochContext
+
+log = logging.getLogger(__name__)
+SCORE_QUANTUM = 10**9  # scores become integers before splitting the pool: exact, reproducible rewards
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    checkpoint_sha256: bytes
+    rewards_root: bytes
+    total_reward: int
+    rule: str
+    contributions: list[ContributionRow]
+    aggregated: int
+
+
+def find_copies(subs: list[SubmissionRow], threshold: float) -> dict[bytes, str]:
+    """Hosts whose update's sketch is within `threshold` cosine of an earlier-received one's."""
+    order = sorted(subs, key=lambda s: (s.received_ms, s.host))
+    sketches = {s.host: torch.frombuffer(bytearray(s.sketch), dtype=torch.float32) for s in subs}
+    copies: dict[bytes, str] = {}
+    for i, later in enumerate(order):
+        for earlier in order[:i]:
+            if earlier.host in copies:
+                continue
+            c = cosine(sketches[later.host], sketches[earlier.host])
+            if c >= threshold:
+                copies[later.host] = (
+                    f"copy: sketch cosine {c:.4f} with 0x{earlier.host.hex()}, received earlier"
+                )
+                break
+    return copies
+
+
+def compute_outcome(
+    *,
+    ctx: EpochContext,
+    round_row: RoundRow,
+    submissions: list[SubmissionRow],
+    slots: Mapping[bytes, int],
+    base_path: Path,
+    prev_outer_state: Path | None,
+    store: Store,
+    checkpoints: CheckpointIO,
+    aggregation: AggregationSettings,
+) -> RoundOutcome:
+    epoch, round_ = round_row.epoch, round_row.round
+    base = checkpoints.load(base_path, round_row.base_sha256)
+
+    def decode(sub: SubmissionRow) -> dict[str, Tensor]:
+        update = decode_update(ctx.codec, ctx.codec_error, Path(sub.path).read_bytes(), ctx.spec)
+        return {name: t.float() for name, t in update.items()}
+
+    reasons: dict[bytes, list[str]] = {s.host: [] for s in submissions}
+    excluded = set()
+    for host, why in find_copies(submissions, aggregation.copy_cosine).items():
+        reasons[host].append(why)
+        excluded.add(host)
+    for s in submissions:
+        if s.host not in slots:
+            reasons[s.host].append("host is no longer signed in to the epoch (left or slashed)")
+            excluded.add(s.host)
+    scores = _scores(ctx, round_row, submissions, slots, base, decode, reasons, excluded)
+    for s in submissions:
+        if s.host not in excluded and scores[s.host] <= aggregation.min_score:
+            reasons[s.host].append(
+                f"score {scores[s.host]:+.5f} at or below {aggregation.min_score}: not aggregated"
+            )
+            excluded.add(s.host)
+    eligible = [s for s in submissions if s.host not in excluded]
+    rule = aggregation.rule_for(epoch)
+    if not eligible:
+        rows = [ContributionRow(s.host, scores[s.host], 0, False, reasons[s.host]) for s in submissions]
+        return RoundOutcome(round_row.base_sha256, bytes(32), 0, rule, rows, 0)
+
+    def source() -> Iterator[tuple[str, Mapping[str, Tensor]]]:
+        for sub in eligible:  # store order: increasing host address, the averaging order
+            yield sub.host.hex(), decode(sub)
+
+    agg = robust.aggregate(
+        rule, source, {s.host.hex(): s.norm for s in eligible}, ctx.spec, aggregation.centered_clip_iters
+    )
+    params = {name: t.float().clone() for name, t in base.items()}
+    del base
+    outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
+    if prev_outer_state is not None:
+        outer.load_state_dict(_load_outer(prev_outer_state, outer))
+    outer.step(params, agg.update)
+    meta = {
+        "epoch": str(epoch),
+        "round": str(round_),
+        "base_sha256": round_row.base_sha256.hex(),
+        "rule": rule,
+    }
+    sha = checkpoints.save(store.checkpoint_path(epoch, round_), params, meta)
+    _save_durably(store.update_path(epoch, round_), agg.update, meta)
+    _save_durably(
+        store.outer_state_path(epoch, round_),
+        outer.state_dict()["momentum_buffer"],
+        {"steps": str(outer.steps)},
+    )
+    rewards = split_pool(ctx.reward_per_round, {s.host: scores[s.host] for s in eligible})
+    rows = [
+        ContributionRow(
+            s.host, scores[s.host], rewards.get(s.host, 0), s.host not in excluded, reasons[s.host]
+        )
+        for s in submissions
+    ]
+    root = _rewards_root(ctx, epoch, round_, rewards)
+    return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible))
+
+
+def _scores(
+    ctx: EpochContext,
+    round_row: RoundRow,
+    submissions: list[SubmissionRow],
+    slots: Mapping[bytes, int],
+    base: Mapping[str, Tensor],
+    decode: object,
+    reasons: dict[bytes, list[str]],
+    excluded: set[bytes],
+) -> dict[bytes, float]:
+    if ctx.model_factory is None or ctx.scoring is None:
+        for s in submissions:
+            reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
+        return {s.host: 1.0 for s in submissions}
+    heldout = ctx.scoring.heldout(round_row.round, round_row.base_sha256)
+    scorer = Scorer(ctx.model_factory(), base, heldout)
+    out: dict[bytes, float] = {}
+    for s in submissions:
+        if s.host in excluded:
+            out[s.host] = 0.0
+            continue
+        assigned = ctx.scoring.assigned(round_row.round, slots[s.host])
+        result = scorer.score(decode(s), assigned)  # type: ignore[operator]
+        reasons[s.host].extend(result.reasons())
+        out[s.host] = result.score
+    return out
+
+
+def split_pool(pool: int, scores: Mapping[bytes, float]) -> dict[bytes, int]:
+    """The pool split in proportion to positive scores, in integers (floor; the dust stays unpaid)."""
+    quanta = {h: int(s * SCORE_QUANTUM) for h, s in scores.items() if s > 0}
+    total = sum(quanta.values())
+    if pool <= 0 or total <= 0:
+        return {}
+    shares = {h: pool * q // total for h, q in quanta.items()}
+    return {h: a for h, a in shares.items() if a > 0}
+
+
+def _rewards_root(ctx: EpochContext, epoch: int, round_: int, rewards: Mapping[bytes, int]) -> bytes:
+    if not rewards:
+        return bytes(32)
+    from eth_utils import to_checksum_address
+
+    from chain.merkle import RewardTree
+
+    tree = RewardTree(
+        ctx.chain_id,
+        to_checksum_address(ctx.registry),
+        epoch,
+        round_,
+        [(to_checksum_address(h), a) for h, a in rewards.items()],
+    )
+    return tree.root
+
+
+def _save_durably(path: Path, tensors: Mapping[str, Tensor], metadata: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({n: t.contiguous() for n, t in sorted(tensors.items())}, str(tmp), metadata=metadata)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _load_outer(path: Path, outer: OuterOptimizer) -> dict[str, object]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        steps = int((f.metadata() or {}).get("steps", "0"))
+    return {
+        "lr": outer.lr,
+        "momentum": outer.momentum,
+        "nesterov": outer.nesterov,
+        "steps": steps,
+        "momentum_buffer": load_file(str(path)),
+    }

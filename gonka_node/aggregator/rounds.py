@@ -1,0 +1,438 @@
+"""Round lifecycle: accept submissions for the open round, close it, finalize it once, open the next.
+
+States (table `rounds`): open → finalizing → finalized, or open → skipping → skipped.
+
+- A round closes as soon as every host signed in to the epoch has an accepted submission, or when its
+  deadline passes with at least `quorum` accepted submissions.
+- Deadline passed below quorum: the deadline moves by `extend_s`, at most `max_extensions` times;
+  then the round is *skipped*: finalized on chain with the base checkpoint hash unchanged, no
+  contributors and no reward, and the next round starts from the same checkpoint.
+- A submission arriving once the round is closing, or after its deadline, is refused with LATE.
+- Closing: (compute, pure) score, copy detection, robust aggregate, outer step, checkpoint, rewards;
+  (record) the intent, with everything the chain transaction will say; (chain) finalize unless the
+  chain already shows this round finalized; (record) done. A restart in between re-reads the intent
+  and checks the chain first, so a round is never finalized twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from eth_utils import to_checksum_address
+from nacl.signing import SigningKey
+from torch import Tensor, nn
+
+from chain.merkle import RewardTree
+from gonka_node.aggregator.chain_view import ChainView, Member
+from gonka_node.aggregator.close import RoundOutcome, compute_outcome
+from gonka_node.aggregator.ingest import receive_payload
+from gonka_node.aggregator.reasons import Reason, Rejected
+from gonka_node.aggregator.scoring import ScoringData
+from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
+from gonka_node.aggregator.validate import Codec, check_update, decode_update
+from gonka_node.config import AggregationSettings, RoundSettings
+from gonka_node.envelope import ReceiptBody, Submission
+
+log = logging.getLogger(__name__)
+ZERO32 = bytes(32)
+
+
+class CheckpointIO(Protocol):
+    """`training.checkpoint`'s save/load, narrowed to what the aggregator needs."""
+
+    def save(self, path: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> bytes: ...
+
+    def load(self, path: Path, expected_sha256: bytes | None = None) -> dict[str, Tensor]: ...
+
+
+@dataclass(frozen=True)
+class EpochContext:
+    """Everything fixed for one epoch: identity on chain, codec, model shape, outer step, rewards."""
+
+    chain_id: int
+    registry: bytes
+    epoch: int
+    codec_name: str
+    codec: Codec
+    codec_error: type[Exception]
+    spec: Mapping[str, tuple[int, ...]]
+    n_rounds: int
+    round_length_s: float
+    outer_lr: float
+    outer_momentum: float
+    reward_per_round: int
+    initial_checkpoint: Path
+    initial_sha256: bytes
+    model_factory: Callable[[], nn.Module] | None = None  # None: no scoring (every valid update counts)
+    scoring: ScoringData | None = None
+
+
+@dataclass(frozen=True)
+class SignedReceipt:
+    body: ReceiptBody
+    signature: bytes
+    aggregator_key: bytes
+
+
+class RoundEngine:
+    def __init__(
+        self,
+        ctx: EpochContext,
+        settings: RoundSettings,
+        aggregation: AggregationSettings,
+        store: Store,
+        chain: ChainView,
+        checkpoints: CheckpointIO,
+        signer: SigningKey,
+        clock: Callable[[], int] = now_ms,
+    ) -> None:
+        self.ctx, self.settings, self.aggregation = ctx, settings, aggregation
+        self.store, self.chain, self.checkpoints, self.signer = store, chain, checkpoints, signer
+        self.clock = clock
+        self.current: RoundRow | None = None
+        self.closing = False
+        self._in_flight: set[bytes] = set()
+        self._decode_slots = asyncio.Semaphore(1)  # one decoded update in memory at a time
+        self._trees: dict[int, RewardTree | None] = {}
+        self.round_closed = asyncio.Event()
+        self._hosts_cache: tuple[tuple[int, int], int, set[bytes]] | None = None
+
+    @property
+    def aggregator_key(self) -> bytes:
+        return bytes(self.signer.verify_key)
+
+    # ---- start / resume ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Restore from disk: finish an interrupted finalization, else resume or open a round."""
+        ctx = self.ctx
+        for row in self.store.rounds(ctx.epoch):
+            if row.state in ("finalizing", "skipping"):
+                log.info("resuming the finalization of round %d/%d", ctx.epoch, row.round)
+                self._finish(row)
+        rows = self.store.rounds(ctx.epoch)
+        if not rows:
+            self._open(1, ctx.initial_sha256)
+        elif rows[-1].state == "open":
+            self.current = rows[-1]
+        else:
+            self._open_next(rows[-1])
+
+    def base_path(self, round_: int) -> Path:
+        """Checkpoint a round starts from: the epoch's initial one, or the last finalized round's."""
+        for row in reversed(self.store.rounds(self.ctx.epoch)):
+            if row.round < round_ and row.state == "finalized":
+                return self.store.checkpoint_path(self.ctx.epoch, row.round)
+        return self.ctx.initial_checkpoint
+
+    def _open(self, round_: int, base_sha256: bytes) -> None:
+        deadline = self.clock() + int(self.ctx.round_length_s * 1000)
+        self.current = self.store.open_round(self.ctx.epoch, round_, base_sha256, deadline)
+        self.closing = False
+        log.info("round %d/%d open until %d", self.ctx.epoch, round_, deadline)
+
+    def _open_next(self, last: RoundRow) -> None:
+        if last.round >= self.ctx.n_rounds:
+            self.current = None  # epoch over
+            return
+        base = last.checkpoint_sha256 if last.state == "finalized" else last.base_sha256
+        assert base is not None
+        self._open(last.round + 1, base)
+
+    # ---- submissions -------------------------------------------------------------------------------
+
+    async def authenticate(self, sub: Submission, signature: bytes) -> Member:
+        """Every check that needs no payload byte; raises Rejected. Cheap checks first."""
+        ctx, r = self.ctx, self.current
+        if sub.chain_id != ctx.chain_id or sub.registry != ctx.registry:
+            raise Rejected(
+                Reason.WRONG_CHAIN,
+                f"this aggregator serves chain {ctx.chain_id}, registry 0x{ctx.registry.hex()}",
+            )
+        if r is None:
+            raise Rejected(Reason.WRONG_ROUND, f"no round is open in epoch {ctx.epoch}")
+        if (sub.epoch, sub.round) != (r.epoch, r.round):
+            if sub.epoch == r.epoch and sub.round < r.round:
+                raise Rejected(
+                    Reason.LATE,
+                    f"round {sub.epoch}/{sub.round} is closed; the open round is {r.epoch}/{r.round}",
+                )
+            raise Rejected(
+                Reason.WRONG_ROUND, f"the open round is {r.epoch}/{r.round}, not {sub.epoch}/{sub.round}"
+            )
+        if self.closing or self.clock() > r.deadline_ms:
+            raise Rejected(
+                Reason.LATE, f"round {r.epoch}/{r.round} closed for submissions at {r.deadline_ms} ms"
+            )
+        if sub.base_checkpoint_sha256 != r.base_sha256:
+            raise Rejected(
+                Reason.STALE_BASE,
+                f"base checkpoint must be {r.base_sha256.hex()}, got {sub.base_checkpoint_sha256.hex()}",
+            )
+        if sub.codec != ctx.codec_name:
+            raise Rejected(
+                Reason.WRONG_CODEC, f"epoch {ctx.epoch} uses codec {ctx.codec_name!r}, not {sub.codec!r}"
+            )
+        if sub.payload_length > self.settings.max_payload_bytes:
+            raise Rejected(
+                Reason.OVERSIZE,
+                f"declared {sub.payload_length} bytes, limit {self.settings.max_payload_bytes}",
+            )
+        if abs(sub.timestamp_ms - self.clock()) > self.settings.max_clock_skew_s * 1000:
+            raise Rejected(
+                Reason.CLOCK_SKEW, f"timestamp {sub.timestamp_ms} ms is too far from the aggregator's clock"
+            )
+        try:
+            member = await self.chain.member(ctx.epoch, sub.host)
+        except Exception as exc:  # the chain is unreachable: the host may retry, nothing was judged
+            raise Rejected(Reason.UNAVAILABLE, f"cannot read the chain: {exc}") from exc
+        if member is None:
+            raise Rejected(
+                Reason.UNKNOWN_HOST,
+                f"host {to_checksum_address(sub.host)} is not signed in to epoch {ctx.epoch}",
+            )
+        if not sub.verify(signature, member.node_key):
+            raise Rejected(
+                Reason.BAD_SIGNATURE, "signature does not verify under the node key registered on chain"
+            )
+        if sub.host in self._in_flight or self.store.has_submission(r.epoch, r.round, sub.host):
+            raise Rejected(Reason.DUPLICATE, f"host already submitted in round {r.epoch}/{r.round}")
+        owner = self.store.digest_owner(r.epoch, r.round, sub.payload_sha256)
+        if owner is not None:
+            raise Rejected(
+                Reason.COPY, f"payload identical to the submission of {to_checksum_address(owner)}"
+            )
+        return member
+
+    async def submit(self, sub: Submission, signature: bytes, chunks: AsyncIterator[bytes]) -> SignedReceipt:
+        """Authenticate, stream, validate, persist; returns the signed acceptance or raises Rejected."""
+        await self.authenticate(sub, signature)
+        self._in_flight.add(sub.host)
+        try:
+            part = await receive_payload(
+                chunks,
+                declared_length=sub.payload_length,
+                declared_sha256=sub.payload_sha256,
+                max_chunk_bytes=self.settings.max_chunk_bytes,
+                incoming=self.store.incoming,
+            )
+            try:
+                async with self._decode_slots:
+                    checked = await asyncio.to_thread(self._check, part)
+                # The round may have closed while we streamed: its aggregate no longer takes updates.
+                r = self.current
+                if self.closing or r is None or (r.epoch, r.round) != (sub.epoch, sub.round):
+                    raise Rejected(
+                        Reason.LATE, f"round {sub.epoch}/{sub.round} closed while the payload streamed"
+                    )
+                received = self.clock()
+                row = SubmissionRow(
+                    epoch=sub.epoch,
+                    round=sub.round,
+                    host=sub.host,
+                    payload_sha256=sub.payload_sha256,
+                    payload_length=sub.payload_length,
+                    tokens_trained=sub.tokens_trained,
+                    timestamp_ms=sub.timestamp_ms,
+                    signature=signature,
+                    received_ms=received,
+                    norm=checked[0],
+                    sketch=checked[1],
+                    path=str(self.store.payload_path(sub.epoch, sub.round, sub.host)),
+                )
+                self.store.add_submission(row, part)
+            finally:
+                part.unlink(missing_ok=True)
+        finally:
+            self._in_flight.discard(sub.host)
+        return self.receipt(sub, accepted=True, reason=0, received_ms=received)
+
+    def _check(self, part: Path) -> tuple[float, bytes]:
+        data = part.read_bytes()
+        update = decode_update(self.ctx.codec, self.ctx.codec_error, data, self.ctx.spec)
+        checked = check_update(update, self.ctx.spec, self.settings.max_update_norm)
+        return checked.norm, checked.sketch.numpy().tobytes()
+
+    def receipt(
+        self, sub: Submission | None, accepted: bool, reason: int, received_ms: int | None = None
+    ) -> SignedReceipt:
+        body = ReceiptBody(
+            chain_id=self.ctx.chain_id,
+            registry=self.ctx.registry,
+            epoch=sub.epoch if sub else 0,
+            round=sub.round if sub else 0,
+            host=sub.host if sub else bytes(20),
+            payload_sha256=sub.payload_sha256 if sub else ZERO32,
+            payload_length=sub.payload_length if sub else 0,
+            accepted=accepted,
+            reason=reason,
+            received_ms=self.clock() if received_ms is None else received_ms,
+        )
+        return SignedReceipt(body, body.sign(self.signer), self.aggregator_key)
+
+    # ---- closing -----------------------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        """Close, extend or skip the open round when its rule says so (called periodically)."""
+        r = self.current
+        if r is None or self.closing:
+            return
+        accepted = {s.host for s in self.store.submissions(r.epoch, r.round)}
+        hosts = await self._signed_in(r.epoch, len(accepted))
+        everyone = bool(hosts) and hosts <= accepted
+        if everyone or (self.clock() > r.deadline_ms and len(accepted) >= self.settings.quorum):
+            await self.close(skip=False)
+        elif self.clock() > r.deadline_ms and r.extensions < self.settings.max_extensions:
+            deadline = self.clock() + int(self.settings.extend_s * 1000)
+            self.store.extend_round(r.epoch, r.round, deadline)
+            self.current = self.store.get_round(r.epoch, r.round)
+            log.info(
+                "round %d/%d below quorum (%d): extended to %d", r.epoch, r.round, len(accepted), deadline
+            )
+        elif self.clock() > r.deadline_ms:
+            await self.close(skip=True)
+
+    async def _signed_in(self, epoch: int, n_accepted: int) -> set[bytes]:
+        """Hosts of the epoch, re-read from the chain only when a submission arrived or every 10 s:
+        reading it at every tick would keep a CPU busy with EVM calls."""
+        key = (epoch, n_accepted)
+        now = self.clock()
+        if self._hosts_cache is None or self._hosts_cache[0] != key or now - self._hosts_cache[1] > 10_000:
+            hosts = await self.chain.acall(self.chain.chain.hosts, epoch)
+            self._hosts_cache = (key, now, {bytes.fromhex(h[2:]) for h in hosts})
+        return self._hosts_cache[2]
+
+    async def close(self, skip: bool) -> None:
+        r = self.current
+        assert r is not None
+        self.closing = True  # from here on, submissions of this round are refused as LATE
+        while self._in_flight:  # let payloads already past authentication finish (or fail)
+            await asyncio.sleep(0.01)
+        row = await asyncio.to_thread(self._close_sync, r, skip)
+        self._open_next(row)
+        self.round_closed.set()
+        self.round_closed = asyncio.Event()
+
+    def _close_sync(self, r: RoundRow, skip: bool) -> RoundRow:
+        if skip:
+            self.store.record_finalize_intent(
+                r.epoch, r.round, "skipping", r.base_sha256, ZERO32, 0, "skipped", []
+            )
+        else:
+            outcome = self._compute(r)
+            if outcome.aggregated == 0:  # nothing worth aggregating: same as a skip, but scores are kept
+                self.store.record_finalize_intent(
+                    r.epoch, r.round, "skipping", r.base_sha256, ZERO32, 0, "skipped", outcome.contributions
+                )
+            else:
+                self.store.record_finalize_intent(
+                    r.epoch,
+                    r.round,
+                    "finalizing",
+                    outcome.checkpoint_sha256,
+                    outcome.rewards_root,
+                    outcome.total_reward,
+                    outcome.rule,
+                    outcome.contributions,
+                )
+        row = self.store.get_round(r.epoch, r.round)
+        assert row is not None
+        return self._finish(row)
+
+    def _compute(self, r: RoundRow) -> RoundOutcome:
+        ctx = self.ctx
+        return compute_outcome(
+            ctx=ctx,
+            round_row=r,
+            submissions=self.store.submissions(r.epoch, r.round),
+            slots={m.address: m.slot for m in self.chain.members(r.epoch)},
+            base_path=self.base_path(r.round),
+            prev_outer_state=self._prev_outer_state(r.round),
+            store=self.store,
+            checkpoints=self.checkpoints,
+            aggregation=self.aggregation,
+        )
+
+    def _prev_outer_state(self, round_: int) -> Path | None:
+        for row in reversed(self.store.rounds(self.ctx.epoch)):
+            if row.round < round_ and row.state == "finalized":
+                return self.store.outer_state_path(self.ctx.epoch, row.round)
+        return None
+
+    def _finish(self, row: RoundRow) -> RoundRow:
+        """Put the recorded intent on chain unless the chain already has it; then mark it done."""
+        assert (
+            row.checkpoint_sha256 is not None
+            and row.rewards_root is not None
+            and row.total_reward is not None
+        )
+        on_chain = self.chain.call(self.chain.chain.round_result, row.epoch, row.round)
+        n = sum(1 for c in self.store.contributions(row.epoch, row.round) if c.reward > 0)
+        if on_chain.finalized:
+            if (bytes(on_chain.checkpoint_sha256), bytes(on_chain.rewards_root)) != (
+                row.checkpoint_sha256,
+                row.rewards_root,
+            ):
+                raise RuntimeError(
+                    f"round {row.epoch}/{row.round} is finalized on chain with checkpoint "
+                    f"{bytes(on_chain.checkpoint_sha256).hex()}, but this aggregator computed {row.checkpoint_sha256.hex()}"
+                )
+            tx = b""
+            log.info("round %d/%d was already finalized on chain", row.epoch, row.round)
+        else:
+            result = self.chain.call(
+                self.chain.chain.finalize_round,
+                row.epoch,
+                row.round,
+                row.checkpoint_sha256,
+                row.rewards_root,
+                n,
+                row.total_reward,
+            )
+            tx = _tx_bytes(result)
+        self.store.mark_finalized(row.epoch, row.round, tx, skipped=row.state == "skipping")
+        done = self.store.get_round(row.epoch, row.round)
+        assert done is not None
+        return done
+
+    # ---- serving results ---------------------------------------------------------------------------
+
+    def reward_tree(self, round_: int) -> RewardTree | None:
+        if round_ not in self._trees:
+            rewards = [
+                (to_checksum_address(c.host), c.reward)
+                for c in self.store.contributions(self.ctx.epoch, round_)
+                if c.reward > 0
+            ]
+            self._trees[round_] = (
+                RewardTree(
+                    self.ctx.chain_id, to_checksum_address(self.ctx.registry), self.ctx.epoch, round_, rewards
+                )
+                if rewards
+                else None
+            )
+        return self._trees[round_]
+
+    async def run(self, stop: asyncio.Event, interval_s: float = 0.2) -> None:
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception:  # a failed close is retried next tick; the intent on disk keeps it safe
+                log.exception("round tick failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+
+
+def _tx_bytes(result: Any) -> bytes:
+    value = getattr(result, "tx_hash", result)
+    if isinstance(value, bytes | bytearray):
+        return bytes(value)
+    if isinstance(value, str) and value.startswith("0x"):
+        return bytes.fromhex(value[2:])
+    return b""

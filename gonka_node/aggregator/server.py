@@ -1,0 +1,366 @@
+"""gRPC servicers: translate protobuf ↔ the round engine, and nothing else.
+
+A refused submission ends with an error status (code per reason, below), a message a person can act
+on, and two trailing metadata entries: `gonka-reason` (the RejectReason name, machine-readable) and
+`gonka-receipt-bin` (the aggregator's signed Receipt saying "rejected, reason N").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gonka_node.aggregator.reasons import Reason, Rejected
+from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
+from gonka_node.envelope import EnvelopeError, Submission
+from proto.gonka.v1 import aggregator_pb2 as pb
+from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
+from proto.gonka.v1 import checkpoints_pb2 as cpb
+from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
+from proto.gonka.v1 import common_pb2 as common
+
+log = logging.getLogger(__name__)
+FILE_CHUNK = 1 << 20
+MESSAGE_LIMIT = 4 << 20  # chunks are <= 1 MiB; larger messages die in the transport, before our code
+
+STATUS: dict[Reason, grpc.StatusCode] = {
+    Reason.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.WRONG_CHAIN: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.BAD_SIGNATURE: grpc.StatusCode.UNAUTHENTICATED,
+    Reason.UNKNOWN_HOST: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.WRONG_ROUND: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.STALE_BASE: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.LATE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Reason.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    Reason.OVERSIZE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.TRUNCATED: grpc.StatusCode.DATA_LOSS,
+    Reason.DIGEST_MISMATCH: grpc.StatusCode.DATA_LOSS,
+    Reason.WRONG_CODEC: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.UNDECODABLE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.WRONG_SHAPE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.NON_FINITE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.NORM_TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.COPY: grpc.StatusCode.ALREADY_EXISTS,
+    Reason.CLOCK_SKEW: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def receipt_pb(r: SignedReceipt, message: str = "") -> pb.Receipt:
+    b = r.body
+    return pb.Receipt(
+        accepted=b.accepted,
+        reason=b.reason,
+        message=message,
+        chain_id=b.chain_id,
+        registry=b.registry,
+        epoch=b.epoch,
+        round=b.round,
+        host=b.host,
+        payload_sha256=b.payload_sha256,
+        payload_length=b.payload_length,
+        received_unix_ms=b.received_ms,
+        aggregator_key=r.aggregator_key,
+        signature=r.signature,
+    )
+
+
+def submission_from_pb(h: pb.SubmitHeader) -> Submission:
+    try:
+        return Submission(
+            chain_id=h.chain_id,
+            registry=h.registry,
+            epoch=h.epoch,
+            round=h.round,
+            host=h.host,
+            base_checkpoint_sha256=h.base_checkpoint_sha256,
+            codec=h.codec,
+            payload_sha256=h.payload_sha256,
+            payload_length=h.payload_length,
+            tokens_trained=h.tokens_trained,
+            timestamp_ms=h.timestamp_unix_ms,
+        )
+    except EnvelopeError as exc:
+        raise Rejected(Reason.MALFORMED, f"header: {exc}") from exc
+
+
+async def _chunks(stream: AsyncIterator[pb.SubmitRequest]) -> AsyncIterator[bytes]:
+    async for msg in stream:
+        if msg.WhichOneof("part") != "chunk":
+            raise Rejected(Reason.MALFORMED, "only payload chunks may follow the header")
+        yield msg.chunk
+
+
+async def stream_file(path: Path, meta: common.FileMeta) -> AsyncIterator[common.FileChunk]:
+    yield common.FileChunk(meta=meta)
+    with open(path, "rb") as f:
+        while chunk := await asyncio.to_thread(f.read, FILE_CHUNK):
+            yield common.FileChunk(data=chunk)
+
+
+class AggregatorService(pb_grpc.AggregatorServicer):
+    def __init__(self, engine: RoundEngine) -> None:
+        self.engine = engine
+
+    async def GetOpenRound(
+        self, request: pb.GetOpenRoundRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RoundInfo:
+        e, r = self.engine, self.engine.current
+        if r is None or e.closing:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no round is open in epoch {e.ctx.epoch}")
+        assert r is not None
+        s = e.settings
+        return pb.RoundInfo(
+            chain_id=e.ctx.chain_id,
+            registry=e.ctx.registry,
+            epoch=r.epoch,
+            round=r.round,
+            base_checkpoint_sha256=r.base_sha256,
+            deadline_unix_ms=r.deadline_ms,
+            codec=e.ctx.codec_name,
+            limits=pb.Limits(
+                max_payload_bytes=s.max_payload_bytes,
+                max_chunk_bytes=s.max_chunk_bytes,
+                max_update_norm=s.max_update_norm,
+                max_clock_skew_ms=int(s.max_clock_skew_s * 1000),
+            ),
+            aggregator_key=e.aggregator_key,
+            submissions=len(e.store.submissions(r.epoch, r.round)),
+            expected_hosts=len(await e.chain.acall(e.chain.chain.hosts, r.epoch)),
+        )
+
+    async def Submit(
+        self, request_iterator: AsyncIterator[pb.SubmitRequest], context: grpc.aio.ServicerContext
+    ) -> pb.Receipt:
+        sub: Submission | None = None
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("part") != "header":
+                raise Rejected(Reason.MALFORMED, "the stream must start with a SubmitHeader")
+            sub = submission_from_pb(first.header)
+            receipt = await self.engine.submit(sub, first.header.signature, _chunks(request_iterator))
+            return receipt_pb(receipt)
+        except Rejected as exc:
+            log.info("rejected %s: %s", f"0x{sub.host.hex()}" if sub else "?", exc)
+            signed = self.engine.receipt(sub, accepted=False, reason=exc.reason.value)
+            trailing = (
+                ("gonka-reason", exc.reason.name),
+                ("gonka-receipt-bin", receipt_pb(signed, exc.message).SerializeToString()),
+            )
+            await context.abort(STATUS[exc.reason], exc.message, trailing_metadata=trailing)
+            raise AssertionError("unreachable") from exc
+
+    async def GetRoundResult(self, request: pb.RoundRef, context: grpc.aio.ServicerContext) -> pb.RoundResult:
+        row = await self._done_round(request.epoch, request.round, context)
+        contributions = self.engine.store.contributions(row.epoch, row.round)
+        return pb.RoundResult(
+            epoch=row.epoch,
+            round=row.round,
+            state=row.state,
+            base_checkpoint_sha256=row.base_sha256,
+            checkpoint_sha256=row.checkpoint_sha256 or b"",
+            rewards_root=row.rewards_root or b"",
+            total_reward=row.total_reward or 0,
+            aggregation=row.aggregation or "",
+            contributions=[
+                pb.Contribution(
+                    host=c.host, score=c.score, reward=c.reward, aggregated=c.aggregated, reasons=c.reasons
+                )
+                for c in contributions
+            ],
+            finalize_tx=row.finalize_tx or b"",
+        )
+
+    async def GetRoundUpdate(
+        self, request: pb.RoundRef, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common.FileChunk]:
+        row = await self._done_round(request.epoch, request.round, context)
+        path = self.engine.store.update_path(row.epoch, row.round)
+        if row.state != "finalized" or not path.exists():
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"round {row.epoch}/{row.round} was skipped: no update"
+            )
+        async for chunk in stream_file(path, await _meta(path, row.epoch, row.round, b"")):
+            yield chunk
+
+    async def GetRewardProof(
+        self, request: pb.GetRewardProofRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RewardProof:
+        row = await self._done_round(request.epoch, request.round, context)
+        tree = self.engine.reward_tree(row.round)
+        host = "0x" + bytes(request.host).hex()
+        if tree is None or len(request.host) != 20 or host.lower() not in {h.lower() for h in tree.hosts}:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"{host} has no reward in round {row.epoch}/{row.round}"
+            )
+        assert tree is not None
+        return pb.RewardProof(
+            epoch=row.epoch,
+            round=row.round,
+            host=request.host,
+            amount=tree.amount(host),
+            proof=tree.proof(host),
+            rewards_root=tree.root,
+        )
+
+    async def GetCheckpoint(
+        self, request: pb.RoundRef, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common.FileChunk]:
+        async for chunk in checkpoint_stream(self.engine, request.epoch, request.round, context):
+            yield chunk
+
+    async def _done_round(self, epoch: int, round_: int, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        row = self.engine.store.get_round(epoch, round_)
+        if row is None or row.state not in ("finalized", "skipped"):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"round {epoch}/{round_} is not finalized")
+        return row
+
+
+async def _meta(path: Path, epoch: int, round_: int, content_sha256: bytes) -> common.FileMeta:
+    import hashlib
+
+    def digest() -> bytes:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(FILE_CHUNK):
+                h.update(block)
+        return h.digest()
+
+    return common.FileMeta(
+        length=path.stat().st_size,
+        file_sha256=await asyncio.to_thread(digest),
+        content_sha256=content_sha256,
+        epoch=epoch,
+        round=round_,
+        format="safetensors",
+    )
+
+
+async def checkpoint_stream(
+    engine: RoundEngine, epoch: int, round_: int, context: grpc.aio.ServicerContext
+) -> AsyncIterator[common.FileChunk]:
+    if epoch != engine.ctx.epoch:
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"this aggregator serves epoch {engine.ctx.epoch}, not {epoch}"
+        )
+    if round_ == 0:
+        path, sha = engine.ctx.initial_checkpoint, engine.ctx.initial_sha256
+    else:
+        row = engine.store.get_round(epoch, round_)
+        if row is None or row.state != "finalized":
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint for round {epoch}/{round_}")
+        assert row is not None and row.checkpoint_sha256 is not None
+        path, sha = engine.store.checkpoint_path(epoch, round_), row.checkpoint_sha256
+    async for chunk in stream_file(path, await _meta(path, epoch, round_, sha)):
+        yield chunk
+
+
+class CheckpointsService(cpb_grpc.CheckpointsServicer):
+    def __init__(self, engine: RoundEngine, model_name: str = "") -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    async def ListEpochs(
+        self, request: cpb.ListEpochsRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ListEpochsResponse:
+        e = self.engine
+        done = [r for r in e.store.rounds(e.ctx.epoch) if r.state == "finalized"]
+        return cpb.ListEpochsResponse(
+            epochs=[
+                cpb.EpochSummary(
+                    epoch=e.ctx.epoch,
+                    model=self.model_name,
+                    codec=e.ctx.codec_name,
+                    rounds_finalized=len(done),
+                    initial_checkpoint_sha256=e.ctx.initial_sha256,
+                    latest_checkpoint_sha256=done[-1].checkpoint_sha256 if done else e.ctx.initial_sha256,
+                )
+            ]
+        )
+
+    async def ListRounds(
+        self, request: cpb.ListRoundsRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ListRoundsResponse:
+        e = self.engine
+        out = []
+        for r in e.store.rounds(request.epoch):
+            if r.state not in ("finalized", "skipped"):
+                continue
+            on_chain = await e.chain.acall(e.chain.chain.round_result, r.epoch, r.round)
+            out.append(
+                cpb.RoundSummary(
+                    epoch=r.epoch,
+                    round=r.round,
+                    state=r.state,
+                    checkpoint_sha256=bytes(on_chain.checkpoint_sha256),
+                    rewards_root=bytes(on_chain.rewards_root),
+                    contributors=on_chain.n_contributors,
+                    total_reward=on_chain.total_reward,
+                )
+            )
+        return cpb.ListRoundsResponse(rounds=out)
+
+    async def StreamCheckpoint(
+        self, request: cpb.StreamCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common.FileChunk]:
+        async for chunk in checkpoint_stream(self.engine, request.epoch, request.round, context):
+            yield chunk
+
+
+class AggregatorServer:
+    """The asyncio gRPC server around one RoundEngine: bind, serve, tick rounds, stop."""
+
+    def __init__(self, engine: RoundEngine, listen: str = "127.0.0.1:0", model_name: str = "") -> None:
+        self.engine = engine
+        self.listen = listen
+        self.model_name = model_name
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._stop = asyncio.Event()
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        self.engine.start()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                ("grpc.max_send_message_length", MESSAGE_LIMIT),
+            ]
+        )
+        pb_grpc.add_AggregatorServicer_to_server(AggregatorService(self.engine), server)
+        cpb_grpc.add_CheckpointsServicer_to_server(CheckpointsService(self.engine, self.model_name), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = (
+            pb.DESCRIPTOR.services_by_name["Aggregator"].full_name,
+            cpb.DESCRIPTOR.services_by_name["Checkpoints"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, server)
+        self.port = server.add_insecure_port(self.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.listen}")
+        await server.start()
+        for name in ("", *names[:2]):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self._ticker = asyncio.create_task(self.engine.run(self._stop))
+        return self.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            await self._ticker
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()

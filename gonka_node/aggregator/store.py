@@ -1,0 +1,318 @@
+"""Durable aggregator state: SQLite (WAL, synchronous=FULL) plus fsync'd payload files.
+
+The rule (invariant 3): a submission is on disk — file renamed into place and fsync'd, row committed —
+before its receipt leaves the process. Round finalization is recorded as an *intent* before the chain
+transaction is sent, so a restarted aggregator checks the chain instead of finalizing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rounds (
+    epoch INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    state TEXT NOT NULL,               -- open | finalizing | finalized | skipped
+    base_sha256 BLOB NOT NULL,
+    deadline_ms INTEGER NOT NULL,
+    extensions INTEGER NOT NULL DEFAULT 0,
+    opened_ms INTEGER NOT NULL,
+    checkpoint_sha256 BLOB,
+    rewards_root BLOB,
+    total_reward INTEGER,
+    aggregation TEXT,
+    finalize_tx BLOB,
+    closed_ms INTEGER,
+    PRIMARY KEY (epoch, round)
+);
+CREATE TABLE IF NOT EXISTS submissions (
+    epoch INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    host BLOB NOT NULL,
+    payload_sha256 BLOB NOT NULL,
+    payload_length INTEGER NOT NULL,
+    tokens_trained INTEGER NOT NULL,
+    timestamp_ms INTEGER NOT NULL,
+    signature BLOB NOT NULL,
+    received_ms INTEGER NOT NULL,
+    norm REAL NOT NULL,
+    sketch BLOB NOT NULL,
+    path TEXT NOT NULL,
+    PRIMARY KEY (epoch, round, host)
+);
+CREATE TABLE IF NOT EXISTS contributions (
+    epoch INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    host BLOB NOT NULL,
+    score REAL NOT NULL,
+    reward INTEGER NOT NULL,
+    aggregated INTEGER NOT NULL,
+    reasons TEXT NOT NULL,             -- JSON list of strings
+    PRIMARY KEY (epoch, round, host)
+);
+"""
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    epoch: int
+    round: int
+    state: str
+    base_sha256: bytes
+    deadline_ms: int
+    extensions: int
+    opened_ms: int
+    checkpoint_sha256: bytes | None = None
+    rewards_root: bytes | None = None
+    total_reward: int | None = None
+    aggregation: str | None = None
+    finalize_tx: bytes | None = None
+    closed_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class SubmissionRow:
+    epoch: int
+    round: int
+    host: bytes
+    payload_sha256: bytes
+    payload_length: int
+    tokens_trained: int
+    timestamp_ms: int
+    signature: bytes
+    received_ms: int
+    norm: float
+    sketch: bytes
+    path: str
+
+
+@dataclass(frozen=True)
+class ContributionRow:
+    host: bytes
+    score: float
+    reward: int
+    aggregated: bool
+    reasons: list[str] = field(default_factory=list)
+
+
+def fsync_dir(path: Path) -> None:
+    """A rename is durable only once its directory entry is: fsync the folder itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Store:
+    """One aggregator's state under `root`. Thread-safe (one connection behind a lock)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.incoming = root / "incoming"
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    def open(self) -> Store:
+        for sub in ("incoming", "payloads", "checkpoints", "updates", "outer"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.root / "state.sqlite3", check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # fsync the WAL at every commit: a receipt implies durability
+        db.executescript(SCHEMA)
+        self._db = db
+        # Half-received payloads of a previous process: never acknowledged, so safe to drop.
+        for part in self.incoming.iterdir():
+            part.unlink()
+        return self
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        if self._db is None:
+            raise RuntimeError("Store.open() was not called")
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # ---- paths -------------------------------------------------------------------------------------
+
+    def payload_path(self, epoch: int, round_: int, host: bytes) -> Path:
+        return self.root / "payloads" / str(epoch) / str(round_) / f"{host.hex()}.bin"
+
+    def checkpoint_path(self, epoch: int, round_: int) -> Path:
+        return self.root / "checkpoints" / str(epoch) / f"{round_:06d}.safetensors"
+
+    def update_path(self, epoch: int, round_: int) -> Path:
+        return self.root / "updates" / str(epoch) / f"{round_:06d}.safetensors"
+
+    def outer_state_path(self, epoch: int, round_: int) -> Path:
+        return self.root / "outer" / str(epoch) / f"{round_:06d}.safetensors"
+
+    # ---- rounds ------------------------------------------------------------------------------------
+
+    def open_round(self, epoch: int, round_: int, base_sha256: bytes, deadline_ms: int) -> RoundRow:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO rounds (epoch, round, state, base_sha256, deadline_ms, opened_ms) VALUES (?,?,?,?,?,?)",
+                (epoch, round_, "open", base_sha256, deadline_ms, now_ms()),
+            )
+        row = self.get_round(epoch, round_)
+        assert row is not None
+        return row
+
+    def get_round(self, epoch: int, round_: int) -> RoundRow | None:
+        rows = self._rounds("WHERE epoch=? AND round=?", (epoch, round_))
+        return rows[0] if rows else None
+
+    def rounds(self, epoch: int | None = None) -> list[RoundRow]:
+        if epoch is None:
+            return self._rounds("ORDER BY epoch, round", ())
+        return self._rounds("WHERE epoch=? ORDER BY round", (epoch,))
+
+    def latest_round(self) -> RoundRow | None:
+        rows = self._rounds("ORDER BY epoch DESC, round DESC LIMIT 1", ())
+        return rows[0] if rows else None
+
+    def _rounds(self, where: str, args: tuple[object, ...]) -> list[RoundRow]:
+        with self._tx() as db:
+            cur = db.execute(f"SELECT * FROM rounds {where}", args)
+            names = [d[0] for d in cur.description]
+            return [RoundRow(**dict(zip(names, r, strict=True))) for r in cur.fetchall()]
+
+    def extend_round(self, epoch: int, round_: int, deadline_ms: int) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE rounds SET deadline_ms=?, extensions=extensions+1 WHERE epoch=? AND round=? AND state='open'",
+                (deadline_ms, epoch, round_),
+            )
+
+    def record_finalize_intent(
+        self,
+        epoch: int,
+        round_: int,
+        state: str,
+        checkpoint_sha256: bytes,
+        rewards_root: bytes,
+        total_reward: int,
+        aggregation: str,
+        contributions: list[ContributionRow],
+    ) -> None:
+        """Everything the chain transaction will say, committed before it is sent."""
+        if state not in ("finalizing", "skipping"):
+            raise ValueError(f"record_finalize_intent: state must be finalizing or skipping, got {state!r}")
+        with self._tx() as db:
+            db.execute("DELETE FROM contributions WHERE epoch=? AND round=?", (epoch, round_))
+            db.executemany(
+                "INSERT INTO contributions VALUES (?,?,?,?,?,?,?)",
+                [
+                    (epoch, round_, c.host, c.score, c.reward, int(c.aggregated), json.dumps(c.reasons))
+                    for c in contributions
+                ],
+            )
+            db.execute(
+                "UPDATE rounds SET state=?, checkpoint_sha256=?, rewards_root=?, total_reward=?, aggregation=?, closed_ms=? "
+                "WHERE epoch=? AND round=?",
+                (state, checkpoint_sha256, rewards_root, total_reward, aggregation, now_ms(), epoch, round_),
+            )
+
+    def mark_finalized(self, epoch: int, round_: int, finalize_tx: bytes, skipped: bool = False) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE rounds SET state=?, finalize_tx=? WHERE epoch=? AND round=?",
+                ("skipped" if skipped else "finalized", finalize_tx, epoch, round_),
+            )
+
+    def contributions(self, epoch: int, round_: int) -> list[ContributionRow]:
+        with self._tx() as db:
+            rows = db.execute(
+                "SELECT host, score, reward, aggregated, reasons FROM contributions WHERE epoch=? AND round=? ORDER BY host",
+                (epoch, round_),
+            ).fetchall()
+        return [ContributionRow(h, s, r, bool(a), json.loads(reasons)) for h, s, r, a, reasons in rows]
+
+    # ---- submissions -------------------------------------------------------------------------------
+
+    def add_submission(self, row: SubmissionRow, part: Path) -> None:
+        """Move a fully received, verified payload into place and record it; durable on return."""
+        final = Path(row.path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(part, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(part, final)
+        fsync_dir(final.parent)
+        try:
+            with self._tx() as db:
+                state = db.execute(
+                    "SELECT state FROM rounds WHERE epoch=? AND round=?", (row.epoch, row.round)
+                ).fetchone()
+                if state is None or state[0] != "open":
+                    raise sqlite3.IntegrityError(f"round {row.epoch}/{row.round} is not open")
+                db.execute(
+                    "INSERT INTO submissions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        row.epoch,
+                        row.round,
+                        row.host,
+                        row.payload_sha256,
+                        row.payload_length,
+                        row.tokens_trained,
+                        row.timestamp_ms,
+                        row.signature,
+                        row.received_ms,
+                        row.norm,
+                        row.sketch,
+                        row.path,
+                    ),
+                )
+        except BaseException:
+            final.unlink(missing_ok=True)
+            raise
+
+    def submissions(self, epoch: int, round_: int) -> list[SubmissionRow]:
+        """Accepted submissions of a round in increasing host-address order (the aggregation order)."""
+        with self._tx() as db:
+            cur = db.execute(
+                "SELECT * FROM submissions WHERE epoch=? AND round=? ORDER BY host", (epoch, round_)
+            )
+            names = [d[0] for d in cur.description]
+            return [SubmissionRow(**dict(zip(names, r, strict=True))) for r in cur.fetchall()]
+
+    def has_submission(self, epoch: int, round_: int, host: bytes) -> bool:
+        with self._tx() as db:
+            return (
+                db.execute(
+                    "SELECT 1 FROM submissions WHERE epoch=? AND round=? AND host=?", (epoch, round_, host)
+                ).fetchone()
+                is not None
+            )
+
+    def digest_owner(self, epoch: int, round_: int, payload_sha256: bytes) -> bytes | None:
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT host FROM submissions WHERE epoch=? AND round=? AND payload_sha256=?",
+                (epoch, round_, payload_sha256),
+            ).fetchone()
+        return None if row is None else bytes(row[0])

@@ -1,0 +1,225 @@
+"""Typed configuration: TOML files read with `tomllib`, validated into frozen dataclasses.
+
+This is the only module of the project that reads environment variables. It knows a fixed set of
+`GONKA_*` names and refuses any other, so a typo (`GONKA_RPC_ULR`) fails loudly instead of being
+silently ignored. Every error names the file and the field.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+# name -> what it overrides. Precedence: CLI flag > environment > TOML file > default.
+KNOWN_ENV: dict[str, str] = {
+    "GONKA_HOME": "base folder for relative data paths (default: the config file's folder)",
+    "GONKA_RPC_URL": "[chain] rpc_url",
+    "GONKA_LISTEN": "[aggregator] listen",
+    "GONKA_LOG_LEVEL": "log level (DEBUG, INFO, WARNING, ERROR)",
+    "GONKA_KEY_PASSPHRASE": "passphrase of the encrypted key files (`gonka-node keys`, gonka_node/keys.py)",
+}
+AGGREGATION_RULES = ("mean", "clip_median", "centered_clip")
+MAX_CHUNK_BYTES = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the file and field to fix."""
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The known GONKA_* variables that are set; raises on any unknown GONKA_* name."""
+    env = os.environ if environ is None else environ
+    ours = {k: v for k, v in env.items() if k.startswith("GONKA_")}
+    unknown = sorted(set(ours) - set(KNOWN_ENV))
+    if unknown:
+        known = ", ".join(sorted(KNOWN_ENV))
+        raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}; known: {known}")
+    return ours
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    backend: str = "embedded"  # "embedded" (in-process py-evm) or "rpc"
+    rpc_url: str = ""
+    registry: str = ""  # 0x address of the registry contract; empty: deployed by the devnet
+    chain_id: int = 0  # 0: whatever the node reports
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("embedded", "rpc"):
+            raise ConfigError(f"[chain] backend must be 'embedded' or 'rpc', got {self.backend!r}")
+        if self.backend == "rpc" and not self.rpc_url:
+            raise ConfigError("[chain] rpc_url is required when backend = 'rpc'")
+        if self.registry and not (self.registry.startswith("0x") and len(self.registry) == 42):
+            raise ConfigError(
+                f"[chain] registry must be a 0x-prefixed 20-byte hex address, got {self.registry!r}"
+            )
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """Deadlines and limits of every round (docs/PROTOCOL.md "Round lifecycle")."""
+
+    duration_s: float = 600.0
+    quorum: int = 1  # accepted submissions needed to close at the deadline
+    extend_s: float = 120.0  # extension granted when the deadline passes below quorum
+    max_extensions: int = 2  # then the round is skipped
+    max_payload_bytes: int = 512 << 20
+    max_chunk_bytes: int = MAX_CHUNK_BYTES
+    max_update_norm: float = 1.0e4
+    max_clock_skew_s: float = 300.0
+    reward_per_round: int = 0  # ngonka split among contributors; 0: the epoch's pool / rounds
+
+    def __post_init__(self) -> None:
+        _positive("[round] duration_s", self.duration_s)
+        _positive("[round] extend_s", self.extend_s)
+        _positive("[round] max_update_norm", self.max_update_norm)
+        _positive("[round] max_clock_skew_s", self.max_clock_skew_s)
+        if self.quorum < 1:
+            raise ConfigError(f"[round] quorum must be >= 1, got {self.quorum}")
+        if self.max_extensions < 0:
+            raise ConfigError(f"[round] max_extensions must be >= 0, got {self.max_extensions}")
+        if not 1 <= self.max_payload_bytes <= 1 << 40:
+            raise ConfigError(f"[round] max_payload_bytes must be in [1, 2^40], got {self.max_payload_bytes}")
+        if not 1 <= self.max_chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ConfigError(
+                f"[round] max_chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {self.max_chunk_bytes}"
+            )
+        if self.reward_per_round < 0:
+            raise ConfigError(f"[round] reward_per_round must be >= 0, got {self.reward_per_round}")
+
+
+@dataclass(frozen=True)
+class AggregationSettings:
+    rule: str = "clip_median"
+    per_epoch: Mapping[int, str] = field(default_factory=dict)  # epoch -> rule, overrides `rule`
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    centered_clip_iters: int = 3
+    copy_cosine: float = 0.99  # sketch cosine above which a later submission counts as a copy
+    min_score: float = 0.0  # contributions scoring at or below this are not aggregated nor paid
+    heldout_windows: int = 4
+
+    def __post_init__(self) -> None:
+        for epoch, rule in {None: self.rule, **self.per_epoch}.items():
+            if rule not in AGGREGATION_RULES:
+                where = "[aggregation] rule" if epoch is None else f"[aggregation.per_epoch] {epoch}"
+                raise ConfigError(f"{where} must be one of {', '.join(AGGREGATION_RULES)}, got {rule!r}")
+        _positive("[aggregation] outer_lr", self.outer_lr)
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"[aggregation] outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0.0 < self.copy_cosine <= 1.0:
+            raise ConfigError(f"[aggregation] copy_cosine must be in (0, 1], got {self.copy_cosine}")
+        if self.centered_clip_iters < 1 or self.heldout_windows < 1:
+            raise ConfigError("[aggregation] centered_clip_iters and heldout_windows must be >= 1")
+
+    def rule_for(self, epoch: int) -> str:
+        return self.per_epoch.get(epoch, self.rule)
+
+
+@dataclass(frozen=True)
+class AggregatorConfig:
+    data_dir: Path
+    listen: str = "127.0.0.1:50051"
+    node_key: Path | None = None  # ed25519 key that signs receipts
+    evm_key: Path | None = None  # account that finalizes rounds on chain
+    chain: ChainSettings = field(default_factory=ChainSettings)
+    round: RoundSettings = field(default_factory=RoundSettings)
+    aggregation: AggregationSettings = field(default_factory=AggregationSettings)
+    log_level: str = "INFO"
+
+
+def load_aggregator_config(
+    path: Path, environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> AggregatorConfig:
+    """Read `path` (TOML), then apply GONKA_* variables, then `overrides` (CLI flags, None = unset)."""
+    env = read_env(environ)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such config file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    try:
+        return _build(path, raw, env, dict(overrides or {}))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _build(
+    path: Path, raw: dict[str, Any], env: dict[str, str], overrides: dict[str, Any]
+) -> AggregatorConfig:
+    _only_keys("top level", raw, {"aggregator", "chain", "round", "aggregation"})
+    agg = dict(raw.get("aggregator", {}))
+    _only_keys("[aggregator]", agg, {"listen", "data_dir", "node_key", "evm_key", "log_level"})
+    base = Path(env.get("GONKA_HOME", path.parent))
+    chain = dict(raw.get("chain", {}))
+    if "GONKA_RPC_URL" in env:
+        chain["rpc_url"] = env["GONKA_RPC_URL"]
+    aggregation = dict(raw.get("aggregation", {}))
+    if "per_epoch" in aggregation:
+        aggregation["per_epoch"] = _epoch_map(aggregation["per_epoch"])
+    listen = overrides.get("listen") or env.get("GONKA_LISTEN") or agg.get("listen", "127.0.0.1:50051")
+    data_dir = overrides.get("data_dir") or agg.get("data_dir", "aggregator-data")
+    return AggregatorConfig(
+        data_dir=_resolve(base, data_dir),
+        listen=str(listen),
+        node_key=_resolve(base, agg["node_key"]) if "node_key" in agg else None,
+        evm_key=_resolve(base, agg["evm_key"]) if "evm_key" in agg else None,
+        chain=_section(ChainSettings, "[chain]", chain),
+        round=_section(RoundSettings, "[round]", dict(raw.get("round", {}))),
+        aggregation=_section(AggregationSettings, "[aggregation]", aggregation),
+        log_level=str(env.get("GONKA_LOG_LEVEL", agg.get("log_level", "INFO"))).upper(),
+    )
+
+
+def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
+    allowed = {f.name: f for f in fields(cls)}
+    _only_keys(name, values, set(allowed))
+    for key, value in values.items():
+        if not _type_ok(allowed[key].default, value):
+            raise ConfigError(f"{name} {key} must be a {type(allowed[key].default).__name__}, got {value!r}")
+    return cls(**values)
+
+
+def _type_ok(default: Any, value: Any) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):  # TOML writes 600 for 600.0
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    return True  # fields with a default factory are validated by the dataclass
+
+
+def _epoch_map(value: Any) -> dict[int, str]:
+    if not isinstance(value, dict):
+        raise ConfigError("[aggregation.per_epoch] must be a table of epoch = rule")
+    try:
+        return {int(k): v for k, v in value.items()}
+    except ValueError as exc:
+        raise ConfigError(f"[aggregation.per_epoch] keys must be epoch numbers: {exc}") from exc
+
+
+def _only_keys(where: str, values: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _resolve(base: Path, value: str | Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else base / p

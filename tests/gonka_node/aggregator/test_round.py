@@ -1,0 +1,171 @@
+"""A full round on the embedded chain, and a restart that loses nothing and finalizes once."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import torch
+from agg_harness import Harness, ServerThread
+from eth_utils import to_checksum_address
+from safetensors.torch import load as load_safetensors
+
+from chain.merkle import reward_leaf, verify_proof
+from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.client import AggregatorClient
+from training.diloco import OuterOptimizer
+
+
+def wait_state(
+    server: ServerThread, epoch: int, round_: int, states: tuple[str, ...], timeout: float = 90.0
+) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = server.engine.store.get_round(epoch, round_)
+        if row is not None and row.state in states:
+            return row.state
+        time.sleep(0.1)
+    raise AssertionError(f"round {epoch}/{round_} did not reach {states}")
+
+
+def test_three_honest_hosts_finalize_on_chain_and_hosts_recompute_the_hash(harness: Harness) -> None:
+    h = harness
+    h.schedule(3)
+    server = h.start_server()
+    with AggregatorClient(server.target) as client:
+        info = client.open_round()
+        assert (info.epoch, info.round, info.base_checkpoint_sha256) == (h.epoch, 1, h.init_sha)
+        assert info.expected_hosts == 3
+        for host in h.hosts:
+            receipt = client.submit(
+                info, host.address, h.payload(h.honest_update(host, info.round)), host.key, 1000
+            )
+            assert receipt.accepted
+        # Every signed-in host submitted: the round closes without waiting for its deadline.
+        assert wait_state(server, h.epoch, 1, ("finalized", "skipped")) == "finalized"
+        result = client.round_result(h.epoch, 1)
+        on_chain = h.world.client(0).round_result(h.epoch, 1)
+        assert on_chain.finalized and on_chain.checkpoint_sha256 == result.checkpoint_sha256
+        assert on_chain.rewards_root == result.rewards_root and on_chain.total_reward == result.total_reward
+        assert [c.aggregated for c in result.contributions] == [True] * 3
+        assert all(c.score > 0 for c in result.contributions), [c.reasons for c in result.contributions]
+
+        # A host applies the served aggregate with its own outer optimizer and gets the on-chain hash.
+        update = load_safetensors(client.round_update(h.epoch, 1).data)
+        params = {n: t.clone() for n, t in h.base.items()}
+        OuterOptimizer(0.7, 0.9).step(params, update)
+        assert TrainingCheckpoints().sha256(params) == on_chain.checkpoint_sha256
+        served = client.checkpoint(h.epoch, 1)
+        assert served.meta.content_sha256 == on_chain.checkpoint_sha256
+
+        # Rewards: every host's proof verifies against the root on chain; the pool split sums up.
+        total = 0
+        for host in h.hosts:
+            proof = client.reward_proof(h.epoch, 1, host.address)
+            leaf = reward_leaf(
+                h.world.deployment.chain_id,
+                h.world.deployment.registry,
+                h.epoch,
+                1,
+                to_checksum_address(host.address),
+                proof.amount,
+            )
+            assert verify_proof(leaf, list(proof.proof), on_chain.rewards_root)
+            total += proof.amount
+        assert total == on_chain.total_reward <= h.reward_per_round
+        assert total > 0.99 * h.reward_per_round
+
+        # The next round is open on the new checkpoint.
+        nxt = client.open_round()
+        assert (nxt.round, nxt.base_checkpoint_sha256) == (2, on_chain.checkpoint_sha256)
+
+
+def test_noise_and_untrained_hosts_score_at_or_below_zero(harness: Harness) -> None:
+    h = harness
+    h.schedule(3)
+    server = h.start_server()
+    honest, noisy, idle = h.hosts
+    with AggregatorClient(server.target) as client:
+        info = client.open_round()
+        client.submit(info, honest.address, h.payload(h.honest_update(honest, 1)), honest.key)
+        gen = torch.Generator().manual_seed(5)
+        noise = {n: torch.randn(s, generator=gen) * 0.01 for n, s in h.spec.items()}
+        client.submit(info, noisy.address, h.payload(noise), noisy.key)
+        # Trained, but on another slot's windows: not its assignment.
+        other = type(idle)(idle.index, idle.account, idle.key, slot=7)
+        client.submit(info, idle.address, h.payload(h.honest_update(other, 1)), idle.key)
+        wait_state(server, h.epoch, 1, ("finalized",))
+        by_host = {c.host: c for c in client.round_result(h.epoch, 1).contributions}
+    assert by_host[honest.address].score > 0 and by_host[honest.address].aggregated
+    assert by_host[noisy.address].score <= 0 and not by_host[noisy.address].aggregated
+    assert by_host[idle.address].score <= 0 and not by_host[idle.address].aggregated
+    assert by_host[noisy.address].reward == by_host[idle.address].reward == 0
+
+
+def test_restart_mid_round_keeps_accepted_submissions_and_finalizes_once(harness: Harness) -> None:
+    h = harness
+    h.schedule(3)
+    first = h.start_server()
+    updates = {host.index: h.payload(h.honest_update(host, 1)) for host in h.hosts}
+    with AggregatorClient(first.target) as client:
+        info = client.open_round()
+        for host in h.hosts[:2]:
+            assert client.submit(info, host.address, updates[host.index], host.key).accepted
+    first.stop()  # torn down mid-round: the third host has not submitted yet
+
+    second = h.start_server()
+    with AggregatorClient(second.target) as client:
+        info2 = client.open_round()
+        assert (info2.round, info2.submissions, info2.deadline_unix_ms) == (1, 2, info.deadline_unix_ms)
+        # What was accepted before the restart is still accepted: a resend is a duplicate.
+        host = h.hosts[0]
+        try:
+            client.submit(info2, host.address, updates[host.index], host.key)
+            raise AssertionError("a resend after restart must be refused")
+        except Exception as exc:
+            assert "DUPLICATE" in str(exc)
+        last = h.hosts[2]
+        assert client.submit(info2, last.address, updates[last.index], last.key).accepted
+        wait_state(second, h.epoch, 1, ("finalized",))
+        sha = client.round_result(h.epoch, 1).checkpoint_sha256
+    second.stop()
+
+    # A third start finds the round finalized on chain and in its records: it finalizes nothing again.
+    engine_row = None
+    third = h.start_server()
+    try:
+        engine_row = third.engine.store.get_round(h.epoch, 1)
+        assert (
+            engine_row is not None and engine_row.state == "finalized" and engine_row.checkpoint_sha256 == sha
+        )
+        assert third.engine.current is not None and third.engine.current.round == 2
+        assert h.world.client(0).latest_round(h.epoch) == 1
+    finally:
+        third.stop()
+
+
+def test_interrupted_finalization_checks_the_chain_before_sending_again(harness: Harness) -> None:
+    """Crash after the chain transaction but before recording it: the restart must not re-send."""
+    h = harness
+    h.schedule(3)
+    server = h.start_server()
+    with AggregatorClient(server.target) as client:
+        info = client.open_round()
+        for host in h.hosts:
+            client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)
+        wait_state(server, h.epoch, 1, ("finalized",))
+    server.stop()
+    # Rewind our own record to "finalizing" (intent recorded, outcome not) as a crash would leave it.
+    db = sqlite3.connect(h.tmp / "agg" / "state.sqlite3")
+    with db:
+        db.execute(
+            "UPDATE rounds SET state='finalizing', finalize_tx=NULL WHERE epoch=? AND round=?", (h.epoch, 1)
+        )
+    db.close()
+    again = h.start_server()
+    try:
+        row = again.engine.store.get_round(h.epoch, 1)
+        assert row is not None and row.state == "finalized" and row.finalize_tx == b""  # nothing re-sent
+        assert h.world.client(0).latest_round(h.epoch) == 1
+    finally:
+        again.stop()
