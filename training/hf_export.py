@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from training.data import DOCUMENT_SEPARATOR, ByteTokenizer
-from training.model import Llama, ModelConfig
+from training.model import ModelConfig
 
 MODEL_CONFIG_KEY = "model_config"  # checkpoint metadata: json.dumps(ModelConfig.to_dict())
 EXPORT_DTYPES: dict[str, torch.dtype] = {
@@ -60,12 +60,36 @@ def config_from_metadata(metadata: Mapping[str, str]) -> ModelConfig | None:
         ) from exc
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in `Llama(cfg).state_dict()`, without building the model.
+
+    (Building one on the meta device costs seconds of one-time torch setup; a 1B model on the CPU
+    costs seconds of random init. tests/training/test_hf_export.py checks this against the model.)
+    """
+    dim, ffn, kv_dim = cfg.dim, cfg.ffn_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (cfg.vocab_size, dim)}
+    for i in range(cfg.n_layers):
+        layer = f"model.layers.{i}."
+        shapes |= {
+            layer + "self_attn.q_proj.weight": (cfg.n_heads * cfg.head_dim, dim),
+            layer + "self_attn.k_proj.weight": (kv_dim, dim),
+            layer + "self_attn.v_proj.weight": (kv_dim, dim),
+            layer + "self_attn.o_proj.weight": (dim, cfg.n_heads * cfg.head_dim),
+            layer + "mlp.gate_proj.weight": (ffn, dim),
+            layer + "mlp.up_proj.weight": (ffn, dim),
+            layer + "mlp.down_proj.weight": (dim, ffn),
+            layer + "input_layernorm.weight": (dim,),
+            layer + "post_attention_layernorm.weight": (dim,),
+        }
+    return shapes | {"model.norm.weight": (dim,), LM_HEAD: (cfg.vocab_size, dim)}
+
+
 def check_tensors(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Raise ExportError unless `tensors` are exactly `Llama(cfg)`'s parameters (names and shapes).
 
     `lm_head.weight` may be missing when the embeddings are tied (it is the embedding matrix).
     """
-    expected = {name: tuple(t.shape) for name, t in Llama(cfg, device="meta").state_dict().items()}
+    expected = expected_shapes(cfg)
     optional = {LM_HEAD} if cfg.tie_embeddings else set()
     missing = sorted(set(expected) - set(tensors) - optional)
     unknown = sorted(set(tensors) - set(expected))

@@ -21,6 +21,7 @@ from training.hf_export import (
     MODEL_CONFIG_KEY,
     ExportError,
     config_from_metadata,
+    expected_shapes,
     export_hf,
 )
 from training.model import Llama, ModelConfig, build_model
@@ -135,6 +136,12 @@ def test_through_a_checkpoint_file_with_its_config(tmp_path):
     tokens = torch.arange(40).view(2, 20)
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_expected_shapes_are_the_models(name):
+    cfg = CONFIGS[name]
+    assert expected_shapes(cfg) == {n: tuple(t.shape) for n, t in Llama(cfg).state_dict().items()}
 
 
 def test_config_from_metadata():

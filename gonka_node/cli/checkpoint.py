@@ -1,0 +1,405 @@
+"""`gonka-node checkpoint list|pull|export|generate`: the client side of trained checkpoints.
+
+`list` reads epochs and round results from the chain. `pull` streams a checkpoint from an
+aggregator's Checkpoints service into a temporary file next to the target, checks the transfer
+(length and file sha256 announced by the stream) and then the canonical tensor sha256 against the
+hash the chain records for that round; only a verified file is renamed into place, anything else is
+deleted. `export --format hf` writes a Hugging Face Llama folder and `generate` samples text; both
+verify the file's canonical sha256 first (against the chain when `--epoch/--round` are given).
+
+The model config comes from the checkpoint's metadata (`model_config`) when its writer stored it,
+else from `--recipe FILE` (checked against the epoch's model spec hash when `--epoch` is given) or
+`--preset NAME`; two sources that disagree are an error, and the tensors are checked against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gonka_node.cli import CliError
+from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
+
+# A chunk is at most 1 MiB; the default 4 MiB receive limit leaves room for the protobuf framing.
+MESSAGE_LIMIT = 4 << 20
+DEFAULT_MAX_BYTES = 64 << 30  # refuse a stream that announces more than this (a 1B fp32 model is ~4 GiB)
+ROUND_LATEST = "latest"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("checkpoint", help="list, pull, export and sample trained checkpoints")
+    actions = parser.add_subparsers(dest="checkpoint_action", metavar="ACTION", required=True)
+
+    listing = actions.add_parser("list", help="epochs and rounds with their on-chain checkpoint sha256")
+    add_connection_args(listing, need_key=False)
+    listing.add_argument("--epoch", type=int, help="only this epoch")
+    listing.set_defaults(func=chain_errors(_list))
+
+    pull = actions.add_parser("pull", help="download a checkpoint from an aggregator, verified against the chain")
+    add_connection_args(pull, need_key=False)
+    pull.add_argument("--aggregator", required=True, metavar="HOST:PORT", help="aggregator gRPC address")
+    pull.add_argument("--epoch", type=int, required=True)
+    pull.add_argument("--round", required=True, help="round number (0: the initial checkpoint) or 'latest'")
+    pull.add_argument("--out", type=Path, help="file to write (default: epoch-E-round-R.safetensors)")
+    pull.add_argument("--force", action="store_true", help="replace an existing --out file")
+    pull.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole download")
+    pull.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest file accepted")
+    pull.set_defaults(func=chain_errors(_pull))
+
+    export = actions.add_parser("export", help="write a Hugging Face Llama folder (transformers loads it)")
+    _add_checkpoint_args(export)
+    export.add_argument("--format", choices=("hf",), default="hf", help="output format (default hf)")
+    export.add_argument("--out", type=Path, required=True, help="output folder (must not exist or be empty)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights")
+    export.set_defaults(func=chain_errors(_export))
+
+    generate = actions.add_parser("generate", help="sample text from a checkpoint")
+    _add_checkpoint_args(generate)
+    generate.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    generate.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate (default 200)")
+    generate.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    generate.add_argument("--top-k", type=int, help="sample among the k most likely bytes only")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--greedy", action="store_true", help="always take the most likely byte")
+    generate.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    generate.set_defaults(func=chain_errors(_generate))
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    add_connection_args(parser, need_key=False)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file (safetensors)")
+    parser.add_argument("--epoch", type=int, help="with --round: verify the file against the chain")
+    parser.add_argument("--round", help="round number (0: initial) or 'latest'; needs --epoch")
+    parser.add_argument("--preset", help="model preset, when the checkpoint records no model config")
+    parser.add_argument("--recipe", type=Path, help="epoch recipe file, when the checkpoint records no config")
+
+
+# ---------------------------------------------------------------------------------------------- chain
+
+
+@dataclass(frozen=True)
+class ChainCheckpoint:
+    """The checkpoint sha256 the chain records for (epoch, round), and where that came from."""
+
+    epoch: int
+    round: int
+    sha256: bytes
+    chain_id: int
+    registry: str
+
+
+def _check_epoch(client: Any, epoch: int) -> None:
+    count = client.epoch_count()
+    if not 1 <= epoch <= count:
+        raise CliError(f"--epoch {epoch}: no such epoch on chain {client.chain_id} (it has epochs 1..{count})")
+
+
+def _parse_round(text: str) -> int | None:
+    if text == ROUND_LATEST:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise CliError(f"--round {text!r}: give a round number or 'latest'") from None
+    if value < 0:
+        raise CliError(f"--round {value}: must be >= 0")
+    return value
+
+
+def chain_checkpoint(client: Any, epoch: int, round_text: str) -> ChainCheckpoint:
+    """The on-chain hash of a finalized round (round 0: the epoch's initial checkpoint)."""
+    _check_epoch(client, epoch)
+    latest = client.latest_round(epoch)
+    round_ = _parse_round(round_text)
+    round_ = latest if round_ is None else round_
+    if round_ > latest:
+        raise CliError(
+            f"--round {round_}: epoch {epoch} has no finalized round {round_} yet (latest finalized: {latest})"
+        )
+    if round_ == 0:
+        sha = client.get_epoch(epoch).spec.init_checkpoint_hash
+    else:
+        sha = client.round_result(epoch, round_).checkpoint_sha256
+    return ChainCheckpoint(epoch, round_, bytes(sha), client.chain_id, client.registry.address)
+
+
+# ---------------------------------------------------------------------------------------------- list
+
+
+def _list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from chain.units import format_gnk
+
+    client = open_client(args)
+    epochs = [args.epoch] if args.epoch is not None else list(range(1, client.epoch_count() + 1))
+    if args.epoch is not None:
+        _check_epoch(client, args.epoch)
+    table = Table(title=f"checkpoints on chain {client.chain_id}")
+    table.add_column("epoch", justify="right")
+    table.add_column("round", justify="right")
+    table.add_column("checkpoint sha256", no_wrap=True, min_width=64)  # copied from here: never cut it
+    table.add_column("contributors", justify="right")
+    table.add_column("total reward", justify="right", no_wrap=True)
+    for epoch in epochs:
+        info = client.get_epoch(epoch)
+        table.add_row(str(epoch), "0 (initial)", info.spec.init_checkpoint_hash.hex(), "-", "-")
+        for round_ in range(1, info.latest_round + 1):
+            result = client.round_result(epoch, round_)
+            table.add_row(
+                str(epoch), str(round_), result.checkpoint_sha256.hex(),
+                str(result.n_contributors), format_gnk(result.total_reward),
+            )
+    # Hashes must print whole even into a pipe (where rich assumes 80 columns).
+    console = Console(file=sys.stdout, width=max(Console(file=sys.stdout).width, 120))
+    console.print(table)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- pull
+
+
+def _pull(args: argparse.Namespace) -> int:
+    client = open_client(args)
+    want = chain_checkpoint(client, args.epoch, args.round)
+    out = args.out or Path(f"epoch-{want.epoch}-round-{want.round}.safetensors")
+    if out.exists() and not args.force:
+        raise CliError(f"--out {out}: file exists; pass --force to replace it")
+    with grpc.insecure_channel(
+        args.aggregator, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]
+    ) as channel:
+        size = pull_checkpoint(channel, want, out, timeout_s=args.timeout, max_bytes=args.max_bytes)
+    print(
+        f"pulled epoch {want.epoch} round {want.round} from {args.aggregator} to {out} ({size:,} bytes)\n"
+        f"sha256 {want.sha256.hex()} matches chain {want.chain_id} registry {want.registry}"
+    )
+    return 0
+
+
+def pull_checkpoint(
+    channel: grpc.Channel, want: ChainCheckpoint, out: Path, *, timeout_s: float, max_bytes: int
+) -> int:
+    """Stream (epoch, round) into `out`, verified against `want.sha256`; returns the file size.
+
+    Nothing is left behind unless verified: the stream goes to a temporary file in `out`'s folder,
+    which is renamed onto `out` only after the canonical sha256 matches the chain.
+    """
+    from proto.gonka.v1 import checkpoints_pb2 as cpb
+    from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
+
+    stub = cpb_grpc.CheckpointsStub(channel)
+    request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            size = _receive(stub.StreamCheckpoint(request, timeout=timeout_s), want, handle, max_bytes)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _verify_file(tmp, want)
+        os.replace(tmp, out)
+    except grpc.RpcError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CliError(
+            f"--aggregator: StreamCheckpoint epoch {want.epoch} round {want.round} failed: "
+            f"{exc.code().name} {exc.details()}"  # type: ignore[attr-defined]
+        ) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _receive(stream: Iterator[Any], want: ChainCheckpoint, handle: Any, max_bytes: int) -> int:
+    """Write the FileChunk stream to `handle`, checking its FileMeta as it goes; returns the length."""
+    where = f"aggregator stream for epoch {want.epoch} round {want.round}"
+    first = next(stream, None)
+    if first is None or first.WhichOneof("part") != "meta":
+        raise CliError(f"{where}: did not start with a FileMeta message")
+    meta = first.meta
+    if (meta.epoch, meta.round) != (want.epoch, want.round):
+        raise CliError(f"{where}: FileMeta is for epoch {meta.epoch} round {meta.round}")
+    if meta.content_sha256 != want.sha256:
+        raise CliError(
+            f"{where}: FileMeta.content_sha256 is {meta.content_sha256.hex() or '(empty)'}, the chain records "
+            f"{want.sha256.hex()}: this aggregator serves a different checkpoint; nothing was written"
+        )
+    if meta.length > max_bytes:
+        raise CliError(f"{where}: FileMeta.length {meta.length:,} exceeds --max-bytes {max_bytes:,}")
+    digest, size = hashlib.sha256(), 0
+    for message in stream:
+        if message.WhichOneof("part") != "data":
+            raise CliError(f"{where}: a second FileMeta in the stream")
+        size += len(message.data)
+        if size > meta.length:
+            raise CliError(f"{where}: more bytes than FileMeta.length {meta.length:,}")
+        digest.update(message.data)
+        handle.write(message.data)
+    if size != meta.length:
+        raise CliError(f"{where}: ended after {size:,} of FileMeta.length {meta.length:,} bytes (truncated)")
+    if digest.digest() != meta.file_sha256:
+        raise CliError(f"{where}: the bytes do not hash to FileMeta.file_sha256 (corrupted in transfer)")
+    return size
+
+
+def _verify_file(path: Path, want: ChainCheckpoint) -> None:
+    from training.checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        load_checkpoint(path, expected_sha256=want.sha256.hex())
+    except CheckpointError as exc:
+        raise CliError(
+            f"epoch {want.epoch} round {want.round}: the downloaded file fails verification against the "
+            f"chain ({exc}); it was deleted"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+@dataclass(frozen=True)
+class Verified:
+    tensors: dict[str, Any]
+    config: Any  # training.model.ModelConfig
+    sha256: str
+    source: dict[str, str]  # provenance for the model card
+
+
+def _load_verified(args: argparse.Namespace) -> Verified:
+    """The checkpoint's tensors, hash-checked (against the chain with --epoch/--round) and its config."""
+    from training.checkpoint import CheckpointError, load_checkpoint
+
+    if (args.epoch is None) != (args.round is None):
+        raise CliError("--epoch and --round go together (to verify the file against the chain)")
+    want = client = None
+    if args.epoch is not None:
+        client = open_client(args)
+        want = chain_checkpoint(client, args.epoch, args.round)
+    try:
+        checkpoint = load_checkpoint(args.checkpoint, expected_sha256=want.sha256.hex() if want else None)
+    except CheckpointError as exc:
+        raise CliError(f"--checkpoint: {exc}") from None
+    source = {"file": args.checkpoint.name}
+    if want is not None:
+        source |= {"epoch": str(want.epoch), "round": str(want.round), "chain id": str(want.chain_id),
+                   "registry": want.registry}
+    config = _model_config(args, checkpoint.metadata, client)
+    return Verified(checkpoint.tensors, config, checkpoint.sha256, source)
+
+
+def _model_config(args: argparse.Namespace, metadata: dict[str, str], client: Any) -> Any:
+    from training.hf_export import MODEL_CONFIG_KEY, ExportError, config_from_metadata
+    from training.model import ModelConfig
+
+    found = []
+    try:
+        recorded = config_from_metadata(metadata)
+    except ExportError as exc:
+        raise CliError(f"{args.checkpoint}: {exc}") from None
+    if recorded is not None:
+        found.append((f"{args.checkpoint} metadata {MODEL_CONFIG_KEY!r}", recorded))
+    if args.recipe is not None:
+        found.append((f"--recipe {args.recipe}", _recipe_model(args, client)))
+    if args.preset is not None:
+        try:
+            found.append((f"--preset {args.preset}", ModelConfig.preset(args.preset)))
+        except ValueError as exc:
+            raise CliError(f"--preset: {exc}") from None
+    if not found:
+        raise CliError(
+            f"{args.checkpoint} records no model config (metadata key {MODEL_CONFIG_KEY!r}): "
+            "pass --recipe FILE or --preset NAME"
+        )
+    (first, config), *others = found
+    for name, other in others:
+        if other != config:
+            raise CliError(f"{name} describes a different model than {first}: {other} vs {config}")
+    return config
+
+
+def _recipe_model(args: argparse.Namespace, client: Any) -> Any:
+    from gonka_node.recipe import Recipe, RecipeError
+
+    try:
+        recipe = Recipe.load(args.recipe)
+    except RecipeError as exc:
+        raise CliError(str(exc)) from None
+    if client is not None:
+        spec_hash = client.get_epoch(args.epoch).spec.model_spec_hash
+        if spec_hash != recipe.sha256():
+            raise CliError(
+                f"--recipe {args.recipe}: hashes to {recipe.sha256().hex()}, epoch {args.epoch}'s "
+                f"model_spec_hash on chain is {spec_hash.hex()}: not this epoch's recipe"
+            )
+    return recipe.model
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def _export(args: argparse.Namespace) -> int:
+    from training.hf_export import EXPORT_DTYPES, ExportError, export_hf
+
+    loaded = _load_verified(args)
+    dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
+    try:
+        out = export_hf(
+            loaded.tensors, loaded.config, args.out, source_sha256=loaded.sha256, source=loaded.source,
+            dtype=dtype,
+        )
+    except ExportError as exc:
+        raise CliError(f"--checkpoint {args.checkpoint}: {exc}") from None
+    print(f"exported {args.checkpoint} (sha256 {loaded.sha256}) as a Hugging Face Llama folder: {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from training.generate import SamplingConfig, generate_text
+
+    try:
+        sampling = SamplingConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=0.0 if args.greedy else args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    loaded = _load_verified(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(loaded.tensors, loaded.config, device)
+    print(args.prompt + generate_text(model, args.prompt, sampling))
+    return 0
+
+
+def load_model(tensors: dict[str, Any], config: Any, device: str) -> Any:
+    """A `Llama` holding `tensors` (names and shapes checked against `config`)."""
+    from training.hf_export import EMBED, LM_HEAD, ExportError, check_tensors
+    from training.model import Llama
+
+    try:
+        check_tensors(tensors, config)
+    except ExportError as exc:
+        raise CliError(f"--checkpoint: {exc}") from None
+    # Default init first (cheap next to reading the file); every tensor is overwritten below.
+    model = Llama(config, device=device)
+    if config.tie_embeddings:
+        tensors = {LM_HEAD: tensors[EMBED], **tensors}  # an HF-style file may leave the tied head out
+    model.load_state_dict(tensors)
+    return model.eval()

@@ -1,0 +1,305 @@
+"""`gonka-node checkpoint list|pull|export|generate` against a real chain served over JSON-RPC on
+127.0.0.1 (embedded py-evm) and a real gRPC Checkpoints server on 127.0.0.1:0 serving files.
+
+The chain holds epoch 1 with an initial checkpoint (round 0) and two finalized rounds. The gRPC
+server can be told to misbehave (serve another file, lie about it, cut the stream) to check that
+`pull` keeps nothing it could not verify against the chain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from chain.backends import EmbeddedBackend
+from chain.client import ChainClient
+from chain.server import ChainServer
+from chain.types import EpochSpec
+from gonka_node.cli import main
+from gonka_node.recipe import Recipe
+from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
+from proto.gonka.v1 import common_pb2 as common
+from training.checkpoint import save_checkpoint
+from training.generate import SamplingConfig, generate_text
+from training.hf_export import MODEL_CONFIG_KEY
+from training.model import ModelConfig, build_model
+
+GNK = 10**9
+TINY = ModelConfig.preset("tiny")
+CHUNK = 64 << 10  # several chunks per file
+
+
+@dataclass
+class FileServer(cpb_grpc.CheckpointsServicer):
+    """Serves checkpoint files by (epoch, round); `mode` makes it misbehave."""
+
+    files: dict[tuple[int, int], tuple[Path, bytes]] = field(default_factory=dict)  # -> (path, content sha)
+    mode: str = "honest"
+
+    def StreamCheckpoint(self, request, context):
+        key = (request.epoch, request.round)
+        if key not in self.files:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint for {key}")
+        path, content_sha = self.files[key]
+        if self.mode in ("swap-lying", "swap-honest"):  # another real checkpoint instead of this one
+            other = next(k for k in self.files if k != key)
+            path = self.files[other][0]
+            if self.mode == "swap-honest":
+                content_sha = self.files[other][1]
+        data = path.read_bytes()
+        meta = common.FileMeta(
+            length=len(data), file_sha256=hashlib.sha256(data).digest(), content_sha256=content_sha,
+            epoch=request.epoch, round=request.round, format="safetensors",
+        )
+        if self.mode == "truncate":
+            data = data[: len(data) // 2]
+        if self.mode == "corrupt":
+            data = data[:-10] + bytes(10)
+        yield common.FileChunk(meta=meta)
+        for start in range(0, len(data), CHUNK):
+            yield common.FileChunk(data=data[start : start + CHUNK])
+
+
+@dataclass
+class World:
+    deployment: Path
+    aggregator: str
+    server: FileServer
+    files: dict[int, Path]  # round -> checkpoint file
+    shas: dict[int, str]
+    recipe: Path
+
+    def chain_args(self) -> list[str]:
+        return ["--deployment", str(self.deployment)]
+
+
+def _checkpoint(path: Path, seed: int, with_config: bool) -> str:
+    metadata = {MODEL_CONFIG_KEY: json.dumps(TINY.to_dict())} if with_config else {}
+    return save_checkpoint(path, build_model(TINY, seed).state_dict(), metadata)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("checkpoint-cli")
+    files = {r: tmp / f"served-{r}.safetensors" for r in range(3)}
+    shas = {r: _checkpoint(files[r], seed=r, with_config=r != 1) for r in range(3)}  # round 1: no config
+    recipe = Recipe(model=TINY)
+    recipe.save(tmp / "recipe.json")
+
+    backend = EmbeddedBackend()
+    chain_server = ChainServer(backend).start()
+    accounts = backend.dev_accounts()
+    gov = ChainClient(backend, accounts[0]).connect()
+    deployment = gov.deploy_all(initial_mint={accounts[0].address: 10_000 * GNK})
+    deployment.extra["rpc_url"] = chain_server.url
+    deployment.save(tmp / "deployment.json")
+    spec = EpochSpec(
+        model_spec_hash=recipe.sha256(), model_uri="file:recipe.json", data_manifest_hash=bytes(range(32)),
+        init_checkpoint_hash=bytes.fromhex(shas[0]), inner_steps=20, inner_lr=2e-3, batch_size=8,
+        outer_lr=0.7, outer_momentum=0.9, codec="int8", n_rounds=3, round_length=600, signin_window=60,
+        min_stake=0, max_hosts=4, aggregators=(accounts[1].address,),
+    )
+    epoch = gov.create_epoch(spec)
+    gov.fund_epoch(epoch, 5000 * GNK)
+    backend.increase_time(61)
+    aggregator = gov.with_account(accounts[1])
+    aggregator.finalize_round(epoch, 1, shas[1], bytes([7]) * 32, 3, 1000 * GNK)
+    aggregator.finalize_round(epoch, 2, shas[2], bytes([8]) * 32, 2, 1500 * GNK)
+
+    servicer = FileServer({(epoch, r): (files[r], bytes.fromhex(shas[r])) for r in range(3)})
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    cpb_grpc.add_CheckpointsServicer_to_server(servicer, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    yield World(tmp / "deployment.json", f"127.0.0.1:{port}", servicer, files, shas, tmp / "recipe.json")
+    grpc_server.stop(0)
+    chain_server.stop()
+
+
+@pytest.fixture
+def server(world: World) -> Iterator[FileServer]:
+    yield world.server
+    world.server.mode = "honest"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["checkpoint", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ---------------------------------------------------------------------------------------------- list
+
+
+def test_list_shows_each_round_from_the_chain(world: World, capsys):
+    code, out, _ = run(capsys, "list", *world.chain_args())
+    assert code == 0
+    lines = {r: next(line for line in out.splitlines() if world.shas[r] in line) for r in range(3)}
+    assert "0 (initial)" in lines[0]
+    assert [cell.strip() for cell in lines[1].split("│")[1:6]] == ["1", "1", world.shas[1], "3", "1000 GNK"]
+    assert "1500 GNK" in lines[2] and " 2 " in lines[2]
+
+
+def test_list_unknown_epoch(world: World, capsys):
+    code, out, err = run(capsys, "list", *world.chain_args(), "--epoch", "9")
+    assert code == 2 and out == ""
+    assert "--epoch 9: no such epoch" in err and "epochs 1..1" in err
+
+
+# ---------------------------------------------------------------------------------------------- pull
+
+
+@pytest.mark.parametrize(("round_arg", "expect"), [("latest", 2), ("1", 1), ("0", 0)])
+def test_pull_verifies_against_the_chain(world: World, server, tmp_path, capsys, round_arg, expect):
+    out_file = tmp_path / "got.safetensors"
+    code, out, err = run(
+        capsys, "pull", *world.chain_args(), "--aggregator", world.aggregator, "--epoch", "1",
+        "--round", round_arg, "--out", str(out_file),
+    )
+    assert (code, err) == (0, "")
+    assert out_file.read_bytes() == world.files[expect].read_bytes()
+    assert f"round {expect}" in out and world.shas[expect] in out
+    assert [p.name for p in tmp_path.iterdir()] == ["got.safetensors"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("swap-honest", "serves a different checkpoint"),  # refused from the FileMeta, before any byte
+        ("swap-lying", "fails verification against the chain"),  # caught by the canonical hash
+        ("truncate", "(truncated)"),
+        ("corrupt", "corrupted in transfer"),
+    ],
+)
+def test_pull_keeps_nothing_unverified(world: World, server, tmp_path, capsys, mode, message):
+    server.mode = mode
+    out_file = tmp_path / "got.safetensors"
+    out_file.write_bytes(b"the previous file")
+    code, out, err = run(
+        capsys, "pull", *world.chain_args(), "--aggregator", world.aggregator, "--epoch", "1",
+        "--round", "2", "--out", str(out_file), "--force",
+    )
+    assert code == 2 and out == ""
+    assert message in err and "epoch 1 round 2" in err
+    assert out_file.read_bytes() == b"the previous file"
+    assert [p.name for p in tmp_path.iterdir()] == ["got.safetensors"]
+
+
+def test_pull_refusals(world: World, tmp_path, capsys):
+    pull = ["pull", *world.chain_args(), "--aggregator", world.aggregator, "--epoch", "1"]
+    code, _, err = run(capsys, *pull, "--round", "3", "--out", str(tmp_path / "x"))
+    assert code == 2 and "no finalized round 3 yet (latest finalized: 2)" in err
+    code, _, err = run(capsys, *pull, "--round", "two", "--out", str(tmp_path / "x"))
+    assert code == 2 and "--round 'two'" in err
+    (tmp_path / "exists").write_bytes(b"mine")
+    code, _, err = run(capsys, *pull, "--round", "1", "--out", str(tmp_path / "exists"))
+    assert code == 2 and "pass --force" in err
+    code, _, err = run(capsys, *pull, "--round", "1", "--out", str(tmp_path / "x"), "--max-bytes", "1000")
+    assert code == 2 and "exceeds --max-bytes 1,000" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def test_export_checked_against_the_chain(world: World, tmp_path, capsys):
+    out_dir = tmp_path / "hf"
+    code, out, err = run(
+        capsys, "export", *world.chain_args(), "--checkpoint", str(world.files[2]), "--epoch", "1",
+        "--round", "latest", "--format", "hf", "--out", str(out_dir),
+    )
+    assert (code, err) == (0, "")
+    assert world.shas[2] in out
+    config = json.loads((out_dir / "config.json").read_text())
+    assert (config["hidden_size"], config["num_key_value_heads"], config["max_position_embeddings"]) == (
+        TINY.dim, TINY.n_kv_heads, TINY.max_seq_len
+    )
+    card = (out_dir / "README.md").read_text()
+    assert world.shas[2] in card and "- round: `2`" in card and "- epoch: `1`" in card
+
+
+def test_export_refuses_a_file_the_chain_does_not_record(world: World, tmp_path, capsys):
+    code, _, err = run(
+        capsys, "export", *world.chain_args(), "--checkpoint", str(world.files[2]), "--epoch", "1",
+        "--round", "1", "--out", str(tmp_path / "hf"),
+    )
+    assert code == 2
+    assert f"expected {world.shas[1]}" in err and "--checkpoint" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_model_config_sources(world: World, tmp_path, capsys):
+    no_config = ["export", "--checkpoint", str(world.files[1])]
+    code, _, err = run(capsys, *no_config, "--out", str(tmp_path / "a"))
+    assert code == 2 and "records no model config" in err and "--preset" in err
+    code, _, err = run(capsys, *no_config, "--out", str(tmp_path / "a"), "--preset", "devnet")
+    assert code == 2 and "do not fit the model config: missing" in err and "model.layers.2." in err
+    assert list(tmp_path.iterdir()) == []
+    assert run(capsys, *no_config, "--out", str(tmp_path / "b"), "--preset", "tiny")[0] == 0
+    # A recipe is checked against the epoch's model spec hash when the chain is consulted.
+    code, _, err = run(
+        capsys, *no_config, "--out", str(tmp_path / "c"), "--recipe", str(world.recipe), *world.chain_args(),
+        "--epoch", "1", "--round", "1",
+    )
+    assert (code, err) == (0, "")
+    other = tmp_path / "other-recipe.json"
+    Recipe(model=TINY, init_seed=5).save(other)
+    code, _, err = run(
+        capsys, *no_config, "--out", str(tmp_path / "d"), "--recipe", str(other), *world.chain_args(),
+        "--epoch", "1", "--round", "1",
+    )
+    assert code == 2 and f"--recipe {other}" in err and "model_spec_hash" in err
+    # The checkpoint's own config and a different preset disagree.
+    code, _, err = run(
+        capsys, "export", "--checkpoint", str(world.files[2]), "--out", str(tmp_path / "e"), "--preset", "devnet"
+    )
+    assert code == 2 and "describes a different model" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c", "other-recipe.json"]
+
+
+def test_export_damaged_file(tmp_path, capsys):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    code, _, err = run(capsys, "export", "--checkpoint", str(path), "--out", str(tmp_path / "hf"))
+    assert code == 2 and str(path) in err
+    code, _, err = run(capsys, "export", "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "hf"))
+    assert code == 2 and "no checkpoint file" in err
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def test_generate_greedy_and_seeded(world: World, capsys, one_thread):
+    base = ["generate", "--checkpoint", str(world.files[2]), "--prompt", "def ", "--max-new-tokens", "24"]
+    code, out, err = run(capsys, *base, "--greedy")
+    assert (code, err) == (0, "")
+    model = build_model(TINY, seed=2)  # the model the file was written from
+    expected = generate_text(model, "def ", SamplingConfig(max_new_tokens=24, temperature=0.0))
+    assert out == "def " + expected + "\n"
+    runs = [run(capsys, *base, "--temperature", "1.0", "--seed", seed)[1] for seed in ("1", "1", "2")]
+    assert runs[0] == runs[1] != runs[2]
+    assert all(r.startswith("def ") for r in runs)
+
+
+def test_generate_bad_settings(world: World, capsys):
+    base = ["generate", "--checkpoint", str(world.files[2])]
+    code, _, err = run(capsys, *base, "--temperature", "-1")
+    assert code == 2 and "temperature" in err
+    code, _, err = run(capsys, *base, "--epoch", "1")
+    assert code == 2 and "--epoch and --round go together" in err
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
