@@ -153,6 +153,7 @@ class OuterOptimizer:
         self.steps = 0
         self.buffers: dict[str, Tensor] = {}
 
+    @torch.no_grad()
     def step(self, params: Mapping[str, Tensor], avg_delta: Mapping[str, Tensor]) -> None:
         """Update `params` in place (fp32 tensors) with the averaged pseudo-gradient, in sorted name order."""
         _check_same_keys(params, avg_delta, "avg_delta")
@@ -172,8 +173,7 @@ class OuterOptimizer:
                 buf = g.clone() if buf is None else buf * mu.to(buf.device) + g
                 self.buffers[name] = buf
                 update = fma32(buf, self.momentum, g) if self.nesterov else buf
-            with torch.no_grad():
-                p.copy_(fma32(update, -self.lr, p))
+            p.copy_(fma32(update, -self.lr, p))
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,303 @@
+"""`gonka-node train`: a short local DiLoCo run, K simulated hosts in one process.
+
+Each simulated host has its own model copy, `InnerTrainer` (its AdamW state lives across rounds, as in
+DiLoCo) and data assignment (the same deterministic (seed, round, slot) split real hosts get). A round:
+every host loads the global model, takes H inner steps, compresses its pseudo-gradient with the chosen
+codec (error feedback kept per host), and the "aggregator" decodes the payloads, averages them in host
+order and takes the outer Nesterov step. Bytes are counted from the real payloads.
+
+`LocalDiLoCo` is the reusable part (scripts/bench_training.py drives it too); the verb adds a progress
+bar, a summary table and a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gonka_node.cli import CliError
+from training.codecs import Codec, ErrorFeedback, get_codec, spec_of
+from training.data import TokenCorpus, Windows
+from training.diloco import OuterOptimizer, StreamingAverager, pseudo_gradient
+from training.inner import InnerConfig, InnerTrainer, evaluate
+from training.model import Llama, ModelConfig, build_model
+
+StepHook = Callable[[int, int, float], None]  # (worker, epoch-wide step, loss)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalRunConfig:
+    model: ModelConfig
+    workers: int = 2
+    rounds: int = 6
+    inner_steps: int = 40
+    micro_batch: int = 8
+    seq_len: int = 64
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    codec: str = "int8"
+    ef_decay: float = 1.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    seed: int = 0
+    eval_windows: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "rounds", "inner_steps", "micro_batch", "seq_len", "eval_windows"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"seq_len {self.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}"
+            )
+        get_codec(self.codec)  # raises ValueError naming the choices
+
+    @property
+    def total_steps(self) -> int:
+        return self.rounds * self.inner_steps
+
+    def inner_config(self) -> InnerConfig:
+        return InnerConfig(
+            steps=self.inner_steps,
+            lr=self.lr,
+            warmup_steps=min(self.warmup_steps, self.total_steps - 1),
+            total_steps=self.total_steps,
+            micro_batch=self.micro_batch,
+            seq_len=self.seq_len,
+        )
+
+
+@dataclass
+class RoundReport:
+    round: int
+    heldout_loss: float
+    inner_loss: float  # mean over hosts of their last inner step's loss
+    bytes_per_worker: int  # this round's payload, per host
+    seconds: float
+
+
+@dataclass
+class RunSummary:
+    config: dict[str, Any]
+    params: int
+    initial_heldout_loss: float
+    rounds: list[RoundReport] = field(default_factory=list)
+
+    @property
+    def bytes_per_worker(self) -> int:
+        return sum(r.bytes_per_worker for r in self.rounds)
+
+    @property
+    def final_loss(self) -> float:
+        return self.rounds[-1].heldout_loss if self.rounds else self.initial_heldout_loss
+
+    def to_json(self, ddp_bytes: int) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "final_loss": self.final_loss,
+            "bytes_per_worker": self.bytes_per_worker,
+            "ddp_bytes_per_worker": ddp_bytes,
+            "reduction_vs_ddp": ddp_bytes / max(1, self.bytes_per_worker),
+        }
+
+
+def ddp_bytes_per_worker(params: int, steps: int) -> int:
+    """What each worker of data-parallel training sends: its fp32 gradient every step.
+
+    The same topology as DiLoCo with an aggregator (each host uploads once per sync). A ring all-reduce
+    sends 2(K−1)/K times this (1.5× at K = 4), so ratios quoted against this figure are conservative.
+    """
+    return 4 * params * steps
+
+
+class LocalDiLoCo:
+    """K simulated hosts and one aggregator, in one process, on one set of training windows."""
+
+    def __init__(self, config: LocalRunConfig, windows: Windows) -> None:
+        self.config, self.windows = config, windows
+        self.global_model = build_model(config.model, seed=config.seed)
+        self.params = {name: p for name, p in self.global_model.named_parameters()}
+        self.spec = spec_of(self.params)
+        self.codec: Codec = get_codec(config.codec)
+        self.outer = OuterOptimizer(
+            lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_momentum > 0
+        )
+        self.workers: list[Llama] = [
+            build_model(config.model, seed=config.seed) for _ in range(config.workers)
+        ]
+        self.trainers = [InnerTrainer(m, config.inner_config()) for m in self.workers]
+        self.feedback = [ErrorFeedback(self.codec, config.ef_decay) for _ in range(config.workers)]
+        self.heldout = windows.sample_heldout(config.seed, config.eval_windows)
+        self.round = 0
+
+    def heldout_loss(self) -> float:
+        return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
+
+    def run_round(self, on_step: StepHook | None = None) -> RoundReport:
+        started = time.perf_counter()
+        averager = StreamingAverager(self.spec)
+        sizes, last_losses = [], []
+        for slot, (model, trainer) in enumerate(zip(self.workers, self.trainers, strict=True)):
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(self.params[name])
+            ids = self.windows.assignment(
+                epoch_seed=self.config.seed,
+                round_index=self.round,
+                slot=slot,
+                max_slots=self.config.workers,
+                windows_per_host=trainer.config.windows_per_round,
+            )
+            hook = (lambda step, loss, s=slot: on_step(s, step, loss)) if on_step else None
+            result = trainer.run(self.windows.batches(ids, self.config.micro_batch), on_step=hook)
+            delta = pseudo_gradient(self.params, dict(model.named_parameters()))
+            payload = self.feedback[slot].compress(delta)
+            sizes.append(len(payload))
+            last_losses.append(result.last_loss)
+            averager.add(f"host-{slot:05d}", self.codec.decode(payload, self.spec))
+        self.outer.step(self.params, averager.result())
+        self.round += 1
+        return RoundReport(
+            round=self.round,
+            heldout_loss=self.heldout_loss(),
+            inner_loss=sum(last_losses) / len(last_losses),
+            bytes_per_worker=max(sizes),
+            seconds=time.perf_counter() - started,
+        )
+
+
+def load_windows(corpus: Path | None, seq_len: int) -> Windows:
+    try:
+        tokens = TokenCorpus.from_paths([corpus]) if corpus is not None else TokenCorpus.builtin()
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--corpus {corpus}: {exc}") from exc
+    try:
+        return tokens.windows(seq_len)
+    except ValueError as exc:
+        raise CliError(f"--corpus {corpus or '(built-in)'}: {exc}") from exc
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="a short local DiLoCo run: K simulated hosts, compressed pseudo-gradients, outer Nesterov",
+    )
+    parser.add_argument("--preset", default="devnet", help="model preset (default: devnet, ~1M parameters)")
+    parser.add_argument("--workers", type=int, default=2, help="simulated hosts (default: 2)")
+    parser.add_argument("--rounds", type=int, default=6, help="outer rounds (default: 6)")
+    parser.add_argument("--inner-steps", type=int, default=40, help="H, AdamW steps per round (default: 40)")
+    parser.add_argument("--codec", default="int8", help="fp32, bf16, int8, int4, topk[:chunk=,k=,bits=]")
+    parser.add_argument("--corpus", type=Path, help="text file or folder (default: Python's stdlib sources)")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data assignment seed")
+    parser.add_argument("--micro-batch", type=int, default=8, help="windows per host per step (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per window (default: 64)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW peak learning rate")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1: robust when cores are shared)"
+    )
+    parser.add_argument("--out", type=Path, help="write DIR/summary.json")
+    parser.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    if args.threads <= 0:
+        raise CliError(f"--threads must be positive, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    try:
+        config = LocalRunConfig(
+            model=ModelConfig.preset(args.preset),
+            workers=args.workers,
+            rounds=args.rounds,
+            inner_steps=args.inner_steps,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            outer_lr=args.outer_lr,
+            codec=args.codec,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    windows = load_windows(args.corpus, config.seq_len)
+    run = LocalDiLoCo(config, windows)
+    summary = RunSummary(
+        config={**asdict(config), "model": config.model.to_dict(), "preset": args.preset},
+        params=sum(p.numel() for p in run.params.values()),
+        initial_heldout_loss=run.heldout_loss(),
+    )
+    console.print(
+        f"DiLoCo: {args.preset} model ({summary.params:,} parameters), {config.workers} hosts × "
+        f"{config.rounds} rounds × H={config.inner_steps}, codec {config.codec}, "
+        f"held-out loss {summary.initial_heldout_loss:.3f}"
+    )
+    _train_with_progress(run, summary, console)
+    ddp = ddp_bytes_per_worker(summary.params, config.total_steps)
+    console.print(_summary_table(summary, config, ddp))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(summary.to_json(ddp), indent=2) + "\n")
+        console.print(f"wrote {args.out / 'summary.json'}")
+    return 0
+
+
+def _train_with_progress(run: LocalDiLoCo, summary: RunSummary, console: Any) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    config = run.config
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("round 1", total=config.rounds * config.workers * config.inner_steps)
+
+        def on_step(worker: int, step: int, loss: float) -> None:
+            desc = f"round {run.round + 1}/{config.rounds} host {worker} step {step} loss {loss:.3f}"
+            progress.update(task, advance=1, description=desc)
+
+        for _ in range(config.rounds):
+            report = run.run_round(on_step)
+            summary.rounds.append(report)
+            progress.console.print(
+                f"round {report.round}: held-out loss {report.heldout_loss:.3f} "
+                f"({report.bytes_per_worker:,} bytes per host, {report.seconds:.1f} s)"
+            )
+
+
+def _summary_table(summary: RunSummary, config: LocalRunConfig, ddp_total: int) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"DiLoCo vs data-parallel all-reduce every step ({config.codec})")
+    for column in ("round", "held-out loss", "bytes/host", "DDP bytes/host", "reduction"):
+        table.add_column(column, justify="right")
+    ddp_round = ddp_total // config.rounds
+    table.add_row("0", f"{summary.initial_heldout_loss:.3f}", "-", "-", "-")
+    for r in summary.rounds:
+        table.add_row(
+            str(r.round),
+            f"{r.heldout_loss:.3f}",
+            f"{r.bytes_per_worker:,}",
+            f"{ddp_round:,}",
+            _ratio(ddp_round, r.bytes_per_worker),
+        )
+    table.add_row(
+        "total",
+        f"{summary.final_loss:.3f}",
+        f"{summary.bytes_per_worker:,}",
+        f"{ddp_total:,}",
+        _ratio(ddp_total, summary.bytes_per_worker),
+        style="bold",
+    )
+    return table
+
+
+def _ratio(ddp: int, sent: int) -> str:
+    return f"{ddp / sent:,.0f}×" if sent else "∞"

@@ -1,0 +1,238 @@
+"""DiLoCo (with each codec) against data-parallel training, on one machine, at equal compute.
+
+K simulated workers train the same model on the same tokens with the same global batch and the same
+number of steps; only how they synchronise differs:
+
+  ddp          all-reduce (mean) of gradients every step: one model, global batch K × micro-batch
+  diloco-*     H local AdamW steps per worker, then the outer Nesterov step on the average of the
+               compressed pseudo-gradients (error feedback per worker for lossy codecs)
+
+For each run: final held-out loss, bytes each worker sent, reduction against DDP, wall time. DDP's
+bytes are each worker's fp32 gradient once per step (what it uploads to a parameter server; a ring
+all-reduce sends 2(K−1)/K times that, so the reductions quoted are conservative).
+
+    .venv/bin/python scripts/bench_training.py --seeds 3 --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, ddp_bytes_per_worker, load_windows
+from training.data import Windows
+from training.inner import Batch, InnerTrainer, evaluate
+from training.model import ModelConfig, build_model
+
+BENCH_MODEL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=64)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    codec: str | None  # None: DDP
+    sync_every: int = 20  # H
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    ef_decay: float = 1.0
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        Method("ddp", None),
+        Method("diloco-fp32", "fp32"),
+        Method("diloco-int8", "int8:block=256", sync_every=30),
+        Method("diloco-int4", "int4:block=128", sync_every=30),
+        Method("diloco-topk", "topk:chunk=4096,k=128,bits=2", sync_every=30),
+    ]
+}
+
+
+def run_ddp(base: LocalRunConfig, windows: Windows, steps: int) -> tuple[float, list[tuple[int, float]]]:
+    """One model, global batch = K micro-batches (exactly the workers' windows of each step)."""
+    cfg = replace(base, rounds=steps // base.inner_steps)
+    model = build_model(cfg.model, seed=cfg.seed)
+    inner = replace(cfg.inner_config(), steps=cfg.inner_steps, grad_accum=cfg.workers)
+    trainer = InnerTrainer(model, inner)
+    heldout = windows.sample_heldout(cfg.seed, cfg.eval_windows)
+    curve = []
+    for r in range(cfg.rounds):
+        trainer.run(_interleaved(windows, cfg, r))
+        curve.append(((r + 1) * cfg.inner_steps, evaluate(model, windows.batches(heldout, 32))))
+    return curve[-1][1], curve
+
+
+def _interleaved(windows: Windows, cfg: LocalRunConfig, round_index: int) -> Iterator[Batch]:
+    """Step i's micro-batches of workers 0..K-1 in turn: the DDP global batch of step i."""
+    per_worker = [
+        windows.assignment(
+            epoch_seed=cfg.seed,
+            round_index=round_index,
+            slot=w,
+            max_slots=cfg.workers,
+            windows_per_host=cfg.inner_steps * cfg.micro_batch,
+        ).reshape(cfg.inner_steps, cfg.micro_batch)
+        for w in range(cfg.workers)
+    ]
+    for step in range(cfg.inner_steps):
+        for ids in per_worker:
+            yield from windows.batches(ids[step], cfg.micro_batch)
+
+
+def run_method(method: Method, args: argparse.Namespace, windows: Windows, seed: int) -> dict[str, Any]:
+    steps = args.steps
+    h = method.sync_every if method.codec else args.ddp_eval_every
+    if steps % h:
+        raise SystemExit(f"--steps {steps} must be a multiple of {method.name}'s H = {h}")
+    base = LocalRunConfig(
+        model=BENCH_MODEL,
+        workers=args.workers,
+        rounds=steps // h,
+        inner_steps=h,
+        micro_batch=args.micro_batch,
+        seq_len=BENCH_MODEL.max_seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        codec=method.codec or "fp32",
+        ef_decay=method.ef_decay,
+        outer_lr=method.outer_lr,
+        outer_momentum=method.outer_momentum,
+        seed=seed,
+        eval_windows=args.eval_windows,
+    )
+    params = BENCH_MODEL.num_params()
+    ddp_bytes = ddp_bytes_per_worker(params, steps)
+    started = time.perf_counter()
+    if method.codec is None:
+        final, curve = run_ddp(base, windows, steps)
+        sent = ddp_bytes
+        points = [(step * 4 * params, loss) for step, loss in curve]
+    else:
+        run = LocalDiLoCo(base, windows)
+        sent, points = 0, []
+        for _ in range(base.rounds):
+            report = run.run_round()
+            sent += report.bytes_per_worker
+            points.append((sent, report.heldout_loss))
+        final = points[-1][1]
+    return {
+        "name": method.name,
+        "codec": method.codec,
+        "sync_every": h if method.codec else 1,
+        "seed": seed,
+        "final_loss": final,
+        "bytes_per_worker": sent,
+        "reduction_vs_ddp": ddp_bytes / sent,
+        "wall_s": time.perf_counter() - started,
+        "curve": points,  # (bytes sent so far, held-out loss)
+    }
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean ± std over seeds per method (std 0 with one seed)."""
+    out = []
+    for name in dict.fromkeys(r["name"] for r in runs):
+        group = [r for r in runs if r["name"] == name]
+        losses = [r["final_loss"] for r in group]
+        out.append(
+            {
+                "name": name,
+                "codec": group[0]["codec"],
+                "sync_every": group[0]["sync_every"],
+                "final_loss": statistics.fmean(losses),
+                "final_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+                "bytes_per_worker": group[0]["bytes_per_worker"],
+                "reduction_vs_ddp": group[0]["reduction_vs_ddp"],
+                "wall_s": statistics.fmean(r["wall_s"] for r in group),
+                "seeds": [r["seed"] for r in group],
+            }
+        )
+    ddp = next((r for r in out if r["name"] == "ddp"), None)
+    for r in out:
+        r["loss_vs_ddp"] = r["final_loss"] / ddp["final_loss"] - 1 if ddp else None
+    return out
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["name"] for r in runs):
+        run = next(r for r in runs if r["name"] == name)  # first seed's curve
+        xs, ys = zip(*run["curve"], strict=True)
+        ax.plot(xs, ys, label=f"{name} ({run['reduction_vs_ddp']:,.0f}× fewer bytes)")
+    ax.set(xscale="log", xlabel="bytes sent per worker", ylabel="held-out loss (nats/byte)")
+    ax.set_title(f"DiLoCo vs DDP, {BENCH_MODEL.num_params():,} parameters")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--corpus", type=Path, help="text file or folder (default: Python's stdlib sources)")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per method; reports mean ± std")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}"
+    )
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps per worker (and for DDP)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="windows per worker per step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak learning rate")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--eval-windows", type=int, default=128)
+    parser.add_argument("--ddp-eval-every", type=int, default=30)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1 is robust on a shared machine)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench_training.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    unknown = sorted(set(args.methods.split(",")) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    windows = load_windows(args.corpus, BENCH_MODEL.max_seq_len)
+    runs = []
+    for seed in range(args.seeds):
+        for name in args.methods.split(","):
+            run = run_method(METHODS[name], args, windows, seed)
+            runs.append(run)
+            print(
+                f"seed {seed} {name:14s} loss {run['final_loss']:.4f}  bytes/worker {run['bytes_per_worker']:>13,}"
+                f"  {run['reduction_vs_ddp']:>8,.1f}×  {run['wall_s']:6.1f} s",
+                flush=True,
+            )
+    summary = aggregate(runs)
+    for r in summary:
+        rel = f"{100 * r['loss_vs_ddp']:+.1f}%" if r["loss_vs_ddp"] is not None else ""
+        print(
+            f"{r['name']:14s} {r['final_loss']:.4f} ± {r['final_loss_std']:.4f} {rel:>7s}  {r['reduction_vs_ddp']:,.1f}×"
+        )
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config["model"] = BENCH_MODEL.to_dict()
+    args.out.write_text(json.dumps({"config": config, "runs": summary, "per_seed": runs}, indent=1) + "\n")
+    plot(runs, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
