@@ -19,6 +19,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,8 +385,14 @@ def _generate(args: argparse.Namespace) -> int:
     loaded = _load_verified(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(loaded.tensors, loaded.config, device)
-    print(args.prompt + generate_text(model, args.prompt, sampling))
+    print(args.prompt + terminal_safe(generate_text(model, args.prompt, sampling)))
     return 0
+
+
+def terminal_safe(text: str) -> str:
+    """Control characters other than newline and tab become U+FFFD: model output must not be able to
+    send escape sequences to the user's terminal."""
+    return "".join("\ufffd" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
 
 
 def load_model(tensors: dict[str, Any], config: Any, device: str) -> Any:
