@@ -127,6 +127,11 @@ class AggregatorConfig:
     listen: str = "127.0.0.1:50051"
     node_key: Path | None = None  # ed25519 key that signs receipts
     evm_key: Path | None = None  # account that finalizes rounds on chain
+    recipe: Path | None = None  # the epoch's training recipe (model, data, codec), checked against the chain
+    deployment: Path | None = None  # contract addresses (written by `gonka-node chain deploy`)
+    epoch: int = 0  # 0: the latest epoch on chain
+    initial_checkpoint: Path | None = None  # round-0 weights; made from the recipe when absent
+    scoring: bool = True
     chain: ChainSettings = field(default_factory=ChainSettings)
     round: RoundSettings = field(default_factory=RoundSettings)
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
@@ -155,7 +160,26 @@ def _build(
 ) -> AggregatorConfig:
     _only_keys("top level", raw, {"aggregator", "chain", "round", "aggregation"})
     agg = dict(raw.get("aggregator", {}))
-    _only_keys("[aggregator]", agg, {"listen", "data_dir", "node_key", "evm_key", "log_level"})
+    _only_keys(
+        "[aggregator]",
+        agg,
+        {
+            "listen",
+            "data_dir",
+            "node_key",
+            "evm_key",
+            "log_level",
+            "recipe",
+            "deployment",
+            "epoch",
+            "initial_checkpoint",
+            "scoring",
+        },
+    )
+    if not isinstance(agg.get("epoch", 0), int) or agg.get("epoch", 0) < 0:
+        raise ConfigError(f"[aggregator] epoch must be an integer >= 0, got {agg.get('epoch')!r}")
+    if not isinstance(agg.get("scoring", True), bool):
+        raise ConfigError(f"[aggregator] scoring must be true or false, got {agg.get('scoring')!r}")
     base = Path(env.get("GONKA_HOME", path.parent))
     chain = dict(raw.get("chain", {}))
     if "GONKA_RPC_URL" in env:
@@ -170,6 +194,11 @@ def _build(
         listen=str(listen),
         node_key=_resolve(base, agg["node_key"]) if "node_key" in agg else None,
         evm_key=_resolve(base, agg["evm_key"]) if "evm_key" in agg else None,
+        recipe=_resolve(base, agg["recipe"]) if "recipe" in agg else None,
+        deployment=_resolve(base, agg["deployment"]) if "deployment" in agg else None,
+        epoch=int(agg.get("epoch", 0)),
+        initial_checkpoint=_resolve(base, agg["initial_checkpoint"]) if "initial_checkpoint" in agg else None,
+        scoring=bool(agg.get("scoring", True)),
         chain=_section(ChainSettings, "[chain]", chain),
         round=_section(RoundSettings, "[round]", dict(raw.get("round", {}))),
         aggregation=_section(AggregationSettings, "[aggregation]", aggregation),

@@ -8,8 +8,8 @@ instead of holding every host's update at once. Rules (chosen per epoch):
 - `clip_median`: each update scaled down to at most the median update norm, then averaged: one
   host cannot pull the average further than an honest-sized step.
 - `centered_clip`: Byzantine-robust centered clipping (Karimireddy, He & Jaggi, 2021):
-  v ← v + mean_i clip(Δ_i − v, τ), τ = median norm, starting from `clip_median`'s result; each
-  iteration is one more streaming pass. Works on any codec's decoded updates (dense or sparse).
+  v ← v + mean_i clip(Δ_i − v, τ), τ = median distance ‖Δ_i − v‖, starting from `clip_median`'s
+  result; each iteration is two more streaming passes (distances, then the clipped mean). Works on any codec's decoded updates (dense or sparse).
 
 All arithmetic is fp32 element-wise in a fixed (sorted host, sorted name) order, as in
 `training.diloco.StreamingAverager`, so the result is reproducible from the same inputs.
@@ -55,6 +55,9 @@ def aggregate(
     if rule == "centered_clip":
         v = clipped
         for _ in range(centered_clip_iters):
+            # τ: the median distance to the current centre (one extra pass), so honest updates sit
+            # inside the clip ball and far-away ones are pulled in to its edge.
+            tau = float(statistics.median(_norm({n: u[n].float() - v[n] for n in spec}) for _, u in source()))
             v = _centered_step(v, source(), spec, tau)
         return Aggregate(v, rule, tau)
     raise ValueError(f"aggregate: unknown rule {rule!r} (mean, clip_median, centered_clip)")

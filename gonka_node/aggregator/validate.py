@@ -7,6 +7,7 @@ without keeping any host's full update in memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +21,6 @@ from gonka_node.aggregator.reasons import Reason, Rejected
 SKETCH_BUCKETS = 4096
 _P = 2_147_483_647  # 2^31 − 1: hash arithmetic stays inside int64 for indices below 2^32
 _HASH_A, _HASH_B, _SIGN_A, _SIGN_B = 1_103_515_245, 12_345, 69_069, 1
-_SKETCH_CHUNK = 1 << 22
 
 
 class Codec(Protocol):
@@ -81,9 +81,11 @@ def check_update(update: Mapping[str, Any], spec: Mapping[str, tuple[int, ...]],
             raise Rejected(
                 Reason.WRONG_SHAPE, f"{name} has shape {tuple(t.shape)}, the model has {tuple(spec[name])}"
             )
-        if not bool(torch.isfinite(t).all()):
+        # NaN and ±inf make the sum of squares non-finite, so one pass checks both (isfinite only then).
+        sq = float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+        if not math.isfinite(sq) and not bool(torch.isfinite(t).all()):
             raise Rejected(Reason.NON_FINITE, f"{name} contains NaN or infinite values")
-        total += float(t.double().square().sum())
+        total += sq
     norm = math.sqrt(total)
     if not math.isfinite(norm) or norm > max_norm:
         raise Rejected(
@@ -93,19 +95,25 @@ def check_update(update: Mapping[str, Any], spec: Mapping[str, tuple[int, ...]],
     return Checked(update=fp32, norm=norm, sketch=count_sketch(fp32))
 
 
+@functools.lru_cache(maxsize=4096)  # one entry per tensor of the model
+def _sketch_hash(offset: int, numel: int, buckets: int) -> tuple[Tensor, Tensor]:
+    """Bucket and sign of coordinates [offset, offset + numel): the same for every submission of a
+    round, so computed once per tensor (memory: ~9 bytes per parameter, bounded by the model)."""
+    idx = torch.arange(offset, offset + numel, dtype=torch.int64)
+    bucket = ((idx * _HASH_A + _HASH_B) % _P) % buckets
+    sign = ((((idx * _SIGN_A + _SIGN_B) % _P) & 1) * 2 - 1).to(torch.float32)
+    return bucket, sign
+
+
 def count_sketch(update: Mapping[str, Tensor], buckets: int = SKETCH_BUCKETS) -> Tensor:
     """CountSketch of the concatenated update (names sorted): inner products are preserved in
     expectation, so cosine(sketch_a, sketch_b) ≈ cosine(a, b), for dense and sparse updates alike."""
     out = torch.zeros(buckets, dtype=torch.float64)
     offset = 0
     for name in sorted(update):
-        flat = update[name].reshape(-1)
-        for start in range(0, flat.numel(), _SKETCH_CHUNK):
-            values = flat[start : start + _SKETCH_CHUNK].double()
-            idx = torch.arange(offset + start, offset + start + values.numel(), dtype=torch.int64)
-            bucket = ((idx * _HASH_A + _HASH_B) % _P) % buckets
-            sign = (((idx * _SIGN_A + _SIGN_B) % _P) & 1) * 2 - 1
-            out.index_add_(0, bucket, values * sign)
+        flat = update[name].reshape(-1).float()
+        bucket, sign = _sketch_hash(offset, flat.numel(), buckets)
+        out.index_add_(0, bucket, (flat * sign).double())
         offset += flat.numel()
     return out.float()
 

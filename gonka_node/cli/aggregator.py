@@ -1,0 +1,108 @@
+"""`gonka-node aggregator --config agg.toml`: serve one epoch's rounds over gRPC until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.cli import CliError
+from gonka_node.config import AggregatorConfig, ConfigError, load_aggregator_config, read_env
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "aggregator", help="run an aggregator: collect, check, combine and finalize rounds"
+    )
+    p.add_argument("--config", type=Path, required=True, help="aggregator TOML file (docs/PROTOCOL.md)")
+    p.add_argument("--listen", help="host:port to serve on (overrides [aggregator] listen)")
+    p.add_argument("--data-dir", type=Path, help="state folder (overrides [aggregator] data_dir)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_aggregator_config(
+            args.config, overrides={"listen": args.listen, "data_dir": args.data_dir}
+        )
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(cfg, args.config))
+    return 0
+
+
+def _require(cfg: AggregatorConfig, where: Path, name: str) -> Path:
+    value = getattr(cfg, name)
+    if value is None:
+        raise CliError(f"{where}: [aggregator] {name} is required")
+    return value
+
+
+async def _serve(cfg: AggregatorConfig, where: Path) -> None:
+    engine = _build(cfg, where)
+    from gonka_node.aggregator.server import AggregatorServer
+
+    server = AggregatorServer(engine, cfg.listen)
+    port = await server.start()
+    logging.getLogger(__name__).info("aggregator serving epoch %d on port %d", engine.ctx.epoch, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(2.0)
+    engine.store.close()
+
+
+def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:
+    from chain.backends import RpcBackend
+    from chain.client import ChainClient
+    from chain.errors import ChainError
+    from chain.types import Deployment
+    from gonka_node.aggregator.chain_view import ChainView
+    from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+    from gonka_node.aggregator.store import Store
+    from gonka_node.epoch_setup import aggregator_context
+    from gonka_node.keys import KeyStoreError, load_evm_account, load_node_key
+    from gonka_node.recipe import Recipe, RecipeError
+
+    if cfg.chain.backend != "rpc":
+        raise CliError(
+            f"{where}: [chain] backend must be 'rpc' (an aggregator process reaches the chain over JSON-RPC)"
+        )
+    passphrase = read_env().get("GONKA_KEY_PASSPHRASE")
+    try:
+        node_key = load_node_key(_require(cfg, where, "node_key"), passphrase)
+        account = load_evm_account(_require(cfg, where, "evm_key"), passphrase)
+        deployment = Deployment.load(_require(cfg, where, "deployment"))
+        recipe = Recipe.load(_require(cfg, where, "recipe"))
+        client = ChainClient(RpcBackend(cfg.chain.rpc_url), account, deployment).connect()
+        epoch = cfg.epoch or client.epoch_count()
+        info = client.get_epoch(epoch)
+        init = cfg.initial_checkpoint or cfg.data_dir / "initial.safetensors"
+        ctx = aggregator_context(
+            recipe,
+            info,
+            chain_id=deployment.chain_id,
+            registry=deployment.registry,
+            init_path=init,
+            cache_dir=cfg.data_dir / "cache",
+            heldout_windows=cfg.aggregation.heldout_windows,
+            scoring=cfg.scoring,
+        )
+    except (KeyStoreError, RecipeError, ChainError, ValueError) as exc:
+        raise CliError(f"{where}: {exc}") from exc
+    engine = RoundEngine(
+        ctx,
+        cfg.round,
+        cfg.aggregation,
+        Store(cfg.data_dir).open(),
+        ChainView(client),
+        TrainingCheckpoints(),
+        node_key.signing_key,
+    )
+    return engine

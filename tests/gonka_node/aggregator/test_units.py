@@ -1,0 +1,139 @@
+"""The aggregator's pure parts: robust rules, pool split, copy detection, config validation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gonka_node.aggregator.close import find_copies, split_pool
+from gonka_node.aggregator.robust import aggregate
+from gonka_node.aggregator.store import SubmissionRow
+from gonka_node.aggregator.validate import cosine, count_sketch
+from gonka_node.config import ConfigError, load_aggregator_config, read_env
+
+SPEC = {"a": (64, 32), "b": (100,)}
+
+
+def updates(n: int, seed: int = 0, scale: float = 1.0) -> dict[str, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"{i:02d}": {k: torch.randn(s, generator=gen) * scale for k, s in SPEC.items()} for i in range(n)}
+
+
+def run(rule: str, ups: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    norms = {k: math.sqrt(sum(float(t.double().square().sum()) for t in u.values())) for k, u in ups.items()}
+    return aggregate(rule, lambda: iter(sorted(ups.items())), norms, SPEC).update
+
+
+def norm(u: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in u.values()))
+
+
+def test_mean_is_the_plain_average() -> None:
+    ups = updates(4)
+    got = run("mean", ups)
+    for k in SPEC:
+        torch.testing.assert_close(
+            got[k], torch.stack([u[k] for u in ups.values()]).mean(0), rtol=1e-6, atol=1e-6
+        )
+
+
+def test_clip_median_bounds_one_huge_update() -> None:
+    ups = updates(5)
+    ups["99"] = {k: t * 1000 for k, t in updates(1, seed=9)["00"].items()}
+    honest_norm = max(norm(u) for k, u in ups.items() if k != "99")
+    assert norm(run("mean", ups)) > 100 * honest_norm  # the attacker owns the plain mean
+    assert norm(run("clip_median", ups)) <= honest_norm  # clipped to the median norm
+
+
+def test_centered_clip_stays_near_the_honest_mean_under_attack() -> None:
+    gen = torch.Generator().manual_seed(3)
+    direction = {k: torch.randn(s, generator=gen) for k, s in SPEC.items()}
+    ups = {
+        f"{i:02d}": {k: direction[k] + 0.1 * torch.randn(s, generator=gen) for k, s in SPEC.items()}
+        for i in range(6)
+    }
+    honest = {k: torch.stack([u[k] for u in ups.values()]).mean(0) for k in SPEC}
+    ups["98"] = {k: -direction[k] * 50 for k in SPEC}
+    ups["99"] = {k: -direction[k] * 50 for k in SPEC}
+
+    def err(u: dict[str, torch.Tensor]) -> float:
+        return norm({k: u[k] - honest[k] for k in SPEC})
+
+    assert err(run("centered_clip", ups)) < 0.5 * err(run("clip_median", ups)) < err(run("mean", ups))
+
+
+def test_unknown_rule_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown rule"):
+        run("krum", updates(2))
+
+
+def test_split_pool_is_proportional_integer_and_skips_non_positive_scores() -> None:
+    shares = split_pool(1000, {b"a": 3.0, b"b": 1.0, b"c": 0.0, b"d": -2.0})
+    assert shares == {b"a": 750, b"b": 250}
+    assert split_pool(10, {b"a": 1.0, b"b": 1.0, b"c": 1.0}) == {b"a": 3, b"b": 3, b"c": 3}  # dust unpaid
+    assert split_pool(0, {b"a": 1.0}) == {} and split_pool(5, {b"a": -1.0}) == {}
+
+
+def test_sketch_cosine_tracks_true_cosine_and_finds_near_copies() -> None:
+    ups = updates(3, seed=4)
+    a, b = ups["00"], ups["01"]
+    near = {k: t + 0.01 * torch.randn_like(t) for k, t in a.items()}
+    assert cosine(count_sketch(a), count_sketch(near)) > 0.99
+    assert abs(cosine(count_sketch(a), count_sketch(b))) < 0.2
+
+    def row(host: bytes, u: dict[str, torch.Tensor], t: int) -> SubmissionRow:
+        return SubmissionRow(
+            1, 1, host, b"\0" * 32, 0, 0, 0, b"", t, norm(u), count_sketch(u).numpy().tobytes(), ""
+        )
+
+    copies = find_copies([row(b"A" * 20, a, 1), row(b"B" * 20, b, 2), row(b"C" * 20, near, 3)], 0.99)
+    assert list(copies) == [b"C" * 20] and "cosine" in copies[b"C" * 20]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "agg.toml"
+    p.write_text(text)
+    return p
+
+
+def test_config_reads_and_validates(tmp_path: Path) -> None:
+    cfg = load_aggregator_config(
+        write(
+            tmp_path,
+            '[aggregator]\ndata_dir = "state"\n[round]\nquorum = 3\nduration_s = 60\n'
+            '[aggregation]\nrule = "mean"\n[aggregation.per_epoch]\n2 = "centered_clip"\n',
+        ),
+        environ={"GONKA_LISTEN": "127.0.0.1:7000"},
+    )
+    assert cfg.data_dir == tmp_path / "state" and cfg.listen == "127.0.0.1:7000"
+    assert cfg.round.quorum == 3 and cfg.round.duration_s == 60.0
+    assert cfg.aggregation.rule_for(1) == "mean" and cfg.aggregation.rule_for(2) == "centered_clip"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[round]\nquorum = 0\n", r"\[round\] quorum must be >= 1"),
+        ('[round]\nquorum = "3"\n', r"\[round\] quorum must be a int"),
+        ("[round]\nmax_chunk_bytes = 4194304\n", r"max_chunk_bytes must be in"),
+        ('[aggregation]\nrule = "krum"\n', r"\[aggregation\] rule must be one of"),
+        ('[aggregation.per_epoch]\n3 = "krum"\n', r"\[aggregation.per_epoch\] 3 must be one of"),
+        ('[chain]\nbackend = "rpc"\n', r"rpc_url is required"),
+        ("[sections]\n", r"unknown key\(s\) sections"),
+        ("[aggregator\n", r"not valid TOML"),
+    ],
+)
+def test_config_errors_name_the_file_and_field(tmp_path: Path, text: str, match: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=match) as info:
+        load_aggregator_config(path, environ={})
+    assert str(path) in str(info.value)
+
+
+def test_unknown_gonka_environment_variables_are_refused() -> None:
+    assert read_env({"GONKA_RPC_URL": "http://x", "HOME": "/root"}) == {"GONKA_RPC_URL": "http://x"}
+    with pytest.raises(ConfigError, match="GONKA_RPC_ULR"):
+        read_env({"GONKA_RPC_ULR": "http://x"})
