@@ -56,8 +56,18 @@ METHODS: dict[str, Method] = {
         Method("diloco-int8", "int8:block=256", sync_every=30),
         Method("diloco-int4", "int4:block=128", sync_every=30),
         Method("diloco-topk", "topk:chunk=4096,k=128,bits=2", sync_every=30),
+        Method("diloco-mask", "mask:stride=4,bits=2,chunk=256", sync_every=30),
     ]
 }
+
+
+def parse_extra(text: str) -> Method:
+    """NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY], e.g. 'mask-s2|mask:stride=2|30|0.7|0.9|1.0'."""
+    fields = text.split("|")
+    if not 3 <= len(fields) <= 6:
+        raise SystemExit(f"--extra {text!r}: expected NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY]")
+    numbers = [float(f) for f in fields[3:]]
+    return Method(fields[0], fields[1], int(fields[2]), *numbers)
 
 
 def run_ddp(base: LocalRunConfig, windows: Windows, steps: int) -> tuple[float, list[tuple[int, float]]]:
@@ -193,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}"
     )
+    parser.add_argument(
+        "--extra", action="append", default=[], help="extra method NAME|CODEC|H[|LR|MOM|DECAY]"
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps per worker (and for DDP)")
     parser.add_argument("--micro-batch", type=int, default=8, help="windows per worker per step")
@@ -206,13 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_training.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    unknown = sorted(set(args.methods.split(",")) - set(METHODS))
+    for text in args.extra:
+        method = parse_extra(text)
+        METHODS[method.name] = method
+    names = [n for n in args.methods.split(",") if n] + [parse_extra(t).name for t in args.extra]
+    unknown = sorted(set(names) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
     windows = load_windows(args.corpus, BENCH_MODEL.max_seq_len)
     runs = []
     for seed in range(args.seeds):
-        for name in args.methods.split(","):
+        for name in names:
             run = run_method(METHODS[name], args, windows, seed)
             runs.append(run)
             print(

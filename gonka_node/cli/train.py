@@ -143,6 +143,7 @@ class LocalDiLoCo:
     def run_round(self, on_step: StepHook | None = None) -> RoundReport:
         started = time.perf_counter()
         averager = StreamingAverager(self.spec)
+        codec = self.codec.for_round(self.config.seed * 1_000_003 + self.round)
         sizes, last_losses = [], []
         for slot, (model, trainer) in enumerate(zip(self.workers, self.trainers, strict=True)):
             with torch.no_grad():
@@ -158,10 +159,10 @@ class LocalDiLoCo:
             hook = (lambda step, loss, s=slot: on_step(s, step, loss)) if on_step else None
             result = trainer.run(self.windows.batches(ids, self.config.micro_batch), on_step=hook)
             delta = pseudo_gradient(self.params, dict(model.named_parameters()))
-            payload = self.feedback[slot].compress(delta)
+            payload = self.feedback[slot].compress(delta, codec)
             sizes.append(len(payload))
             last_losses.append(result.last_loss)
-            averager.add(f"host-{slot:05d}", self.codec.decode(payload, self.spec))
+            averager.add(f"host-{slot:05d}", codec.decode(payload, self.spec))
         self.outer.step(self.params, averager.result())
         self.round += 1
         return RoundReport(

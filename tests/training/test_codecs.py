@@ -216,3 +216,46 @@ def test_get_codec_parses_options_and_rejects_unknown_ones() -> None:
         get_codec("topk:chunk=8,k=9")
     with pytest.raises(ValueError, match="NaN"):
         get_codec("fp32").encode({"w": torch.tensor([float("inf")])})
+
+
+def test_shared_mask_sends_each_entry_once_per_cycle_without_positions() -> None:
+    base = get_codec("mask:stride=4,bits=2,chunk=16")
+    n = 1000
+    counts = torch.zeros(n)
+    for round_seed in range(8, 12):  # one whole cycle
+        counts[base.for_round(round_seed).mask(n, "w")] += 1
+    assert torch.equal(counts, torch.ones(n))
+    codec = base.for_round(9)
+    sent = len(codec.mask(n, "w"))
+    assert 200 < sent < 300  # about a quarter
+    # 2 bits per sent value and one fp32 step per 16 sent values: no positions at all
+    assert codec.encoded_size({"w": (n,)}) == 32 + 8 + 4 * -(-sent // 16) + -(-sent * 2 // 8)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    y = codec.decode(codec.encode({"w": x}), {"w": (n,)})["w"]
+    on = torch.zeros(n, dtype=torch.bool)
+    on[codec.mask(n, "w")] = True
+    assert torch.equal(y[~on], torch.zeros(int((~on).sum())))
+    assert ((y[on] - x[on]).square().mean() / x[on].square().mean()).item() < 0.15  # ≈ 0.119 for Gaussian
+    one_step = base.for_round(9).__class__(stride=4, bits=2, chunk=1024, seed=9)  # one step for all values
+    z = one_step.decode(one_step.encode({"w": x}), {"w": (n,)})["w"][on]
+    assert set((z.abs() / z.abs().min()).tolist()) == {1.0, 3.0}  # levels ±step/2, ±3·step/2
+
+
+def test_shared_mask_payload_is_bound_to_its_round() -> None:
+    base = get_codec("mask:stride=4")
+    payload = base.for_round(5).encode({"w": torch.randn(100)})
+    with pytest.raises(CodecError, match="parameters"):
+        base.for_round(6).decode(payload, {"w": (100,)})
+
+
+def test_error_feedback_with_a_shared_mask_delivers_everything_each_cycle() -> None:
+    base = get_codec("mask:stride=4,bits=4")
+    ef = ErrorFeedback(base)
+    delta = torch.randn(500, generator=torch.Generator().manual_seed(0))
+    total = torch.zeros(500)
+    for round_seed, d in enumerate([delta, torch.zeros(500), torch.zeros(500), torch.zeros(500)]):
+        codec = base.for_round(round_seed)
+        total += codec.decode(ef.compress({"w": d}, codec), {"w": (500,)})["w"]
+    # one Δ, then nothing: within one cycle each entry was sent once and carried its share (4-bit error)
+    assert ((total - delta).norm() / delta.norm()).item() < 0.15
+    assert torch.allclose(total + ef.residual["w"], delta, atol=1e-6)
