@@ -8,7 +8,8 @@ signed in) serves on 127.0.0.1:0; this process signs and streams N int8-coded ps
 - ingest_mb_s: payload bytes / seconds from the first stream opened to the last receipt;
 - finalize_latency_s: last receipt → round finalized on chain (robust aggregate, outer step,
   checkpoint, rewards, Merkle root, finalize transaction);
-- peak_rss_mb: the aggregator process's peak resident memory (ru_maxrss), chain included.
+- peak_rss_mb: the aggregator process's peak resident memory (ru_maxrss), chain included;
+  rss_before_round_mb: the same just before the round (embedded chain with N hosts, model, imports).
 Scoring is off (it runs forward passes of the model per host; see docs/benchmarks.md).
 """
 
@@ -105,7 +106,8 @@ def serve(n_hosts: int, workdir: Path) -> None:
     async def main() -> None:
         server = AggregatorServer(engine, "127.0.0.1:0")
         port = await server.start()
-        print(json.dumps({"port": port}), flush=True)
+        setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps({"port": port, "setup_rss_mb": setup}), flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
@@ -137,7 +139,8 @@ def run_one(n_hosts: int) -> dict[str, float]:
             cwd=ROOT,
         )
         assert proc.stdout is not None
-        port = json.loads(proc.stdout.readline())["port"]
+        hello = json.loads(proc.stdout.readline())
+        port = hello["port"]
         try:
             with AggregatorClient(f"127.0.0.1:{port}") as client:
                 info = client.open_round()
@@ -171,6 +174,7 @@ def run_one(n_hosts: int) -> dict[str, float]:
         "ingest_mb_s": round(total_mb / (last - start), 1),
         "finalize_latency_s": round(done - last, 2),
         "peak_rss_mb": round(rss, 1),
+        "rss_before_round_mb": round(hello["setup_rss_mb"], 1),  # chain, contracts, model, imports
     }
 
 
