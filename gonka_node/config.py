@@ -103,6 +103,7 @@ class AggregationSettings:
     copy_cosine: float = 0.99  # sketch cosine above which a later submission counts as a copy
     min_score: float = 0.0  # contributions scoring at or below this are not aggregated nor paid
     heldout_windows: int = 4
+    score_rule: str = "heldout_gain"  # or "assignment_gap" (gonka_node/aggregator/scoring.py)
 
     def __post_init__(self) -> None:
         for epoch, rule in {None: self.rule, **self.per_epoch}.items():
@@ -114,6 +115,10 @@ class AggregationSettings:
             raise ConfigError(f"[aggregation] outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0.0 < self.copy_cosine <= 1.0:
             raise ConfigError(f"[aggregation] copy_cosine must be in (0, 1], got {self.copy_cosine}")
+        if self.score_rule not in ("heldout_gain", "assignment_gap"):
+            raise ConfigError(
+                f"[aggregation] score_rule must be 'heldout_gain' or 'assignment_gap', got {self.score_rule!r}"
+            )
         if self.centered_clip_iters < 1 or self.heldout_windows < 1:
             raise ConfigError("[aggregation] centered_clip_iters and heldout_windows must be >= 1")
 

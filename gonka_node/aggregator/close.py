@@ -87,7 +87,7 @@ def compute_outcome(
         if s.host not in slots:
             reasons[s.host].append("host is no longer signed in to the epoch (left or slashed)")
             excluded.add(s.host)
-    scores = _scores(ctx, round_row, submissions, slots, base, decode, reasons, excluded)
+    scores = _scores(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
     for s in submissions:
         if s.host not in excluded and scores[s.host] <= aggregation.min_score:
             reasons[s.host].append(
@@ -146,13 +146,14 @@ def _scores(
     decode: object,
     reasons: dict[bytes, list[str]],
     excluded: set[bytes],
+    aggregation: AggregationSettings,
 ) -> dict[bytes, float]:
     if ctx.model_factory is None or ctx.scoring is None:
         for s in submissions:
             reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
         return {s.host: 1.0 for s in submissions}
     heldout = ctx.scoring.heldout(round_row.round, round_row.base_sha256)
-    scorer = Scorer(ctx.model_factory(), base, heldout)
+    scorer = Scorer(ctx.model_factory(), base, heldout, aggregation.score_rule)
     out: dict[bytes, float] = {}
     for s in submissions:
         if s.host in excluded:

@@ -73,14 +73,31 @@ def _split(windows: Tensor) -> Batch:
     return windows[:, :-1], windows[:, 1:]
 
 
+SCORE_RULES = ("heldout_gain", "assignment_gap")
+
+
 @dataclass(frozen=True)
 class Score:
-    score: float  # lower confidence bound of gain_assigned − gain_heldout
+    score: float
     gain_assigned: float
     gain_heldout: float
-    stderr: float
+    stderr: float  # of the rule's statistic
+    rule: str = "assignment_gap"
+    gap_stderr: float = 0.0
 
     def reasons(self) -> list[str]:
+        if self.rule == "heldout_gain":
+            gap = self.gain_assigned - self.gain_heldout
+            why = [
+                f"score {self.score:+.5f} = gain on held-out {self.gain_heldout:+.5f} − "
+                f"{CONFIDENCE_Z:g}×stderr {self.stderr:.5f}"
+            ]
+            if gap < -CONFIDENCE_Z * self.gap_stderr:
+                why.append(
+                    f"fits held-out data better than its assignment (gap {gap:+.5f}, stderr "
+                    f"{self.gap_stderr:.5f}): not trained on its assignment"
+                )
+            return why
         return [
             f"score {self.score:+.5f} = gain on assignment {self.gain_assigned:+.5f} − gain on held-out "
             f"{self.gain_heldout:+.5f} − {CONFIDENCE_Z:g}×stderr {self.stderr:.5f}"
@@ -88,10 +105,27 @@ class Score:
 
 
 class Scorer:
-    """One model loaded with the round's base weights; scores updates one at a time (memory: 2 models)."""
+    """One model loaded with the round's base weights; scores updates one at a time (memory: 2 models).
 
-    def __init__(self, model: nn.Module, base: Mapping[str, Tensor], heldout: Batch) -> None:
+    Two rules (chosen per aggregator, `[aggregation] score_rule`):
+
+    - "heldout_gain" (default): the score is how much the update alone improves unseen text (a lower
+      confidence bound of the mean held-out gain), vetoed to 0 when the update fits held-out windows
+      *significantly better* than the host's own assignment. Pays useful work from the first round,
+      when single-pass training improves everything alike; cannot tell an update trained on other
+      good data from an honest one (docs/SECURITY-relevant limitation, noted in PROTOCOL.md).
+    - "assignment_gap": the score is a lower confidence bound of gain(assignment) − gain(held-out):
+      proof that the host trained on *its* windows. Sound once memorisation is measurable (many inner
+      steps over few windows); in early single-pass rounds honest updates score ≈ 0 and are dropped.
+    """
+
+    def __init__(
+        self, model: nn.Module, base: Mapping[str, Tensor], heldout: Batch, rule: str = "heldout_gain"
+    ) -> None:
+        if rule not in SCORE_RULES:
+            raise ValueError(f"Scorer: rule must be one of {SCORE_RULES}, got {rule!r}")
         self.model = model
+        self.rule = rule
         self.base = {name: t.detach().float().clone() for name, t in base.items()}
         self._params = dict(model.named_parameters())
         if set(self.base) != set(self._params):
@@ -115,17 +149,22 @@ class Scorer:
             p.copy_(base if delta is None else base - delta[name].to(base.dtype))
 
     def score(self, delta: Mapping[str, Tensor], assigned: Batch) -> Score:
-        """Per-window gains on both sets; the score is the difference of their means minus
-        CONFIDENCE_Z standard errors, so an update whose apparent advantage is within what window-to-window
-        variation explains (noise, training on other data) scores at or below zero."""
+        """Per-window gains on both sets, and the rule's lower confidence bound (CONFIDENCE_Z standard
+        errors below the mean), so an apparent advantage within window-to-window variation scores ≤ 0."""
         self._load(None)
         before_a = self._losses(assigned)
         self._load(delta)
         gain_a = before_a - self._losses(assigned)
         gain_h = self.heldout_base - self._losses(self.heldout)
-        stderr = math.sqrt(_var_of_mean(gain_a) + _var_of_mean(gain_h))
-        diff = float(gain_a.mean() - gain_h.mean())
-        return Score(diff - CONFIDENCE_Z * stderr, float(gain_a.mean()), float(gain_h.mean()), stderr)
+        mean_a, mean_h = float(gain_a.mean()), float(gain_h.mean())
+        gap_se = math.sqrt(_var_of_mean(gain_a) + _var_of_mean(gain_h))
+        if self.rule == "assignment_gap":
+            return Score(mean_a - mean_h - CONFIDENCE_Z * gap_se, mean_a, mean_h, gap_se, self.rule, gap_se)
+        se_h = math.sqrt(_var_of_mean(gain_h))
+        score = mean_h - CONFIDENCE_Z * se_h
+        if mean_a - mean_h < -CONFIDENCE_Z * gap_se:
+            score = min(score, 0.0)
+        return Score(score, mean_a, mean_h, se_h, self.rule, gap_se)
 
 
 def _var_of_mean(x: Tensor) -> float:

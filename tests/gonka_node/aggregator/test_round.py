@@ -13,6 +13,7 @@ from safetensors.torch import load as load_safetensors
 from chain.merkle import reward_leaf, verify_proof
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.config import AggregationSettings
 from training.diloco import OuterOptimizer
 
 
@@ -82,6 +83,9 @@ def test_three_honest_hosts_finalize_on_chain_and_hosts_recompute_the_hash(harne
 
 def test_noise_and_untrained_hosts_score_at_or_below_zero(harness: Harness) -> None:
     h = harness
+    # The harness's honest update memorises its 8 windows (20 steps over them): the proof-of-assignment
+    # rule can then tell a host that trained on another slot's windows.
+    h.aggregation = AggregationSettings(score_rule="assignment_gap")
     h.schedule(3)
     server = h.start_server()
     honest, noisy, idle = h.hosts

@@ -1,0 +1,123 @@
+"""From a recipe to an epoch: the initial checkpoint, the on-chain `EpochSpec`, the aggregator's context.
+
+Governance (or the devnet) calls `initial_checkpoint` and `epoch_spec`; an aggregator calls
+`aggregator_context` after reading the epoch back from the chain, so what it enforces is what the chain
+says, not what a local file claims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from chain.types import EpochInfo, EpochSpec
+from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.rounds import EpochContext
+from gonka_node.aggregator.scoring import ScoringData
+from gonka_node.recipe import Recipe, RecipeError
+from training.codecs import CodecError, get_codec
+from training.model import build_model
+
+
+@dataclass(frozen=True)
+class EpochTerms:
+    """The parts of an epoch that are about people and money rather than the model."""
+
+    aggregators: Sequence[str]
+    round_length_s: int = 600
+    signin_window_s: int = 60
+    min_stake: int = 10**9  # ngonka
+    max_hosts: int = 16
+    reward_per_round: int = 0  # ngonka
+    aggregator_quorum: int = 1
+
+
+def initial_checkpoint(recipe: Recipe, path: Path) -> bytes:
+    """Write the epoch's round-0 model (a pure function of the recipe) and return its canonical sha256."""
+    model = build_model(recipe.model, recipe.init_seed)
+    tensors = {n: p.detach() for n, p in model.named_parameters()}
+    return TrainingCheckpoints().save(path, tensors, {"round": "0", "recipe_sha256": recipe.sha256().hex()})
+
+
+def epoch_spec(recipe: Recipe, init_sha256: bytes, terms: EpochTerms, model_uri: str) -> EpochSpec:
+    if not recipe.data_manifest_sha256:
+        raise RecipeError("data_manifest_sha256: fill it in (Recipe.with_data_manifest) before scheduling")
+    return EpochSpec(
+        model_spec_hash=recipe.sha256(),
+        model_uri=model_uri,
+        data_manifest_hash=bytes.fromhex(recipe.data_manifest_sha256),
+        init_checkpoint_hash=init_sha256,
+        inner_steps=recipe.inner_steps,
+        inner_lr=recipe.inner_lr,
+        batch_size=recipe.batch_size,
+        outer_lr=recipe.outer_lr,
+        outer_momentum=recipe.outer_momentum,
+        codec=recipe.codec,
+        n_rounds=recipe.n_rounds,
+        round_length=terms.round_length_s,
+        signin_window=terms.signin_window_s,
+        min_stake=terms.min_stake,
+        max_hosts=terms.max_hosts,
+        aggregators=tuple(terms.aggregators),
+        aggregator_quorum=terms.aggregator_quorum,
+        reward_per_round=terms.reward_per_round,
+    )
+
+
+def aggregator_context(
+    recipe: Recipe,
+    info: EpochInfo,
+    *,
+    chain_id: int,
+    registry: str,
+    init_path: Path,
+    cache_dir: Path | None = None,
+    heldout_windows: int = 8,
+    scoring: bool = True,
+) -> EpochContext:
+    """The aggregator's view of an epoch, checked against the chain's record of it."""
+    spec = info.spec
+    recipe.check_against_chain(
+        model_spec_hash=spec.model_spec_hash,
+        chain_fields={
+            "inner_steps": spec.inner_steps,
+            "inner_lr": spec.inner_lr,
+            "batch_size": spec.batch_size,
+            "outer_lr": spec.outer_lr,
+            "outer_momentum": spec.outer_momentum,
+            "codec": spec.codec,
+            "n_rounds": spec.n_rounds,
+        },
+    )
+    checkpoints = TrainingCheckpoints()
+    if not init_path.exists():
+        initial_checkpoint(recipe, init_path)
+    init = checkpoints.load(init_path, spec.init_checkpoint_hash)
+    windows = recipe.windows(cache_dir)
+    return EpochContext(
+        chain_id=chain_id,
+        registry=bytes.fromhex(registry[2:]),
+        epoch=info.epoch,
+        codec_name=spec.codec,
+        codec=get_codec(spec.codec),
+        codec_error=CodecError,
+        spec={n: tuple(t.shape) for n, t in init.items()},
+        n_rounds=spec.n_rounds,
+        round_length_s=float(spec.round_length),
+        outer_lr=spec.outer_lr,
+        outer_momentum=spec.outer_momentum,
+        reward_per_round=spec.reward_per_round,
+        initial_checkpoint=init_path,
+        initial_sha256=spec.init_checkpoint_hash,
+        model_factory=(lambda: build_model(recipe.model, recipe.init_seed)) if scoring else None,
+        scoring=ScoringData(
+            windows,
+            recipe.epoch_seed,
+            spec.max_hosts,
+            recipe.inner_config().windows_per_round,
+            heldout_windows,
+        )
+        if scoring
+        else None,
+    )

@@ -1,0 +1,103 @@
+"""What a host reports while it works: progress bars, log lines, Prometheus metrics.
+
+The node calls one `HostEvents` object; the CLI composes the ones it wants, so the loop knows nothing
+of rich or Prometheus.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+log = logging.getLogger("gonka_node.host")
+
+
+class HostEvents:
+    """Structured log lines; subclasses add bars or metrics."""
+
+    def inner_step(self, round_: int, step: int, total: int, loss: float) -> None:
+        pass
+
+    def round_trained(self, round_: int, loss: float, tokens: int, seconds: float, payload_bytes: int) -> None:
+        log.info(
+            "round %d: trained %d tokens in %.1f s, last loss %.4f, payload %d bytes",
+            round_, tokens, seconds, loss, payload_bytes,
+        )
+
+    def submitted(self, round_: int, accepted: bool, reason: str, seconds: float) -> None:
+        if accepted:
+            log.info("round %d: submission accepted (%.2f s upload)", round_, seconds)
+        else:
+            log.warning("round %d: submission not accepted: %s", round_, reason)
+
+    def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
+        log.info(
+            "round %d: global model %s… (%s), reward %d ngonka, %.1f s after submitting",
+            round_, sha256.hex()[:16], how, reward, latency_s,
+        )
+
+    def note(self, message: str) -> None:
+        log.info("%s", message)
+
+
+class MultiEvents(HostEvents):
+    def __init__(self, sinks: Sequence[HostEvents]) -> None:
+        self.sinks = list(sinks)
+
+    def inner_step(self, round_: int, step: int, total: int, loss: float) -> None:
+        for s in self.sinks:
+            s.inner_step(round_, step, total, loss)
+
+    def round_trained(self, round_: int, loss: float, tokens: int, seconds: float, payload_bytes: int) -> None:
+        for s in self.sinks:
+            s.round_trained(round_, loss, tokens, seconds, payload_bytes)
+
+    def submitted(self, round_: int, accepted: bool, reason: str, seconds: float) -> None:
+        for s in self.sinks:
+            s.submitted(round_, accepted, reason, seconds)
+
+    def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
+        for s in self.sinks:
+            s.round_applied(round_, how, sha256, reward, latency_s)
+
+    def note(self, message: str) -> None:
+        for s in self.sinks:
+            s.note(message)
+
+
+class MetricsEvents(HostEvents):
+    """Prometheus metrics on an own registry (several nodes can share a process in tests)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self.loss = Gauge("gonka_host_inner_loss", "last inner-step training loss", registry=self.registry)
+        self.tokens_per_s = Gauge("gonka_host_tokens_per_second", "inner-loop throughput", registry=self.registry)
+        self.bytes_sent = Counter("gonka_host_payload_bytes", "payload bytes submitted", registry=self.registry)
+        self.round_latency = Gauge(
+            "gonka_host_round_latency_seconds", "submission to applied global model", registry=self.registry
+        )
+        self.rewards = Counter("gonka_host_rewards_ngonka", "rewards earned", registry=self.registry)
+        self.rounds = Counter("gonka_host_rounds", "rounds applied", registry=self.registry)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_port)
+
+    def inner_step(self, round_: int, step: int, total: int, loss: float) -> None:
+        self.loss.set(loss)
+
+    def round_trained(self, round_: int, loss: float, tokens: int, seconds: float, payload_bytes: int) -> None:
+        self.tokens_per_s.set(tokens / seconds if seconds > 0 else 0.0)
+        self.bytes_sent.inc(payload_bytes)
+
+    def submitted(self, round_: int, accepted: bool, reason: str, seconds: float) -> None:
+        pass
+
+    def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
+        self.rounds.inc()
+        self.rewards.inc(reward)
+        self.round_latency.set(latency_s)

@@ -1,0 +1,283 @@
+"""The host daemon's loop: sign in, then for each round follow the global model, train, submit, wait.
+
+Crash safety: progress is saved after every applied round (`HostStore`). A restarted node reloads it,
+follows the chain to the current round and carries on; a round it had already submitted is not trained
+again (the aggregator would answer DUPLICATE anyway). A round whose submission is refused (late, wrong
+round) leaves no trace: the inner optimizer and the error-feedback residual go back to their state
+before that round, so nothing the aggregator never saw leaks into the next payload.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from chain.client import ChainClient
+from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
+from gonka_node.host.events import HostEvents
+from gonka_node.host.follow import GlobalModel, follow_to
+from gonka_node.host.store import HostStore, Progress
+from gonka_node.keys import NodeKeys
+from gonka_node.recipe import Recipe
+from proto.gonka.v1 import aggregator_pb2 as pb
+from training.checkpoint import canonical_sha256
+from training.codecs import get_codec
+from training.diloco import OuterOptimizer
+from training.model import build_model
+from training.worker import Assignment, DiLoCoWorker
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class HostError(RuntimeError):
+    """The node cannot go on (not signed in, recipe disagrees with the chain, …); the message says why."""
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    epoch: int
+    stake: int  # ngonka escrowed at sign-in
+    state_dir: Path
+    cache_dir: Path | None = None
+    poll_s: float = 0.5
+    submit_attempts: int = 6
+    backoff_s: float = 0.5
+    stop_after_rounds: int | None = None  # leave the loop after this many applied rounds (tests)
+
+
+class ChainHashes:
+    """The checkpoint hash the chain records for each finalized round."""
+
+    def __init__(self, chain: ChainClient, epoch: int) -> None:
+        self.chain, self.epoch = chain, epoch
+
+    def checkpoint_sha256(self, round_: int) -> bytes:
+        result = self.chain.round_result(self.epoch, round_)
+        if not result.finalized:
+            raise HostError(f"round {self.epoch}/{round_} is not finalized on chain")
+        return bytes(result.checkpoint_sha256)
+
+
+class HostNode:
+    def __init__(
+        self,
+        settings: HostSettings,
+        recipe: Recipe,
+        chain: ChainClient,
+        aggregator: AggregatorClient,
+        keys: NodeKeys,
+        events: HostEvents | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.settings, self.recipe, self.chain, self.aggregator, self.keys = (
+            settings, recipe, chain, aggregator, keys,
+        )
+        self.events = events or HostEvents()
+        self.sleep = sleep
+        self.store = HostStore(settings.state_dir)
+        self.host_bytes = bytes.fromhex(keys.evm_address[2:])
+
+    # ---- sign-in ----------------------------------------------------------------------------------
+
+    def ensure_joined(self) -> int:
+        """Sign in to the epoch with stake and node key unless already signed in; returns the slot."""
+        epoch = self.settings.epoch
+        info = self.chain.host_info(epoch, self.keys.evm_address)
+        if info.joined and not info.left:
+            if info.node_key != self.keys.node_public_key:
+                raise HostError(
+                    f"{self.keys.evm_address} is signed in to epoch {epoch} with another node key "
+                    f"({info.node_key.hex()[:16]}…); use that key or another account"
+                )
+            return info.slot
+        slot = self.chain.join(epoch, self.settings.stake, self.keys.node_public_key)
+        self.events.note(f"signed in to epoch {epoch} with {self.settings.stake} ngonka stake, slot {slot}")
+        return slot
+
+    # ---- start / resume ---------------------------------------------------------------------------
+
+    def _outer(self) -> OuterOptimizer:
+        return OuterOptimizer(self.recipe.outer_lr, self.recipe.outer_momentum)
+
+    def _prepare(self) -> tuple[DiLoCoWorker, GlobalModel, Progress]:
+        epoch = self.chain.get_epoch(self.settings.epoch)
+        spec = epoch.spec
+        self.recipe.check_against_chain(
+            model_spec_hash=spec.model_spec_hash,
+            chain_fields={
+                "inner_steps": spec.inner_steps,
+                "inner_lr": spec.inner_lr,
+                "batch_size": spec.batch_size,
+                "outer_lr": spec.outer_lr,
+                "outer_momentum": spec.outer_momentum,
+                "codec": spec.codec,
+                "n_rounds": spec.n_rounds,
+            },
+        )
+        if self.recipe.data_manifest_sha256 != spec.data_manifest_hash.hex():
+            raise HostError("the recipe's data manifest hash differs from the epoch's on chain")
+        self.n_rounds = spec.n_rounds
+        slot = self.ensure_joined()
+        model = build_model(self.recipe.model, self.recipe.init_seed)
+        worker = DiLoCoWorker(
+            model,
+            self.recipe.inner_config(),
+            get_codec(self.recipe.codec),
+            self.recipe.windows(self.settings.cache_dir),
+            Assignment(self.recipe.epoch_seed, slot, spec.max_hosts),
+            self.recipe.ef_decay,
+        )
+        snap = self.store.load()
+        if snap is not None and snap.progress.epoch == self.settings.epoch:
+            progress = snap.progress
+            outer = None
+            if progress.outer_in_sync:
+                outer = self._outer()
+                state = outer.state_dict()
+                state.update(steps=progress.outer_steps, momentum_buffer=snap.outer_buffers or {})
+                outer.load_state_dict(state)
+            if snap.worker_state is not None:
+                worker.load_state_dict(snap.worker_state)
+            gm = GlobalModel(snap.global_params, bytes.fromhex(progress.model_sha256), progress.round_done, outer)
+            self.events.note(f"resumed at round {progress.round_done} from {self.store.root}")
+            return worker, gm, progress
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sha = bytes.fromhex(canonical_sha256(params))
+        if sha != spec.init_checkpoint_hash:
+            raise HostError(
+                f"the recipe's initial model hashes to {sha.hex()}, the epoch records "
+                f"{spec.init_checkpoint_hash.hex()}"
+            )
+        progress = Progress(self.settings.epoch, slot, 0, sha.hex())
+        return worker, GlobalModel(params, sha, 0, self._outer()), progress
+
+    def _save(self, worker: DiLoCoWorker, gm: GlobalModel, progress: Progress) -> None:
+        progress.round_done, progress.model_sha256 = gm.round_done, gm.sha256.hex()
+        progress.outer_steps = gm.outer.steps if gm.outer is not None else -1
+        buffers = gm.outer.buffers if gm.outer is not None else None
+        self.store.save(progress, gm.params, buffers, worker.state_dict())
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> Progress:
+        worker, gm, progress = self._prepare()
+        hashes = ChainHashes(self.chain, self.settings.epoch)
+        applied = 0
+        while True:
+            latest = self.chain.latest_round(self.settings.epoch)
+            if latest >= self.n_rounds:
+                self._follow(gm, latest, hashes)
+                self._save(worker, gm, progress)
+                self.events.note(f"epoch {self.settings.epoch} finished after {latest} rounds")
+                return progress
+            info = self._open_round()
+            if info is None or info.round <= gm.round_done:
+                self.sleep(self.settings.poll_s)
+                continue
+            if info.round - 1 > latest:  # the aggregator is ahead of what our chain view shows yet
+                self.sleep(self.settings.poll_s)
+                continue
+            self._follow(gm, info.round - 1, hashes)
+            if gm.sha256 != bytes(info.base_checkpoint_sha256):
+                raise HostError(
+                    f"round {info.round}: the aggregator's base {bytes(info.base_checkpoint_sha256).hex()[:16]}… "
+                    f"differs from the chain's {gm.sha256.hex()[:16]}…"
+                )
+            submitted_at = time.monotonic()
+            if str(info.round) not in progress.submitted:
+                self._train_and_submit(worker, gm, info, progress)
+                submitted_at = time.monotonic()
+            self._wait_finalized(info.round)
+            how = self._follow(gm, info.round, hashes)
+            reward = self._reward(info.round)
+            progress.rewards[str(info.round)] = reward
+            self._save(worker, gm, progress)
+            self.events.round_applied(info.round, how, gm.sha256, reward, time.monotonic() - submitted_at)
+            applied += 1
+            if self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds:
+                return progress
+
+    def _follow(self, gm: GlobalModel, target: int, hashes: ChainHashes) -> str:
+        epoch = self.settings.epoch
+        return follow_to(
+            gm,
+            target,
+            hashes,
+            lambda r: self._retrying(lambda: self.aggregator.round_update(epoch, r)).data,
+            lambda r: self._retrying(lambda: self.aggregator.checkpoint(epoch, r)).data,
+        )
+
+    def _train_and_submit(
+        self, worker: DiLoCoWorker, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
+    ) -> None:
+        before = copy.deepcopy(worker.state_dict())
+        total = worker.trainer.config.steps
+        first = worker.trainer.step
+
+        def on_step(step: int, loss: float) -> None:
+            self.events.inner_step(info.round, step - first, total, loss)
+
+        result = worker.train_round(info.round, gm.params, on_step)
+        self.events.round_trained(info.round, result.last_loss, result.tokens, result.seconds, len(result.payload))
+        started = time.monotonic()
+        accepted, reason = self._submit(info, result.payload, result.tokens)
+        self.events.submitted(info.round, accepted, reason, time.monotonic() - started)
+        if accepted:
+            progress.submitted[str(info.round)] = hashlib.sha256(result.payload).hexdigest()
+        else:
+            worker.load_state_dict(before)
+
+    def _submit(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
+        delay = self.settings.backoff_s
+        for attempt in range(1, self.settings.submit_attempts + 1):
+            try:
+                self.aggregator.submit(info, self.host_bytes, payload, self.keys.node_key.signing_key, tokens)
+                return True, ""
+            except SubmitRejected as exc:
+                if exc.reason == "DUPLICATE":  # an earlier attempt landed; its receipt was lost in transit
+                    return True, ""
+                if exc.code not in RETRYABLE and exc.reason != "UNAVAILABLE":
+                    return False, f"{exc.reason or exc.code.name}: {exc.message}"
+                self.events.note(f"round {info.round}: upload attempt {attempt} failed ({exc}); retrying")
+            self.sleep(delay)
+            delay = min(delay * 2, 30.0)
+        return False, f"gave up after {self.settings.submit_attempts} attempts"
+
+    def _open_round(self) -> pb.RoundInfo | None:
+        try:
+            return self._retrying(self.aggregator.open_round)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                return None  # between rounds: the last one is closing
+            raise
+
+    def _retrying(self, call: Callable[[], object]):  # type: ignore[no-untyped-def]
+        delay = self.settings.backoff_s
+        for attempt in range(self.settings.submit_attempts):
+            try:
+                return call()
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                if code not in RETRYABLE or attempt == self.settings.submit_attempts - 1:
+                    raise
+                self.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        raise AssertionError("unreachable")
+
+    def _wait_finalized(self, round_: int) -> None:
+        while self.chain.latest_round(self.settings.epoch) < round_:
+            self.sleep(self.settings.poll_s)
+
+    def _reward(self, round_: int) -> int:
+        try:
+            result = self._retrying(lambda: self.aggregator.round_result(self.settings.epoch, round_))
+        except grpc.RpcError:
+            return 0
+        mine = [c for c in result.contributions if bytes(c.host) == self.host_bytes]
+        return int(mine[0].reward) if mine else 0

@@ -1,0 +1,124 @@
+"""A host's progress on disk, so a killed node resumes where it was.
+
+Layout under the host's state directory:
+
+    progress.json              which snapshot is current, and the round bookkeeping (written last)
+    snap-<round>/global.safetensors   the global model after <round> (canonical sha256 in progress.json)
+    snap-<round>/outer.safetensors    the outer momentum the host mirrors (absent when not in sync)
+    snap-<round>/worker.pt            inner AdamW state and the error-feedback residual
+
+A snapshot folder is complete before `progress.json` names it (each file fsync'd, then the folder,
+then an atomic rename of progress.json), so a crash at any point leaves the previous snapshot intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from training.checkpoint import canonical_sha256
+
+PROGRESS = "progress.json"
+
+
+@dataclass
+class Progress:
+    epoch: int
+    slot: int
+    round_done: int  # last round whose result is applied to the held model (0: the initial model)
+    model_sha256: str  # canonical sha256 (hex) of the held global model
+    outer_steps: int = 0  # outer steps mirrored locally; -1 once a pulled checkpoint broke the mirror
+    submitted: dict[str, str] = field(default_factory=dict)  # round -> payload sha256 accepted
+    rewards: dict[str, int] = field(default_factory=dict)  # round -> ngonka earned (from the result)
+
+    @property
+    def outer_in_sync(self) -> bool:
+        return self.outer_steps >= 0
+
+
+@dataclass
+class Snapshot:
+    progress: Progress
+    global_params: dict[str, Tensor]
+    outer_buffers: dict[str, Tensor] | None
+    worker_state: dict[str, Any] | None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class HostStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _snap(self, round_done: int) -> Path:
+        return self.root / f"snap-{round_done:06d}"
+
+    def load(self) -> Snapshot | None:
+        path = self.root / PROGRESS
+        if not path.exists():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            progress = Progress(**raw)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"{path}: unreadable host progress ({exc}); move it aside to start over") from exc
+        snap = self._snap(progress.round_done)
+        params = load_file(str(snap / "global.safetensors"))
+        if canonical_sha256(params) != progress.model_sha256:
+            raise ValueError(f"{snap}/global.safetensors does not hash to {progress.model_sha256}")
+        outer = snap / "outer.safetensors"
+        worker = snap / "worker.pt"
+        return Snapshot(
+            progress,
+            params,
+            load_file(str(outer)) if outer.exists() else None,
+            torch.load(worker, weights_only=True) if worker.exists() else None,
+        )
+
+    def save(
+        self,
+        progress: Progress,
+        global_params: Mapping[str, Tensor],
+        outer_buffers: Mapping[str, Tensor] | None,
+        worker_state: Mapping[str, Any] | None,
+    ) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        snap = self._snap(progress.round_done)
+        tmp = snap.with_name(snap.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file({n: t.detach().contiguous().cpu() for n, t in global_params.items()}, str(tmp / "global.safetensors"))
+        if outer_buffers:
+            save_file({n: t.contiguous().cpu() for n, t in outer_buffers.items()}, str(tmp / "outer.safetensors"))
+        if worker_state is not None:
+            torch.save(dict(worker_state), tmp / "worker.pt")
+        for f in tmp.iterdir():
+            _fsync(f)
+        _fsync(tmp)
+        shutil.rmtree(snap, ignore_errors=True)
+        os.replace(tmp, snap)
+        _fsync(self.root)
+        staged = self.root / (PROGRESS + ".tmp")
+        staged.write_text(json.dumps(asdict(progress), indent=2, sort_keys=True))
+        _fsync(staged)
+        os.replace(staged, self.root / PROGRESS)
+        _fsync(self.root)
+        # Older snapshots are no longer named by progress.json.
+        for old in self.root.glob("snap-*"):
+            if old != snap:
+                shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,105 @@
+"""One host's side of a DiLoCo round: load the global model, take H inner steps on the assigned windows,
+and compress the pseudo-gradient with error feedback.
+
+The same object serves the real host daemon (one per process) and the local simulation (K of them in
+one process), so what a simulated host sends is byte for byte what a real one would send.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from training.codecs import Codec, ErrorFeedback
+from training.data import Windows
+from training.diloco import pseudo_gradient
+from training.inner import InnerConfig, InnerTrainer
+from training.model import Llama
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Which training windows a host slot owns: a pure function of these numbers (see `Windows.assignment`)."""
+
+    epoch_seed: int
+    slot: int
+    max_slots: int
+
+
+@dataclass(frozen=True)
+class WorkerRound:
+    """What one round produced: the payload to send and what it cost."""
+
+    round: int
+    payload: bytes
+    delta_norm: float  # of the uncompressed pseudo-gradient; a quick sanity figure for logs
+    mean_loss: float
+    last_loss: float
+    tokens: int
+    seconds: float
+
+
+class DiLoCoWorker:
+    """Holds what a host keeps between rounds: the local model, the inner AdamW state and the
+    error-feedback residual. `state_dict()` has all of it, so a killed host resumes bit for bit."""
+
+    def __init__(
+        self,
+        model: Llama,
+        inner: InnerConfig,
+        codec: Codec,
+        windows: Windows,
+        assignment: Assignment,
+        ef_decay: float = 1.0,
+        micro_batch: int | None = None,
+    ) -> None:
+        self.model = model
+        self.trainer = InnerTrainer(model, inner)
+        self.feedback = ErrorFeedback(codec, ef_decay)
+        self.windows = windows
+        self.assignment = assignment
+        self.micro_batch = micro_batch or inner.micro_batch
+
+    def train_round(
+        self,
+        round_index: int,
+        global_params: Mapping[str, Tensor],
+        on_step: Callable[[int, float], None] | None = None,
+    ) -> WorkerRound:
+        """Start from `global_params`, train H steps on this slot's windows of `round_index`, and
+        return the compressed pseudo-gradient θ_global − θ_local."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(global_params[name])
+        ids = self.windows.assignment(
+            epoch_seed=self.assignment.epoch_seed,
+            round_index=round_index,
+            slot=self.assignment.slot,
+            max_slots=self.assignment.max_slots,
+            windows_per_host=self.trainer.config.windows_per_round,
+        )
+        result = self.trainer.run(self.windows.batches(ids, self.micro_batch), on_step=on_step)
+        delta = pseudo_gradient(global_params, dict(self.model.named_parameters()))
+        norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
+        payload = self.feedback.compress(delta)
+        return WorkerRound(
+            round=round_index,
+            payload=payload,
+            delta_norm=norm,
+            mean_loss=result.mean_loss,
+            last_loss=result.last_loss,
+            tokens=result.tokens,
+            seconds=result.seconds,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.trainer.state_dict(), "feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trainer.load_state_dict(dict(state["inner"]))
+        self.feedback.load_state_dict(state["feedback"])
