@@ -20,6 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--config", type=Path, required=True, help="aggregator TOML file (docs/PROTOCOL.md)")
     p.add_argument("--listen", help="host:port to serve on (overrides [aggregator] listen)")
     p.add_argument("--data-dir", type=Path, help="state folder (overrides [aggregator] data_dir)")
+    p.add_argument("--port-file", type=Path, help="write the port here once listening (for listen = …:0)")
     p.set_defaults(func=run)
 
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(cfg, args.config))
+    asyncio.run(_serve(cfg, args.config, args.port_file))
     return 0
 
 
@@ -42,13 +43,17 @@ def _require(cfg: AggregatorConfig, where: Path, name: str) -> Path:
     return value
 
 
-async def _serve(cfg: AggregatorConfig, where: Path) -> None:
+async def _serve(cfg: AggregatorConfig, where: Path, port_file: Path | None = None) -> None:
     engine = _build(cfg, where)
     from gonka_node.aggregator.server import AggregatorServer
 
     server = AggregatorServer(engine, cfg.listen)
     port = await server.start()
     logging.getLogger(__name__).info("aggregator serving epoch %d on port %d", engine.ctx.epoch, port)
+    if port_file is not None:
+        staged = port_file.with_name(port_file.name + ".tmp")
+        staged.write_text(f"{port}\n")
+        staged.replace(port_file)  # atomic: a waiting process never reads half a number
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -230,6 +230,7 @@ class HostNode:
         self.events.submitted(info.round, accepted, reason, time.monotonic() - started)
         if accepted:
             progress.submitted[str(info.round)] = hashlib.sha256(result.payload).hexdigest()
+            progress.bytes_sent += len(result.payload)
         else:
             worker.load_state_dict(before)
 

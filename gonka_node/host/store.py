@@ -39,6 +39,7 @@ class Progress:
     outer_steps: int = 0  # outer steps mirrored locally; -1 once a pulled checkpoint broke the mirror
     submitted: dict[str, str] = field(default_factory=dict)  # round -> payload sha256 accepted
     rewards: dict[str, int] = field(default_factory=dict)  # round -> ngonka earned (from the result)
+    bytes_sent: int = 0  # payload bytes of accepted submissions
 
     @property
     def outer_in_sync(self) -> bool:

@@ -1,0 +1,55 @@
+"""`gonka-node devnet`: chain, governance, an aggregator and N hosts on this machine; ends with a report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gonka_node.cli import CliError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "devnet", help="run the whole network locally (chain, governance, aggregator, hosts) and report"
+    )
+    p.add_argument("--out", type=Path, default=Path("devnet-out"), help="report folder (default devnet-out)")
+    p.add_argument("--hosts", type=int, default=3, help="host processes (default 3, at most 8)")
+    p.add_argument("--rounds", type=int, default=4, help="outer rounds (default 4)")
+    p.add_argument("--inner-steps", type=int, default=20, help="H, AdamW steps per round (default 20)")
+    p.add_argument("--preset", default="devnet", help="model preset (default devnet, ~1M parameters)")
+    p.add_argument("--codec", default="int8", help="pseudo-gradient codec (default int8)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the rounds")
+    p.set_defaults(func=_devnet)
+
+
+def _devnet(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from chain.errors import ChainError
+    from gonka_node.devnet import DevnetError, DevnetOptions, run_devnet
+
+    console = Console()
+    opts = DevnetOptions(
+        out=args.out, hosts=args.hosts, rounds=args.rounds, inner_steps=args.inner_steps,
+        preset=args.preset, codec=args.codec, timeout_s=args.timeout,
+    )
+    try:
+        report = run_devnet(opts, say=lambda line: console.print(line))
+    except (DevnetError, ChainError) as exc:
+        raise CliError(str(exc)) from exc
+    table = Table(title=f"epoch {report['epoch']}: rewards read back from the chain (GNK)")
+    for column in ("host", "earned", "claimed", "bytes sent", "all-reduce bytes"):
+        table.add_column(column, justify="right")
+    for host, r in report["rewards"].items():
+        table.add_row(
+            host, f"{r['earned_ngonka'] / 1e9:,.3f}", f"{r['claimed_ngonka'] / 1e9:,.3f}",
+            f"{report['bytes_per_host'][host]:,}", f"{report['allreduce_bytes_per_host']:,}",
+        )
+    console.print(table)
+    losses = " → ".join(f"{x:.3f}" for x in report["losses"])
+    console.print(f"held-out loss by round: {losses}")
+    for r, h in enumerate(report["checkpoint_hashes"]):
+        console.print(f"round {r} checkpoint sha256 (on chain, verified): {h}")
+    console.print(f"report: {args.out / 'report.json'} and {args.out / 'loss.png'} ({report['seconds']} s)")
+    return 0

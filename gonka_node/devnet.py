@@ -1,0 +1,310 @@
+"""`gonka-node devnet`: the whole network on one machine, with one command.
+
+This process is the chain node: the embedded EVM served over JSON-RPC on 127.0.0.1. It deploys the
+contracts with the Governor holding governance, schedules and funds an epoch by a GNK-weighted vote
+(the voting period passes by moving the devnet chain's clock), then starts an aggregator and N hosts as
+separate `gonka-node` processes that reach the chain and each other over loopback only. When the
+epoch's last round is finalized it claims every host's rewards with Merkle proofs, pulls each round's
+checkpoint and checks it against the hash on chain, and writes `report.json` and `loss.png`.
+Every child process is stopped on the way out, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load as load_safetensors
+
+from chain.backends import EmbeddedBackend
+from chain.client import ChainClient
+from chain.server import ChainServer
+from chain.types import Deployment
+from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
+from gonka_node.host.store import HostStore
+from gonka_node.keys import init_keys
+from gonka_node.recipe import Recipe
+from training.checkpoint import canonical_sha256
+from training.inner import evaluate
+from training.model import ModelConfig, build_model
+
+GNK = 10**9
+GOVERNANCE, AGGREGATOR = 0, 9  # dev account indices; hosts are 1..N
+VOTING_PERIOD_S = 3600
+SIGNIN_WINDOW_S = 600  # closed early by moving the clock once every host has signed in
+
+
+class DevnetError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class DevnetOptions:
+    out: Path
+    hosts: int = 3
+    rounds: int = 4
+    inner_steps: int = 20
+    preset: str = "devnet"
+    seq_len: int = 64
+    micro_batch: int = 8
+    codec: str = "int8"
+    reward_per_round_gnk: int = 100
+    timeout_s: float = 900.0
+    heldout_windows: int = 64
+
+
+@dataclass
+class Children:
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
+        with open(log, "wb") as sink:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "gonka_node", *args], stdout=sink, stderr=subprocess.STDOUT, env=env
+            )
+
+    def check(self, logs: Path) -> None:
+        for name, p in self.procs.items():
+            if p.poll() not in (None, 0):
+                tail = (logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise DevnetError(f"{name} exited with status {p.returncode}; its log ends:\n{tail}")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _wait(what: str, ready: Callable[[], bool], timeout_s: float, children: Children, logs: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        children.check(logs)
+        if time.monotonic() > deadline:
+            raise DevnetError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def make_recipe(opts: DevnetOptions) -> Recipe:
+    return Recipe(
+        model=ModelConfig.preset(opts.preset),
+        seq_len=opts.seq_len,
+        micro_batch=opts.micro_batch,
+        inner_steps=opts.inner_steps,
+        inner_lr=3e-3,
+        warmup_steps=10,
+        n_rounds=opts.rounds,
+        codec=opts.codec,
+    ).with_data_manifest()
+
+
+def schedule_by_vote(backend: EmbeddedBackend, deployment: Deployment, spec: Any, pool: int) -> int:
+    """Create and fund the epoch through the Governor: treasury transfer, escrow, propose, vote, execute."""
+    accounts = backend.dev_accounts()
+    gov = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
+    gov.transfer(deployment.governor, pool)
+    epoch = gov.epoch_count() + 1
+    voters = [ChainClient(backend, accounts[i], deployment).connect() for i in (GOVERNANCE, AGGREGATOR)]
+    for v in voters:
+        v.gov_deposit(v.gnk_balance() * 9 // 10)
+    pid = gov.propose([gov.action_create_epoch(spec), *gov.action_fund_epoch(epoch, pool)], "devnet epoch")
+    for v in voters:
+        v.vote(pid, True)
+    backend.increase_time(VOTING_PERIOD_S + 1)
+    created = gov.epochs_created(gov.execute(pid))
+    if created != [epoch]:
+        raise DevnetError(f"the proposal created epochs {created}, expected [{epoch}]")
+    return epoch
+
+
+def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int) -> None:
+    out = opts.out
+    (out / "aggregator.toml").write_text(
+        "[aggregator]\n"
+        'listen = "127.0.0.1:0"\ndata_dir = "aggregator"\nnode_key = "keys/aggregator/node_key.json"\n'
+        'evm_key = "keys/aggregator/evm_key.json"\nrecipe = "recipe.json"\ndeployment = "deployment.json"\n'
+        f"epoch = {epoch}\n\n[chain]\nbackend = \"rpc\"\nrpc_url = \"{rpc_url}\"\n\n"
+        f"[round]\nquorum = {opts.hosts}\nduration_s = 600\n\n"
+        f"[aggregation]\nheldout_windows = {opts.heldout_windows}\n"
+    )
+    for i in range(1, opts.hosts + 1):
+        (out / f"host{i}.toml").write_text(
+            "[host]\n"
+            f'key_dir = "keys/host{i}"\nstate_dir = "host{i}"\naggregator = "AGGREGATOR"\n'
+            f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {epoch}\nstake_gnk = 10\n'
+            f'cache_dir = "cache"\n\n[chain]\nrpc_url = "{rpc_url}"\n'
+        )
+
+
+def run_devnet(opts: DevnetOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
+    out = opts.out
+    if opts.hosts < 1 or opts.hosts > 8:
+        raise DevnetError("--hosts must be between 1 and 8 (dev accounts 1..8)")
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    backend = EmbeddedBackend()
+    server = ChainServer(backend, "127.0.0.1", 0).start()
+    children = Children()
+    started = time.monotonic()
+    try:
+        accounts = backend.dev_accounts()
+        deployer = ChainClient(backend, accounts[GOVERNANCE]).connect()
+        deployment = deployer.deploy_all(
+            use_governor=True,
+            voting_period_s=VOTING_PERIOD_S,
+            quorum_bps=1000,  # 10% of supply: the two devnet voters escrow 18%
+            initial_mint={a.address: 1_000_000 * GNK for a in accounts},
+        )
+        deployment.extra["rpc_url"] = server.url
+        deployment.save(out / "deployment.json")
+        say(f"chain: embedded EVM at {server.url}, contracts deployed (governance: the Governor)")
+
+        recipe = make_recipe(opts)
+        recipe.save(out / "recipe.json")
+        init_sha = initial_checkpoint(recipe, out / "aggregator" / "initial.safetensors")
+        terms = EpochTerms(
+            aggregators=[accounts[AGGREGATOR].address],
+            round_length_s=600,
+            signin_window_s=SIGNIN_WINDOW_S,
+            min_stake=10 * GNK,
+            max_hosts=max(8, opts.hosts),
+            reward_per_round=opts.reward_per_round_gnk * GNK,
+        )
+        spec = epoch_spec(recipe, init_sha, terms, "file:recipe.json")
+        epoch = schedule_by_vote(backend, deployment, spec, opts.rounds * terms.reward_per_round)
+        say(f"governance: epoch {epoch} scheduled and funded by a vote ({recipe.model.num_params():,} "
+            f"parameters, {opts.rounds} rounds × H={opts.inner_steps}, codec {opts.codec})")
+
+        for name, index in [("aggregator", AGGREGATOR)] + [(f"host{i}", i) for i in range(1, opts.hosts + 1)]:
+            init_keys(out / "keys" / name, None, insecure_plaintext=True, force=True,
+                      evm_private_key=bytes(accounts[index].key))
+        _write_configs(opts, server.url, epoch)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GONKA_")}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        port_file = out / "aggregator.port"
+        port_file.unlink(missing_ok=True)
+        children.start("aggregator", ["aggregator", "--config", str(out / "aggregator.toml"),
+                                      "--port-file", str(port_file)], logs / "aggregator.log", env)
+        _wait("the aggregator to listen", port_file.exists, 120, children, logs)
+        target = f"127.0.0.1:{port_file.read_text().strip()}"
+        for i in range(1, opts.hosts + 1):
+            cfg = out / f"host{i}.toml"
+            cfg.write_text(cfg.read_text().replace("AGGREGATOR", target))
+            children.start(f"host{i}", ["run", "--config", str(cfg), "--quiet"], logs / f"host{i}.log", env)
+        say(f"aggregator on {target}; {opts.hosts} hosts started (logs in {logs})")
+
+        _wait("every host to sign in", lambda: len(deployer.hosts(epoch)) >= opts.hosts, 300, children, logs)
+        backend.increase_time(SIGNIN_WINDOW_S + 1)  # close the sign-in window: rounds may finalize
+        last = 0
+
+        def progressed() -> bool:
+            nonlocal last
+            now = deployer.latest_round(epoch)
+            if now > last:
+                say(f"round {now}/{opts.rounds} finalized on chain ({time.monotonic() - started:.0f} s)")
+                last = now
+            return now >= opts.rounds
+
+        _wait(f"{opts.rounds} rounds", progressed, opts.timeout_s, children, logs)
+        for i in range(1, opts.hosts + 1):
+            children.procs[f"host{i}"].wait(120)
+        report = _report(opts, backend, deployment, recipe, epoch, target, init_sha)
+        report["seconds"] = round(time.monotonic() - started, 1)
+        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        return report
+    finally:
+        children.stop()
+        server.stop()
+
+
+def _report(
+    opts: DevnetOptions, backend: EmbeddedBackend, deployment: Deployment, recipe: Recipe,
+    epoch: int, target: str, init_sha: bytes,
+) -> dict[str, Any]:
+    accounts = backend.dev_accounts()
+    reader = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
+    windows = recipe.windows(opts.out / "cache")
+    heldout = windows.sample_heldout(12345, 128)
+    model = build_model(recipe.model, recipe.init_seed)
+    losses = [evaluate(model, windows.batches(heldout, 32))]
+    hashes = [init_sha.hex()]
+    with AggregatorClient(target) as agg:
+        for r in range(1, opts.rounds + 1):
+            want = reader.round_result(epoch, r).checkpoint_sha256
+            params = load_safetensors(agg.checkpoint(epoch, r).data)
+            got = bytes.fromhex(canonical_sha256(params))
+            if got != want:
+                raise DevnetError(f"round {r}: pulled checkpoint hashes to {got.hex()}, chain says {want.hex()}")
+            model.load_state_dict(params)
+            losses.append(evaluate(model, windows.batches(heldout, 32)))
+            hashes.append(want.hex())
+        rewards: dict[str, Any] = {}
+        bytes_per_host: dict[str, int] = {}
+        for i in range(1, opts.hosts + 1):
+            host = ChainClient(backend, accounts[i], deployment).connect()
+            before = host.gnk_balance()
+            progress = HostStore(opts.out / f"host{i}").load()
+            earned = progress.progress.rewards if progress else {}
+            bytes_per_host[host.address] = progress.progress.bytes_sent if progress else 0
+            for r_str, amount in earned.items():
+                if amount > 0 and not host.claimed(epoch, int(r_str)):
+                    proof = agg.reward_proof(epoch, int(r_str), bytes.fromhex(host.address[2:]))
+                    host.claim(epoch, int(r_str), int(proof.amount), list(proof.proof))
+            rewards[host.address] = {
+                "earned_ngonka": sum(earned.values()),
+                "claimed_ngonka": host.gnk_balance() - before,
+                "per_round": {r: earned.get(str(r), 0) for r in range(1, opts.rounds + 1)},
+            }
+    params = recipe.model.num_params()
+    allreduce = 4 * params * recipe.total_inner_steps
+    report = {
+        "epoch": epoch,
+        "rounds": opts.rounds,
+        "hosts": opts.hosts,
+        "params": params,
+        "codec": opts.codec,
+        "losses": losses,
+        "bytes_per_host": bytes_per_host,
+        "allreduce_bytes_per_host": allreduce,
+        "reduction_vs_allreduce": allreduce / max(1, max(bytes_per_host.values(), default=1)),
+        "rewards": rewards,
+        "checkpoint_hashes": hashes,
+    }
+    _plot(opts.out / "loss.png", losses, report)
+    return report
+
+
+def _plot(path: Path, losses: list[float], report: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(len(losses)), losses, marker="o")
+    ax.set_xlabel("round (0 = initial model)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title(
+        f"devnet: {report['hosts']} hosts, {report['params']:,} params, {report['codec']}, "
+        f"{report['reduction_vs_allreduce']:.0f}× fewer bytes than all-reduce"
+    )
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

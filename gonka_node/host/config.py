@@ -1,0 +1,115 @@
+"""The host daemon's TOML configuration (`gonka-node run --config host.toml`).
+
+```toml
+[host]
+key_dir = "keys"              # gonka-node keys init --key-dir keys
+state_dir = "host-state"      # progress, so a killed node resumes
+aggregator = "127.0.0.1:50051"
+recipe = "recipe.json"        # checked against the epoch's model_spec_hash on chain
+deployment = "deployment.json"
+epoch = 0                     # 0: the latest epoch on chain
+stake_gnk = 10
+metrics_port = 0              # Prometheus on 127.0.0.1:PORT; 0: off
+cache_dir = "cache"           # token cache
+
+[chain]
+rpc_url = "http://127.0.0.1:8545"
+```
+
+Relative paths are relative to the file (or to $GONKA_HOME). Environment: GONKA_RPC_URL overrides
+[chain] rpc_url; GONKA_KEY_PASSPHRASE unlocks encrypted keys (both read by gonka_node.config).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+from gonka_node.config import ConfigError, read_env
+
+_HOST_KEYS = {
+    "key_dir", "state_dir", "aggregator", "recipe", "deployment", "epoch", "stake_gnk", "metrics_port",
+    "cache_dir", "log_level",
+}
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    key_dir: Path
+    state_dir: Path
+    aggregator: str
+    recipe: Path
+    deployment: Path
+    rpc_url: str
+    epoch: int = 0
+    stake: int = 10 * 10**9  # ngonka
+    metrics_port: int = 0
+    cache_dir: Path | None = None
+    log_level: str = "INFO"
+    passphrase: str | None = None
+
+
+def load_host_config(path: Path, environ: dict[str, str] | None = None) -> HostConfig:
+    env = read_env(environ)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such config file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    try:
+        return _build(raw, Path(env.get("GONKA_HOME", path.parent)), env)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
+    unknown = sorted(set(raw) - {"host", "chain"})
+    if unknown:
+        raise ConfigError(f"unknown section(s) {unknown}; known: [host], [chain]")
+    host = dict(raw.get("host", {}))
+    chain = dict(raw.get("chain", {}))
+    bad = sorted(set(host) - _HOST_KEYS)
+    if bad:
+        raise ConfigError(f"[host] unknown key(s) {bad}; known: {sorted(_HOST_KEYS)}")
+    bad = sorted(set(chain) - {"rpc_url"})
+    if bad:
+        raise ConfigError(f"[chain] unknown key(s) {bad}; known: ['rpc_url']")
+    for name in ("aggregator", "recipe", "deployment"):
+        if not isinstance(host.get(name), str) or not host[name]:
+            raise ConfigError(f"[host] {name} is required (a string)")
+    rpc_url = env.get("GONKA_RPC_URL") or chain.get("rpc_url")
+    if not isinstance(rpc_url, str) or not rpc_url.startswith(("http://", "https://")):
+        raise ConfigError(f"[chain] rpc_url must be an http(s) URL, got {rpc_url!r}")
+    for name in ("epoch", "metrics_port"):
+        value = host.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"[host] {name} must be an integer >= 0, got {value!r}")
+    try:
+        stake = int(Decimal(str(host.get("stake_gnk", 10))) * 10**9)
+    except InvalidOperation as exc:
+        raise ConfigError(f"[host] stake_gnk must be a number of GNK, got {host.get('stake_gnk')!r}") from exc
+    if stake <= 0:
+        raise ConfigError("[host] stake_gnk must be > 0")
+
+    def resolve(value: str) -> Path:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else base / p
+
+    return HostConfig(
+        key_dir=resolve(host.get("key_dir", "keys")),
+        state_dir=resolve(host.get("state_dir", "host-state")),
+        aggregator=host["aggregator"],
+        recipe=resolve(host["recipe"]),
+        deployment=resolve(host["deployment"]),
+        rpc_url=rpc_url,
+        epoch=host.get("epoch", 0),
+        stake=stake,
+        metrics_port=host.get("metrics_port", 0),
+        cache_dir=resolve(host["cache_dir"]) if "cache_dir" in host else None,
+        log_level=str(host.get("log_level", "INFO")),
+        passphrase=env.get("GONKA_KEY_PASSPHRASE"),
+    )
