@@ -12,6 +12,7 @@ stamp=.venv/.gonka-installed
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+  # The machine's pip config lists extra local indexes; their "Location ... is ignored" notes are noise.
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[dev]' 2> >(grep -v '^WARNING: Location' >&2)
   echo "$want" >"$stamp"
 fi
