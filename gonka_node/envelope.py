@@ -49,7 +49,7 @@ def _check_u64(name: str, value: int) -> None:
 
 def encode_codec(codec: str) -> bytes:
     """The codec string as its 64-byte field: printable ASCII, 1..64 bytes, right-padded with NUL."""
-    raw = codec.encode("utf-8")
+    raw = codec.encode("utf-8", "surrogatepass")  # a lone surrogate fails the printable check below
     if not 1 <= len(raw) <= CODEC_FIELD_BYTES or not all(0x21 <= b <= 0x7E for b in raw):
         raise EnvelopeError(f"codec must be 1..64 printable ASCII characters without spaces, got {codec!r}")
     return raw.ljust(CODEC_FIELD_BYTES, b"\x00")

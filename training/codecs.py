@@ -232,7 +232,7 @@ class BlockQuantCodec(Codec):
             )
         q = torch.from_numpy(codes.astype(np.float32) - float(self.qmax + 1))
         per_elem = torch.from_numpy(scale).repeat_interleave(self.block)[:numel]
-        return q * per_elem
+        return _finite(q * per_elem, self.name, name)  # a scale near fp32's max times qmax overflows
 
 
 class TopKCodec(Codec):
@@ -407,7 +407,7 @@ class SharedMaskCodec(Codec):
             raise CodecError(f"mask payload: tensor {name} has a negative or non-finite step")
         codes = _unpack_codes(buf[4 * n_groups :], n, self.bits, self.name, name)
         level = torch.from_numpy(codes.astype(np.float32) - np.float32(self.offset))  # exact half-integers
-        values = level * torch.from_numpy(step).repeat_interleave(self.chunk)[:n]
+        values = _finite(level * torch.from_numpy(step).repeat_interleave(self.chunk)[:n], self.name, name)
         out = torch.zeros(numel, dtype=torch.float32)
         out[positions] = values
         return out
