@@ -3,7 +3,9 @@
 This process is the chain node: the embedded EVM served over JSON-RPC on 127.0.0.1. It deploys the
 contracts with the Governor holding governance, schedules and funds an epoch by a GNK-weighted vote
 (the voting period passes by moving the devnet chain's clock), then starts an aggregator and N hosts as
-separate `gonka-node` processes that reach the chain and each other over loopback only. When the
+separate `gonka-node` processes that reach the chain and each other over loopback only (or, with
+`chain_url`, uses an external JSON-RPC development node such as anvil instead of the embedded one:
+its funded dev accounts play the same roles and its clock moves by `evm_increaseTime`). When the
 epoch's last round is finalized it claims every host's rewards with Merkle proofs, pulls each round's
 checkpoint and checks it against the hash on chain, and writes `report.json` and `loss.png`.
 Every child process is stopped on the way out, whatever happened.
@@ -24,7 +26,7 @@ from typing import Any
 
 from safetensors.torch import load as load_safetensors
 
-from chain.backends import EmbeddedBackend
+from chain.backends import ChainBackend, EmbeddedBackend, RpcBackend
 from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
@@ -60,6 +62,7 @@ class DevnetOptions:
     reward_per_round_gnk: int = 100
     timeout_s: float = 900.0
     heldout_windows: int = 64
+    chain_url: str | None = None  # an external dev node (anvil); None: the embedded chain, served here
 
 
 @dataclass
@@ -67,7 +70,7 @@ class Children:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
-        with open(log, "wb") as sink:
+        with open(log, "ab") as sink:  # append: a restarted child keeps its earlier log
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "gonka_node", *args], stdout=sink, stderr=subprocess.STDOUT, env=env
             )
@@ -113,7 +116,7 @@ def make_recipe(opts: DevnetOptions) -> Recipe:
     ).with_data_manifest()
 
 
-def schedule_by_vote(backend: EmbeddedBackend, deployment: Deployment, spec: Any, pool: int) -> int:
+def schedule_by_vote(backend: ChainBackend, deployment: Deployment, spec: Any, pool: int) -> int:
     """Create and fund the epoch through the Governor: treasury transfer, escrow, propose, vote, execute."""
     accounts = backend.dev_accounts()
     gov = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
@@ -151,6 +154,117 @@ def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int) -> None:
         )
 
 
+@dataclass
+class DevnetChain:
+    """The devnet's chain: a backend this process controls (dev accounts, clock) and the URL children use."""
+
+    backend: ChainBackend
+    url: str
+    server: ChainServer | None = None  # set when the chain is the embedded one, served from here
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def start_chain(chain_url: str | None = None) -> DevnetChain:
+    """The embedded EVM served on 127.0.0.1, or an external development node at `chain_url`."""
+    if chain_url is None:
+        backend = EmbeddedBackend()
+        server = ChainServer(backend, "127.0.0.1", 0).start()
+        return DevnetChain(backend, server.url, server)
+    rpc = RpcBackend(chain_url)
+    if len(rpc.dev_accounts()) <= AGGREGATOR:
+        raise DevnetError(
+            f"{chain_url} ({rpc.client_version()}) is not a development node with funded accounts "
+            f"0..{AGGREGATOR}: the devnet needs anvil or `gonka-node chain serve`"
+        )
+    return DevnetChain(rpc, chain_url)
+
+
+@dataclass(frozen=True)
+class ScheduledEpoch:
+    deployment: Deployment
+    recipe: Recipe
+    epoch: int
+    init_sha: bytes
+
+
+def deploy_and_schedule(
+    opts: DevnetOptions, chain: DevnetChain, say: Callable[[str], None] = print
+) -> ScheduledEpoch:
+    """Deploy (Governor as governance), write recipe/deployment/keys/configs under `opts.out`, and
+    schedule + fund the epoch by a vote. Hosts still have to sign in (their processes do)."""
+    out = opts.out
+    backend = chain.backend
+    accounts = backend.dev_accounts()
+    deployer = ChainClient(backend, accounts[GOVERNANCE]).connect()
+    deployment = deployer.deploy_all(
+        use_governor=True,
+        voting_period_s=VOTING_PERIOD_S,
+        quorum_bps=1000,  # 10% of supply: the two devnet voters escrow 18%
+        initial_mint={a.address: 1_000_000 * GNK for a in accounts},
+    )
+    deployment.extra["rpc_url"] = chain.url
+    deployment.save(out / "deployment.json")
+    where = f"embedded EVM at {chain.url}" if chain.server else f"{backend.name} node at {chain.url}"
+    say(f"chain: {where}, contracts deployed (governance: the Governor)")
+
+    recipe = make_recipe(opts)
+    recipe.save(out / "recipe.json")
+    init_sha = initial_checkpoint(recipe, out / "aggregator" / "initial.safetensors")
+    terms = EpochTerms(
+        aggregators=[accounts[AGGREGATOR].address],
+        round_length_s=600,
+        signin_window_s=SIGNIN_WINDOW_S,
+        min_stake=10 * GNK,
+        max_hosts=max(8, opts.hosts),
+        reward_per_round=opts.reward_per_round_gnk * GNK,
+    )
+    spec = epoch_spec(recipe, init_sha, terms, "file:recipe.json")
+    epoch = schedule_by_vote(backend, deployment, spec, opts.rounds * terms.reward_per_round)
+    say(f"governance: epoch {epoch} scheduled and funded by a vote ({recipe.model.num_params():,} "
+        f"parameters, {opts.rounds} rounds × H={opts.inner_steps}, codec {opts.codec})")
+    for name, index in [("aggregator", AGGREGATOR)] + [(f"host{i}", i) for i in range(1, opts.hosts + 1)]:
+        init_keys(out / "keys" / name, None, insecure_plaintext=True, force=True,
+                  evm_private_key=bytes(accounts[index].key))
+    _write_configs(opts, chain.url, epoch)
+    return ScheduledEpoch(deployment, recipe, epoch, init_sha)
+
+
+def child_env() -> dict[str, str]:
+    """The children's environment: ours without GONKA_* settings (the configs say everything)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GONKA_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_aggregator(out: Path, children: Children, timeout_s: float = 120.0) -> str:
+    """Start `gonka-node aggregator` on out/aggregator.toml; returns its HOST:PORT once it listens."""
+    logs = out / "logs"
+    port_file = out / "aggregator.port"
+    port_file.unlink(missing_ok=True)
+    children.start("aggregator", ["aggregator", "--config", str(out / "aggregator.toml"),
+                                  "--port-file", str(port_file)], logs / "aggregator.log", child_env())
+    _wait("the aggregator to listen", port_file.exists, timeout_s, children, logs)
+    return f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def start_host(out: Path, i: int, target: str, children: Children, extra: tuple[str, ...] = ()) -> None:
+    """Start (or restart: same config, same state dir) host i as `gonka-node run`; log appended."""
+    cfg = out / f"host{i}.toml"
+    cfg.write_text(cfg.read_text().replace("AGGREGATOR", target))
+    children.start(f"host{i}", ["run", "--config", str(cfg), "--quiet", *extra], out / "logs" / f"host{i}.log",
+                   child_env())
+
+
+def close_signin(chain: DevnetChain, sched: ScheduledEpoch, hosts: int, children: Children, out: Path) -> None:
+    """Wait for `hosts` sign-ins, then move the clock past the sign-in window: rounds may finalize."""
+    reader = ChainClient(chain.backend, chain.backend.dev_accounts()[GOVERNANCE], sched.deployment).connect()
+    _wait("every host to sign in", lambda: len(reader.hosts(sched.epoch)) >= hosts, 300, children, out / "logs")
+    chain.backend.increase_time(SIGNIN_WINDOW_S + 1)
+
+
 def run_devnet(opts: DevnetOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
     out = opts.out
     if opts.hosts < 1 or opts.hosts > 8:
@@ -158,64 +272,23 @@ def run_devnet(opts: DevnetOptions, say: Callable[[str], None] = print) -> dict[
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    backend = EmbeddedBackend()
-    server = ChainServer(backend, "127.0.0.1", 0).start()
+    chain = start_chain(opts.chain_url)
     children = Children()
     started = time.monotonic()
     try:
-        accounts = backend.dev_accounts()
-        deployer = ChainClient(backend, accounts[GOVERNANCE]).connect()
-        deployment = deployer.deploy_all(
-            use_governor=True,
-            voting_period_s=VOTING_PERIOD_S,
-            quorum_bps=1000,  # 10% of supply: the two devnet voters escrow 18%
-            initial_mint={a.address: 1_000_000 * GNK for a in accounts},
-        )
-        deployment.extra["rpc_url"] = server.url
-        deployment.save(out / "deployment.json")
-        say(f"chain: embedded EVM at {server.url}, contracts deployed (governance: the Governor)")
-
-        recipe = make_recipe(opts)
-        recipe.save(out / "recipe.json")
-        init_sha = initial_checkpoint(recipe, out / "aggregator" / "initial.safetensors")
-        terms = EpochTerms(
-            aggregators=[accounts[AGGREGATOR].address],
-            round_length_s=600,
-            signin_window_s=SIGNIN_WINDOW_S,
-            min_stake=10 * GNK,
-            max_hosts=max(8, opts.hosts),
-            reward_per_round=opts.reward_per_round_gnk * GNK,
-        )
-        spec = epoch_spec(recipe, init_sha, terms, "file:recipe.json")
-        epoch = schedule_by_vote(backend, deployment, spec, opts.rounds * terms.reward_per_round)
-        say(f"governance: epoch {epoch} scheduled and funded by a vote ({recipe.model.num_params():,} "
-            f"parameters, {opts.rounds} rounds × H={opts.inner_steps}, codec {opts.codec})")
-
-        for name, index in [("aggregator", AGGREGATOR)] + [(f"host{i}", i) for i in range(1, opts.hosts + 1)]:
-            init_keys(out / "keys" / name, None, insecure_plaintext=True, force=True,
-                      evm_private_key=bytes(accounts[index].key))
-        _write_configs(opts, server.url, epoch)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GONKA_")}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        port_file = out / "aggregator.port"
-        port_file.unlink(missing_ok=True)
-        children.start("aggregator", ["aggregator", "--config", str(out / "aggregator.toml"),
-                                      "--port-file", str(port_file)], logs / "aggregator.log", env)
-        _wait("the aggregator to listen", port_file.exists, 120, children, logs)
-        target = f"127.0.0.1:{port_file.read_text().strip()}"
+        sched = deploy_and_schedule(opts, chain, say)
+        epoch = sched.epoch
+        target = start_aggregator(out, children)
         for i in range(1, opts.hosts + 1):
-            cfg = out / f"host{i}.toml"
-            cfg.write_text(cfg.read_text().replace("AGGREGATOR", target))
-            children.start(f"host{i}", ["run", "--config", str(cfg), "--quiet"], logs / f"host{i}.log", env)
+            start_host(out, i, target, children)
         say(f"aggregator on {target}; {opts.hosts} hosts started (logs in {logs})")
-
-        _wait("every host to sign in", lambda: len(deployer.hosts(epoch)) >= opts.hosts, 300, children, logs)
-        backend.increase_time(SIGNIN_WINDOW_S + 1)  # close the sign-in window: rounds may finalize
+        close_signin(chain, sched, opts.hosts, children, out)
+        reader = ChainClient(chain.backend, chain.backend.dev_accounts()[GOVERNANCE], sched.deployment).connect()
         last = 0
 
         def progressed() -> bool:
             nonlocal last
-            now = deployer.latest_round(epoch)
+            now = reader.latest_round(epoch)
             if now > last:
                 say(f"round {now}/{opts.rounds} finalized on chain ({time.monotonic() - started:.0f} s)")
                 last = now
@@ -224,17 +297,17 @@ def run_devnet(opts: DevnetOptions, say: Callable[[str], None] = print) -> dict[
         _wait(f"{opts.rounds} rounds", progressed, opts.timeout_s, children, logs)
         for i in range(1, opts.hosts + 1):
             children.procs[f"host{i}"].wait(120)
-        report = _report(opts, backend, deployment, recipe, epoch, target, init_sha)
+        report = make_report(opts, chain.backend, sched.deployment, sched.recipe, epoch, target, sched.init_sha)
         report["seconds"] = round(time.monotonic() - started, 1)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return report
     finally:
         children.stop()
-        server.stop()
+        chain.stop()
 
 
-def _report(
-    opts: DevnetOptions, backend: EmbeddedBackend, deployment: Deployment, recipe: Recipe,
+def make_report(
+    opts: DevnetOptions, backend: ChainBackend, deployment: Deployment, recipe: Recipe,
     epoch: int, target: str, init_sha: bytes,
 ) -> dict[str, Any]:
     accounts = backend.dev_accounts()

@@ -19,6 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--preset", default="devnet", help="model preset (default devnet, ~1M parameters)")
     p.add_argument("--codec", default="int8", help="pseudo-gradient codec (default int8)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the rounds")
+    p.add_argument(
+        "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
+    )
     p.set_defaults(func=_devnet)
 
 
@@ -32,7 +35,7 @@ def _devnet(args: argparse.Namespace) -> int:
     console = Console()
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, rounds=args.rounds, inner_steps=args.inner_steps,
-        preset=args.preset, codec=args.codec, timeout_s=args.timeout,
+        preset=args.preset, codec=args.codec, timeout_s=args.timeout, chain_url=args.rpc_url,
     )
     try:
         report = run_devnet(opts, say=lambda line: console.print(line))
