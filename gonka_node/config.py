@@ -143,17 +143,22 @@ class AggregatorConfig:
     log_level: str = "INFO"
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """A config file's tables; a missing or malformed file is a ConfigError naming it."""
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such config file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+
+
 def load_aggregator_config(
     path: Path, environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> AggregatorConfig:
     """Read `path` (TOML), then apply GONKA_* variables, then `overrides` (CLI flags, None = unset)."""
     env = read_env(environ)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{path}: no such config file") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    raw = read_toml(path)
     try:
         return _build(path, raw, env, dict(overrides or {}))
     except ConfigError as exc:

@@ -78,18 +78,7 @@ def aggregator_context(
 ) -> EpochContext:
     """The aggregator's view of an epoch, checked against the chain's record of it."""
     spec = info.spec
-    recipe.check_against_chain(
-        model_spec_hash=spec.model_spec_hash,
-        chain_fields={
-            "inner_steps": spec.inner_steps,
-            "inner_lr": spec.inner_lr,
-            "batch_size": spec.batch_size,
-            "outer_lr": spec.outer_lr,
-            "outer_momentum": spec.outer_momentum,
-            "codec": spec.codec,
-            "n_rounds": spec.n_rounds,
-        },
-    )
+    recipe.check_against_chain(spec)
     checkpoints = TrainingCheckpoints()
     if not init_path.exists():
         initial_checkpoint(recipe, init_path)

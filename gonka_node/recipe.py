@@ -166,11 +166,12 @@ class Recipe:
             raise RecipeError(f"{path}: a recipe is a table of fields")
         return cls.from_dict(data, where=str(path))
 
-    def check_against_chain(self, *, model_spec_hash: bytes, chain_fields: dict[str, Any]) -> None:
-        """Refuse to train an epoch whose on-chain record does not describe this recipe."""
-        if model_spec_hash != self.sha256():
+    def check_against_chain(self, spec: Any) -> None:
+        """Refuse to train an epoch whose on-chain record (a `chain.types.EpochSpec`) does not describe
+        this recipe: the model spec hash, then each hyperparameter the chain carries in clear."""
+        if spec.model_spec_hash != self.sha256():
             raise RecipeError(
-                f"model_spec_hash: the chain records {model_spec_hash.hex()}, this recipe hashes to "
+                f"model_spec_hash: the chain records {spec.model_spec_hash.hex()}, this recipe hashes to "
                 f"{self.sha256().hex()}"
             )
         mine = {
@@ -183,7 +184,12 @@ class Recipe:
             "n_rounds": self.n_rounds,
         }
         for name, value in mine.items():
-            theirs = chain_fields.get(name)
+            theirs = getattr(spec, name)
             same = abs(theirs - value) < 1e-9 if isinstance(value, float) else theirs == value
             if not same:
                 raise RecipeError(f"{name}: the chain records {theirs!r}, the recipe says {value!r}")
+        if self.data_manifest_sha256 != spec.data_manifest_hash.hex():
+            raise RecipeError(
+                f"data_manifest_sha256: the chain records {spec.data_manifest_hash.hex()}, the recipe says "
+                f"{self.data_manifest_sha256 or '(empty)'}"
+            )

@@ -22,13 +22,12 @@ Relative paths are relative to the file (or to $GONKA_HOME). Environment: GONKA_
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from gonka_node.config import ConfigError, read_env
+from gonka_node.config import ConfigError, read_env, read_toml
 
 _HOST_KEYS = {
     "key_dir", "state_dir", "aggregator", "recipe", "deployment", "epoch", "stake_gnk", "metrics_port",
@@ -54,12 +53,7 @@ class HostConfig:
 
 def load_host_config(path: Path, environ: dict[str, str] | None = None) -> HostConfig:
     env = read_env(environ)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{path}: no such config file") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    raw = read_toml(path)
     try:
         return _build(raw, Path(env.get("GONKA_HOME", path.parent)), env)
     except ConfigError as exc:

@@ -108,20 +108,7 @@ class HostNode:
     def _prepare(self) -> tuple[DiLoCoWorker, GlobalModel, Progress]:
         epoch = self.chain.get_epoch(self.settings.epoch)
         spec = epoch.spec
-        self.recipe.check_against_chain(
-            model_spec_hash=spec.model_spec_hash,
-            chain_fields={
-                "inner_steps": spec.inner_steps,
-                "inner_lr": spec.inner_lr,
-                "batch_size": spec.batch_size,
-                "outer_lr": spec.outer_lr,
-                "outer_momentum": spec.outer_momentum,
-                "codec": spec.codec,
-                "n_rounds": spec.n_rounds,
-            },
-        )
-        if self.recipe.data_manifest_sha256 != spec.data_manifest_hash.hex():
-            raise HostError("the recipe's data manifest hash differs from the epoch's on chain")
+        self.recipe.check_against_chain(spec)
         self.n_rounds = spec.n_rounds
         slot = self.ensure_joined()
         model = build_model(self.recipe.model, self.recipe.init_seed)
@@ -172,7 +159,7 @@ class HostNode:
         while True:
             latest = self.chain.latest_round(self.settings.epoch)
             if latest >= self.n_rounds:
-                self._follow(gm, latest, hashes)
+                self._catch_up(gm, latest, hashes, progress)
                 self._save(worker, gm, progress)
                 self.events.note(f"epoch {self.settings.epoch} finished after {latest} rounds")
                 return progress
@@ -183,7 +170,7 @@ class HostNode:
             if info.round - 1 > latest:  # the aggregator is ahead of what our chain view shows yet
                 self.sleep(self.settings.poll_s)
                 continue
-            self._follow(gm, info.round - 1, hashes)
+            self._catch_up(gm, info.round - 1, hashes, progress)
             if gm.sha256 != bytes(info.base_checkpoint_sha256):
                 raise HostError(
                     f"round {info.round}: the aggregator's base {bytes(info.base_checkpoint_sha256).hex()[:16]}… "
@@ -213,6 +200,15 @@ class HostNode:
             lambda r: self._retrying(lambda: self.aggregator.checkpoint(epoch, r)).data,
         )
 
+    def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
+        """Follow to `target`, recording the reward of every round passed over on the way: a host killed
+        after its upload was accepted, and restarted once that round closed, was still paid for it."""
+        passed = range(gm.round_done + 1, target + 1)
+        self._follow(gm, target, hashes)
+        for r in passed:
+            if str(r) not in progress.rewards:
+                progress.rewards[str(r)] = self._reward(r)
+
     def _train_and_submit(
         self, worker: DiLoCoWorker, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
     ) -> None:
@@ -241,8 +237,10 @@ class HostNode:
                 self.aggregator.submit(info, self.host_bytes, payload, self.keys.node_key.signing_key, tokens)
                 return True, ""
             except SubmitRejected as exc:
-                if exc.reason == "DUPLICATE":  # an earlier attempt landed; its receipt was lost in transit
-                    return True, ""
+                if exc.reason == "DUPLICATE":
+                    # An earlier upload of this host landed: its receipt was lost in transit, or this
+                    # process restarted after uploading. The aggregator holds it; count it as accepted.
+                    return True, "DUPLICATE"
                 if exc.code not in RETRYABLE and exc.reason != "UNAVAILABLE":
                     return False, f"{exc.reason or exc.code.name}: {exc.message}"
                 self.events.note(f"round {info.round}: upload attempt {attempt} failed ({exc}); retrying")
