@@ -73,6 +73,16 @@ class EpochContext:
     scoring: ScoringData | None = None
 
 
+class EvidenceSink(Protocol):
+    """Keeps what a host provably signed when it was refused for a reason honest software never
+    produces (a copy of another host's payload; a payload that fails decoding or the update checks).
+    `gonka_node.slashing.EvidenceLog` is the implementation; None keeps no evidence."""
+
+    def signed_rejection(
+        self, sub: Submission, signature: bytes, reason: Reason, detail: str, payload: Path | None
+    ) -> None: ...
+
+
 @dataclass(frozen=True)
 class SignedReceipt:
     body: ReceiptBody
@@ -91,8 +101,10 @@ class RoundEngine:
         checkpoints: CheckpointIO,
         signer: SigningKey,
         clock: Callable[[], int] = now_ms,
+        evidence: EvidenceSink | None = None,
     ) -> None:
         self.ctx, self.settings, self.aggregation = ctx, settings, aggregation
+        self.evidence = evidence
         self.store, self.chain, self.checkpoints, self.signer = store, chain, checkpoints, signer
         self.clock = clock
         self.current: RoundRow | None = None
@@ -205,9 +217,10 @@ class RoundEngine:
             raise Rejected(Reason.DUPLICATE, f"host already submitted in round {r.epoch}/{r.round}")
         owner = self.store.digest_owner(r.epoch, r.round, sub.payload_sha256)
         if owner is not None:
-            raise Rejected(
-                Reason.COPY, f"payload identical to the submission of {to_checksum_address(owner)}"
-            )
+            why = f"payload identical to the submission of {to_checksum_address(owner)}"
+            if self.evidence is not None:  # signature verified above: the host signed a copy
+                self.evidence.signed_rejection(sub, signature, Reason.COPY, f"0x{owner.hex()}", None)
+            raise Rejected(Reason.COPY, why)
         return member
 
     async def submit(self, sub: Submission, signature: bytes, chunks: AsyncIterator[bytes]) -> SignedReceipt:
@@ -224,7 +237,12 @@ class RoundEngine:
             )
             try:
                 async with self._decode_slots:
-                    checked = await asyncio.to_thread(self._check, part)
+                    try:
+                        checked = await asyncio.to_thread(self._check, part)
+                    except Rejected as exc:  # the bytes hash to the signed digest: provably the host's
+                        if self.evidence is not None:
+                            self.evidence.signed_rejection(sub, signature, exc.reason, exc.message, part)
+                        raise
                 # The round may have closed while we streamed: its aggregate no longer takes updates.
                 r = self.current
                 if self.closing or r is None or (r.epoch, r.round) != (sub.epoch, sub.round):

@@ -1,0 +1,227 @@
+"""One epoch in one process, some hosts adversarial: what the adversary tests and the benchmark run.
+
+Real parts: the embedded EVM (EOA governance, so slashing needs no vote), the aggregator's gRPC server
+on 127.0.0.1:0 in its own event loop, honest `HostNode`s and `AdversarialHost`s in threads. The
+aggregator's clock is driven: once every host has made its attempt in a round, the clock jumps past
+the deadline, so a refused adversary costs no waiting (the round closes with whoever was accepted).
+After the last round: held-out loss of the final model, GNK paid per host, evidence collected from
+the aggregator's store and evidence log, and the documented slashes sent (`gonka_node.slashing`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eth_account import Account
+from eth_utils import to_checksum_address
+
+from chain.backends import EmbeddedBackend
+from chain.client import ChainClient
+from gonka_node.adversary import NEEDS_TAP, AdversarialHost, Outcome, Tap, TappedClient, make_behaviour
+from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.server import AggregatorServer
+from gonka_node.aggregator.store import Store, now_ms
+from gonka_node.config import AggregationSettings, RoundSettings
+from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
+from gonka_node.host.events import HostEvents
+from gonka_node.host.node import HostNode, HostSettings
+from gonka_node.keys import NodeKeys, NodeSigningKey
+from gonka_node.recipe import Recipe
+from gonka_node.slashing import EvidenceLog, RoundIdentity, SlashDecision, collect_evidence, slash_all
+from training.inner import evaluate
+from training.model import build_model
+
+GNK = 10**9
+GOVERNANCE, AGGREGATOR = 0, 9  # dev accounts; hosts are 1..8
+STAKE = 10 * GNK
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    recipe: Recipe
+    hosts: int = 4
+    adversaries: dict[int, str] = field(default_factory=dict)  # host index (1..hosts) → behaviour
+    victim: int = 1  # whose traffic the tap sees (copy, replay)
+    reward_per_round: int = 100 * GNK
+    heldout_windows: int = 32
+    eval_windows: int = 128
+    aggregation: AggregationSettings = field(default_factory=AggregationSettings)
+    timeout_s: float = 900.0
+
+
+@dataclass
+class EpochReport:
+    final_loss: float
+    initial_loss: float
+    rewards: dict[str, int]  # checksummed address → ngonka earned over the epoch
+    adversaries: dict[str, str]  # address → behaviour
+    outcomes: dict[str, list[Outcome]]
+    slashed: list[SlashDecision]
+    reasons: dict[str, dict[int, list[str]]]  # address → round → the aggregator's reasons
+    seconds: float
+
+    def gnk(self, adversarial: bool) -> float:
+        return sum(a for h, a in self.rewards.items() if (h in self.adversaries) == adversarial) / GNK
+
+
+class Attempts(HostEvents):
+    """Records the rounds in which a host has made its submission attempt (accepted or not)."""
+
+    def __init__(self) -> None:
+        self.rounds: set[int] = set()
+
+    def submitted(self, round_: int, accepted: bool, reason: str, seconds: float) -> None:
+        self.rounds.add(round_)
+
+
+class DrivenClock:
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def __call__(self) -> int:
+        return now_ms() + self.offset
+
+
+class Aggregator:
+    """The aggregator's server in a thread with its own event loop (a context manager → target)."""
+
+    def __init__(self, engine: RoundEngine) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+
+        async def boot() -> int:
+            self.server = AggregatorServer(self.engine, "127.0.0.1:0")
+            return await self.server.start()
+
+        return f"127.0.0.1:{asyncio.run_coroutine_threadsafe(boot(), self.loop).result(120)}"
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0.2), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> EpochReport:
+    started = time.monotonic()
+    recipe = plan.recipe
+    backend = EmbeddedBackend()
+    accounts = backend.dev_accounts()
+    gov = ChainClient(backend, accounts[GOVERNANCE]).connect()
+    deployment = gov.deploy_all(initial_mint={a.address: 1_000 * GNK for a in accounts})
+    gov = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
+
+    def client(i: int) -> ChainClient:
+        return ChainClient(backend, accounts[i], deployment).connect()
+
+    init_path = root / "init.safetensors"
+    init_sha = initial_checkpoint(recipe, init_path)
+    terms = EpochTerms(aggregators=[accounts[AGGREGATOR].address], round_length_s=600, signin_window_s=60,
+                       min_stake=STAKE, max_hosts=8, reward_per_round=plan.reward_per_round)
+    epoch = gov.create_epoch(epoch_spec(recipe, init_sha, terms, "file:recipe.json"))
+    gov.fund_epoch(epoch, plan.reward_per_round * recipe.n_rounds)
+    keys = {i: NodeKeys(NodeSigningKey(bytes([i]) * 32), Account.from_key(accounts[i].key))
+            for i in range(1, plan.hosts + 1)}
+    for i, k in keys.items():
+        client(i).join(epoch, STAKE, k.node_public_key)
+    backend.increase_time(61)
+
+    agg_chain = client(AGGREGATOR)
+    ctx = aggregator_context(recipe, agg_chain.get_epoch(epoch), chain_id=deployment.chain_id,
+                             registry=deployment.registry, init_path=init_path, cache_dir=cache_dir,
+                             heldout_windows=plan.heldout_windows)
+    store = Store(root / "aggregator").open()
+    evidence = EvidenceLog(root / "aggregator" / "evidence")
+    clock = DrivenClock()
+    settings = RoundSettings(quorum=1, duration_s=600, max_clock_skew_s=10**6)
+    engine = RoundEngine(ctx, settings, plan.aggregation, store, ChainView(agg_chain), TrainingCheckpoints(),
+                         NodeSigningKey(b"\x09" * 32).signing_key, clock=clock, evidence=evidence)
+    tap = Tap()
+    victim = bytes.fromhex(keys[plan.victim].evm_address[2:])
+    attempts = {i: Attempts() for i in keys}
+    try:
+        with Aggregator(engine) as target:
+            nodes = [_node(plan, i, target, tap, victim, keys[i], client(i), attempts[i], root, cache_dir)
+                     for i in keys]
+            with ThreadPoolExecutor(len(nodes)) as pool:
+                futures = [pool.submit(n.run) for n in nodes]
+                _drive(engine, clock, attempts, futures, plan.timeout_s)
+                for f in futures:
+                    f.result(timeout=60)
+        records = collect_evidence(store, epoch, RoundIdentity(deployment.chain_id, ctx.registry,
+                                                               ctx.codec_name), evidence)
+        slashed = slash_all(gov, epoch, records)
+        return _report(plan, root, store, epoch, nodes, slashed, started, cache_dir)
+    finally:
+        store.close()
+
+
+def _node(plan: EpochPlan, i: int, target: str, tap: Tap, victim: bytes, keys: NodeKeys,
+          chain: ChainClient, events: Attempts, root: Path, cache_dir: Path | None) -> HostNode:
+    settings = HostSettings(epoch=chain.epoch_count(), stake=STAKE, state_dir=root / f"host{i}",
+                            cache_dir=cache_dir, poll_s=0.05, backoff_s=0.1)
+    agg = TappedClient(target, tap, 120.0) if i == plan.victim else AggregatorClient(target, 120.0)
+    if i not in plan.adversaries:
+        return HostNode(settings, plan.recipe, chain, agg, keys, events)
+    name = plan.adversaries[i]
+    behaviour = make_behaviour(name, tap if name in NEEDS_TAP else None, victim)
+    return AdversarialHost(settings, plan.recipe, chain, agg, keys, events, behaviour=behaviour, victim=victim)
+
+
+def _drive(engine: RoundEngine, clock: DrivenClock, attempts: dict[int, Attempts], futures: list[Any],
+           timeout_s: float) -> None:
+    """Move the aggregator's clock past a round's deadline once every host has made its attempt."""
+    deadline = time.monotonic() + timeout_s
+    while not all(f.done() for f in futures):
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        r = engine.current
+        if r is not None and not engine.closing and all(r.round in a.rounds for a in attempts.values()):
+            clock.offset = max(clock.offset, r.deadline_ms - now_ms() + 1)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the epoch did not finish within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _report(plan: EpochPlan, root: Path, store: Store, epoch: int, nodes: list[HostNode],
+            slashed: list[SlashDecision], started: float, cache_dir: Path | None) -> EpochReport:
+    rewards: dict[str, int] = {}
+    reasons: dict[str, dict[int, list[str]]] = {}
+    last = None
+    for row in store.rounds(epoch):
+        for c in store.contributions(epoch, row.round):
+            h = to_checksum_address(c.host)
+            rewards[h] = rewards.get(h, 0) + c.reward
+            reasons.setdefault(h, {})[row.round] = list(c.reasons)
+        if row.state == "finalized":
+            last = row.round
+    for n in nodes:
+        rewards.setdefault(to_checksum_address(n.keys.evm_address), 0)
+    windows = plan.recipe.windows(cache_dir)
+    held = windows.sample_heldout(12345, plan.eval_windows)
+    model = build_model(plan.recipe.model, plan.recipe.init_seed)
+    initial = evaluate(model, windows.batches(held, 32))
+    if last is not None:
+        model.load_state_dict(TrainingCheckpoints().load(store.checkpoint_path(epoch, last)))
+    final = evaluate(model, windows.batches(held, 32))
+    adversaries = {to_checksum_address(n.keys.evm_address): plan.adversaries[i]
+                   for i, n in enumerate(nodes, start=1) if i in plan.adversaries}
+    outcomes = {to_checksum_address(n.keys.evm_address): n.outcomes
+                for n in nodes if isinstance(n, AdversarialHost)}
+    return EpochReport(final, initial, rewards, adversaries, outcomes, slashed, reasons,
+                       round(time.monotonic() - started, 1))
+
+

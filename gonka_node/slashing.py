@@ -1,0 +1,211 @@
+"""Evidence of provable cheating, and turning it into governance `slash` calls (docs/SECURITY.md).
+
+The chain lets only governance slash, naming an `evidence_hash`. This module is the off-chain half:
+
+1. `EvidenceLog` (the aggregator's `EvidenceSink`) keeps, for each refused submission that honest
+   software never produces, the host's signed header fields, its signature and — when the payload was
+   received — the payload bytes, whose sha256 is the signed digest. One record per (epoch, host, kind)
+   is enough to slash, so a host flooding garbage cannot fill the disk.
+2. `collect_evidence` adds what the aggregator's store proves after the fact: a payload digest signed
+   twice (another host's payload, or one's own from an earlier round, re-signed = copy/replay), and
+   near-copies excluded at close by sketch cosine (both signed submissions are kept in the store).
+3. `evidence_hash` is the sha256 of a record's canonical JSON; the record is written to
+   `<dir>/<hash>.json`, so whoever votes can fetch the file the chain names and re-check it.
+4. `slash_all` applies the documented rule (`SLASHABLE`: the host's whole remaining stake) with an
+   EOA governance key, or returns Governor actions for a proposal.
+
+Not evidence (never slashed): refusals that a network attacker can cause or that honest clients hit
+(bad signature, unknown host, late, replayed old envelope, truncated stream, wrong codec) — their
+signature either does not verify or proves nothing the host did wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eth_utils import to_checksum_address
+
+from gonka_node.aggregator.reasons import Reason
+from gonka_node.aggregator.store import Store, SubmissionRow
+from gonka_node.envelope import Submission
+
+# Evidence kinds and why each is proof: a signature over a digest that honest software never signs.
+KIND_COPY = "copy"  # signed a payload whose digest another host had signed earlier (any round)
+KIND_REPLAY = "replay"  # signed, for a later round, the same payload digest it signed before
+KIND_NEAR_COPY = "near_copy"  # update within the copy cosine of an earlier-received host's update
+KIND_GARBAGE = "garbage"  # signed a payload that fails decoding, shapes, finiteness or the norm bound
+GARBAGE_REASONS = (Reason.UNDECODABLE, Reason.WRONG_SHAPE, Reason.NON_FINITE, Reason.NORM_TOO_LARGE)
+SLASHABLE = (KIND_COPY, KIND_REPLAY, KIND_NEAR_COPY, KIND_GARBAGE)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    kind: str
+    epoch: int
+    round: int
+    host: str  # checksummed EVM address of the accused
+    header: dict[str, Any]  # the signed Submission fields (bytes as hex)
+    signature: str  # hex ed25519 signature over the header's canonical bytes
+    detail: str
+    other: dict[str, Any] | None = None  # the earlier submission it copies (host, round, digest, signature)
+    payload_file: str = ""  # name of the kept payload (garbage), next to the record
+
+    def canonical(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def hash(self) -> bytes:
+        return hashlib.sha256(self.canonical()).digest()
+
+
+def header_fields(sub: Submission) -> dict[str, Any]:
+    return {
+        k: (v.hex() if isinstance(v, bytes | bytearray) else v) for k, v in asdict(sub).items()
+    }
+
+
+def verify_evidence(ev: Evidence, node_key: bytes, evidence_dir: Path | None = None) -> bool:
+    """What a voter checks: the signature is the accused's node key over the header; a kept payload
+    hashes to the signed digest."""
+    h = dict(ev.header)
+    for name in ("registry", "host", "base_checkpoint_sha256", "payload_sha256"):
+        h[name] = bytes.fromhex(h[name])
+    sub = Submission(**h)
+    if not sub.verify(bytes.fromhex(ev.signature), node_key):
+        return False
+    if ev.payload_file and evidence_dir is not None:
+        data = (evidence_dir / ev.payload_file).read_bytes()
+        return hashlib.sha256(data).digest() == sub.payload_sha256
+    return True
+
+
+class EvidenceLog:
+    """Evidence records under one folder (the aggregator's `evidence/`); thread-safe."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+
+    def signed_rejection(
+        self, sub: Submission, signature: bytes, reason: Reason, detail: str, payload: Path | None
+    ) -> None:
+        if reason == Reason.COPY:
+            other = {"host": to_checksum_address("0x" + detail[2:]), "round": sub.round,
+                     "payload_sha256": sub.payload_sha256.hex()}
+            self.add(self._evidence(KIND_COPY, sub, signature, "identical payload digest", other))
+        elif reason in GARBAGE_REASONS and payload is not None:
+            name = f"{sub.payload_sha256.hex()}.payload"
+            ev = self._evidence(KIND_GARBAGE, sub, signature, f"{reason.name}: {detail}", None, name)
+            if self.add(ev):
+                shutil.copyfile(payload, self.root / name)
+
+    @staticmethod
+    def _evidence(
+        kind: str, sub: Submission, sig: bytes, detail: str, other: dict[str, Any] | None, file: str = ""
+    ) -> Evidence:
+        return Evidence(kind, sub.epoch, sub.round, to_checksum_address(sub.host), header_fields(sub),
+                        sig.hex(), detail, other, file)
+
+    def add(self, ev: Evidence) -> bool:
+        """Record `ev` unless the host already has evidence of this kind in this epoch; True if new."""
+        with self._lock:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if any((e.epoch, e.host, e.kind) == (ev.epoch, ev.host, ev.kind) for e in self.records()):
+                return False
+            tmp = self.root / f"{ev.hash.hex()}.tmp"
+            tmp.write_bytes(ev.canonical())
+            tmp.replace(self.root / f"{ev.hash.hex()}.json")
+            return True
+
+    def records(self) -> list[Evidence]:
+        if not self.root.exists():
+            return []
+        return [Evidence(**json.loads(p.read_text())) for p in sorted(self.root.glob("*.json"))]
+
+
+@dataclass(frozen=True)
+class RoundIdentity:
+    """The signed header fields the aggregator's store does not keep per row (fixed for its epoch)."""
+
+    chain_id: int
+    registry: bytes
+    codec: str
+
+
+def collect_evidence(store: Store, epoch: int, ident: RoundIdentity, log: EvidenceLog) -> list[Evidence]:
+    """Add what the store proves (re-signed digests, near-copies) to `log`; returns the epoch's records."""
+    first: dict[bytes, SubmissionRow] = {}
+    for row in store.rounds(epoch):
+        subs = sorted(store.submissions(epoch, row.round), key=lambda s: (s.received_ms, s.host))
+        by_host = {s.host: s for s in subs}
+        for s in subs:
+            earlier = first.setdefault(s.payload_sha256, s)
+            if earlier is not s:
+                kind = KIND_REPLAY if earlier.host == s.host else KIND_COPY
+                log.add(_from_row(kind, s, row.base_sha256, ident, "payload digest signed before", _ref(earlier)))
+        for c in store.contributions(epoch, row.round):
+            copied = next((r for r in c.reasons if r.startswith("copy: sketch cosine")), None)
+            if copied is None or c.host not in by_host:
+                continue
+            source = by_host.get(bytes.fromhex(copied.split("0x", 1)[1].split(",")[0]))
+            ref = _ref(source) if source is not None else None
+            log.add(_from_row(KIND_NEAR_COPY, by_host[c.host], row.base_sha256, ident, copied, ref))
+    return [e for e in log.records() if e.epoch == epoch]
+
+
+def _ref(s: SubmissionRow) -> dict[str, Any]:
+    return {"host": to_checksum_address(s.host), "round": s.round, "payload_sha256": s.payload_sha256.hex(),
+            "signature": bytes(s.signature).hex()}
+
+
+def _from_row(
+    kind: str, s: SubmissionRow, base: bytes, ident: RoundIdentity, detail: str, other: dict[str, Any] | None
+) -> Evidence:
+    sub = Submission(
+        chain_id=ident.chain_id, registry=ident.registry, epoch=s.epoch, round=s.round, host=bytes(s.host),
+        base_checkpoint_sha256=base, codec=ident.codec, payload_sha256=bytes(s.payload_sha256),
+        payload_length=s.payload_length, tokens_trained=s.tokens_trained, timestamp_ms=s.timestamp_ms,
+    )
+    return Evidence(kind, s.epoch, s.round, to_checksum_address(s.host), header_fields(sub),
+                    bytes(s.signature).hex(), detail, other)
+
+
+@dataclass(frozen=True)
+class SlashDecision:
+    host: str
+    amount: int
+    evidence: Evidence
+
+
+def decide(records: Iterable[Evidence], remaining_stake: dict[str, int]) -> list[SlashDecision]:
+    """The documented rule: a host with any SLASHABLE evidence loses its whole remaining stake,
+    once, citing its first record (by round, then kind)."""
+    out: dict[str, SlashDecision] = {}
+    for ev in sorted(records, key=lambda e: (e.round, e.kind, e.hash)):
+        if ev.kind in SLASHABLE and ev.host not in out and remaining_stake.get(ev.host, 0) > 0:
+            out[ev.host] = SlashDecision(ev.host, remaining_stake[ev.host], ev)
+    return list(out.values())
+
+
+def slash_all(chain: Any, epoch: int, records: Sequence[Evidence]) -> list[SlashDecision]:
+    """Slash every host the rule names with `chain` (a ChainClient holding EOA governance)."""
+    stakes = {}
+    for ev in records:
+        info = chain.host_info(epoch, ev.host)
+        stakes[ev.host] = 0 if info.withdrawn else info.stake - info.slashed
+    decisions = decide([r for r in records if r.epoch == epoch], stakes)
+    for d in decisions:
+        chain.slash(epoch, d.host, d.amount, d.evidence.hash)
+    return decisions
+
+
+def slash_actions(chain: Any, epoch: int, decisions: Sequence[SlashDecision]) -> list[Any]:
+    """The same slashes as Governor proposal actions (for epochs governed by the Governor)."""
+    return [chain.action_slash(epoch, d.host, d.amount, d.evidence.hash) for d in decisions]

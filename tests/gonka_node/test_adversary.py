@@ -1,0 +1,156 @@
+"""Every behaviour of the adversary kit against the real aggregator, chain and honest hosts (in-process).
+
+Each epoch: tiny model, honest hosts 1 and 2 (host 1's traffic visible to a tap), adversaries on the
+other slots. The assertions are the defence each behaviour meets: its specific rejection reason, its
+score and pay, and whether the documented slashing rule names it (with evidence a voter can check).
+Measured limitations are asserted too (marked "limitation"), so a change in them is noticed.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from gonka_node.adversary import make_behaviour, reasons_by_attack
+from gonka_node.aggregator.reasons import Reason
+from gonka_node.byzantine import STAKE, EpochPlan, EpochReport, run_epoch
+from gonka_node.envelope import Submission
+from gonka_node.keys import NodeSigningKey
+from gonka_node.recipe import Recipe
+from gonka_node.slashing import (
+    KIND_COPY,
+    KIND_GARBAGE,
+    Evidence,
+    EvidenceLog,
+    decide,
+    verify_evidence,
+)
+from training.model import ModelConfig
+
+torch.set_num_threads(1)
+GNK = 10**9
+
+
+def tiny_recipe(tmp: Path, rounds: int) -> Recipe:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = tmp / "corpus.txt"
+    corpus.write_bytes(b"".join((lib / n).read_bytes() for n in ("argparse.py", "textwrap.py", "shlex.py")))
+    return Recipe(model=ModelConfig.preset("tiny"), corpus=str(corpus), seq_len=32, micro_batch=4,
+                  inner_steps=15, inner_lr=3e-3, warmup_steps=3, n_rounds=rounds, codec="int8").with_data_manifest()
+
+
+def by_behaviour(report: EpochReport) -> dict[str, str]:
+    return {b: h for h, b in report.adversaries.items()}
+
+
+def slashed(report: EpochReport) -> dict[str, str]:
+    return {d.host: d.evidence.kind for d in report.slashed}
+
+
+def honest_paid(report: EpochReport) -> list[int]:
+    return [a for h, a in report.rewards.items() if h not in report.adversaries]
+
+
+def test_envelope_stream_and_garbage_attacks_are_refused_with_their_reason(tmp_path: Path) -> None:
+    report = run_epoch(EpochPlan(tiny_recipe(tmp_path, 1), hosts=3, adversaries={3: "protocol"}), tmp_path / "e")
+    adversary = by_behaviour(report)["protocol"]
+    assert reasons_by_attack(report.outcomes[adversary]) == {
+        "forged_signature": "BAD_SIGNATURE",
+        "foreign_signature": "BAD_SIGNATURE",  # signed with its key, claiming host 1's address
+        "unregistered": "UNKNOWN_HOST",
+        "wrong_codec": "WRONG_CODEC",
+        "truncated": "TRUNCATED",
+        "oversized": "OVERSIZE",
+        "malformed": "UNKNOWN",  # not a protobuf message: gRPC refuses it before our code runs
+        "nan": "UNDECODABLE",  # int8: a NaN block scale fails decoding
+        "inf": "UNDECODABLE",
+        "wrong_shape": "WRONG_SHAPE",
+    }
+    assert report.rewards[adversary] == 0 and all(a > 0 for a in honest_paid(report))
+    # Only the signed garbage is evidence; the whole remaining stake is slashed once, citing it.
+    assert slashed(report) == {adversary: KIND_GARBAGE}
+    (decision,) = report.slashed
+    assert decision.amount == STAKE and decision.evidence.detail.startswith(("UNDECODABLE", "WRONG_SHAPE"))
+    ev_dir = tmp_path / "e" / "aggregator" / "evidence"
+    assert verify_evidence(decision.evidence, NodeSigningKey(bytes([3]) * 32).public_key, ev_dir)
+    assert not verify_evidence(decision.evidence, NodeSigningKey(bytes([1]) * 32).public_key, ev_dir)
+    assert report.final_loss < report.initial_loss - 0.5
+
+
+@pytest.mark.slow
+def test_update_attacks_are_not_aggregated_nor_paid(tmp_path: Path) -> None:
+    plan = EpochPlan(
+        tiny_recipe(tmp_path, 1),
+        hosts=8,
+        adversaries={3: "sign_flip", 4: "scale100", 5: "noise", 6: "lazy_zero", 7: "lazy_base", 8: "heldout_data"},
+    )
+    report = run_epoch(plan, tmp_path / "e")
+    who = by_behaviour(report)
+    for name in ("sign_flip", "scale100", "noise", "lazy_zero"):
+        assert report.rewards[who[name]] == 0, name
+        assert any("not aggregated" in r for r in report.reasons[who[name]][1]), name
+    assert report.reasons[who["scale100"]][1][0].startswith("score -")  # hurts held-out text badly
+    assert report.rewards[who["lazy_zero"]] == 0 and "+0.00000" in report.reasons[who["lazy_zero"]][1][0]
+    # Limitation (measured): in round 1 the base is the random initial model, and all-zero weights
+    # (uniform logits) are slightly better than it, so resubmitting the base earns a sliver of the pool.
+    assert 0 <= report.rewards[who["lazy_base"]] < min(honest_paid(report)) // 20
+    # Limitation (measured): training on the public held-out split is not vetoed at this scale.
+    assert report.rewards[who["heldout_data"]] > 0
+    assert report.slashed == []  # none of these is provable cheating
+    assert all(a > 0 for a in honest_paid(report))
+
+
+@pytest.mark.slow
+def test_copies_replays_and_other_data(tmp_path: Path) -> None:
+    plan = EpochPlan(
+        tiny_recipe(tmp_path, 2),
+        hosts=7,
+        adversaries={3: "copy", 4: "copy_perturbed", 5: "replay", 6: "stale", 7: "other_data"},
+        victim=1,
+    )
+    report = run_epoch(plan, tmp_path / "e")
+    who = by_behaviour(report)
+    victim = next(h for h in report.rewards if h not in report.adversaries and report.reasons[h])
+    assert reasons_by_attack(report.outcomes[who["copy"]]) == {"copy": "COPY"}
+    assert [o.reason for o in report.outcomes[who["replay"]]] == ["DUPLICATE", "LATE"]
+    for r in (1, 2):  # the perturbed copy is accepted, then excluded at close by sketch cosine
+        assert report.reasons[who["copy_perturbed"]][r][0].startswith("copy: sketch cosine")
+    for name in ("copy", "copy_perturbed", "replay"):
+        assert report.rewards[who[name]] == 0, name
+    assert slashed(report) == {who["copy"]: KIND_COPY, who["copy_perturbed"]: "near_copy",
+                               who["stale"]: "replay"}
+    assert report.rewards[victim] > 0 and all(a > 0 for a in honest_paid(report))
+    # Limitations (measured): the stale resubmission still improves the next base and is paid before
+    # the evidence scan slashes it; training on other real data is paid like honest work.
+    assert report.rewards[who["stale"]] > 0
+    assert report.rewards[who["other_data"]] > 0 and who["other_data"] not in slashed(report)
+
+
+def test_the_rule_slashes_each_host_once_with_its_first_evidence(tmp_path: Path) -> None:
+    key = NodeSigningKey(b"\x05" * 32)
+    host = "0x" + "ab" * 20
+
+    def ev(kind: str, round_: int) -> Evidence:
+        sub = Submission(1, b"\x01" * 20, 1, round_, bytes.fromhex(host[2:]), b"\x02" * 32, "int8",
+                         b"\x03" * 32, 10, 0, 1)
+        fields = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in sub.__dict__.items()}
+        return Evidence(kind, 1, round_, host, fields, sub.sign(key.signing_key).hex(), "")
+
+    decisions = decide([ev(KIND_GARBAGE, 2), ev(KIND_COPY, 1), ev("unknown_kind", 1)], {host: 7})
+    assert [(d.host, d.amount, d.evidence.kind, d.evidence.round) for d in decisions] == [(host, 7, KIND_COPY, 1)]
+    assert decide([ev(KIND_COPY, 1)], {host: 0}) == []  # nothing left to slash
+    assert verify_evidence(ev(KIND_COPY, 1), key.public_key)
+    log = EvidenceLog(tmp_path / "ev")
+    assert log.add(ev(KIND_COPY, 1)) and not log.add(ev(KIND_COPY, 2))  # one record per host and kind
+    assert [e.round for e in log.records()] == [1]
+    assert Reason.COPY.name == "COPY"
+
+
+def test_unknown_behaviour_and_missing_tap_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown behaviour 'sybil'"):
+        make_behaviour("sybil")
+    with pytest.raises(ValueError, match="needs a tap"):
+        make_behaviour("copy")
