@@ -113,6 +113,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _storable(value: int) -> bool:
+    """SQLite integers are signed 64-bit; protobuf uint64 fields reach 2^64 − 1."""
+    return 0 <= value < 1 << 63
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -184,12 +189,16 @@ class Store:
         return row
 
     def get_round(self, epoch: int, round_: int) -> RoundRow | None:
+        if not (_storable(epoch) and _storable(round_)):
+            return None  # a uint64 from the wire that no stored round can have (SQLite: int64)
         rows = self._rounds("WHERE epoch=? AND round=?", (epoch, round_))
         return rows[0] if rows else None
 
     def rounds(self, epoch: int | None = None) -> list[RoundRow]:
         if epoch is None:
             return self._rounds("ORDER BY epoch, round", ())
+        if not _storable(epoch):
+            return []
         return self._rounds("WHERE epoch=? ORDER BY round", (epoch,))
 
     def latest_round(self) -> RoundRow | None:
