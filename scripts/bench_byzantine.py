@@ -1,0 +1,153 @@
+"""Byzantine benchmark: the same epoch honest-only, then with 25% of hosts adversarial (each behaviour
+of the adversary kit, and a mix), in one process (gonka_node/byzantine.py: embedded chain, aggregator
+gRPC server, host threads).
+
+Reports, per run: final held-out loss and its ratio to the honest-only run, GNK paid to adversaries
+and to honest hosts, and who was slashed (and on which evidence). Writes JSON and a bar plot.
+
+    .venv/bin/python scripts/bench_byzantine.py --out /tmp/byz.json
+    .venv/bin/python scripts/bench_byzantine.py --attacks sign_flip,copy --preset tiny --out /tmp/b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gonka_node.adversary import BEHAVIOURS
+from gonka_node.byzantine import EpochPlan, EpochReport, run_epoch
+from gonka_node.recipe import BUILTIN_CORPUS, Recipe
+from training.model import ModelConfig
+
+TARGET_LOSS_RATIO = 1.02
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench_byzantine.json"))
+    ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
+    ap.add_argument("--attacks", default=",".join(BEHAVIOURS), help="comma-separated behaviours")
+    ap.add_argument("--hosts", type=int, default=4, help="one of them is the adversary (4 → 25%%)")
+    ap.add_argument("--adversaries", type=int, default=1)
+    ap.add_argument("--preset", default="devnet")
+    ap.add_argument("--corpus", default="", help="default: the built-in corpus, as the devnet")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--inner-steps", type=int, default=10)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--codec", default="int8")
+    ap.add_argument("--rule", default="clip_median", help="robust aggregation rule")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (hosts run in parallel threads)")
+    return ap.parse_args()
+
+
+def recipe_of(a: argparse.Namespace) -> Recipe:
+    return Recipe(model=ModelConfig.preset(a.preset), corpus=a.corpus or BUILTIN_CORPUS, seq_len=a.seq_len,
+                  micro_batch=a.micro_batch, inner_steps=a.inner_steps, inner_lr=3e-3,
+                  warmup_steps=min(10, a.inner_steps // 2), n_rounds=a.rounds,
+                  codec=a.codec).with_data_manifest()
+
+
+def run_row(attack: str, report: EpochReport, honest_loss: float) -> dict[str, Any]:
+    slashed = [{"host": d.host, "behaviour": report.adversaries.get(d.host, "honest"),
+                "kind": d.evidence.kind, "ngonka": d.amount, "evidence_sha256": d.evidence.hash.hex()}
+               for d in report.slashed]
+    return {
+        "attack": attack,
+        "final_loss": report.final_loss,
+        "loss_ratio": report.final_loss / honest_loss,
+        "adversary_gnk": report.gnk(adversarial=True),
+        "honest_gnk": report.gnk(adversarial=False),
+        "slashed": slashed,
+        "honest_slashed": [s for s in slashed if s["behaviour"] == "honest"],
+        "outcomes": sorted({f"{o.attack}: {o.reason or 'accepted'}" for os in report.outcomes.values() for o in os}),
+        "seconds": report.seconds,
+        "within_target": report.final_loss / honest_loss <= TARGET_LOSS_RATIO,
+    }
+
+
+def main() -> int:
+    a = parse()
+    torch.set_num_threads(a.threads)
+    attacks = [x for x in a.attacks.split(",") if x]
+    unknown = sorted(set(attacks) - set(BEHAVIOURS))
+    if unknown:
+        raise SystemExit(f"--attacks: unknown behaviour(s) {unknown}; choose from {', '.join(BEHAVIOURS)}")
+    if not 1 <= a.adversaries < a.hosts <= 8:
+        raise SystemExit("--hosts must be in (adversaries, 8] and --adversaries >= 1")
+    recipe = recipe_of(a)
+    from gonka_node.config import AggregationSettings
+
+    agg = AggregationSettings(rule=a.rule)
+    bad = {a.hosts - k: "" for k in range(a.adversaries)}  # the last hosts; host 1 is the tapped victim
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench_byz_") as tmp:
+        root, cache = Path(tmp), Path(tmp) / "cache"
+
+        def epoch(name: str, adversaries: dict[int, str]) -> EpochReport:
+            rep = run_epoch(EpochPlan(recipe, a.hosts, adversaries, aggregation=agg), root / name, cache)
+            print(f"{name:>16}: loss {rep.final_loss:.4f}  adversary {rep.gnk(True):7.3f} GNK  honest "
+                  f"{rep.gnk(False):7.3f} GNK  slashed {[d.evidence.kind for d in rep.slashed]}  "
+                  f"({rep.seconds:.0f} s)", flush=True)
+            return rep
+
+        honest = epoch("honest", {})
+        rows = [run_row(x, epoch(x, {i: x for i in bad}), honest.final_loss) for x in attacks]
+    out = {
+        "honest_loss": honest.final_loss,
+        "initial_loss": honest.initial_loss,
+        "honest_only_gnk": honest.gnk(adversarial=False),
+        "honest_only_slashed": len(honest.slashed),
+        "runs": rows,
+        "setup": {"hosts": a.hosts, "adversaries": a.adversaries, "preset": a.preset,
+                  "params": recipe.model.num_params(), "rounds": a.rounds, "inner_steps": a.inner_steps,
+                  "seq_len": a.seq_len, "micro_batch": a.micro_batch, "codec": a.codec, "rule": a.rule,
+                  "corpus": a.corpus or "built-in"},
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=2) + "\n")
+    plot(a.plot or a.out.with_suffix(".png"), out)
+    print(f"wrote {a.out} ({out['seconds']:.0f} s)")
+    return 0
+
+
+def plot(path: Path, out: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = out["runs"]
+    names = [r["attack"] for r in runs]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    ax1.bar(names, [r["loss_ratio"] for r in runs], color=["C0" if r["within_target"] else "C3" for r in runs])
+    ax1.axhline(TARGET_LOSS_RATIO, color="k", ls="--", lw=1, label="target (1.02)")
+    ax1.axhline(1.0, color="gray", lw=0.5)
+    lo = min(0.98, *(r["loss_ratio"] for r in runs))
+    ax1.set_ylim(lo - 0.005, max(1.03, *(r["loss_ratio"] for r in runs)) + 0.005)
+    ax1.set_ylabel("final loss / honest-only")
+    ax1.legend()
+    share = [r["adversary_gnk"] / max(1e-9, r["adversary_gnk"] + r["honest_gnk"]) for r in runs]
+    ax2.bar(names, share, color="C1")
+    ax2.set_ylabel("share of GNK paid to adversaries")
+    ax2.tick_params(axis="x", rotation=60)
+    s = out["setup"]
+    fig.suptitle(f"byzantine bench: {s['hosts']} hosts, {s['adversaries']} adversarial, {s['params']:,} params, "
+                 f"{s['rounds']} rounds × H={s['inner_steps']}, {s['rule']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
