@@ -74,6 +74,7 @@ def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:
     from gonka_node.epoch_setup import aggregator_context
     from gonka_node.keys import KeyStoreError, load_evm_account, load_node_key
     from gonka_node.recipe import Recipe, RecipeError
+    from gonka_node.slashing import EvidenceLog
 
     if cfg.chain.backend != "rpc":
         raise CliError(
@@ -109,5 +110,6 @@ def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:
         ChainView(client),
         TrainingCheckpoints(),
         node_key.signing_key,
+        evidence=EvidenceLog(cfg.data_dir / "evidence"),  # signed copies/garbage, for slashing
     )
     return engine
