@@ -25,7 +25,9 @@ class HostEvents:
         )
 
     def submitted(self, round_: int, accepted: bool, reason: str, seconds: float) -> None:
-        if accepted:
+        if accepted and reason:
+            log.info("round %d: submission accepted earlier (aggregator answered %s)", round_, reason)
+        elif accepted:
             log.info("round %d: submission accepted (%.2f s upload)", round_, seconds)
         else:
             log.warning("round %d: submission not accepted: %s", round_, reason)
