@@ -112,6 +112,8 @@ class Aggregator:
         asyncio.run_coroutine_threadsafe(self.server.stop(0.2), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> EpochReport:
