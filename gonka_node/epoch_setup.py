@@ -7,6 +7,7 @@ says, not what a local file claims.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.recipe import Recipe, RecipeError
 from training.codecs import CodecError, get_codec
+from training.hf_export import MODEL_CONFIG_KEY
 from training.model import build_model
 
 
@@ -37,7 +39,12 @@ def initial_checkpoint(recipe: Recipe, path: Path) -> bytes:
     """Write the epoch's round-0 model (a pure function of the recipe) and return its canonical sha256."""
     model = build_model(recipe.model, recipe.init_seed)
     tensors = {n: p.detach() for n, p in model.named_parameters()}
-    return TrainingCheckpoints().save(path, tensors, {"round": "0", "recipe_sha256": recipe.sha256().hex()})
+    metadata = {"round": "0", "recipe_sha256": recipe.sha256().hex(), MODEL_CONFIG_KEY: _model_json(recipe)}
+    return TrainingCheckpoints().save(path, tensors, metadata)
+
+
+def _model_json(recipe: Recipe) -> str:
+    return json.dumps(recipe.model.to_dict(), sort_keys=True)
 
 
 def epoch_spec(recipe: Recipe, init_sha256: bytes, terms: EpochTerms, model_uri: str) -> EpochSpec:
@@ -109,4 +116,5 @@ def aggregator_context(
         )
         if scoring
         else None,
+        model_config=_model_json(recipe),
     )

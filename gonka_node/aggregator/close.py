@@ -23,6 +23,7 @@ from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, Submis
 from gonka_node.aggregator.validate import cosine, decode_update
 from gonka_node.config import AggregationSettings
 from training.diloco import OuterOptimizer
+from training.hf_export import MODEL_CONFIG_KEY
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.rounds import CheckpointIO, EpochContext
@@ -119,6 +120,8 @@ def compute_outcome(
         "base_sha256": round_row.base_sha256.hex(),
         "rule": rule,
     }
+    if ctx.model_config is not None:
+        meta[MODEL_CONFIG_KEY] = ctx.model_config
     sha = checkpoints.save(store.checkpoint_path(epoch, round_), params, meta)
     _save_durably(store.update_path(epoch, round_), agg.update, meta)
     _save_durably(

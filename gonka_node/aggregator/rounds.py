@@ -71,6 +71,9 @@ class EpochContext:
     initial_sha256: bytes
     model_factory: Callable[[], nn.Module] | None = None  # None: no scoring (every valid update counts)
     scoring: ScoringData | None = None
+    # json.dumps(ModelConfig.to_dict()), stored in every checkpoint's metadata (training.hf_export's
+    # MODEL_CONFIG_KEY) so clients export/sample a pulled checkpoint without the recipe; None: omitted.
+    model_config: str | None = None
 
 
 class EvidenceSink(Protocol):

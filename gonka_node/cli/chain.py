@@ -116,7 +116,10 @@ def open_client(args: argparse.Namespace, need_deployment: bool = True) -> Any:
     if not url:
         raise CliError(f"no --rpc-url given and {args.deployment} records none")
     backend = RpcBackend(url)
-    key_file = getattr(args, "key_file", None)
+    if not hasattr(args, "key_file"):  # a read-only verb (add_connection_args(need_key=False))
+        # It only calls views, so any address will do; this key is made here and never signs.
+        return ChainClient(backend, Account.create(), deployment).connect()
+    key_file = args.key_file
     if key_file is not None:
         account = load_key_file(key_file)
     else:

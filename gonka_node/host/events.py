@@ -82,6 +82,10 @@ class MetricsEvents(HostEvents):
         )
         self.rewards = Counter("gonka_host_rewards_ngonka", "rewards earned", registry=self.registry)
         self.rounds = Counter("gonka_host_rounds", "rounds applied", registry=self.registry)
+        self.round = Gauge("gonka_host_round", "last round applied to the held global model", registry=self.registry)
+        self.submissions = Counter(
+            "gonka_host_submissions", "uploads by outcome", ["result"], registry=self.registry
+        )
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         from prometheus_client import start_http_server
@@ -97,9 +101,10 @@ class MetricsEvents(HostEvents):
         self.bytes_sent.inc(payload_bytes)
 
     def submitted(self, round_: int, accepted: bool, reason: str, seconds: float) -> None:
-        pass
+        self.submissions.labels(result="accepted" if accepted else "refused").inc()
 
     def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
         self.rounds.inc()
+        self.round.set(round_)
         self.rewards.inc(reward)
         self.round_latency.set(latency_s)

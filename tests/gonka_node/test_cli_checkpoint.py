@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from chain.backends import EmbeddedBackend
+from chain.backends import EmbeddedBackend, RpcBackend
 from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import EpochSpec
@@ -152,6 +152,22 @@ def test_list_unknown_epoch(world: World, capsys):
     code, out, err = run(capsys, "list", *world.chain_args(), "--epoch", "9")
     assert code == 2 and out == ""
     assert "--epoch 9: no such epoch" in err and "epochs 1..1" in err
+
+
+def test_list_and_pull_need_no_account_on_a_public_node(world: World, server, tmp_path, capsys, monkeypatch):
+    # A public node (a testnet, mainnet) has no funded dev accounts: reading must not ask for one.
+    # The served chain here is a devnet, so its dev accounts are made unavailable for this test.
+    def no_dev_accounts(self: RpcBackend) -> list:
+        raise AssertionError("a read-only verb asked the node for dev accounts")
+
+    monkeypatch.setattr(RpcBackend, "dev_accounts", no_dev_accounts)
+    code, out, _ = run(capsys, "list", *world.chain_args())
+    assert code == 0 and world.shas[2] in out
+    out_file = tmp_path / "got.safetensors"
+    code, _, err = run(capsys, "pull", *world.chain_args(), "--aggregator", world.aggregator, "--epoch", "1",
+                       "--round", "latest", "--out", str(out_file))
+    assert (code, err) == (0, "")
+    assert out_file.read_bytes() == world.files[2].read_bytes()
 
 
 # ---------------------------------------------------------------------------------------------- pull

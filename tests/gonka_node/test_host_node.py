@@ -10,8 +10,10 @@ Merkle tree, and a host restarted from its state directory resumes at the round 
 from __future__ import annotations
 
 import asyncio
+import json
 import sysconfig
 import threading
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from pathlib import Path
 import pytest
 from eth_account import Account
 from nacl.signing import SigningKey
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors import safe_open
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
@@ -30,13 +34,16 @@ from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store
+from gonka_node.cli import main
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
+from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
 from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.host.store import HostStore
 from gonka_node.keys import NodeKeys, NodeSigningKey
 from gonka_node.recipe import Recipe
 from training.checkpoint import canonical_sha256
+from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
 from training.model import ModelConfig, build_model
 
@@ -135,10 +142,14 @@ def host_keys(i: int, world: World) -> NodeKeys:
     return NodeKeys(NodeSigningKey(bytes([i]) * 32), Account.from_key(world.accounts[i].key))
 
 
-def make_node(world: World, i: int, target: str, state: Path, stop_after: int | None = None) -> HostNode:
+def make_node(
+    world: World, i: int, target: str, state: Path, stop_after: int | None = None, events: HostEvents | None = None
+) -> HostNode:
     settings = HostSettings(epoch=world.epoch, stake=5 * GNK, state_dir=state, poll_s=0.05,
                             stop_after_rounds=stop_after)
-    return HostNode(settings, world.recipe, world.client(i), AggregatorClient(target, 60.0), host_keys(i, world))
+    return HostNode(
+        settings, world.recipe, world.client(i), AggregatorClient(target, 60.0), host_keys(i, world), events
+    )
 
 
 @pytest.fixture
@@ -191,3 +202,44 @@ def test_a_restarted_host_resumes_from_its_state_dir(world: World, tmp_path: Pat
             other_done.result(timeout=300)
     assert p1b.round_done == 2 and set(p1b.submitted) == {"1", "2"}
     assert p1b.model_sha256 == world.client(0).round_result(world.epoch, 2).checkpoint_sha256.hex()
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return samples
+
+
+def test_metrics_port_and_checkpoint_metadata_after_a_round(world: World, tmp_path: Path) -> None:
+    metrics = MetricsEvents()
+    port = metrics.serve(0)  # what `metrics_port` in host.toml turns on
+    with AggregatorThread(world, tmp_path / "agg") as target:
+        nodes = [make_node(world, 1, target, tmp_path / "host1", 1, MultiEvents([HostEvents(), metrics])),
+                 make_node(world, 2, target, tmp_path / "host2", 1)]
+        with ThreadPoolExecutor(2) as pool:
+            progress, _ = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
+        with AggregatorClient(target) as agg:
+            pulled = tmp_path / "round1.safetensors"
+            pulled.write_bytes(agg.checkpoint(world.epoch, 1).data)
+
+    got = scrape(port)
+    assert got["gonka_host_rounds_total"] == 1
+    assert got["gonka_host_round"] == 1
+    assert got["gonka_host_submissions_total{result=accepted}"] == 1
+    assert progress.rewards["1"] > 0 and got["gonka_host_rewards_ngonka_total"] == progress.rewards["1"]
+    assert progress.bytes_sent > 0 and got["gonka_host_payload_bytes_total"] == progress.bytes_sent
+    assert 0 < got["gonka_host_inner_loss"] < 6  # nats per byte; ln 256 = 5.55 at random init
+    assert got["gonka_host_tokens_per_second"] > 0 and got["gonka_host_round_latency_seconds"] >= 0
+
+    # The aggregator's checkpoints name their model: export works without --recipe or --preset.
+    with safe_open(str(pulled), "pt") as f:
+        recorded = f.metadata()[MODEL_CONFIG_KEY]
+    assert ModelConfig.from_dict(json.loads(recorded)) == world.recipe.model
+    with safe_open(str(world.init_path), "pt") as f:
+        assert f.metadata()[MODEL_CONFIG_KEY] == recorded
+    assert main(["checkpoint", "export", "--checkpoint", str(pulled), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_size"] == world.recipe.model.dim
