@@ -20,6 +20,7 @@ from training.data import Windows
 from training.diloco import pseudo_gradient
 from training.inner import InnerConfig, InnerTrainer
 from training.model import Llama
+from training.rig import Rig
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,11 @@ class DiLoCoWorker:
         assignment: Assignment,
         ef_decay: float = 1.0,
         micro_batch: int | None = None,
+        rig: Rig | None = None,
     ) -> None:
         self.model = model
-        self.trainer = InnerTrainer(model, inner)
+        self.rig = rig  # several processes of one rig: each takes its share of the micro-batches
+        self.trainer = InnerTrainer(model, inner, sync=rig)
         self.feedback = ErrorFeedback(codec, ef_decay)
         self.windows = windows
         self.assignment = assignment
@@ -83,7 +86,10 @@ class DiLoCoWorker:
             max_slots=self.assignment.max_slots,
             windows_per_host=self.trainer.config.windows_per_round,
         )
-        result = self.trainer.run(self.windows.batches(ids, self.micro_batch), on_step=on_step)
+        batches = self.windows.batches(ids, self.micro_batch)
+        if self.rig is not None:
+            batches = self.rig.shard(batches)
+        result = self.trainer.run(batches, on_step=on_step)
         delta = pseudo_gradient(global_params, dict(self.model.named_parameters()))
         norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         payload = self.feedback.compress(delta)

@@ -15,6 +15,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     run.add_argument("--config", type=Path, required=True, help="host TOML file (gonka_node/host/config.py)")
     run.add_argument("--rounds", type=int, help="leave after this many rounds (default: the whole epoch)")
     run.add_argument("--quiet", action="store_true", help="log lines only, no progress bar")
+    run.add_argument(
+        "--gpus", "--procs", dest="gpus", type=int, default=1, metavar="N",
+        help="processes of this host's rig (one per GPU; gloo processes on CPU): each round's inner steps "
+        "run across them with the recipe's global batch (default 1)",
+    )
     run.set_defaults(func=_run)
     rewards = subparsers.add_parser("rewards", help="list this host's rewards per round; --claim claims them")
     rewards.add_argument("--config", type=Path, required=True, help="host TOML file")
@@ -53,6 +58,8 @@ def _run(args: argparse.Namespace) -> int:
     from gonka_node.host.node import HostError, HostNode, HostSettings
     from gonka_node.recipe import RecipeError
 
+    if args.gpus < 1:
+        raise CliError(f"--gpus {args.gpus}: a rig has at least one process")
     parts = _Parts(args.config)
     cfg = parts.cfg
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -68,6 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         state_dir=cfg.state_dir,
         cache_dir=cfg.cache_dir,
         stop_after_rounds=args.rounds,
+        procs=args.gpus,
     )
     node = HostNode(settings, parts.recipe, parts.chain, parts.aggregator, parts.keys, MultiEvents(sinks))
     try:

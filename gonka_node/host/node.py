@@ -22,6 +22,7 @@ from chain.client import ChainClient
 from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
 from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import GlobalModel, follow_to
+from gonka_node.host.rig_round import RigError, RigRound
 from gonka_node.host.store import HostStore, Progress
 from gonka_node.keys import NodeKeys
 from gonka_node.recipe import Recipe
@@ -49,6 +50,7 @@ class HostSettings:
     submit_attempts: int = 6
     backoff_s: float = 0.5
     stop_after_rounds: int | None = None  # leave the loop after this many applied rounds (tests)
+    procs: int = 1  # processes of this host's rig (`--gpus N`): the inner steps run across them
 
 
 class ChainHashes:
@@ -120,6 +122,13 @@ class HostNode:
             Assignment(self.recipe.epoch_seed, slot, spec.max_hosts),
             self.recipe.ef_decay,
         )
+        self.rig_round: RigRound | None = None
+        if self.settings.procs > 1:
+            try:
+                self.rig_round = RigRound(self.settings.procs, self.recipe, worker.assignment,
+                                          self.settings.cache_dir, self.settings.state_dir / "rig")
+            except RigError as exc:
+                raise HostError(str(exc)) from exc
         snap = self.store.load()
         if snap is not None and snap.progress.epoch == self.settings.epoch:
             progress = snap.progress
@@ -219,7 +228,10 @@ class HostNode:
         def on_step(step: int, loss: float) -> None:
             self.events.inner_step(info.round, step - first, total, loss)
 
-        result = worker.train_round(info.round, gm.params, on_step)
+        if self.rig_round is not None:
+            result = self.rig_round.train_round(worker, info.round, gm.params, on_step)
+        else:
+            result = worker.train_round(info.round, gm.params, on_step)
         self.events.round_trained(info.round, result.last_loss, result.tokens, result.seconds, len(result.payload))
         started = time.monotonic()
         accepted, reason = self._submit(info, result.payload, result.tokens)
