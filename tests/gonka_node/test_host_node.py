@@ -38,7 +38,7 @@ from gonka_node.cli import main
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
 from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
-from gonka_node.host.node import HostNode, HostSettings
+from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.store import HostStore
 from gonka_node.keys import NodeKeys, NodeSigningKey
 from gonka_node.recipe import Recipe
@@ -243,3 +243,12 @@ def test_metrics_port_and_checkpoint_metadata_after_a_round(world: World, tmp_pa
         assert f.metadata()[MODEL_CONFIG_KEY] == recorded
     assert main(["checkpoint", "export", "--checkpoint", str(pulled), "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_size"] == world.recipe.model.dim
+
+
+def test_a_rig_that_cannot_split_the_recipes_batch_is_refused(world: World, tmp_path: Path) -> None:
+    # The epoch's recipe takes one micro-batch per step: two processes cannot share it equally.
+    settings = HostSettings(epoch=world.epoch, stake=5 * GNK, state_dir=tmp_path / "host1", procs=2)
+    node = HostNode(settings, world.recipe, world.client(1), AggregatorClient("127.0.0.1:1"), host_keys(1, world))
+    with pytest.raises(HostError, match=r"--gpus 2: the epoch's recipe accumulates 1 micro-batches per step"):
+        node.run()
+    assert not (tmp_path / "host1").exists()  # refused before anything was written
