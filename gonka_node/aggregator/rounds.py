@@ -117,6 +117,8 @@ class RoundEngine:
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()
         self._hosts_cache: tuple[tuple[int, int], int, set[bytes]] | None = None
+        self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
+        self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
 
     @property
     def aggregator_key(self) -> bytes:
@@ -136,6 +138,11 @@ class RoundEngine:
             self._open(1, ctx.initial_sha256)
         elif rows[-1].state == "open":
             self.current = rows[-1]
+            log.info(
+                "resumed open round %d/%d with %d accepted submissions (deadline %d)",
+                ctx.epoch, rows[-1].round, len(self.store.submissions(ctx.epoch, rows[-1].round)),
+                rows[-1].deadline_ms,
+            )
         else:
             self._open_next(rows[-1])
 
@@ -302,7 +309,13 @@ class RoundEngine:
     async def tick(self) -> None:
         """Close, extend or skip the open round when its rule says so (called periodically)."""
         r = self.current
-        if r is None or self.closing:
+        if r is None:
+            return
+        if self.closing:
+            # Ticks run one at a time, so a round still closing here is one whose close failed
+            # (the chain was unreachable): finish it from what is on disk.
+            if self._close_failed is not None:
+                await self.close(skip=self._close_failed)
             return
         accepted = {s.host for s in self.store.submissions(r.epoch, r.round)}
         hosts = await self._signed_in(r.epoch, len(accepted))
@@ -335,12 +348,40 @@ class RoundEngine:
         self.closing = True  # from here on, submissions of this round are refused as LATE
         while self._in_flight:  # let payloads already past authentication finish (or fail)
             await asyncio.sleep(0.01)
-        row = await asyncio.to_thread(self._close_sync, r, skip)
+        try:
+            row = await asyncio.to_thread(self._close_sync, r, skip)
+        except Exception as exc:  # the chain (or a disk) failed: keep refusing, retry at the next tick
+            self._note_close_failure(r, skip, exc)
+            return
+        if self._close_failed is not None:
+            log.warning(
+                "round %d/%d: closing completed after %d failed attempts over %.1f s (state %s)",
+                r.epoch, r.round, self._close_failures[0], (self.clock() - self._close_failures[1]) / 1000,
+                row.state,
+            )
+            self._close_failed, self._close_failures = None, (0, 0)
         self._open_next(row)
         self.round_closed.set()
         self.round_closed = asyncio.Event()
 
+    def _note_close_failure(self, r: RoundRow, skip: bool, exc: Exception) -> None:
+        """One line when closing first fails, then one every 50 attempts: the retry runs every tick."""
+        count, since = self._close_failures
+        self._close_failed, self._close_failures = skip, (count + 1, since or self.clock())
+        state = self.store.get_round(r.epoch, r.round)
+        where = state.state if state is not None else "?"
+        if count == 0:
+            log.warning(
+                "round %d/%d: closing failed (state %s, %s: %s); submissions stay refused, retrying every tick",
+                r.epoch, r.round, where, type(exc).__name__, exc,
+            )
+        elif count % 50 == 0:
+            log.warning("round %d/%d: closing still failing after %d attempts (%s)", r.epoch, r.round, count + 1, exc)
+
     def _close_sync(self, r: RoundRow, skip: bool) -> RoundRow:
+        recorded = self.store.get_round(r.epoch, r.round)
+        if recorded is not None and recorded.state in ("finalizing", "skipping"):
+            return self._finish(recorded)  # the intent of an earlier, failed attempt: never recompute it
         if skip:
             self.store.record_finalize_intent(
                 r.epoch, r.round, "skipping", r.base_sha256, ZERO32, 0, "skipped", []
@@ -405,7 +446,10 @@ class RoundEngine:
                     f"{bytes(on_chain.checkpoint_sha256).hex()}, but this aggregator computed {row.checkpoint_sha256.hex()}"
                 )
             tx = b""
-            log.info("round %d/%d was already finalized on chain", row.epoch, row.round)
+            log.warning(
+                "round %d/%d was already finalized on chain with the recorded checkpoint %s…: "
+                "not sending finalize again", row.epoch, row.round, row.checkpoint_sha256.hex()[:16],
+            )
         else:
             result = self.chain.call(
                 self.chain.chain.finalize_round,
@@ -417,6 +461,10 @@ class RoundEngine:
                 row.total_reward,
             )
             tx = _tx_bytes(result)
+            log.info(
+                "round %d/%d finalized on chain: checkpoint %s…, %d paid, tx %s",
+                row.epoch, row.round, row.checkpoint_sha256.hex()[:16], n, tx.hex() or "?",
+            )
         self.store.mark_finalized(row.epoch, row.round, tx, skipped=row.state == "skipping")
         done = self.store.get_round(row.epoch, row.round)
         assert done is not None

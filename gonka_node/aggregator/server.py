@@ -146,6 +146,12 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             sub = submission_from_pb(first.header)
             receipt = await self.engine.submit(sub, first.header.signature, _chunks(request_iterator))
             return receipt_pb(receipt)
+        except asyncio.CancelledError:  # the host went away mid-stream: its partial file is already gone
+            log.warning(
+                "submission from %s cancelled mid-stream (connection lost); nothing stored",
+                f"0x{sub.host.hex()}" if sub else "?",
+            )
+            raise
         except Rejected as exc:
             log.info("rejected %s: %s", f"0x{sub.host.hex()}" if sub else "?", exc)
             signed = self.engine.receipt(sub, accepted=False, reason=exc.reason.value)

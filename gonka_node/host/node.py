@@ -253,6 +253,8 @@ class HostNode:
                     # An earlier upload of this host landed: its receipt was lost in transit, or this
                     # process restarted after uploading. The aggregator holds it; count it as accepted.
                     return True, "DUPLICATE"
+                if exc.reason == "LATE":  # DEADLINE_EXCEEDED, yet final: the round closed without us
+                    return False, f"LATE: {exc.message}"
                 if exc.code not in RETRYABLE and exc.reason != "UNAVAILABLE":
                     return False, f"{exc.reason or exc.code.name}: {exc.message}"
                 self.events.note(f"round {info.round}: upload attempt {attempt} failed ({exc}); retrying")
