@@ -142,3 +142,65 @@ def test_chain_unreachable_for_30s_during_finalization(net_factory) -> None:
     assert "not sending finalize again" in log  # the transaction sent before the outage had landed
     assert_finalized_once(net)
     claim_all_once(net, target, 1, [1, 2])
+
+
+def test_a_throttled_host_misses_the_deadline_and_the_round_closes_with_quorum(net_factory) -> None:
+    """Host 1 uploads through a 2 KB/s link; hosts 2 and 3 make the quorum; at the deadline the round
+    closes (waiting for the upload in flight), host 1 is told LATE and says so, and only 2 and 3 are paid."""
+    net: FaultNet = net_factory(hosts=3, quorum=2, round_length_s=15, extend_s=5, max_extensions=30)
+    target = net.start_aggregator()
+    proxy = TcpProxy(int(target.rsplit(":", 1)[1]), chunk=1024).start()
+    net_factory.proxies.append(proxy)
+    proxy.rate = 2000.0
+    net.start_host(1, proxy.target)
+    net.wait("host 1's upload to be under way", lambda: proxy.uplink_bytes > 20_000, 120)
+    assert net.submit_update(target, 2, seed=2).accepted
+    assert net.submit_update(target, 3, seed=3).accepted
+
+    def closing() -> bool:
+        try:
+            net.open_round(target)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.NOT_FOUND
+        return False
+
+    net.wait("the deadline to close the round", closing, 60)
+    assert net.agg_state(1) == "open"  # closing waits for the upload already past authentication
+    proxy.rate = None  # the rest of the upload arrives, after the round stopped taking submissions
+    net.wait("host 1 to finish the epoch", lambda: net.procs["host1"].poll() == 0, 90)
+    net.wait("round 1 finalized", lambda: net.agg_state(1) == "finalized", 30)
+
+    host_log, agg_log = net.log("host1"), net.log("aggregator")
+    assert "round 1: submission not accepted: LATE: round 1/1 closed while the payload streamed" in host_log
+    assert f"rejected 0x{net.host_address(1).hex()}: LATE" in agg_log
+    assert_finalized_once(net)
+    assert net.client(0).round_result(net.epoch, 1).n_contributors == 2
+    claim_all_once(net, target, 1, [2, 3])
+    with AggregatorClient(target, 30) as agg, pytest.raises(grpc.RpcError) as none:
+        agg.reward_proof(net.epoch, 1, net.host_address(1))
+    assert none.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_host_sigkilled_mid_upload_restarts_and_is_paid_once(net_factory) -> None:
+    net: FaultNet = net_factory(hosts=2, quorum=2)
+    target = net.start_aggregator()
+    proxy = TcpProxy(int(target.rsplit(":", 1)[1]), chunk=1024).start()
+    net_factory.proxies.append(proxy)
+    proxy.rate = 4000.0  # slow enough to be caught mid-upload
+    net.start_host(1, proxy.target)
+    net.wait("host 1's upload to be under way", lambda: proxy.uplink_bytes > 20_000, 120)
+    net.kill("host1")
+    # The payload travels as one gRPC message, so the aggregator sees the stream end with none of it.
+    said = f"rejected 0x{net.host_address(1).hex()}: TRUNCATED: stream ended after 0 of"
+    net.wait("the aggregator to see the stream end", lambda: said in net.log("aggregator"), 30, expect_exit=("host1",))
+    assert net.open_round(target).submissions == 0  # half an upload is nothing
+    assert not any((net.out / "aggregator" / "incoming").iterdir())  # and leaves no file behind
+
+    assert net.submit_update(target, 2, seed=2).accepted
+    proxy.rate = None
+    net.start_host(1, proxy.target)  # same state dir: it trains the round again and uploads in full
+    net.wait("host 1 to finish the epoch", lambda: net.procs["host1"].poll() == 0, 120, expect_exit=())
+    net.wait("round 1 finalized", lambda: net.agg_state(1) == "finalized", 30)
+    assert "round 1: submission accepted" in net.log("host1")
+    assert_finalized_once(net)
+    claim_all_once(net, target, 1, [1, 2])
