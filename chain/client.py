@@ -271,6 +271,10 @@ class ChainClient:
             n_contributors=t[2], total_reward=t[3], claimed=t[4], finalized_at=t[5],
         )
 
+    def chain_time(self) -> int:
+        """The latest block's timestamp: the clock the contracts' windows are measured on."""
+        return int(self.w3.eth.get_block("latest")["timestamp"])
+
     def latest_round(self, epoch: int) -> int:
         return int(self.read(self.registry, "get_state", epoch)[6])
 

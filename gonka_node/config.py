@@ -101,6 +101,7 @@ class AggregationSettings:
     outer_momentum: float = 0.9
     centered_clip_iters: int = 3
     copy_cosine: float = 0.99  # sketch cosine above which a later submission counts as a copy
+    consensus_fraction: float = 0.25  # dissent: cosine with the others' median ≤ this × round median; 0: off
     min_score: float = 0.0  # contributions scoring at or below this are not aggregated nor paid
     heldout_windows: int = 4
     score_rule: str = "heldout_gain"  # or "assignment_gap" (gonka_node/aggregator/scoring.py)
@@ -113,6 +114,10 @@ class AggregationSettings:
         _positive("[aggregation] outer_lr", self.outer_lr)
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"[aggregation] outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0.0 <= self.consensus_fraction < 1.0:
+            raise ConfigError(
+                f"[aggregation] consensus_fraction must be in [0, 1), got {self.consensus_fraction}"
+            )
         if not 0.0 < self.copy_cosine <= 1.0:
             raise ConfigError(f"[aggregation] copy_cosine must be in (0, 1], got {self.copy_cosine}")
         if self.score_rule not in ("heldout_gain", "assignment_gap"):

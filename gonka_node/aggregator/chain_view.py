@@ -45,6 +45,10 @@ class ChainReader(Protocol):
 
     def hosts(self, epoch: int) -> list[str]: ...
 
+    def get_epoch(self, epoch: int) -> Any: ...  # chain.types.EpochInfo: signin_end is read
+
+    def chain_time(self) -> int: ...
+
     def round_result(self, epoch: int, round_: int) -> RoundRecord: ...
 
     def finalize_round(

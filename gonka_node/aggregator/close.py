@@ -60,6 +60,37 @@ def find_copies(subs: list[SubmissionRow], threshold: float) -> dict[bytes, str]
     return copies
 
 
+def find_dissenters(
+    subs: list[SubmissionRow], excluded: set[bytes], fraction: float
+) -> dict[bytes, str]:
+    """Hosts whose update points away from the round's consensus.
+
+    Each remaining host's sketch is compared with the coordinate-wise median of the *other* remaining
+    hosts' sketches (robust to a minority of attackers among them). Honest DiLoCo pseudo-gradients of
+    one round agree (measured on the devnet model: leave-one-out cosine 0.4–0.77 over four rounds),
+    while a sign-flipped update scores about −0.6 and matched-norm noise about 0. A host is excluded when
+    its cosine is at or below `fraction` × the median cosine of all remaining hosts (and at or below 0
+    whatever the median). Needs at least four remaining hosts, so that each host's reference is a
+    median over three or more others (with two, one attacker drags an honest host's reference away).
+    """
+    live = [s for s in subs if s.host not in excluded]
+    if len(live) < 4 or fraction <= 0:
+        return {}
+    sketches = {s.host: torch.frombuffer(bytearray(s.sketch), dtype=torch.float32) for s in live}
+    agreement: dict[bytes, float] = {}
+    for s in live:
+        others = torch.stack([sketches[o.host] for o in live if o.host != s.host])
+        agreement[s.host] = cosine(sketches[s.host], others.median(dim=0).values)
+    typical = float(torch.tensor(list(agreement.values())).median())
+    bar = max(0.0, fraction * typical)
+    return {
+        host: f"dissent: sketch cosine {c:+.3f} with the other hosts' median update, at or below {bar:.3f} "
+        f"({fraction:g} × the round's median agreement {typical:+.3f})"
+        for host, c in agreement.items()
+        if c <= bar
+    }
+
+
 def compute_outcome(
     *,
     ctx: EpochContext,
@@ -88,6 +119,9 @@ def compute_outcome(
         if s.host not in slots:
             reasons[s.host].append("host is no longer signed in to the epoch (left or slashed)")
             excluded.add(s.host)
+    for host, why in find_dissenters(submissions, excluded, aggregation.consensus_fraction).items():
+        reasons[host].append(why)
+        excluded.add(host)
     scores = _scores(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
     for s in submissions:
         if s.host not in excluded and scores[s.host] <= aggregation.min_score:

@@ -116,6 +116,7 @@ class RoundEngine:
         self._decode_slots = asyncio.Semaphore(1)  # one decoded update in memory at a time
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()
+        self._signin_closed_seen = False
         self._hosts_cache: tuple[tuple[int, int], int, set[bytes]] | None = None
         self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
@@ -319,7 +320,9 @@ class RoundEngine:
             return
         accepted = {s.host for s in self.store.submissions(r.epoch, r.round)}
         hosts = await self._signed_in(r.epoch, len(accepted))
-        everyone = bool(hosts) and hosts <= accepted
+        # "Everyone has submitted" means everyone who can still sign in too: while the sign-in window is
+        # open a later host may join (and the registry refuses to finalize before the window ends).
+        everyone = bool(hosts) and hosts <= accepted and await self._signin_closed(r.epoch)
         if everyone or (self.clock() > r.deadline_ms and len(accepted) >= self.settings.quorum):
             await self.close(skip=False)
         elif self.clock() > r.deadline_ms and r.extensions < self.settings.max_extensions:
@@ -331,6 +334,15 @@ class RoundEngine:
             )
         elif self.clock() > r.deadline_ms:
             await self.close(skip=True)
+
+    async def _signin_closed(self, epoch: int) -> bool:
+        """Whether the chain's latest block is past the epoch's sign-in window (cached once true)."""
+        if self._signin_closed_seen:
+            return True
+        chain = self.chain.chain
+        end = (await self.chain.acall(chain.get_epoch, epoch)).signin_end
+        self._signin_closed_seen = await self.chain.acall(chain.chain_time) >= end
+        return self._signin_closed_seen
 
     async def _signed_in(self, epoch: int, n_accepted: int) -> set[bytes]:
         """Hosts of the epoch, re-read from the chain only when a submission arrived or every 10 s:
