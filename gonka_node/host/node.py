@@ -266,8 +266,12 @@ class HostNode:
         try:
             return self._retrying(self.aggregator.open_round)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+            code = exc.code()  # type: ignore[attr-defined]
+            if code == grpc.StatusCode.NOT_FOUND:
                 return None  # between rounds: the last one is closing
+            if code in RETRYABLE:  # a daemon outlives an aggregator outage: keep polling, say so
+                self.events.note(f"aggregator unreachable ({code.name}); still waiting for a round")
+                return None
             raise
 
     def _retrying(self, call: Callable[[], object]):  # type: ignore[no-untyped-def]
