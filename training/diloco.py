@@ -159,9 +159,14 @@ class OuterOptimizer:
         _check_same_keys(params, avg_delta, "avg_delta")
         for name in sorted(params):
             p, g = params[name], avg_delta[name]
-            if p.dtype != torch.float32 or g.shape != p.shape:
+            buf = self.buffers.get(name)
+            if p.dtype != torch.float32 or g.shape != p.shape or (buf is not None and buf.shape != p.shape):
                 raise ValueError(
                     f"OuterOptimizer.step: {name} must be fp32 with shape {tuple(p.shape)} (got {p.dtype}, {tuple(g.shape)})"
+                )
+            if not bool(torch.isfinite(g).all()):
+                raise ValueError(
+                    f"OuterOptimizer.step: the averaged pseudo-gradient of {name} has NaN or infinity"
                 )
         mu = torch.tensor(self.momentum, dtype=torch.float32)
         for name in sorted(params):

@@ -161,7 +161,22 @@ def test_bad_step_input_changes_nothing() -> None:
     bad = dict(grads[0], **{"b.bias": torch.zeros(8)})
     with pytest.raises(ValueError, match=r"b\.bias"):
         opt.step(params, bad)
+    with pytest.raises(ValueError, match="NaN"):
+        opt.step(params, dict(grads[0], **{"b.bias": torch.full((7,), float("nan"))}))
     assert all(torch.equal(params[n], before[n]) for n in params) and opt.buffers == {} and opt.steps == 0
+    # a loaded state whose buffers do not fit the model is refused before anything moves
+    opt.load_state_dict(
+        {
+            "lr": 0.7,
+            "momentum": 0.9,
+            "nesterov": True,
+            "steps": 1,
+            "momentum_buffer": {"a.weight": torch.zeros(3), "b.bias": torch.zeros(7)},
+        }
+    )
+    with pytest.raises(ValueError, match=r"a\.weight"):
+        opt.step(params, grads[0])
+    assert all(torch.equal(params[n], before[n]) for n in params)
 
 
 def test_streaming_average_is_ordered_weighted_mean() -> None:
