@@ -106,6 +106,7 @@ def aggregator_context(
         reward_per_round=spec.reward_per_round,
         initial_checkpoint=init_path,
         initial_sha256=spec.init_checkpoint_hash,
+        epoch_seed=recipe.epoch_seed,
         model_factory=(lambda: build_model(recipe.model, recipe.init_seed)) if scoring else None,
         scoring=ScoringData(
             windows,

@@ -471,6 +471,12 @@ class ErrorFeedback:
         self.residual = {n: t.clone() for n, t in state["residual"].items()}
 
 
+def round_seed(epoch_seed: int, round_index: int) -> int:
+    """The public per-round seed of codecs with shared state (`Codec.for_round`): hosts and aggregator
+    derive it alike from the epoch seed and the round number, so nothing about it travels."""
+    return epoch_seed * 1_000_003 + round_index
+
+
 _FACTORIES: dict[str, Callable[..., Codec]] = {
     "fp32": Fp32Codec,
     "bf16": Bf16Codec,

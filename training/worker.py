@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from training.codecs import Codec, ErrorFeedback
+from training.codecs import Codec, ErrorFeedback, round_seed
 from training.data import Windows
 from training.diloco import pseudo_gradient
 from training.inner import InnerConfig, InnerTrainer
@@ -92,7 +92,8 @@ class DiLoCoWorker:
         result = self.trainer.run(batches, on_step=on_step)
         delta = pseudo_gradient(global_params, dict(self.model.named_parameters()))
         norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
-        payload = self.feedback.compress(delta)
+        codec = self.feedback.codec.for_round(round_seed(self.assignment.epoch_seed, round_index))
+        payload = self.feedback.compress(delta, codec)
         return WorkerRound(
             round=round_index,
             payload=payload,

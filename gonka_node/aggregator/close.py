@@ -107,7 +107,7 @@ def compute_outcome(
     base = checkpoints.load(base_path, round_row.base_sha256)
 
     def decode(sub: SubmissionRow) -> dict[str, Tensor]:
-        update = decode_update(ctx.codec, ctx.codec_error, Path(sub.path).read_bytes(), ctx.spec)
+        update = decode_update(ctx.codec_for(round_), ctx.codec_error, Path(sub.path).read_bytes(), ctx.spec)
         return {name: t.float() for name, t in update.items()}
 
     reasons: dict[bytes, list[str]] = {s.host: [] for s in submissions}

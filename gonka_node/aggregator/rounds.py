@@ -38,6 +38,7 @@ from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
 from gonka_node.aggregator.validate import Codec, check_update, decode_update
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.envelope import ReceiptBody, Submission
+from training.codecs import round_seed
 
 log = logging.getLogger(__name__)
 ZERO32 = bytes(32)
@@ -69,11 +70,16 @@ class EpochContext:
     reward_per_round: int
     initial_checkpoint: Path
     initial_sha256: bytes
+    epoch_seed: int = 0  # the recipe's; codecs with shared per-round state derive it (round_seed)
     model_factory: Callable[[], nn.Module] | None = None  # None: no scoring (every valid update counts)
     scoring: ScoringData | None = None
     # json.dumps(ModelConfig.to_dict()), stored in every checkpoint's metadata (training.hf_export's
     # MODEL_CONFIG_KEY) so clients export/sample a pulled checkpoint without the recipe; None: omitted.
     model_config: str | None = None
+
+    def codec_for(self, round_: int) -> Codec:
+        """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
+        return self.codec.for_round(round_seed(self.epoch_seed, round_))
 
 
 class EvidenceSink(Protocol):
@@ -249,7 +255,7 @@ class RoundEngine:
             try:
                 async with self._decode_slots:
                     try:
-                        checked = await asyncio.to_thread(self._check, part)
+                        checked = await asyncio.to_thread(self._check, part, sub.round)
                     except Rejected as exc:  # the bytes hash to the signed digest: provably the host's
                         if self.evidence is not None:
                             self.evidence.signed_rejection(sub, signature, exc.reason, exc.message, part)
@@ -282,9 +288,9 @@ class RoundEngine:
             self._in_flight.discard(sub.host)
         return self.receipt(sub, accepted=True, reason=0, received_ms=received)
 
-    def _check(self, part: Path) -> tuple[float, bytes]:
+    def _check(self, part: Path, round_: int) -> tuple[float, bytes]:
         data = part.read_bytes()
-        update = decode_update(self.ctx.codec, self.ctx.codec_error, data, self.ctx.spec)
+        update = decode_update(self.ctx.codec_for(round_), self.ctx.codec_error, data, self.ctx.spec)
         checked = check_update(update, self.ctx.spec, self.settings.max_update_norm)
         return checked.norm, checked.sketch.numpy().tobytes()
 

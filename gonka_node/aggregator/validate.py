@@ -28,6 +28,8 @@ class Codec(Protocol):
 
     def decode(self, data: bytes, spec: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]: ...
 
+    def for_round(self, round_seed: int) -> Codec: ...
+
 
 @dataclass(frozen=True)
 class Checked:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from gonka_node.cli import CliError
-from training.codecs import Codec, ErrorFeedback, get_codec, spec_of
+from training.codecs import Codec, ErrorFeedback, get_codec, round_seed, spec_of
 from training.data import TokenCorpus, Windows
 from training.diloco import OuterOptimizer, StreamingAverager, pseudo_gradient
 from training.inner import InnerConfig, InnerTrainer, evaluate
@@ -143,7 +143,7 @@ class LocalDiLoCo:
     def run_round(self, on_step: StepHook | None = None) -> RoundReport:
         started = time.perf_counter()
         averager = StreamingAverager(self.spec)
-        codec = self.codec.for_round(self.config.seed * 1_000_003 + self.round)
+        codec = self.codec.for_round(round_seed(self.config.seed, self.round))
         sizes, last_losses = [], []
         for slot, (model, trainer) in enumerate(zip(self.workers, self.trainers, strict=True)):
             with torch.no_grad():
