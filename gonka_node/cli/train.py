@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from gonka_node.cli import CliError
-from training.codecs import Codec, ErrorFeedback, get_codec, round_seed, spec_of
+from training.codecs import Codec, get_codec, round_seed, spec_of
 from training.data import TokenCorpus, Windows
-from training.diloco import OuterOptimizer, StreamingAverager, pseudo_gradient
-from training.inner import InnerConfig, InnerTrainer, evaluate
-from training.model import Llama, ModelConfig, build_model
+from training.diloco import OuterOptimizer, StreamingAverager
+from training.inner import InnerConfig, evaluate
+from training.model import ModelConfig, build_model
+from training.worker import Assignment, DiLoCoWorker
 
 StepHook = Callable[[int, int, float], None]  # (worker, epoch-wide step, loss)
 
@@ -129,11 +130,19 @@ class LocalDiLoCo:
         self.outer = OuterOptimizer(
             lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_momentum > 0
         )
-        self.workers: list[Llama] = [
-            build_model(config.model, seed=config.seed) for _ in range(config.workers)
+        # Each simulated host is the very object a real host daemon runs (training/worker.py).
+        self.hosts = [
+            DiLoCoWorker(
+                build_model(config.model, seed=config.seed),
+                config.inner_config(),
+                self.codec,
+                windows,
+                Assignment(config.seed, slot, config.workers),
+                config.ef_decay,
+                config.micro_batch,
+            )
+            for slot in range(config.workers)
         ]
-        self.trainers = [InnerTrainer(m, config.inner_config()) for m in self.workers]
-        self.feedback = [ErrorFeedback(self.codec, config.ef_decay) for _ in range(config.workers)]
         self.heldout = windows.sample_heldout(config.seed, config.eval_windows)
         self.round = 0
 
@@ -145,24 +154,12 @@ class LocalDiLoCo:
         averager = StreamingAverager(self.spec)
         codec = self.codec.for_round(round_seed(self.config.seed, self.round))
         sizes, last_losses = [], []
-        for slot, (model, trainer) in enumerate(zip(self.workers, self.trainers, strict=True)):
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    p.copy_(self.params[name])
-            ids = self.windows.assignment(
-                epoch_seed=self.config.seed,
-                round_index=self.round,
-                slot=slot,
-                max_slots=self.config.workers,
-                windows_per_host=trainer.config.windows_per_round,
-            )
+        for slot, host in enumerate(self.hosts):
             hook = (lambda step, loss, s=slot: on_step(s, step, loss)) if on_step else None
-            result = trainer.run(self.windows.batches(ids, self.config.micro_batch), on_step=hook)
-            delta = pseudo_gradient(self.params, dict(model.named_parameters()))
-            payload = self.feedback[slot].compress(delta, codec)
-            sizes.append(len(payload))
+            result = host.train_round(self.round, self.params, hook)
+            sizes.append(len(result.payload))
             last_losses.append(result.last_loss)
-            averager.add(f"host-{slot:05d}", codec.decode(payload, self.spec))
+            averager.add(f"host-{slot:05d}", codec.decode(result.payload, self.spec))
         self.outer.step(self.params, averager.result())
         self.round += 1
         return RoundReport(
