@@ -53,7 +53,7 @@ class DevnetError(RuntimeError):
 class DevnetOptions:
     out: Path
     hosts: int = 3
-    rounds: int = 4
+    rounds: int = 8
     inner_steps: int = 20
     preset: str = "devnet"
     seq_len: int = 64
@@ -364,20 +364,27 @@ def make_report(
 
 
 def _plot(path: Path, losses: list[float], report: dict[str, Any]) -> None:
+    """Left: held-out loss per round. Right: bytes each host sent vs all-reduce every step (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(len(losses)), losses, marker="o")
-    ax.set_xlabel("round (0 = initial model)")
-    ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title(
-        f"devnet: {report['hosts']} hosts, {report['params']:,} params, {report['codec']}, "
-        f"{report['reduction_vs_allreduce']:.0f}× fewer bytes than all-reduce"
-    )
-    ax.grid(alpha=0.3)
+    fig, (loss_ax, bytes_ax) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
+    loss_ax.plot(range(len(losses)), losses, marker="o")
+    loss_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    loss_ax.set_xlabel("round (0 = initial model)")
+    loss_ax.set_ylabel("held-out loss (nats/byte)")
+    loss_ax.set_title(f"{report['hosts']} hosts, {report['params']:,} params, codec {report['codec']}")
+    loss_ax.grid(alpha=0.3)
+    hosts = list(report["bytes_per_host"])
+    labels = [f"host {i + 1}" for i in range(len(hosts))] + ["all-reduce\nevery step"]
+    values = [report["bytes_per_host"][h] for h in hosts] + [report["allreduce_bytes_per_host"]]
+    bytes_ax.bar(labels, values, color=["tab:blue"] * len(hosts) + ["tab:gray"])
+    bytes_ax.set_yscale("log")
+    bytes_ax.set_ylabel("bytes sent per host over the epoch")
+    bytes_ax.set_title(f"{report['reduction_vs_allreduce']:.0f}× fewer bytes than all-reduce")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

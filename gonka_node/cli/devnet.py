@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--out", type=Path, default=Path("devnet-out"), help="report folder (default devnet-out)")
     p.add_argument("--hosts", type=int, default=3, help="host processes (default 3, at most 8)")
-    p.add_argument("--rounds", type=int, default=4, help="outer rounds (default 4)")
+    p.add_argument("--rounds", type=int, default=8, help="outer rounds (default 8)")
     p.add_argument("--inner-steps", type=int, default=20, help="H, AdamW steps per round (default 20)")
     p.add_argument("--preset", default="devnet", help="model preset (default devnet, ~1M parameters)")
     p.add_argument("--codec", default="int8", help="pseudo-gradient codec (default int8)")
