@@ -19,9 +19,10 @@ from torch import Tensor
 
 from gonka_node.aggregator import robust
 from gonka_node.aggregator.scoring import Scorer
-from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow, fsync_dir
+from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
 from gonka_node.aggregator.validate import cosine, decode_update
 from gonka_node.config import AggregationSettings
+from training.checkpoint import fsync_path
 from training.diloco import OuterOptimizer
 from training.hf_export import MODEL_CONFIG_KEY
 
@@ -237,7 +238,7 @@ def _save_durably(path: Path, tensors: Mapping[str, Tensor], metadata: dict[str,
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def _load_outer(path: Path, outer: OuterOptimizer) -> dict[str, object]:

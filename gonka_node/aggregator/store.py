@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training.checkpoint import fsync_path
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rounds (
     epoch INTEGER NOT NULL,
@@ -102,15 +104,6 @@ class ContributionRow:
     reward: int
     aggregated: bool
     reasons: list[str] = field(default_factory=list)
-
-
-def fsync_dir(path: Path) -> None:
-    """A rename is durable only once its directory entry is: fsync the folder itself."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _storable(value: int) -> bool:
@@ -271,7 +264,7 @@ class Store:
         with open(part, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(part, final)
-        fsync_dir(final.parent)
+        fsync_path(final.parent)
         try:
             with self._tx() as db:
                 state = db.execute(

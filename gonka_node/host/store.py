@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from training.checkpoint import canonical_sha256
+from training.checkpoint import canonical_sha256, fsync_path
 
 PROGRESS = "progress.json"
 
@@ -52,14 +52,6 @@ class Snapshot:
     global_params: dict[str, Tensor]
     outer_buffers: dict[str, Tensor] | None
     worker_state: dict[str, Any] | None
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class HostStore:
@@ -109,16 +101,16 @@ class HostStore:
         if worker_state is not None:
             torch.save(dict(worker_state), tmp / "worker.pt")
         for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         shutil.rmtree(snap, ignore_errors=True)
         os.replace(tmp, snap)
-        _fsync(self.root)
+        fsync_path(self.root)
         staged = self.root / (PROGRESS + ".tmp")
         staged.write_text(json.dumps(asdict(progress), indent=2, sort_keys=True))
-        _fsync(staged)
+        fsync_path(staged)
         os.replace(staged, self.root / PROGRESS)
-        _fsync(self.root)
+        fsync_path(self.root)
         # Older snapshots are no longer named by progress.json.
         for old in self.root.glob("snap-*"):
             if old != snap:
