@@ -55,8 +55,23 @@ def encode_codec(codec: str) -> bytes:
     return raw.ljust(CODEC_FIELD_BYTES, b"\x00")
 
 
+class SignedRecord:
+    """A fixed-layout record signed with ed25519 over its `canonical_bytes()` (never over protobuf)."""
+
+    def canonical_bytes(self) -> bytes:
+        raise NotImplementedError
+
+    def sign(self, key: SigningKey) -> bytes:
+        """The 64-byte ed25519 signature over `canonical_bytes()`."""
+        return key.sign(self.canonical_bytes()).signature
+
+    def verify(self, signature: bytes, public_key: bytes) -> bool:
+        """True when `signature` is `public_key`'s signature over these exact fields; never raises."""
+        return _verify(self.canonical_bytes(), signature, public_key)
+
+
 @dataclass(frozen=True)
-class Submission:
+class Submission(SignedRecord):
     """What a host signs: the payload's digest bound to one round of one registry on one chain."""
 
     chain_id: int
@@ -97,17 +112,9 @@ class Submission:
             self.timestamp_ms,
         )
 
-    def sign(self, key: SigningKey) -> bytes:
-        """The 64-byte ed25519 signature over `canonical_bytes()`."""
-        return key.sign(self.canonical_bytes()).signature
-
-    def verify(self, signature: bytes, node_key: bytes) -> bool:
-        """True when `signature` is `node_key`'s signature over these exact fields."""
-        return _verify(self.canonical_bytes(), signature, node_key)
-
 
 @dataclass(frozen=True)
-class ReceiptBody:
+class ReceiptBody(SignedRecord):
     """What the aggregator signs when it answers a submission (accepted or not)."""
 
     chain_id: int
@@ -145,12 +152,6 @@ class ReceiptBody:
             self.reason,
             self.received_ms,
         )
-
-    def sign(self, key: SigningKey) -> bytes:
-        return key.sign(self.canonical_bytes()).signature
-
-    def verify(self, signature: bytes, aggregator_key: bytes) -> bool:
-        return _verify(self.canonical_bytes(), signature, aggregator_key)
 
 
 def _verify(message: bytes, signature: bytes, public_key: bytes) -> bool:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from chain.backends import EmbeddedBackend, RpcBackend
 from chain.client import ChainClient
@@ -314,11 +313,3 @@ def test_generate_bad_settings(world: World, capsys):
     assert code == 2 and "temperature" in err
     code, _, err = run(capsys, *base, "--epoch", "1")
     assert code == 2 and "--epoch and --round go together" in err
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from model_helpers import sharp_model
 
 from training.generate import (
     KVCache,
@@ -9,20 +10,9 @@ from training.generate import (
     generate_tokens,
     pick_token,
 )
-from training.model import Llama, ModelConfig, build_model
+from training.model import Llama, ModelConfig
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=24)
-
-
-def sharp_model(cfg: ModelConfig = CFG, seed: int = 0) -> Llama:
-    """Large random weights: peaked next-token distributions, so greedy paths are far from ties."""
-    model = build_model(cfg, seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.3 * noise if "norm" in name else 0.3 * noise)
-    return model.eval()
 
 
 def reference_greedy(model: Llama, prompt: list[int], steps: int) -> list[int]:
@@ -36,7 +26,7 @@ def reference_greedy(model: Llama, prompt: list[int], steps: int) -> list[int]:
 
 
 def test_cached_forward_equals_full_forward(one_thread):
-    model = sharp_model()
+    model = sharp_model(CFG)
     tokens = torch.randint(0, 256, (2, CFG.max_seq_len), generator=torch.Generator().manual_seed(0))
     cache = KVCache(CFG.n_layers)
     steps = [forward_cached(model, tokens[:, :9], cache)]
@@ -47,7 +37,7 @@ def test_cached_forward_equals_full_forward(one_thread):
 
 
 def test_cached_forward_refuses_bad_shapes():
-    model = sharp_model()
+    model = sharp_model(CFG)
     cache = KVCache(CFG.n_layers)
     forward_cached(model, torch.zeros(1, 3, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="one token per step"):
@@ -59,14 +49,14 @@ def test_cached_forward_refuses_bad_shapes():
 @pytest.mark.parametrize("prompt_len", [1, 5, CFG.max_seq_len + 7])
 def test_greedy_equals_reference_across_the_window(one_thread, prompt_len):
     # 40 new tokens from a 24-token window: the cache is rebuilt as the window slides.
-    model = sharp_model()
+    model = sharp_model(CFG)
     prompt = torch.randint(1, 256, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
     ours = generate_tokens(model, prompt, SamplingConfig(max_new_tokens=40, temperature=0.0))
     assert ours == reference_greedy(model, prompt, 40)
 
 
 def test_sampling_is_seeded(one_thread):
-    model = sharp_model()
+    model = sharp_model(CFG)
     prompt = [0, *b"abc"]
     runs = [
         generate_tokens(model, prompt, SamplingConfig(max_new_tokens=30, temperature=1.5, seed=seed))
@@ -88,7 +78,7 @@ def test_top_k_keeps_only_the_k_best():
 
 
 def test_stop_token_ends_generation(one_thread):
-    model = sharp_model()
+    model = sharp_model(CFG)
     prompt = [0, *b"xyz"]
     free = generate_tokens(model, prompt, SamplingConfig(max_new_tokens=12, temperature=0.0))
     stop = free[4]
@@ -97,7 +87,7 @@ def test_stop_token_ends_generation(one_thread):
 
 
 def test_generate_text_starts_a_document(one_thread):
-    model = sharp_model()
+    model = sharp_model(CFG)
     sampling = SamplingConfig(max_new_tokens=20, temperature=0.0, stop_token=-1)  # never stops early
     tokens = generate_tokens(model, [0, *b"hi"], sampling)
     text = generate_text(model, "hi", sampling)
@@ -109,7 +99,7 @@ def test_generate_text_starts_a_document(one_thread):
 
 
 def test_bad_settings_are_refused():
-    model = sharp_model()
+    model = sharp_model(CFG)
     with pytest.raises(ValueError, match="temperature"):
         SamplingConfig(temperature=-1.0)
     with pytest.raises(ValueError, match="top_k"):

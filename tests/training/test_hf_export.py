@@ -12,6 +12,7 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
 import pytest
 import torch
+from model_helpers import sharp_model
 from safetensors import safe_open
 from transformers import LlamaForCausalLM
 
@@ -39,17 +40,6 @@ CONFIGS = {
     ),
     "mqa-untied": ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=1, ffn_dim=80, max_seq_len=32),
 }
-
-
-def sharp_model(cfg: ModelConfig, seed: int = 0) -> Llama:
-    """Weights far from init (norm gains too), so attention, RoPE and the norms all shape the logits."""
-    model = build_model(cfg, seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.3 * noise if "norm" in name else 0.3 * noise)
-    return model.eval()
 
 
 def _changed(cfg: ModelConfig, **fields: object) -> ModelConfig:
