@@ -23,6 +23,8 @@ from training.model import Llama
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 AutocastMode = Literal["auto", "bf16", "off"]
+RoundState = Literal["carry", "fresh"]
+ROUND_STATES = ("carry", "fresh")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,11 @@ class InnerConfig:
     seq_len: int = 128
     compile: bool = False
     autocast: AutocastMode = "auto"  # "auto": bf16 on CUDA, off on CPU
+    # "carry": AdamW moments and the schedule clock run on across rounds (lowest loss). "fresh": each
+    # round starts from zero moments with the clock at the round's place in the epoch, so a round is a
+    # pure function of (base model, assigned windows, round) that anyone can replay and check
+    # (training.worker.replay_round; the aggregator's replay check).
+    round_state: RoundState = "carry"
 
     def __post_init__(self) -> None:
         for name in ("steps", "total_steps", "micro_batch", "grad_accum", "seq_len"):
@@ -60,6 +67,8 @@ class InnerConfig:
             raise ValueError(f"InnerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.autocast not in ("auto", "bf16", "off"):
             raise ValueError(f"InnerConfig.autocast must be 'auto', 'bf16' or 'off', got {self.autocast!r}")
+        if self.round_state not in ROUND_STATES:
+            raise ValueError(f"InnerConfig.round_state must be 'carry' or 'fresh', got {self.round_state!r}")
 
     @property
     def windows_per_round(self) -> int:
@@ -148,13 +157,24 @@ class InnerTrainer:
         self.step = 0  # optimizer steps taken so far in the epoch: the schedule's clock
         self._autocast = _autocast_context(config.autocast, self.device)
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            _param_groups(model, config.weight_decay),
-            lr=config.lr_at(0),
-            betas=config.betas,
+        self.optimizer = self._new_optimizer()
+        self._loss = torch.compile(model.loss) if config.compile else model.loss
+
+    def _new_optimizer(self) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            _param_groups(self.model, self.config.weight_decay),
+            lr=self.config.lr_at(self.step),
+            betas=self.config.betas,
             fused=self.device.type == "cuda",
         )
-        self._loss = torch.compile(model.loss) if config.compile else model.loss
+
+    def restart(self, step: int) -> None:
+        """Zero AdamW moments and the schedule clock at `step`: what `round_state = "fresh"` does at the
+        start of every round."""
+        if step < 0:
+            raise ValueError(f"restart step must be >= 0, got {step}")
+        self.step = step
+        self.optimizer = self._new_optimizer()
 
     def _next(self, batches: Iterator[Batch], step: int) -> Batch:
         try:

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from training.codecs import Codec, ErrorFeedback, round_seed
+from training.codecs import Codec, ErrorFeedback, get_codec, round_seed
 from training.data import Windows
 from training.diloco import pseudo_gradient
-from training.inner import InnerConfig, InnerTrainer
+from training.inner import InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
 from training.rig import Rig
 
@@ -59,8 +59,10 @@ class DiLoCoWorker:
         ef_decay: float = 1.0,
         micro_batch: int | None = None,
         rig: Rig | None = None,
+        first_round: int = 1,
     ) -> None:
         self.model = model
+        self.first_round = first_round  # the chain numbers rounds from 1; the local simulation from 0
         self.rig = rig  # several processes of one rig: each takes its share of the micro-batches
         self.trainer = InnerTrainer(model, inner, sync=rig)
         self.feedback = ErrorFeedback(codec, ef_decay)
@@ -76,21 +78,7 @@ class DiLoCoWorker:
     ) -> WorkerRound:
         """Start from `global_params`, train H steps on this slot's windows of `round_index`, and
         return the compressed pseudo-gradient θ_global − θ_local."""
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(global_params[name])
-        ids = self.windows.assignment(
-            epoch_seed=self.assignment.epoch_seed,
-            round_index=round_index,
-            slot=self.assignment.slot,
-            max_slots=self.assignment.max_slots,
-            windows_per_host=self.trainer.config.windows_per_round,
-        )
-        batches = self.windows.batches(ids, self.micro_batch)
-        if self.rig is not None:
-            batches = self.rig.shard(batches)
-        result = self.trainer.run(batches, on_step=on_step)
-        delta = pseudo_gradient(global_params, dict(self.model.named_parameters()))
+        delta, result = self.local_delta(round_index, global_params, on_step)
         norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         codec = self.feedback.codec.for_round(round_seed(self.assignment.epoch_seed, round_index))
         payload = self.feedback.compress(delta, codec)
@@ -104,9 +92,64 @@ class DiLoCoWorker:
             seconds=result.seconds,
         )
 
+    def local_delta(
+        self,
+        round_index: int,
+        global_params: Mapping[str, Tensor],
+        on_step: Callable[[int, float], None] | None = None,
+    ) -> tuple[dict[str, Tensor], InnerResult]:
+        """The round's training, uncompressed: the pseudo-gradient θ_global − θ_local and the loop's result."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(global_params[name])
+        if self.trainer.config.round_state == "fresh":
+            self.trainer.restart(self.round_start_step(round_index))
+        ids = self.windows.assignment(
+            epoch_seed=self.assignment.epoch_seed,
+            round_index=round_index,
+            slot=self.assignment.slot,
+            max_slots=self.assignment.max_slots,
+            windows_per_host=self.trainer.config.windows_per_round,
+        )
+        batches = self.windows.batches(ids, self.micro_batch)
+        if self.rig is not None:
+            batches = self.rig.shard(batches)
+        result = self.trainer.run(batches, on_step=on_step)
+        return pseudo_gradient(global_params, dict(self.model.named_parameters())), result
+
+    def round_start_step(self, round_index: int) -> int:
+        """Where a `fresh` round starts on the epoch's schedule: H steps per round since the first, so
+        a late joiner or a restarted host trains at the same learning rates as everyone else."""
+        if round_index < self.first_round:
+            raise ValueError(f"round {round_index} precedes the first round {self.first_round}")
+        return (round_index - self.first_round) * self.trainer.config.steps
+
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.trainer.state_dict(), "feedback": self.feedback.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.load_state_dict(dict(state["inner"]))
         self.feedback.load_state_dict(state["feedback"])
+
+
+def replay_round(
+    model: Llama,
+    inner: InnerConfig,
+    windows: Windows,
+    assignment: Assignment,
+    round_index: int,
+    global_params: Mapping[str, Tensor],
+    micro_batch: int | None = None,
+    first_round: int = 1,
+) -> dict[str, Tensor]:
+    """The uncompressed pseudo-gradient an honest host of `assignment` computes in `round_index` when
+    rounds start fresh (`inner.round_state == "fresh"`): the very code path of `DiLoCoWorker`, so on the
+    same hardware and library versions the result is bit-identical to the host's."""
+    if inner.round_state != "fresh":
+        raise ValueError(
+            "replay_round needs round_state = 'fresh': with 'carry' a round depends on the host's private "
+            "AdamW moments from earlier rounds"
+        )
+    worker = DiLoCoWorker(model, inner, get_codec("fp32"), windows, assignment, micro_batch=micro_batch,
+                          first_round=first_round)
+    return worker.local_delta(round_index, global_params)[0]

@@ -140,6 +140,7 @@ class LocalDiLoCo:
                 Assignment(config.seed, slot, config.workers),
                 config.ef_decay,
                 config.micro_batch,
+                first_round=0,  # this simulation numbers rounds from 0
             )
             for slot in range(config.workers)
         ]

@@ -12,7 +12,7 @@ from training.codecs import CodecError, get_codec, round_seed, spec_of
 from training.data import Windows
 from training.inner import InnerConfig
 from training.model import ModelConfig, build_model
-from training.worker import Assignment, DiLoCoWorker
+from training.worker import Assignment, DiLoCoWorker, replay_round
 
 CFG = ModelConfig.preset("tiny")
 
@@ -22,9 +22,14 @@ def windows() -> Windows:
     return Windows(rng.randint(0, 256, size=40_000).astype(np.uint8), seq_len=16, heldout_fraction=0.1)
 
 
-def worker(codec: str, seed: int = 5) -> DiLoCoWorker:
-    inner = InnerConfig(steps=3, lr=1e-3, warmup_steps=1, total_steps=30, micro_batch=2, seq_len=16)
-    return DiLoCoWorker(build_model(CFG, 0), inner, get_codec(codec), windows(), Assignment(seed, 1, 4))
+def inner_config(round_state: str = "carry") -> InnerConfig:
+    return InnerConfig(steps=3, lr=1e-3, warmup_steps=1, total_steps=30, micro_batch=2, seq_len=16,
+                       round_state=round_state)  # type: ignore[arg-type]
+
+
+def worker(codec: str, seed: int = 5, round_state: str = "carry", slot: int = 1) -> DiLoCoWorker:
+    return DiLoCoWorker(build_model(CFG, 0), inner_config(round_state), get_codec(codec), windows(),
+                        Assignment(seed, slot, 4))
 
 
 def global_params() -> dict[str, torch.Tensor]:
@@ -50,3 +55,41 @@ def test_state_dict_resumes_the_next_round_bit_for_bit() -> None:
     b = worker("int8")
     b.load_state_dict(copy.deepcopy(a.state_dict()))  # a restarted host: AdamW state and residual
     assert a.train_round(2, params).payload == b.train_round(2, params).payload
+
+
+def _moved(params: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {n: t + by * torch.randn(t.shape, generator=gen) for n, t in params.items()}
+
+
+def test_fresh_round_is_replayed_bit_for_bit_by_anyone() -> None:
+    """With round_state = 'fresh' a host's round 3 depends only on the base model, its windows and the
+    round: a replay from scratch (no AdamW history, no earlier rounds) equals it exactly."""
+    host = worker("fp32", round_state="fresh")
+    params = global_params()
+    host.train_round(1, params)
+    host.train_round(2, _moved(params, 0.01))  # AdamW history a replayer never sees
+    base = _moved(params, 0.02)
+    delta, _ = host.local_delta(3, base)
+    replay = replay_round(build_model(CFG, 0), inner_config("fresh"), windows(), Assignment(5, 1, 4), 3, base)
+    assert all(torch.equal(delta[n], replay[n]) for n in delta)
+    # Another slot's windows give a different update, as does carrying AdamW state across rounds.
+    other = replay_round(build_model(CFG, 0), inner_config("fresh"), windows(), Assignment(5, 2, 4), 3, base)
+    assert not torch.equal(delta["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+    carried = worker("fp32", round_state="carry")
+    carried.train_round(1, params)
+    carried.train_round(2, _moved(params, 0.01))
+    assert not torch.equal(carried.local_delta(3, base)[0]["lm_head.weight"], delta["lm_head.weight"])
+
+
+def test_fresh_round_starts_on_the_epochs_schedule() -> None:
+    host = worker("fp32", round_state="fresh")
+    host.train_round(4, global_params())  # a late joiner's first round
+    assert host.trainer.step == 4 * 3  # rounds 1..4 of H = 3 steps: it ends where everyone does
+    with pytest.raises(ValueError, match="precedes the first round"):
+        host.round_start_step(0)
+
+
+def test_replay_refuses_carried_state() -> None:
+    with pytest.raises(ValueError, match="round_state = 'fresh'"):
+        replay_round(build_model(CFG, 0), inner_config("carry"), windows(), Assignment(5, 1, 4), 1, global_params())
