@@ -105,6 +105,10 @@ class AggregationSettings:
     min_score: float = 0.0  # contributions scoring at or below this are not aggregated nor paid
     heldout_windows: int = 4
     score_rule: str = "heldout_gain"  # or "assignment_gap" (gonka_node/aggregator/scoring.py)
+    # Replay check (gonka_node/aggregator/replay.py; needs the recipe's round_state = "fresh"): the share
+    # of hosts whose round is recomputed each round (0: off, 1: all), and the cosine an update must reach.
+    replay_fraction: float = 0.0
+    replay_min_cosine: float = 0.9
 
     def __post_init__(self) -> None:
         for epoch, rule in {None: self.rule, **self.per_epoch}.items():
@@ -123,6 +127,12 @@ class AggregationSettings:
         if self.score_rule not in ("heldout_gain", "assignment_gap"):
             raise ConfigError(
                 f"[aggregation] score_rule must be 'heldout_gain' or 'assignment_gap', got {self.score_rule!r}"
+            )
+        if not 0.0 <= self.replay_fraction <= 1.0:
+            raise ConfigError(f"[aggregation] replay_fraction must be in [0, 1], got {self.replay_fraction}")
+        if not 0.0 < self.replay_min_cosine <= 1.0:
+            raise ConfigError(
+                f"[aggregation] replay_min_cosine must be in (0, 1], got {self.replay_min_cosine}"
             )
         if self.centered_clip_iters < 1 or self.heldout_windows < 1:
             raise ConfigError("[aggregation] centered_clip_iters and heldout_windows must be >= 1")

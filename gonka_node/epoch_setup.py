@@ -14,6 +14,7 @@ from pathlib import Path
 
 from chain.types import EpochInfo, EpochSpec
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.recipe import Recipe, RecipeError
@@ -118,4 +119,13 @@ def aggregator_context(
         if scoring
         else None,
         model_config=_model_json(recipe),
+        replay=ReplayData(
+            lambda: build_model(recipe.model, recipe.init_seed),
+            recipe.inner_config(),
+            windows,
+            recipe.epoch_seed,
+            spec.max_hosts,
+        )
+        if scoring and recipe.round_state == "fresh"
+        else None,
     )

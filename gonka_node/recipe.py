@@ -51,6 +51,10 @@ class Recipe:
     ef_decay: float = 1.0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # "fresh": every round starts from zero AdamW moments at its place on the schedule, so anyone can
+    # replay a host's round from public data (the aggregator's replay check, docs/SECURITY.md); costs
+    # some loss against "carry" (docs/benchmarks.md).
+    round_state: str = "carry"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "grad_accum", "inner_steps", "n_rounds"):
@@ -86,6 +90,7 @@ class Recipe:
                 micro_batch=self.micro_batch,
                 grad_accum=self.grad_accum,
                 seq_len=self.seq_len,
+                round_state=self.round_state,  # type: ignore[arg-type]
             )
         except ValueError as exc:
             raise RecipeError(str(exc)) from exc

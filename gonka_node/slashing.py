@@ -7,8 +7,10 @@ The chain lets only governance slash, naming an `evidence_hash`. This module is 
    received — the payload bytes, whose sha256 is the signed digest. One record per (epoch, host, kind)
    is enough to slash, so a host flooding garbage cannot fill the disk.
 2. `collect_evidence` adds what the aggregator's store proves after the fact: a payload digest signed
-   twice (another host's payload, or one's own from an earlier round, re-signed = copy/replay), and
-   near-copies excluded at close by sketch cosine (both signed submissions are kept in the store).
+   twice (another host's payload, or one's own from an earlier round, re-signed = copy/replay),
+   near-copies excluded at close by sketch cosine — of the same round or an earlier one (both signed
+   submissions are kept in the store) — and replay mismatches: updates the recomputation of the host's
+   own round does not reproduce (whoever votes can run the same replay from public inputs).
 3. `evidence_hash` is the sha256 of a record's canonical JSON; the record is written to
    `<dir>/<hash>.json`, so whoever votes can fetch the file the chain names and re-check it.
 4. `slash_all` applies the documented rule (`SLASHABLE`: the host's whole remaining stake) with an
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import threading
 from collections.abc import Iterable, Sequence
@@ -33,6 +36,7 @@ from typing import Any
 from eth_utils import to_checksum_address
 
 from gonka_node.aggregator.reasons import Reason
+from gonka_node.aggregator.replay import MISMATCH
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.envelope import Submission
 
@@ -41,8 +45,11 @@ KIND_COPY = "copy"  # signed a payload whose digest another host had signed earl
 KIND_REPLAY = "replay"  # signed, for a later round, the same payload digest it signed before
 KIND_NEAR_COPY = "near_copy"  # update within the copy cosine of an earlier-received host's update
 KIND_GARBAGE = "garbage"  # signed a payload that fails decoding, shapes, finiteness or the norm bound
+# signed an update that the replay of its own round (public inputs: base checkpoint, slot, round, recipe)
+# does not reproduce: trained on something other than its assignment (gonka_node/aggregator/replay.py)
+KIND_REPLAY_MISMATCH = "replay_mismatch"
 GARBAGE_REASONS = (Reason.UNDECODABLE, Reason.WRONG_SHAPE, Reason.NON_FINITE, Reason.NORM_TOO_LARGE)
-SLASHABLE = (KIND_COPY, KIND_REPLAY, KIND_NEAR_COPY, KIND_GARBAGE)
+SLASHABLE = (KIND_COPY, KIND_REPLAY, KIND_NEAR_COPY, KIND_GARBAGE, KIND_REPLAY_MISMATCH)
 
 
 @dataclass(frozen=True)
@@ -151,13 +158,26 @@ def collect_evidence(store: Store, epoch: int, ident: RoundIdentity, log: Eviden
                 kind = KIND_REPLAY if earlier.host == s.host else KIND_COPY
                 log.add(_from_row(kind, s, row.base_sha256, ident, "payload digest signed before", _ref(earlier)))
         for c in store.contributions(epoch, row.round):
-            copied = next((r for r in c.reasons if r.startswith("copy: sketch cosine")), None)
-            if copied is None or c.host not in by_host:
+            if c.host not in by_host:
                 continue
-            source = by_host.get(bytes.fromhex(copied.split("0x", 1)[1].split(",")[0]))
-            ref = _ref(source) if source is not None else None
-            log.add(_from_row(KIND_NEAR_COPY, by_host[c.host], row.base_sha256, ident, copied, ref))
+            for why in c.reasons:
+                if why.startswith("copy: sketch cosine"):
+                    source = _copied_from(store, epoch, row.round, why)
+                    ref = _ref(source) if source is not None else None
+                    log.add(_from_row(KIND_NEAR_COPY, by_host[c.host], row.base_sha256, ident, why, ref))
+                elif why.startswith(MISMATCH):
+                    log.add(_from_row(KIND_REPLAY_MISMATCH, by_host[c.host], row.base_sha256, ident, why, None))
     return [e for e in log.records() if e.epoch == epoch]
+
+
+def _copied_from(store: Store, epoch: int, round_: int, reason: str) -> SubmissionRow | None:
+    """The submission a near-copy reason names: "… with 0x<host>, round <r> …" (an earlier round) or
+    "… with 0x<host>, received earlier" (the same round)."""
+    found = re.search(r"with 0x([0-9a-f]{40}), (?:round (\d+))?", reason)
+    if found is None:
+        return None
+    host, source_round = bytes.fromhex(found.group(1)), int(found.group(2) or round_)
+    return next((s for s in store.submissions(epoch, source_round) if s.host == host), None)
 
 
 def _ref(s: SubmissionRow) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Byzantine benchmark: the same epoch honest-only, then with 25% of hosts adversarial (each behaviour
-of the adversary kit, and a mix), in one process (gonka_node/byzantine.py: embedded chain, aggregator
-gRPC server, host threads).
+of the adversary kit, and a mix). Each epoch runs in its own process (`--jobs` at once) with its own
+embedded chain, aggregator gRPC server and host threads (gonka_node/byzantine.py). By default the recipe's
+rounds start fresh and the aggregator replays every host's round (`--round-state`, `--replay-fraction`).
 
 Reports, per run: final held-out loss and its ratio to the honest-only run, GNK paid to adversaries
 and to honest hosts, and who was slashed (and on which evidence). Writes JSON and a bar plot.
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gonka_node.adversary import BEHAVIOURS
 from gonka_node.byzantine import EpochPlan, EpochReport, run_epoch
+from gonka_node.config import AggregationSettings
 from gonka_node.recipe import BUILTIN_CORPUS, Recipe
 from training.model import ModelConfig
 
@@ -49,6 +53,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--rule", default="clip_median", help="robust aggregation rule")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (hosts run in parallel threads)")
+    ap.add_argument("--jobs", type=int, default=2, help="epochs run at once, one process each")
+    ap.add_argument("--round-state", choices=("fresh", "carry"), default="fresh",
+                    help="the recipe's round_state; 'fresh' makes rounds replayable")
+    ap.add_argument("--replay-fraction", type=float, default=1.0,
+                    help="[aggregation] replay_fraction (needs --round-state fresh; 0: no replay check)")
     return ap.parse_args()
 
 
@@ -56,7 +65,7 @@ def recipe_of(a: argparse.Namespace) -> Recipe:
     return Recipe(model=ModelConfig.preset(a.preset), corpus=a.corpus or BUILTIN_CORPUS, seq_len=a.seq_len,
                   micro_batch=a.micro_batch, inner_steps=a.inner_steps, inner_lr=3e-3,
                   warmup_steps=min(10, a.inner_steps // 2), n_rounds=a.rounds,
-                  codec=a.codec).with_data_manifest()
+                  codec=a.codec, round_state=a.round_state).with_data_manifest()
 
 
 def run_row(attack: str, report: EpochReport, honest_loss: float) -> dict[str, Any]:
@@ -77,6 +86,17 @@ def run_row(attack: str, report: EpochReport, honest_loss: float) -> dict[str, A
     }
 
 
+def run_named(job: tuple[str, EpochPlan, Path, int]) -> EpochReport:
+    """One epoch in its own process (its own aggregator, chain and host threads)."""
+    name, plan, root, threads = job
+    torch.set_num_threads(threads)
+    rep = run_epoch(plan, root / name, root / "cache")
+    print(f"{name:>16}: loss {rep.final_loss:.4f}  adversary {rep.gnk(True):7.3f} GNK  honest "
+          f"{rep.gnk(False):7.3f} GNK  slashed {[d.evidence.kind for d in rep.slashed]}  "
+          f"({rep.seconds:.0f} s)", flush=True)
+    return rep
+
+
 def main() -> int:
     a = parse()
     torch.set_num_threads(a.threads)
@@ -86,24 +106,21 @@ def main() -> int:
         raise SystemExit(f"--attacks: unknown behaviour(s) {unknown}; choose from {', '.join(BEHAVIOURS)}")
     if not 1 <= a.adversaries < a.hosts <= 8:
         raise SystemExit("--hosts must be in (adversaries, 8] and --adversaries >= 1")
+    if a.replay_fraction > 0 and a.round_state != "fresh":
+        raise SystemExit("--replay-fraction > 0 needs --round-state fresh (a 'carry' round cannot be replayed)")
     recipe = recipe_of(a)
-    from gonka_node.config import AggregationSettings
-
-    agg = AggregationSettings(rule=a.rule)
+    agg = AggregationSettings(rule=a.rule, replay_fraction=a.replay_fraction)
     bad = {a.hosts - k: "" for k in range(a.adversaries)}  # the last hosts; host 1 is the tapped victim
+    plans = {"honest": {}} | {x: {i: x for i in bad} for x in attacks}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench_byz_") as tmp:
-        root, cache = Path(tmp), Path(tmp) / "cache"
-
-        def epoch(name: str, adversaries: dict[int, str]) -> EpochReport:
-            rep = run_epoch(EpochPlan(recipe, a.hosts, adversaries, aggregation=agg), root / name, cache)
-            print(f"{name:>16}: loss {rep.final_loss:.4f}  adversary {rep.gnk(True):7.3f} GNK  honest "
-                  f"{rep.gnk(False):7.3f} GNK  slashed {[d.evidence.kind for d in rep.slashed]}  "
-                  f"({rep.seconds:.0f} s)", flush=True)
-            return rep
-
-        honest = epoch("honest", {})
-        rows = [run_row(x, epoch(x, {i: x for i in bad}), honest.final_loss) for x in attacks]
+        root = Path(tmp)
+        recipe.windows(root / "cache")  # tokenize once, before the epochs share the cache
+        jobs = [(name, EpochPlan(recipe, a.hosts, adv, aggregation=agg), root, a.threads) for name, adv in plans.items()]
+        with ProcessPoolExecutor(max(1, a.jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+            reports = dict(zip(plans, pool.map(run_named, jobs), strict=True))
+    honest = reports.pop("honest")
+    rows = [run_row(x, reports[x], honest.final_loss) for x in attacks]
     out = {
         "honest_loss": honest.final_loss,
         "initial_loss": honest.initial_loss,
@@ -113,7 +130,8 @@ def main() -> int:
         "setup": {"hosts": a.hosts, "adversaries": a.adversaries, "preset": a.preset,
                   "params": recipe.model.num_params(), "rounds": a.rounds, "inner_steps": a.inner_steps,
                   "seq_len": a.seq_len, "micro_batch": a.micro_batch, "codec": a.codec, "rule": a.rule,
-                  "corpus": a.corpus or "built-in"},
+                  "corpus": a.corpus or "built-in", "round_state": a.round_state,
+                  "replay_fraction": a.replay_fraction, "jobs": a.jobs},
         "seconds": round(time.monotonic() - started, 1),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)

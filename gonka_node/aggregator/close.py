@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gonka_node.aggregator import robust
+from gonka_node.aggregator.replay import chosen_for_replay, replay_cosine, verdict
 from gonka_node.aggregator.scoring import Scorer
 from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
 from gonka_node.aggregator.validate import cosine, decode_update
@@ -61,6 +62,32 @@ def find_copies(subs: list[SubmissionRow], threshold: float) -> dict[bytes, str]
     return copies
 
 
+def find_resubmissions(
+    subs: list[SubmissionRow], earlier: list[SubmissionRow], threshold: float
+) -> dict[bytes, str]:
+    """Hosts whose update's sketch is within `threshold` cosine of a submission of an *earlier round*
+    (their own — a stale resubmission — or anyone's): old work, which the round's base has moved past."""
+    if not earlier or not subs:
+        return {}
+    old = torch.stack([torch.frombuffer(bytearray(s.sketch), dtype=torch.float32) for s in earlier]).double()
+    old = old / old.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    found: dict[bytes, str] = {}
+    for s in subs:
+        new = torch.frombuffer(bytearray(s.sketch), dtype=torch.float32).double()
+        if float(new.norm()) == 0.0:
+            continue
+        sims = old @ (new / new.norm())
+        best = int(sims.argmax())
+        if float(sims[best]) >= threshold:
+            src = earlier[best]
+            whose = "its own" if src.host == s.host else f"0x{src.host.hex()}'s"
+            found[s.host] = (
+                f"copy: sketch cosine {float(sims[best]):.4f} with 0x{src.host.hex()}, round {src.round} "
+                f"({whose} earlier submission): stale work, the base has moved on"
+            )
+    return found
+
+
 def find_dissenters(
     subs: list[SubmissionRow], excluded: set[bytes], fraction: float
 ) -> dict[bytes, str]:
@@ -99,6 +126,7 @@ def compute_outcome(
     submissions: list[SubmissionRow],
     slots: Mapping[bytes, int],
     base_path: Path,
+    earlier: list[SubmissionRow] | None = None,
     prev_outer_state: Path | None,
     store: Store,
     checkpoints: CheckpointIO,
@@ -116,6 +144,10 @@ def compute_outcome(
     for host, why in find_copies(submissions, aggregation.copy_cosine).items():
         reasons[host].append(why)
         excluded.add(host)
+    for host, why in find_resubmissions(submissions, earlier or [], aggregation.copy_cosine).items():
+        if host not in excluded:
+            reasons[host].append(why)
+            excluded.add(host)
     for s in submissions:
         if s.host not in slots:
             reasons[s.host].append("host is no longer signed in to the epoch (left or slashed)")
@@ -123,6 +155,7 @@ def compute_outcome(
     for host, why in find_dissenters(submissions, excluded, aggregation.consensus_fraction).items():
         reasons[host].append(why)
         excluded.add(host)
+    _replay_checks(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
     scores = _scores(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
     for s in submissions:
         if s.host not in excluded and scores[s.host] <= aggregation.min_score:
@@ -173,6 +206,36 @@ def compute_outcome(
     ]
     root = _rewards_root(ctx, epoch, round_, rewards)
     return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible))
+
+
+def _replay_checks(
+    ctx: EpochContext,
+    round_row: RoundRow,
+    submissions: list[SubmissionRow],
+    slots: Mapping[bytes, int],
+    base: Mapping[str, Tensor],
+    decode: object,
+    reasons: dict[bytes, list[str]],
+    excluded: set[bytes],
+    aggregation: AggregationSettings,
+) -> None:
+    """Recompute the chosen hosts' rounds (gonka_node/aggregator/replay.py); exclude mismatches."""
+    if ctx.replay is None or aggregation.replay_fraction <= 0:
+        return
+    live = [s for s in submissions if s.host not in excluded]
+    chosen = chosen_for_replay(
+        aggregation.replay_fraction, round_row.epoch, round_row.round, round_row.base_sha256, live
+    )
+    for s in live:
+        if s.host not in chosen:
+            continue
+        slot = slots[s.host]
+        c = replay_cosine(ctx.replay, round_row.round, slot, base, decode(s))  # type: ignore[operator]
+        passed, why = verdict(round_row.round, slot, c, aggregation.replay_min_cosine)
+        reasons[s.host].append(why)
+        if not passed:
+            log.warning("round %d: host 0x%s excluded: %s", round_row.round, s.host.hex(), why)
+            excluded.add(s.host)
 
 
 def _scores(

@@ -33,6 +33,7 @@ from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import RoundOutcome, compute_outcome
 from gonka_node.aggregator.ingest import receive_payload
 from gonka_node.aggregator.reasons import Reason, Rejected
+from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
 from gonka_node.aggregator.validate import Codec, check_update, decode_update
@@ -76,6 +77,8 @@ class EpochContext:
     # json.dumps(ModelConfig.to_dict()), stored in every checkpoint's metadata (training.hf_export's
     # MODEL_CONFIG_KEY) so clients export/sample a pulled checkpoint without the recipe; None: omitted.
     model_config: str | None = None
+    # The recipe's rounds are replayable (round_state = "fresh"): what the replay check needs; None: no check.
+    replay: ReplayData | None = None
 
     def codec_for(self, round_: int) -> Codec:
         """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
@@ -112,6 +115,12 @@ class RoundEngine:
         clock: Callable[[], int] = now_ms,
         evidence: EvidenceSink | None = None,
     ) -> None:
+        if aggregation.replay_fraction > 0 and ctx.replay is None:
+            raise ValueError(
+                f"[aggregation] replay_fraction = {aggregation.replay_fraction:g} needs an epoch whose recipe has "
+                "round_state = 'fresh' (with 'carry' a host's round depends on its private AdamW state) and "
+                "scoring on; set replay_fraction = 0 or use such an epoch"
+            )
         self.ctx, self.settings, self.aggregation = ctx, settings, aggregation
         self.evidence = evidence
         self.store, self.chain, self.checkpoints, self.signer = store, chain, checkpoints, signer
@@ -431,6 +440,8 @@ class RoundEngine:
             ctx=ctx,
             round_row=r,
             submissions=self.store.submissions(r.epoch, r.round),
+            earlier=[s for row in self.store.rounds(r.epoch) if row.round < r.round
+                     for s in self.store.submissions(r.epoch, row.round)],
             slots={m.address: m.slot for m in self.chain.members(r.epoch)},
             base_path=self.base_path(r.round),
             prev_outer_state=self._prev_outer_state(r.round),

@@ -102,14 +102,16 @@ def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:
         )
     except (KeyStoreError, RecipeError, ChainError, ValueError) as exc:
         raise CliError(f"{where}: {exc}") from exc
-    engine = RoundEngine(
-        ctx,
-        cfg.round,
-        cfg.aggregation,
-        Store(cfg.data_dir).open(),
-        ChainView(client),
-        TrainingCheckpoints(),
-        node_key.signing_key,
-        evidence=EvidenceLog(cfg.data_dir / "evidence"),  # signed copies/garbage, for slashing
-    )
-    return engine
+    try:
+        return RoundEngine(
+            ctx,
+            cfg.round,
+            cfg.aggregation,
+            Store(cfg.data_dir).open(),
+            ChainView(client),
+            TrainingCheckpoints(),
+            node_key.signing_key,
+            evidence=EvidenceLog(cfg.data_dir / "evidence"),  # signed copies/garbage, for slashing
+        )
+    except ValueError as exc:
+        raise CliError(f"{where}: {exc}") from exc

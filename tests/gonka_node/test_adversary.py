@@ -17,12 +17,14 @@ import torch
 from gonka_node.adversary import make_behaviour, reasons_by_attack
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.byzantine import STAKE, EpochPlan, EpochReport, run_epoch
+from gonka_node.config import AggregationSettings
 from gonka_node.envelope import Submission
 from gonka_node.keys import NodeSigningKey
 from gonka_node.recipe import Recipe
 from gonka_node.slashing import (
     KIND_COPY,
     KIND_GARBAGE,
+    KIND_REPLAY_MISMATCH,
     Evidence,
     EvidenceLog,
     decide,
@@ -34,12 +36,13 @@ torch.set_num_threads(1)
 GNK = 10**9
 
 
-def tiny_recipe(tmp: Path, rounds: int) -> Recipe:
+def tiny_recipe(tmp: Path, rounds: int, round_state: str = "carry") -> Recipe:
     lib = Path(sysconfig.get_paths()["stdlib"])
     corpus = tmp / "corpus.txt"
     corpus.write_bytes(b"".join((lib / n).read_bytes() for n in ("argparse.py", "textwrap.py", "shlex.py")))
     return Recipe(model=ModelConfig.preset("tiny"), corpus=str(corpus), seq_len=32, micro_batch=4,
-                  inner_steps=15, inner_lr=3e-3, warmup_steps=3, n_rounds=rounds, codec="int8").with_data_manifest()
+                  inner_steps=15, inner_lr=3e-3, warmup_steps=3, n_rounds=rounds, codec="int8",
+                  round_state=round_state).with_data_manifest()
 
 
 def by_behaviour(report: EpochReport) -> dict[str, str]:
@@ -124,12 +127,50 @@ def test_copies_replays_and_other_data(tmp_path: Path) -> None:
     for name in ("copy", "copy_perturbed", "replay"):
         assert report.rewards[who[name]] == 0, name
     assert slashed(report) == {who["copy"]: KIND_COPY, who["copy_perturbed"]: "near_copy",
-                               who["stale"]: "replay"}
+                               who["stale"]: "near_copy"}  # its round 2 matches its own round 1
     assert report.rewards[victim] > 0 and all(a > 0 for a in honest_paid(report))
-    # Limitations (measured): the stale resubmission still improves the next base and is paid before
-    # the evidence scan slashes it; training on other real data is paid like honest work.
-    assert report.rewards[who["stale"]] > 0
+    # The stale host's round-2 resubmission matches its own round-1 update: excluded at close, unpaid
+    # (its honest round 1 was paid).
+    stale_why = report.reasons[who["stale"]][2][0]
+    assert stale_why.startswith("copy: sketch cosine 1.0000 with 0x") and "round 1 (its own" in stale_why
+    assert "not aggregated" not in " ".join(report.reasons[who["stale"]][1])
+    # Limitation (measured) with round_state = "carry": training on other real data is paid like honest
+    # work (test_replay_check_stops_training_on_other_data: what "fresh" rounds and the replay check do).
     assert report.rewards[who["other_data"]] > 0 and who["other_data"] not in slashed(report)
+
+
+@pytest.mark.slow
+def test_replay_check_stops_training_on_other_data(tmp_path: Path) -> None:
+    """round_state = "fresh" + [aggregation] replay_fraction = 1: every round is recomputed; updates
+    trained on anything but the host's assignment are excluded, unpaid and slashed on the evidence."""
+    plan = EpochPlan(
+        tiny_recipe(tmp_path, 2, round_state="fresh"),
+        hosts=5,
+        adversaries={3: "other_data", 4: "heldout_data", 5: "stale"},
+        aggregation=AggregationSettings(replay_fraction=1.0),
+    )
+    report = run_epoch(plan, tmp_path / "e")
+    who = by_behaviour(report)
+    for name in ("other_data", "heldout_data"):
+        assert report.rewards[who[name]] == 0, name
+        for r in (1, 2):
+            why = next(w for w in report.reasons[who[name]][r] if w.startswith("replay"))
+            assert why.startswith("replay mismatch: cosine +0."), why
+            assert float(why.split("cosine ")[1].split()[0]) < 0.9
+    for h in report.rewards:
+        if h not in report.adversaries:  # honest hosts reproduce exactly (same code, same machine)
+            assert report.reasons[h][1][0] == "replay: cosine +1.0000 with the replay of slot " + \
+                report.reasons[h][1][0].split("slot ")[1]
+            assert report.rewards[h] > 0
+    stale = report.reasons[who["stale"]]
+    assert stale[1][0].startswith("replay: cosine +1.0000")  # its honest first round
+    assert stale[2][0].startswith("copy: sketch cosine 1.0000")
+    # The stale host's round 2 is both a re-signed digest ("replay") and a sketch match ("near_copy");
+    # the rule cites the first record by (round, kind).
+    assert slashed(report) == {who["other_data"]: KIND_REPLAY_MISMATCH, who["heldout_data"]: KIND_REPLAY_MISMATCH,
+                               who["stale"]: "near_copy"}
+    ev = next(d.evidence for d in report.slashed if d.host == who["other_data"])
+    assert ev.round == 1 and ev.detail.startswith("replay mismatch: cosine")
 
 
 def test_the_rule_slashes_each_host_once_with_its_first_evidence(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import time
 
+import pytest
 import torch
 from agg_harness import Harness, ServerThread
 from eth_utils import to_checksum_address
@@ -173,3 +174,11 @@ def test_interrupted_finalization_checks_the_chain_before_sending_again(harness:
         assert h.world.client(0).latest_round(h.epoch) == 1
     finally:
         again.stop()
+
+
+def test_replay_check_needs_a_replayable_recipe(harness: Harness) -> None:
+    """The harness's epoch carries AdamW state across rounds (no ReplayData): a replay fraction is a
+    configuration error at startup, not a check that silently never runs."""
+    harness.aggregation = AggregationSettings(replay_fraction=0.5)
+    with pytest.raises(ValueError, match=r"replay_fraction = 0.5 needs an epoch whose recipe has round_state = 'fresh'"):
+        harness.build_engine()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from gonka_node.aggregator.close import find_copies, split_pool
+from gonka_node.aggregator.close import find_copies, find_resubmissions, split_pool
+from gonka_node.aggregator.replay import chosen_for_replay
 from gonka_node.aggregator.robust import aggregate
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import cosine, count_sketch
@@ -91,6 +93,26 @@ def test_sketch_cosine_tracks_true_cosine_and_finds_near_copies() -> None:
 
     copies = find_copies([row(b"A" * 20, a, 1), row(b"B" * 20, b, 2), row(b"C" * 20, near, 3)], 0.99)
     assert list(copies) == [b"C" * 20] and "cosine" in copies[b"C" * 20]
+    # Against earlier rounds: A resubmits (nearly) its round-1 update, B sends new work.
+    old = [row(b"A" * 20, a, 1), row(b"B" * 20, updates(1, seed=9)["00"], 2)]
+    now = [row(b"A" * 20, near, 5), row(b"B" * 20, b, 6)]
+    stale = find_resubmissions(now, [dataclasses.replace(r, round=1) for r in old], 0.99)
+    assert list(stale) == [b"A" * 20]
+    assert f"with 0x{(b'A' * 20).hex()}, round 1 (its own earlier submission)" in stale[b"A" * 20]
+    assert find_resubmissions(now, [], 0.99) == {}
+
+
+def test_replay_picks_are_a_fraction_no_host_can_predict() -> None:
+    subs = [SubmissionRow(1, 3, i.to_bytes(20, "big"), i.to_bytes(32, "big"), 0, 0, 0, b"", 0, 1.0, b"", "")
+            for i in range(400)]
+    assert chosen_for_replay(0.0, 1, 3, b"b" * 32, subs) == set()
+    assert chosen_for_replay(1.0, 1, 3, b"b" * 32, subs) == {s.host for s in subs}
+    picked = chosen_for_replay(0.25, 1, 3, b"b" * 32, subs)
+    assert 70 <= len(picked) <= 130  # binomial(400, 0.25): mean 100, sd 8.7
+    assert picked == chosen_for_replay(0.25, 1, 3, b"b" * 32, list(reversed(subs)))  # order-free
+    # One other host's payload digest changes the draw: a host cannot know its fate while training.
+    moved = [dataclasses.replace(subs[0], payload_sha256=b"x" * 32), *subs[1:]]
+    assert chosen_for_replay(0.25, 1, 3, b"b" * 32, moved) != picked
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -124,6 +146,8 @@ def test_config_reads_and_validates(tmp_path: Path) -> None:
         ('[chain]\nbackend = "rpc"\n', r"rpc_url is required"),
         ("[sections]\n", r"unknown key\(s\) sections"),
         ("[aggregator\n", r"not valid TOML"),
+        ("[aggregation]\nreplay_fraction = 1.5\n", r"\[aggregation\] replay_fraction must be in \[0, 1\]"),
+        ("[aggregation]\nreplay_min_cosine = 0\n", r"\[aggregation\] replay_min_cosine must be in \(0, 1\]"),
     ],
 )
 def test_config_errors_name_the_file_and_field(tmp_path: Path, text: str, match: str) -> None:

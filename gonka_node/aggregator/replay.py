@@ -1,0 +1,89 @@
+"""The replay check: recompute a host's round and compare it with what the host sent.
+
+With the recipe's `round_state = "fresh"` a round is a pure function of public data — the round's base
+checkpoint, the host's assigned windows (its slot, the epoch seed) and the round number — so the
+aggregator can run the very code an honest host runs (`training.worker.replay_round`) and compare the
+result with the decoded payload. Honest hosts match (cosine 1.0 on the same hardware; the int8 codec's
+rounding and error feedback keep it above 0.999 on the devnet model), while a host that trained on any
+other data — another slot's windows, the held-out split, an old round's, its own previous update —
+shares only the direction common to all hosts (cosine ≈ 0.6 on the devnet model, measured in
+docs/SECURITY.md). Below `[aggregation] replay_min_cosine` the update is excluded, unpaid, and the
+reason is kept as slashing evidence that anyone can re-check by running the same replay.
+
+Which hosts are replayed: each with probability `[aggregation] replay_fraction`, decided by a hash of
+the round's identity and *every* accepted payload digest, so a host cannot know at training time
+whether it will be checked (the costs: one host-round of compute per replay).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor, cat
+
+from gonka_node.aggregator.store import SubmissionRow
+from gonka_node.aggregator.validate import cosine
+from training.data import Windows
+from training.inner import InnerConfig
+from training.model import Llama
+from training.worker import Assignment, replay_round
+
+MISMATCH = "replay mismatch"  # reason prefix; gonka_node.slashing turns it into evidence
+
+
+@dataclass(frozen=True)
+class ReplayData:
+    """What replaying a round needs besides the base weights (fixed for the epoch)."""
+
+    model_factory: Callable[[], Llama]
+    inner: InnerConfig  # the recipe's, with round_state = "fresh"
+    windows: Windows
+    epoch_seed: int
+    max_slots: int
+
+
+def chosen_for_replay(
+    fraction: float, epoch: int, round_: int, base_sha256: bytes, subs: Sequence[SubmissionRow]
+) -> set[bytes]:
+    """The hosts to replay: each with probability `fraction`, from a seed no host knows while training."""
+    if fraction <= 0:
+        return set()
+    if fraction >= 1:
+        return {s.host for s in subs}
+    seed = hashlib.sha256(b"gonka-replay-pick-v1" + epoch.to_bytes(8, "big") + round_.to_bytes(8, "big"))
+    seed.update(base_sha256 + b"".join(sorted(bytes(s.payload_sha256) for s in subs)))
+    bar = int(fraction * 2**64)
+    return {
+        s.host
+        for s in subs
+        if int.from_bytes(hashlib.sha256(seed.digest() + bytes(s.host)).digest()[:8], "big") < bar
+    }
+
+
+def replay_cosine(
+    data: ReplayData, round_: int, slot: int, base: Mapping[str, Tensor], update: Mapping[str, Tensor]
+) -> float:
+    """Cosine between `update` (decoded) and the replay of `slot`'s round from `base`, over all tensors."""
+    replay = replay_round(
+        data.model_factory(),
+        data.inner,
+        data.windows,
+        Assignment(data.epoch_seed, slot, data.max_slots),
+        round_,
+        base,
+    )
+    names = sorted(replay)
+    flat = [(update[n].double().flatten(), replay[n].double().flatten()) for n in names]
+    return cosine(cat([u for u, _ in flat]), cat([r for _, r in flat]))
+
+
+def verdict(round_: int, slot: int, c: float, min_cosine: float) -> tuple[bool, str]:
+    """(passed, the reason line kept with the contribution)."""
+    if c >= min_cosine:
+        return True, f"replay: cosine {c:+.4f} with the replay of slot {slot}'s round {round_}"
+    return False, (
+        f"{MISMATCH}: cosine {c:+.4f} between the update and the replay of slot {slot}'s round {round_} "
+        f"from the round's base, below {min_cosine:g}: not trained on its assignment as the recipe says"
+    )
