@@ -63,6 +63,7 @@ class DevnetOptions:
     timeout_s: float = 900.0
     heldout_windows: int = 64
     chain_url: str | None = None  # an external dev node (anvil); None: the embedded chain, served here
+    replay_fraction: float = 0.0  # > 0: fresh rounds, and the aggregator replays this share of hosts
 
 
 @dataclass
@@ -113,6 +114,7 @@ def make_recipe(opts: DevnetOptions) -> Recipe:
         warmup_steps=10,
         n_rounds=opts.rounds,
         codec=opts.codec,
+        round_state="fresh" if opts.replay_fraction > 0 else "carry",
     ).with_data_manifest()
 
 
@@ -143,7 +145,7 @@ def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int) -> None:
         'evm_key = "keys/aggregator/evm_key.json"\nrecipe = "recipe.json"\ndeployment = "deployment.json"\n'
         f"epoch = {epoch}\n\n[chain]\nbackend = \"rpc\"\nrpc_url = \"{rpc_url}\"\n\n"
         f"[round]\nquorum = {opts.hosts}\nduration_s = 600\n\n"
-        f"[aggregation]\nheldout_windows = {opts.heldout_windows}\n"
+        f"[aggregation]\nheldout_windows = {opts.heldout_windows}\nreplay_fraction = {opts.replay_fraction}\n"
     )
     for i in range(1, opts.hosts + 1):
         (out / f"host{i}.toml").write_text(

@@ -20,6 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--codec", default="int8", help="pseudo-gradient codec (default int8)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the rounds")
     p.add_argument(
+        "--replay-fraction", type=float, default=0.0,
+        help="recompute this share of hosts' rounds at the aggregator (0..1; > 0 makes the recipe's rounds "
+        "start fresh so they can be replayed; docs/SECURITY.md)",
+    )
+    p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
     )
     p.set_defaults(func=_devnet)
@@ -33,9 +38,12 @@ def _devnet(args: argparse.Namespace) -> int:
     from gonka_node.devnet import DevnetError, DevnetOptions, run_devnet
 
     console = Console()
+    if not 0.0 <= args.replay_fraction <= 1.0:
+        raise CliError(f"--replay-fraction must be in [0, 1], got {args.replay_fraction}")
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, rounds=args.rounds, inner_steps=args.inner_steps,
         preset=args.preset, codec=args.codec, timeout_s=args.timeout, chain_url=args.rpc_url,
+        replay_fraction=args.replay_fraction,
     )
     try:
         report = run_devnet(opts, say=lambda line: console.print(line))

@@ -49,6 +49,7 @@ class LocalRunConfig:
     outer_momentum: float = 0.9
     seed: int = 0
     eval_windows: int = 64
+    round_state: str = "carry"  # "fresh": zero AdamW moments each round (replayable rounds)
 
     def __post_init__(self) -> None:
         for name in ("workers", "rounds", "inner_steps", "micro_batch", "seq_len", "eval_windows"):
@@ -72,6 +73,7 @@ class LocalRunConfig:
             total_steps=self.total_steps,
             micro_batch=self.micro_batch,
             seq_len=self.seq_len,
+            round_state=self.round_state,  # type: ignore[arg-type]
         )
 
 
@@ -200,6 +202,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW peak learning rate")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
     parser.add_argument(
+        "--round-state",
+        choices=("carry", "fresh"),
+        default="carry",
+        help="carry AdamW state across rounds, or start each round fresh (replayable; see docs/SECURITY.md)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: robust when cores are shared)"
     )
     parser.add_argument("--out", type=Path, help="write DIR/summary.json")
@@ -225,6 +233,7 @@ def _train(args: argparse.Namespace) -> int:
             outer_lr=args.outer_lr,
             codec=args.codec,
             seed=args.seed,
+            round_state=args.round_state,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

@@ -3,6 +3,8 @@
 Embedded chain served on loopback, epoch scheduled by a Governor vote, one aggregator and two host
 processes, two rounds: loss falls, every pulled checkpoint matches the hash on chain (the devnet checks
 this itself and fails otherwise), and each host's claimed GNK equals its reward in the Merkle tree.
+With `--replay-fraction 1` the rounds start fresh and the aggregator recomputes every host's round:
+host processes must reproduce it exactly to be paid.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gonka_node.aggregator.store import Store
 from gonka_node.cli import main
 
 
@@ -20,7 +23,7 @@ from gonka_node.cli import main
 def test_devnet_runs_an_epoch_and_pays_by_proof(tmp_path: Path) -> None:
     out = tmp_path / "devnet"
     rc = main(["devnet", "--out", str(out), "--hosts", "2", "--rounds", "2", "--inner-steps", "8",
-               "--preset", "tiny", "--timeout", "400"])
+               "--preset", "tiny", "--timeout", "400", "--replay-fraction", "1"])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert report["rounds"] == 2 and len(report["checkpoint_hashes"]) == 3
@@ -33,5 +36,13 @@ def test_devnet_runs_an_epoch_and_pays_by_proof(tmp_path: Path) -> None:
         assert report["bytes_per_host"][host] > 0
     assert report["allreduce_bytes_per_host"] > 10 * max(report["bytes_per_host"].values())
     assert (out / "loss.png").stat().st_size > 1000
+    assert json.loads((out / "recipe.json").read_text())["round_state"] == "fresh"
+    store = Store(out / "aggregator").open()
+    try:
+        for round_ in (1, 2):
+            for c in store.contributions(report["epoch"], round_):
+                assert c.reasons[0].startswith("replay: cosine +1.0000 with the replay of slot"), c.reasons
+    finally:
+        store.close()
     # Nothing left running: the devnet stopped its children (their logs are complete).
     assert "aggregator serving epoch" in (out / "logs" / "aggregator.log").read_text()
