@@ -36,6 +36,9 @@ from training.inner import Batch, InnerTrainer, evaluate
 from training.model import ModelConfig, build_model
 
 BENCH_MODEL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=64)
+# The issue's pilot size (0.83M parameters): 853,120 parameters, ~3.7x the compute per step.
+PILOT_MODEL = ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64)
+MODELS = {"bench": BENCH_MODEL, "pilot": PILOT_MODEL}
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Method:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     ef_decay: float = 1.0
+    inner_lr: float | None = None  # peak AdamW lr; None: --lr (DDP) or --diloco-lr (DiLoCo)
 
 
 METHODS: dict[str, Method] = {
@@ -63,13 +67,18 @@ METHODS: dict[str, Method] = {
 }
 
 
+EXTRA_FORMAT = "NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY|INNER_LR]"
+
+
 def parse_extra(text: str) -> Method:
-    """NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY], e.g. 'mask-s2|mask:stride=2|30|0.7|0.9|1.0'."""
+    """NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY|INNER_LR], e.g. 'mask-s2|mask:stride=2|30|0.7|0.9|1.0'.
+
+    CODEC 'ddp' makes a DDP run (H is then the evaluation interval, outer fields are ignored)."""
     fields = text.split("|")
-    if not 3 <= len(fields) <= 6:
-        raise SystemExit(f"--extra {text!r}: expected NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY]")
+    if not 3 <= len(fields) <= 7:
+        raise SystemExit(f"--extra {text!r}: expected {EXTRA_FORMAT}")
     numbers = [float(f) for f in fields[3:]]
-    return Method(fields[0], fields[1], int(fields[2]), *numbers)
+    return Method(fields[0], None if fields[1] == "ddp" else fields[1], int(fields[2]), *numbers)
 
 
 def run_ddp(base: LocalRunConfig, windows: Windows, steps: int) -> tuple[float, list[tuple[int, float]]]:
@@ -103,19 +112,27 @@ def _interleaved(windows: Windows, cfg: LocalRunConfig, round_index: int) -> Ite
             yield from windows.batches(ids[step], cfg.micro_batch)
 
 
+def inner_lr(method: Method, args: argparse.Namespace) -> float:
+    if method.inner_lr is not None:
+        return method.inner_lr
+    if method.codec is None or args.diloco_lr is None:
+        return args.lr
+    return args.diloco_lr
+
+
 def run_method(method: Method, args: argparse.Namespace, windows: Windows, seed: int) -> dict[str, Any]:
     steps = args.steps
     h = method.sync_every if method.codec else args.ddp_eval_every
     if steps % h:
         raise SystemExit(f"--steps {steps} must be a multiple of {method.name}'s H = {h}")
     base = LocalRunConfig(
-        model=BENCH_MODEL,
+        model=MODELS[args.model],
         workers=args.workers,
         rounds=steps // h,
         inner_steps=h,
         micro_batch=args.micro_batch,
-        seq_len=BENCH_MODEL.max_seq_len,
-        lr=args.lr,
+        seq_len=MODELS[args.model].max_seq_len,
+        lr=inner_lr(method, args),
         warmup_steps=args.warmup,
         codec=method.codec or "fp32",
         ef_decay=method.ef_decay,
@@ -124,7 +141,7 @@ def run_method(method: Method, args: argparse.Namespace, windows: Windows, seed:
         seed=seed,
         eval_windows=args.eval_windows,
     )
-    params = BENCH_MODEL.num_params()
+    params = MODELS[args.model].num_params()
     ddp_bytes = ddp_bytes_per_worker(params, steps)
     started = time.perf_counter()
     if method.codec is None:
@@ -143,6 +160,7 @@ def run_method(method: Method, args: argparse.Namespace, windows: Windows, seed:
         "name": method.name,
         "codec": method.codec,
         "sync_every": h if method.codec else 1,
+        "inner_lr": inner_lr(method, args),
         "seed": seed,
         "final_loss": final,
         "bytes_per_worker": sent,
@@ -163,6 +181,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "name": name,
                 "codec": group[0]["codec"],
                 "sync_every": group[0]["sync_every"],
+                "inner_lr": group[0]["inner_lr"],
                 "final_loss": statistics.fmean(losses),
                 "final_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                 "bytes_per_worker": group[0]["bytes_per_worker"],
@@ -177,7 +196,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
+def plot(runs: list[dict[str, Any]], path: Path, model: ModelConfig) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,7 +208,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         xs, ys = zip(*run["curve"], strict=True)
         ax.plot(xs, ys, label=f"{name} ({run['reduction_vs_ddp']:,.0f}× fewer bytes)")
     ax.set(xscale="log", xlabel="bytes sent per worker", ylabel="held-out loss (nats/byte)")
-    ax.set_title(f"DiLoCo vs DDP, {BENCH_MODEL.num_params():,} parameters")
+    ax.set_title(f"DiLoCo vs DDP, {model.num_params():,} parameters")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -205,13 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}"
     )
+    parser.add_argument("--extra", action="append", default=[], help=f"extra method {EXTRA_FORMAT}")
     parser.add_argument(
-        "--extra", action="append", default=[], help="extra method NAME|CODEC|H[|LR|MOM|DECAY]"
+        "--model", choices=sorted(MODELS), default="bench", help="bench: 230k parameters; pilot: 853k"
     )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per worker (and for DDP)")
     parser.add_argument("--micro-batch", type=int, default=8, help="windows per worker per step")
-    parser.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak learning rate")
+    parser.add_argument("--lr", type=float, default=3e-3, help="DDP's AdamW peak learning rate")
+    parser.add_argument(
+        "--diloco-lr", type=float, help="DiLoCo workers' inner AdamW peak learning rate (default: --lr)"
+    )
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--eval-windows", type=int, default=128)
     parser.add_argument("--ddp-eval-every", type=int, default=30)
@@ -228,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
-    windows = load_windows(args.corpus, BENCH_MODEL.max_seq_len)
+    model = MODELS[args.model]
+    windows = load_windows(args.corpus, model.max_seq_len)
     runs = []
     for seed in range(args.seeds):
         for name in names:
@@ -246,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['name']:14s} {r['final_loss']:.4f} ± {r['final_loss_std']:.4f} {rel:>7s}  {r['reduction_vs_ddp']:,.1f}×"
         )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config["model"] = BENCH_MODEL.to_dict()
+    config["model"] = model.to_dict()
     args.out.write_text(json.dumps({"config": config, "runs": summary, "per_seed": runs}, indent=1) + "\n")
-    plot(runs, args.out.with_suffix(".png"))
+    plot(runs, args.out.with_suffix(".png"), model)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

@@ -239,10 +239,12 @@ class TopKCodec(Codec):
     """Per chunk of `chunk` elements, the `k` largest magnitudes, their positions and low-bit values.
 
     Values: a sign bit and (bits − 1) magnitude bits on a uniform grid from the chunk's smallest to its
-    largest selected magnitude (two fp32 per chunk), so 2-bit values are ±lo or ±hi. Positions are
-    chunk-relative, ceil(log2 chunk) bits each, strictly increasing within a chunk. The last chunk of a
-    tensor may be shorter; it keeps min(k, its length) entries.
-    Section: (lo, hi) fp32 per chunk | packed positions | packed value codes.
+    largest selected magnitude (two fp32 per chunk), so 2-bit values are ±lo or ±hi. With bits = 1 a
+    value is its sign times the mean selected magnitude of its chunk (one fp32 per chunk: the
+    least-squares magnitude for those signs), which buys twice the entries at the same bytes. Positions
+    are chunk-relative, ceil(log2 chunk) bits each, strictly increasing within a chunk. The last chunk
+    of a tensor may be shorter; it keeps min(k, its length) entries.
+    Section: (lo, hi) fp32 per chunk (bits = 1: the mean magnitude) | packed positions | packed codes.
     """
 
     name, codec_id = "topk", 5
@@ -252,11 +254,12 @@ class TopKCodec(Codec):
             raise ValueError(f"TopKCodec: chunk must be in [2, 2^24], got {chunk}")
         if not 1 <= k <= chunk:
             raise ValueError(f"TopKCodec: k must be in [1, chunk={chunk}], got {k}")
-        if bits not in (2, 4, 8):
-            raise ValueError(f"TopKCodec: value bits must be 2, 4 or 8, got {bits}")
+        if bits not in (1, 2, 4, 8):
+            raise ValueError(f"TopKCodec: value bits must be 1, 2, 4 or 8, got {bits}")
         self.chunk, self.k, self.bits = chunk, k, bits
         self.index_bits = max(1, (chunk - 1).bit_length())
-        self.levels = (1 << (bits - 1)) - 1  # magnitude steps between lo and hi
+        self.levels = (1 << (bits - 1)) - 1  # magnitude steps between lo and hi (0 for sign-only)
+        self.scales = 1 if bits == 1 else 2  # fp32 numbers per chunk
 
     def params(self) -> tuple[int, int, int]:
         return (self.chunk, self.k, self.bits)
@@ -268,7 +271,9 @@ class TopKCodec(Codec):
 
     def section_size(self, numel: int, name: str = "") -> int:
         chunks, kept = self._kept(numel)
-        return 8 * chunks + _ceil_div(kept * self.index_bits, 8) + _ceil_div(kept * self.bits, 8)
+        return (
+            4 * self.scales * chunks + _ceil_div(kept * self.index_bits, 8) + _ceil_div(kept * self.bits, 8)
+        )
 
     def _encode_flat(self, x: Tensor, name: str) -> bytes:
         full = (x.numel() // self.chunk) * self.chunk
@@ -276,9 +281,13 @@ class TopKCodec(Codec):
         scales, positions, codes = [], [], []
         for r in (r for r in rows if r.numel()):
             idx, v = self._select(r, min(self.k, r.shape[1]))
+            positions.append(idx.reshape(-1))
+            if self.bits == 1:
+                scales.append(v.abs().mean(dim=1))
+                codes.append((v < 0).to(torch.int64).reshape(-1))
+                continue
             lo, hi = v.abs().amin(dim=1), v.abs().amax(dim=1)
             scales.append(torch.stack([lo, hi], dim=1).reshape(-1))
-            positions.append(idx.reshape(-1))
             codes.append(self._quantize(v, lo, hi))
         return (
             _cat(scales, torch.float32).numpy().astype("<f4").tobytes()
@@ -300,14 +309,14 @@ class TopKCodec(Codec):
 
     def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
         chunks, kept = self._kept(numel)
-        scales = np.frombuffer(buf[: 8 * chunks], dtype="<f4").astype(np.float32).reshape(chunks, 2)
+        pos = 4 * self.scales * chunks
+        scales = np.frombuffer(buf[:pos], dtype="<f4").astype(np.float32).reshape(chunks, self.scales)
         if not (
-            np.isfinite(scales).all() and (scales[:, 0] >= 0).all() and (scales[:, 1] >= scales[:, 0]).all()
+            np.isfinite(scales).all() and (scales[:, 0] >= 0).all() and (scales[:, -1] >= scales[:, 0]).all()
         ):
             raise CodecError(
                 f"topk payload: tensor {name} has a non-finite or inconsistent chunk scale (need 0 ≤ lo ≤ hi)"
             )
-        pos = 8 * chunks
         idx_len = _ceil_div(kept * self.index_bits, 8)
         idx = _unpack_codes(buf[pos : pos + idx_len], kept, self.index_bits, self.name, name).astype(np.int64)
         codes = _unpack_codes(buf[pos + idx_len :], kept, self.bits, self.name, name).astype(np.int64)
@@ -326,11 +335,14 @@ class TopKCodec(Codec):
             raise CodecError(
                 f"topk payload: tensor {name} has positions not strictly increasing within a chunk"
             )
-        lo, hi = torch.from_numpy(scales[:, 0].copy()), torch.from_numpy(scales[:, 1].copy())
-        step = (hi - lo) / float(self.levels)
+        lo, hi = torch.from_numpy(scales[:, 0].copy()), torch.from_numpy(scales[:, -1].copy())
         owner_t = torch.from_numpy(owner)
         c = torch.from_numpy(codes)
-        mag = lo[owner_t] + (c & self.levels).to(torch.float32) * step[owner_t]
+        if self.bits == 1:
+            mag = lo[owner_t]
+        else:
+            step = (hi - lo) / float(self.levels)
+            mag = lo[owner_t] + (c & self.levels).to(torch.float32) * step[owner_t]
         values = torch.where((c >> (self.bits - 1)) == 1, -mag, mag)
         out = torch.zeros(numel, dtype=torch.float32)
         out[torch.from_numpy(owner * self.chunk + idx)] = values

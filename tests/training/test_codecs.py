@@ -97,6 +97,28 @@ def test_topk_magnitudes_snap_to_the_nearest_grid_level() -> None:
     assert y.tolist() == [1.0, 8.0, -4.0, 2.0]
 
 
+def test_topk_one_bit_sends_signs_times_the_chunk_mean_magnitude() -> None:
+    codec = TopKCodec(chunk=8, k=2, bits=1)
+    x = torch.tensor([0.1, -5.0, 0.2, 0.0, 3.0, 0.0, 0.0, 0.0, 1.0, -2.0, 0.5])  # chunks of 8 and 3
+    payload = codec.encode({"x": x})
+    # one fp32 per chunk (8 bytes), 4 kept × 3-bit positions → 2 bytes, 4 sign bits → 1 byte
+    assert len(payload) == codec.encoded_size({"x": (11,)}) == HEADER_SIZE + 8 + (8 + 2 + 1)
+    y = codec.decode(payload, {"x": (11,)})["x"]
+    # chunk 1 keeps -5 and 3 (mean magnitude 4); chunk 2 keeps 1 and -2 (mean magnitude 1.5)
+    assert y.tolist() == [0.0, -4.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0, 1.5, -1.5, 0.0]
+    with pytest.raises(CodecError, match="scale"):
+        codec.decode(_patch(payload, HEADER_SIZE + 8, struct.pack("<f", -1.0)), {"x": (11,)})
+
+
+def test_topk_two_bit_payloads_are_unchanged_by_the_one_bit_option() -> None:
+    # The protocol's existing topk bytes: a golden payload pinned before bits = 1 existed.
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, -4.0])
+    payload = TopKCodec(chunk=4, k=2, bits=2).encode({"x": x})
+    assert payload[HEADER_SIZE:].hex() == (
+        "0600000000000000" + "0000803f" + "00000040" + "00004040" + "00008040" + "4d" + "c4"
+    )
+
+
 def _payload(codec: Codec) -> tuple[bytes, dict[str, tuple[int, ...]]]:
     tensors = {"w": torch.linspace(-1, 1, 100).reshape(10, 10), "b": torch.tensor([0.5, -0.25, 2.0])}
     return codec.encode(tensors), spec_of(tensors)
