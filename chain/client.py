@@ -271,6 +271,10 @@ class ChainClient:
             n_contributors=t[2], total_reward=t[3], claimed=t[4], finalized_at=t[5],
         )
 
+    def round_vote(self, epoch: int, round_: int, aggregator: str | None = None) -> bytes:
+        """The result hash `aggregator` (default: this account) voted for the round; 32 zero bytes if none."""
+        return bytes(self.read(self.registry, "round_votes", epoch, round_, aggregator or self.address))
+
     def chain_time(self) -> int:
         """The latest block's timestamp: the clock the contracts' windows are measured on."""
         return int(self.w3.eth.get_block("latest")["timestamp"])
@@ -348,3 +352,13 @@ class ChainClient:
 
     def action_mint(self, receiver: str, amount: int) -> Action:
         return self.encode(self.gnk, "mint", to_checksum_address(receiver), amount)
+
+
+def round_result_hash(checkpoint_sha256: bytes, rewards_root: bytes, n_contributors: int, total_reward: int) -> bytes:
+    """What `Registry.finalize_round` records as an aggregator's vote: keccak256(abi.encode(...))."""
+    from eth_abi import encode
+    from eth_utils import keccak
+
+    return keccak(
+        encode(["bytes32", "bytes32", "uint32", "uint256"], [checkpoint_sha256, rewards_root, n_contributors, total_reward])
+    )

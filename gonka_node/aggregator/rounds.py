@@ -28,6 +28,7 @@ from eth_utils import to_checksum_address
 from nacl.signing import SigningKey
 from torch import Tensor, nn
 
+from chain.client import round_result_hash
 from chain.merkle import RewardTree
 from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import RoundOutcome, compute_outcome
@@ -479,6 +480,13 @@ class RoundEngine:
                 "round %d/%d was already finalized on chain with the recorded checkpoint %s…: "
                 "not sending finalize again", row.epoch, row.round, row.checkpoint_sha256.hex()[:16],
             )
+        elif (voted := self._own_vote(row, n)) is not None:
+            tx = b""
+            log.warning(
+                "round %d/%d: this aggregator already voted for the recorded result (%s…) before a restart; "
+                "not voting again, the round finalizes when the other aggregators' votes reach the quorum",
+                row.epoch, row.round, voted.hex()[:16],
+            )
         else:
             result = self.chain.call(
                 self.chain.chain.finalize_round,
@@ -498,6 +506,22 @@ class RoundEngine:
         done = self.store.get_round(row.epoch, row.round)
         assert done is not None
         return done
+
+    def _own_vote(self, row: RoundRow, n: int) -> bytes | None:
+        """This account's vote for the round if it has one (a vote sent before a crash, with a quorum of
+        several aggregators not yet reached); None if it has not voted. A vote for another result than the
+        recorded intent cannot happen without tampering with the store: refuse to go on."""
+        assert row.checkpoint_sha256 is not None and row.rewards_root is not None and row.total_reward is not None
+        vote = self.chain.call(self.chain.chain.round_vote, row.epoch, row.round)
+        if vote == bytes(32):
+            return None
+        mine = round_result_hash(row.checkpoint_sha256, row.rewards_root, n, row.total_reward)
+        if vote != mine:
+            raise RuntimeError(
+                f"round {row.epoch}/{row.round}: this aggregator's vote on chain {vote.hex()} is not the "
+                f"recorded intent's result {mine.hex()}"
+            )
+        return vote
 
     # ---- serving results ---------------------------------------------------------------------------
 

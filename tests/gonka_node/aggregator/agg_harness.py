@@ -154,7 +154,7 @@ class Harness:
         self.init_sha = TrainingCheckpoints().save(self.init_path, self.base, {"round": "0"})
         self.codec = get_codec(self.codec_name)
 
-    def schedule(self, n_hosts: int = 3) -> None:
+    def schedule(self, n_hosts: int = 3, aggregators: tuple[int, ...] = (AGGREGATOR,), quorum: int = 1) -> None:
         gov = self.world.client(0)
         spec = EpochSpec(
             model_spec_hash=hashlib.sha256(b"tiny").digest(),
@@ -172,7 +172,8 @@ class Harness:
             signin_window=30,
             min_stake=10 * GNK,
             max_hosts=8,
-            aggregators=(self.world.accounts[AGGREGATOR].address,),
+            aggregators=tuple(self.world.accounts[i].address for i in aggregators),
+            aggregator_quorum=quorum,
             reward_per_round=self.reward_per_round,
         )
         self.epoch = gov.create_epoch(spec)

@@ -7,10 +7,11 @@ import time
 
 import pytest
 import torch
-from agg_harness import Harness, ServerThread
+from agg_harness import AGGREGATOR, Harness, ServerThread
 from eth_utils import to_checksum_address
 from safetensors.torch import load as load_safetensors
 
+from chain.client import round_result_hash
 from chain.merkle import reward_leaf, verify_proof
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.client import AggregatorClient
@@ -172,6 +173,39 @@ def test_interrupted_finalization_checks_the_chain_before_sending_again(harness:
         row = again.engine.store.get_round(h.epoch, 1)
         assert row is not None and row.state == "finalized" and row.finalize_tx == b""  # nothing re-sent
         assert h.world.client(0).latest_round(h.epoch) == 1
+    finally:
+        again.stop()
+
+
+def test_restart_after_voting_below_quorum_does_not_vote_again(harness: Harness) -> None:
+    """Two aggregators, quorum 2: ours votes, crashes before recording it, restarts. The chain already
+    holds its vote (a second one would revert): it must see that, not re-send, and let the other
+    aggregator's vote finalize the round."""
+    h = harness
+    h.schedule(3, aggregators=(AGGREGATOR, 8), quorum=2)
+    server = h.start_server()
+    with AggregatorClient(server.target) as client:
+        info = client.open_round()
+        for host in h.hosts:
+            client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)
+        wait_state(server, h.epoch, 1, ("finalized",))
+    server.stop()
+    ours = h.world.client(AGGREGATOR)
+    voted = ours.round_vote(h.epoch, 1)
+    assert voted != bytes(32) and ours.latest_round(h.epoch) == 0  # one vote of two
+    db = sqlite3.connect(h.tmp / "agg" / "state.sqlite3")
+    with db:
+        db.execute("UPDATE rounds SET state='finalizing', finalize_tx=NULL WHERE epoch=? AND round=?", (h.epoch, 1))
+    db.close()
+    again = h.start_server()
+    try:
+        row = again.engine.store.get_round(h.epoch, 1)
+        assert row is not None and row.state == "finalized" and row.finalize_tx == b""  # no second vote
+        assert row.checkpoint_sha256 is not None and row.rewards_root is not None and row.total_reward is not None
+        n = sum(1 for c in again.engine.store.contributions(h.epoch, 1) if c.reward > 0)
+        assert round_result_hash(row.checkpoint_sha256, row.rewards_root, n, row.total_reward) == voted
+        h.world.client(8).finalize_round(h.epoch, 1, row.checkpoint_sha256, row.rewards_root, n, row.total_reward)
+        assert ours.latest_round(h.epoch) == 1  # the second aggregator's vote reached the quorum
     finally:
         again.stop()
 
