@@ -165,6 +165,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
     async def GetRoundResult(self, request: pb.RoundRef, context: grpc.aio.ServicerContext) -> pb.RoundResult:
         row = await self._done_round(request.epoch, request.round, context)
         contributions = self.engine.store.contributions(row.epoch, row.round)
+        sizes = {s.host: s.payload_length for s in self.engine.store.submissions(row.epoch, row.round)}
         return pb.RoundResult(
             epoch=row.epoch,
             round=row.round,
@@ -176,7 +177,8 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             aggregation=row.aggregation or "",
             contributions=[
                 pb.Contribution(
-                    host=c.host, score=c.score, reward=c.reward, aggregated=c.aggregated, reasons=c.reasons
+                    host=c.host, score=c.score, reward=c.reward, aggregated=c.aggregated, reasons=c.reasons,
+                    payload_length=sizes.get(c.host, 0),
                 )
                 for c in contributions
             ],

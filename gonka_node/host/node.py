@@ -210,13 +210,18 @@ class HostNode:
         )
 
     def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
-        """Follow to `target`, recording the reward of every round passed over on the way: a host killed
-        after its upload was accepted, and restarted once that round closed, was still paid for it."""
+        """Follow to `target`, recording the reward and upload of every round passed over on the way: a
+        host killed after its upload was accepted, and restarted once that round closed, was still paid
+        for it, and its bytes were sent."""
         passed = range(gm.round_done + 1, target + 1)
         self._follow(gm, target, hashes)
         for r in passed:
-            if str(r) not in progress.rewards:
-                progress.rewards[str(r)] = self._reward(r)
+            if str(r) in progress.rewards:
+                continue
+            mine = self._contribution(r)
+            progress.rewards[str(r)] = int(mine.reward) if mine is not None else 0
+            if mine is not None and str(r) not in progress.submitted:
+                progress.bytes_sent += int(mine.payload_length)
 
     def _train_and_submit(
         self, worker: DiLoCoWorker, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
@@ -292,9 +297,13 @@ class HostNode:
             self.sleep(self.settings.poll_s)
 
     def _reward(self, round_: int) -> int:
+        mine = self._contribution(round_)
+        return int(mine.reward) if mine is not None else 0
+
+    def _contribution(self, round_: int) -> pb.Contribution | None:
+        """This host's row in the aggregator's result of `round_` (None: not submitted, or unreachable)."""
         try:
             result = self._retrying(lambda: self.aggregator.round_result(self.settings.epoch, round_))
         except grpc.RpcError:
-            return 0
-        mine = [c for c in result.contributions if bytes(c.host) == self.host_bytes]
-        return int(mine[0].reward) if mine else 0
+            return None
+        return next((c for c in result.contributions if bytes(c.host) == self.host_bytes), None)

@@ -16,7 +16,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -195,12 +195,25 @@ def test_a_restarted_host_resumes_from_its_state_dir(world: World, tmp_path: Pat
         with ThreadPoolExecutor(2) as pool:
             other_done = pool.submit(other.run)
             p1 = pool.submit(first.run).result(timeout=300)
-            assert p1.round_done == 1
+            assert p1.round_done == 1 and p1.bytes_sent > 0
+            one_payload = p1.bytes_sent
+            # Rewind the state to "killed after round 1's upload was accepted, before recording it": the
+            # initial model, nothing submitted or earned. The restart passes round 1 (already closed) and
+            # must still count its reward and its bytes.
+            store = HostStore(tmp_path / "host1")
+            snap = store.load()
+            assert snap is not None
+            initial = {n: t.detach().clone() for n, t in build_model(world.recipe.model, world.recipe.init_seed).named_parameters()}
+            rewound = replace(snap.progress, round_done=0, model_sha256=canonical_sha256(initial),
+                                          outer_steps=0, submitted={}, rewards={}, bytes_sent=0)
+            store.save(rewound, initial, None, snap.worker_state)
             # "Restart": a fresh node object on the same state directory picks up at round 1.
             again = make_node(world, 1, target, tmp_path / "host1")
             p1b = pool.submit(again.run).result(timeout=300)
             other_done.result(timeout=300)
-    assert p1b.round_done == 2 and set(p1b.submitted) == {"1", "2"}
+    assert p1b.round_done == 2 and set(p1b.submitted) == {"2"}  # round 1 was passed over, not resent
+    assert p1b.bytes_sent == 2 * one_payload  # int8 payloads of one model have one size
+    assert p1b.rewards["1"] == p1.rewards["1"] > 0
     assert p1b.model_sha256 == world.client(0).round_result(world.epoch, 2).checkpoint_sha256.hex()
 
 

@@ -123,18 +123,20 @@ class RoundRef(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
 
 class Contribution(_message.Message):
-    __slots__ = ("host", "score", "reward", "aggregated", "reasons")
+    __slots__ = ("host", "score", "reward", "aggregated", "reasons", "payload_length")
     HOST_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     AGGREGATED_FIELD_NUMBER: _ClassVar[int]
     REASONS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LENGTH_FIELD_NUMBER: _ClassVar[int]
     host: bytes
     score: float
     reward: int
     aggregated: bool
     reasons: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, host: _Optional[bytes] = ..., score: _Optional[float] = ..., reward: _Optional[int] = ..., aggregated: bool = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+    payload_length: int
+    def __init__(self, host: _Optional[bytes] = ..., score: _Optional[float] = ..., reward: _Optional[int] = ..., aggregated: bool = ..., reasons: _Optional[_Iterable[str]] = ..., payload_length: _Optional[int] = ...) -> None: ...
 
 class RoundResult(_message.Message):
     __slots__ = ("epoch", "round", "state", "base_checkpoint_sha256", "checkpoint_sha256", "rewards_root", "total_reward", "aggregation", "contributions", "finalize_tx")
