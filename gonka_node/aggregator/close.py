@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -155,8 +155,9 @@ def compute_outcome(
     for host, why in find_dissenters(submissions, excluded, aggregation.consensus_fraction).items():
         reasons[host].append(why)
         excluded.add(host)
-    _replay_checks(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
-    scores = _scores(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
+    closing = _Closing(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
+    _replay_checks(closing)
+    scores = _scores(closing)
     for s in submissions:
         if s.host not in excluded and scores[s.host] <= aggregation.min_score:
             reasons[s.host].append(
@@ -208,61 +209,58 @@ def compute_outcome(
     return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible))
 
 
-def _replay_checks(
-    ctx: EpochContext,
-    round_row: RoundRow,
-    submissions: list[SubmissionRow],
-    slots: Mapping[bytes, int],
-    base: Mapping[str, Tensor],
-    decode: object,
-    reasons: dict[bytes, list[str]],
-    excluded: set[bytes],
-    aggregation: AggregationSettings,
-) -> None:
+@dataclass
+class _Closing:
+    """One close in progress: its inputs, and the reasons and exclusions found so far."""
+
+    ctx: EpochContext
+    round_row: RoundRow
+    submissions: list[SubmissionRow]
+    slots: Mapping[bytes, int]
+    base: Mapping[str, Tensor]
+    decode: Callable[[SubmissionRow], dict[str, Tensor]]
+    reasons: dict[bytes, list[str]]
+    excluded: set[bytes]
+    aggregation: AggregationSettings
+
+    def live(self) -> list[SubmissionRow]:
+        return [s for s in self.submissions if s.host not in self.excluded]
+
+
+def _replay_checks(c: _Closing) -> None:
     """Recompute the chosen hosts' rounds (gonka_node/aggregator/replay.py); exclude mismatches."""
-    if ctx.replay is None or aggregation.replay_fraction <= 0:
+    if c.ctx.replay is None or c.aggregation.replay_fraction <= 0:
         return
-    live = [s for s in submissions if s.host not in excluded]
-    chosen = chosen_for_replay(
-        aggregation.replay_fraction, round_row.epoch, round_row.round, round_row.base_sha256, live
-    )
+    row = c.round_row
+    live = c.live()
+    chosen = chosen_for_replay(c.aggregation.replay_fraction, row.epoch, row.round, row.base_sha256, live)
     for s in live:
         if s.host not in chosen:
             continue
-        slot = slots[s.host]
-        c = replay_cosine(ctx.replay, round_row.round, slot, base, decode(s))  # type: ignore[operator]
-        passed, why = verdict(round_row.round, slot, c, aggregation.replay_min_cosine)
-        reasons[s.host].append(why)
+        slot = c.slots[s.host]
+        cos = replay_cosine(c.ctx.replay, row.round, slot, c.base, c.decode(s))
+        passed, why = verdict(row.round, slot, cos, c.aggregation.replay_min_cosine)
+        c.reasons[s.host].append(why)
         if not passed:
-            log.warning("round %d: host 0x%s excluded: %s", round_row.round, s.host.hex(), why)
-            excluded.add(s.host)
+            log.warning("round %d: host 0x%s excluded: %s", row.round, s.host.hex(), why)
+            c.excluded.add(s.host)
 
 
-def _scores(
-    ctx: EpochContext,
-    round_row: RoundRow,
-    submissions: list[SubmissionRow],
-    slots: Mapping[bytes, int],
-    base: Mapping[str, Tensor],
-    decode: object,
-    reasons: dict[bytes, list[str]],
-    excluded: set[bytes],
-    aggregation: AggregationSettings,
-) -> dict[bytes, float]:
-    if ctx.model_factory is None or ctx.scoring is None:
-        for s in submissions:
-            reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
-        return {s.host: 1.0 for s in submissions}
-    heldout = ctx.scoring.heldout(round_row.round, round_row.base_sha256)
-    scorer = Scorer(ctx.model_factory(), base, heldout, aggregation.score_rule)
+def _scores(c: _Closing) -> dict[bytes, float]:
+    if c.ctx.model_factory is None or c.ctx.scoring is None:
+        for s in c.submissions:
+            c.reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
+        return {s.host: 1.0 for s in c.submissions}
+    heldout = c.ctx.scoring.heldout(c.round_row.round, c.round_row.base_sha256)
+    scorer = Scorer(c.ctx.model_factory(), c.base, heldout, c.aggregation.score_rule)
     out: dict[bytes, float] = {}
-    for s in submissions:
-        if s.host in excluded:
+    for s in c.submissions:
+        if s.host in c.excluded:
             out[s.host] = 0.0
             continue
-        assigned = ctx.scoring.assigned(round_row.round, slots[s.host])
-        result = scorer.score(decode(s), assigned)  # type: ignore[operator]
-        reasons[s.host].extend(result.reasons())
+        assigned = c.ctx.scoring.assigned(c.round_row.round, c.slots[s.host])
+        result = scorer.score(c.decode(s), assigned)
+        c.reasons[s.host].extend(result.reasons())
         out[s.host] = result.score
     return out
 

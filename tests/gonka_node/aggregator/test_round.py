@@ -150,10 +150,8 @@ def test_restart_mid_round_keeps_accepted_submissions_and_finalizes_once(harness
         third.stop()
 
 
-def test_interrupted_finalization_checks_the_chain_before_sending_again(harness: Harness) -> None:
-    """Crash after the chain transaction but before recording it: the restart must not re-send."""
-    h = harness
-    h.schedule(3)
+def close_round_one(h: Harness) -> None:
+    """Every host submits an honest round-1 update; the aggregator closes the round; then it stops."""
     server = h.start_server()
     with AggregatorClient(server.target) as client:
         info = client.open_round()
@@ -161,13 +159,23 @@ def test_interrupted_finalization_checks_the_chain_before_sending_again(harness:
             client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)
         wait_state(server, h.epoch, 1, ("finalized",))
     server.stop()
-    # Rewind our own record to "finalizing" (intent recorded, outcome not) as a crash would leave it.
+
+
+def rewind_to_finalizing(h: Harness) -> None:
+    """Set round 1 back to "finalizing" (intent recorded, outcome not), as a crash right after the chain
+    transaction would leave it."""
     db = sqlite3.connect(h.tmp / "agg" / "state.sqlite3")
     with db:
-        db.execute(
-            "UPDATE rounds SET state='finalizing', finalize_tx=NULL WHERE epoch=? AND round=?", (h.epoch, 1)
-        )
+        db.execute("UPDATE rounds SET state='finalizing', finalize_tx=NULL WHERE epoch=? AND round=?", (h.epoch, 1))
     db.close()
+
+
+def test_interrupted_finalization_checks_the_chain_before_sending_again(harness: Harness) -> None:
+    """Crash after the chain transaction but before recording it: the restart must not re-send."""
+    h = harness
+    h.schedule(3)
+    close_round_one(h)
+    rewind_to_finalizing(h)
     again = h.start_server()
     try:
         row = again.engine.store.get_round(h.epoch, 1)
@@ -183,20 +191,11 @@ def test_restart_after_voting_below_quorum_does_not_vote_again(harness: Harness)
     aggregator's vote finalize the round."""
     h = harness
     h.schedule(3, aggregators=(AGGREGATOR, 8), quorum=2)
-    server = h.start_server()
-    with AggregatorClient(server.target) as client:
-        info = client.open_round()
-        for host in h.hosts:
-            client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)
-        wait_state(server, h.epoch, 1, ("finalized",))
-    server.stop()
+    close_round_one(h)
     ours = h.world.client(AGGREGATOR)
     voted = ours.round_vote(h.epoch, 1)
     assert voted != bytes(32) and ours.latest_round(h.epoch) == 0  # one vote of two
-    db = sqlite3.connect(h.tmp / "agg" / "state.sqlite3")
-    with db:
-        db.execute("UPDATE rounds SET state='finalizing', finalize_tx=NULL WHERE epoch=? AND round=?", (h.epoch, 1))
-    db.close()
+    rewind_to_finalizing(h)
     again = h.start_server()
     try:
         row = again.engine.store.get_round(h.epoch, 1)
