@@ -109,6 +109,7 @@ class AggregationSettings:
     # of hosts whose round is recomputed each round (0: off, 1: all), and the cosine an update must reach.
     replay_fraction: float = 0.0
     replay_min_cosine: float = 0.9
+    replay_norm_tolerance: float = 0.1  # |update| / |replay| must lie within 1 ± this
 
     def __post_init__(self) -> None:
         for epoch, rule in {None: self.rule, **self.per_epoch}.items():
@@ -133,6 +134,10 @@ class AggregationSettings:
         if not 0.0 < self.replay_min_cosine <= 1.0:
             raise ConfigError(
                 f"[aggregation] replay_min_cosine must be in (0, 1], got {self.replay_min_cosine}"
+            )
+        if not 0.0 < self.replay_norm_tolerance < 1.0:
+            raise ConfigError(
+                f"[aggregation] replay_norm_tolerance must be in (0, 1), got {self.replay_norm_tolerance}"
             )
         if self.centered_clip_iters < 1 or self.heldout_windows < 1:
             raise ConfigError("[aggregation] centered_clip_iters and heldout_windows must be >= 1")

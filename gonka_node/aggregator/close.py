@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gonka_node.aggregator import robust
-from gonka_node.aggregator.replay import chosen_for_replay, replay_cosine, verdict
+from gonka_node.aggregator.replay import chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer
 from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
 from gonka_node.aggregator.validate import cosine, decode_update
@@ -152,11 +152,13 @@ def compute_outcome(
         if s.host not in slots:
             reasons[s.host].append("host is no longer signed in to the epoch (left or slashed)")
             excluded.add(s.host)
+    closing = _Closing(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
+    # Before the dissent check: a replay mismatch is proof (slashable), dissent only a statistic, and the
+    # dissent reference is then a median over updates already known to be honest work.
+    _replay_checks(closing)
     for host, why in find_dissenters(submissions, excluded, aggregation.consensus_fraction).items():
         reasons[host].append(why)
         excluded.add(host)
-    closing = _Closing(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
-    _replay_checks(closing)
     scores = _scores(closing)
     for s in submissions:
         if s.host not in excluded and scores[s.host] <= aggregation.min_score:
@@ -238,8 +240,10 @@ def _replay_checks(c: _Closing) -> None:
         if s.host not in chosen:
             continue
         slot = c.slots[s.host]
-        cos = replay_cosine(c.ctx.replay, row.round, slot, c.base, c.decode(s))
-        passed, why = verdict(row.round, slot, cos, c.aggregation.replay_min_cosine)
+        cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, c.base, c.decode(s))
+        passed, why = verdict(
+            row.round, slot, cos, ratio, c.aggregation.replay_min_cosine, c.aggregation.replay_norm_tolerance
+        )
         c.reasons[s.host].append(why)
         if not passed:
             log.warning("round %d: host 0x%s excluded: %s", row.round, s.host.hex(), why)

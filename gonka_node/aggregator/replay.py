@@ -3,12 +3,13 @@
 With the recipe's `round_state = "fresh"` a round is a pure function of public data — the round's base
 checkpoint, the host's assigned windows (its slot, the epoch seed) and the round number — so the
 aggregator can run the very code an honest host runs (`training.worker.replay_round`) and compare the
-result with the decoded payload. Honest hosts match (cosine 1.0 on the same hardware; the int8 codec's
-rounding and error feedback keep it above 0.999 on the devnet model), while a host that trained on any
-other data — another slot's windows, the held-out split, an old round's, its own previous update —
-shares only the direction common to all hosts (cosine ≈ 0.6 on the devnet model, measured in
-docs/SECURITY.md). Below `[aggregation] replay_min_cosine` the update is excluded, unpaid, and the
-reason is kept as slashing evidence that anyone can re-check by running the same replay.
+result with the decoded payload. Honest hosts match (on the same hardware cosine +1.0000 and norm
+ratio 1.0000 to four decimals with int8, whose rounding and error feedback are all that differ),
+while a host that trained on any other data — another slot's windows, the held-out split — shares
+only the direction common to all hosts (cosine 0.2–0.8 on the devnet model, docs/SECURITY.md), and a
+reversed, scaled, zero or random update fails on direction or length. A failing update is excluded,
+unpaid, and the reason is kept as slashing evidence that anyone can re-check by running the same
+replay.
 
 Which hosts are replayed: each with probability `[aggregation] replay_fraction`, decided by a hash of
 the round's identity and *every* accepted payload digest, so a host cannot know at training time
@@ -62,10 +63,11 @@ def chosen_for_replay(
     }
 
 
-def replay_cosine(
+def replay_comparison(
     data: ReplayData, round_: int, slot: int, base: Mapping[str, Tensor], update: Mapping[str, Tensor]
-) -> float:
-    """Cosine between `update` (decoded) and the replay of `slot`'s round from `base`, over all tensors."""
+) -> tuple[float, float]:
+    """(cosine, norm ratio |update| / |replay|) between `update` (decoded) and the replay of `slot`'s
+    round from `base`, over all tensors in fp64."""
     replay = replay_round(
         data.model_factory(),
         data.inner,
@@ -75,15 +77,22 @@ def replay_cosine(
         base,
     )
     names = sorted(replay)
-    flat = [(update[n].double().flatten(), replay[n].double().flatten()) for n in names]
-    return cosine(cat([u for u, _ in flat]), cat([r for _, r in flat]))
+    u = cat([update[n].double().flatten() for n in names])
+    r = cat([replay[n].double().flatten() for n in names])
+    r_norm = float(r.norm())
+    return cosine(u, r), float(u.norm()) / r_norm if r_norm > 0 else float("inf")
 
 
-def verdict(round_: int, slot: int, c: float, min_cosine: float) -> tuple[bool, str]:
-    """(passed, the reason line kept with the contribution)."""
-    if c >= min_cosine:
-        return True, f"replay: cosine {c:+.4f} with the replay of slot {slot}'s round {round_}"
+def verdict(
+    round_: int, slot: int, cos: float, ratio: float, min_cosine: float, norm_tolerance: float
+) -> tuple[bool, str]:
+    """(passed, the reason line kept with the contribution): the update must point where the replay
+    does (cosine ≥ `min_cosine`) and be as long (norm ratio within 1 ± `norm_tolerance`): a scaled
+    honest update has the replay's direction but not its length."""
+    what = f"cosine {cos:+.4f}, norm ratio {ratio:.4f} with the replay of slot {slot}'s round {round_}"
+    if cos >= min_cosine and abs(ratio - 1.0) <= norm_tolerance:
+        return True, f"replay: {what}"
     return False, (
-        f"{MISMATCH}: cosine {c:+.4f} between the update and the replay of slot {slot}'s round {round_} "
-        f"from the round's base, below {min_cosine:g}: not trained on its assignment as the recipe says"
+        f"{MISMATCH}: {what} from the round's base (needs cosine ≥ {min_cosine:g} and norm ratio within "
+        f"1 ± {norm_tolerance:g}): not the training of its assignment that the recipe prescribes"
     )

@@ -142,33 +142,44 @@ def test_copies_replays_and_other_data(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_replay_check_stops_training_on_other_data(tmp_path: Path) -> None:
     """round_state = "fresh" + [aggregation] replay_fraction = 1: every round is recomputed; updates
-    trained on anything but the host's assignment are excluded, unpaid and slashed on the evidence."""
+    that are not the training of the host's own assignment — other data, reversed, scaled, the base
+    model — are excluded, unpaid and slashed on the replay evidence."""
     plan = EpochPlan(
         tiny_recipe(tmp_path, 2, round_state="fresh"),
-        hosts=5,
-        adversaries={3: "other_data", 4: "heldout_data", 5: "stale"},
+        hosts=8,
+        adversaries={3: "other_data", 4: "heldout_data", 5: "stale", 6: "sign_flip", 7: "scale100", 8: "lazy_base"},
         aggregation=AggregationSettings(replay_fraction=1.0),
     )
     report = run_epoch(plan, tmp_path / "e")
     who = by_behaviour(report)
-    for name in ("other_data", "heldout_data"):
+
+    def replay_line(host: str, r: int) -> str:
+        return next(w for w in report.reasons[host][r] if w.startswith("replay"))
+
+    def cosine_and_ratio(line: str) -> tuple[float, float]:
+        return float(line.split("cosine ")[1].split(",")[0]), float(line.split("norm ratio ")[1].split()[0])
+
+    for name in ("other_data", "heldout_data", "sign_flip", "scale100", "lazy_base"):
         assert report.rewards[who[name]] == 0, name
         for r in (1, 2):
-            why = next(w for w in report.reasons[who[name]][r] if w.startswith("replay"))
-            assert why.startswith("replay mismatch: cosine +0."), why
-            assert float(why.split("cosine ")[1].split()[0]) < 0.9
+            assert replay_line(who[name], r).startswith("replay mismatch: cosine"), (name, r)
+    for r in (1, 2):
+        assert cosine_and_ratio(replay_line(who["other_data"], r))[0] < 0.9
+        assert cosine_and_ratio(replay_line(who["sign_flip"], r))[0] < -0.99  # the replay, reversed
+        cos, ratio = cosine_and_ratio(replay_line(who["scale100"], r))
+        assert cos > 0.99 and 99 < ratio < 101  # the right direction, 100× too long
     for h in report.rewards:
         if h not in report.adversaries:  # honest hosts reproduce exactly (same code, same machine)
-            assert report.reasons[h][1][0] == "replay: cosine +1.0000 with the replay of slot " + \
-                report.reasons[h][1][0].split("slot ")[1]
+            assert replay_line(h, 1).startswith("replay: cosine +1.0000, norm ratio 1.0000 with the replay of slot")
             assert report.rewards[h] > 0
     stale = report.reasons[who["stale"]]
     assert stale[1][0].startswith("replay: cosine +1.0000")  # its honest first round
     assert stale[2][0].startswith("copy: sketch cosine 1.0000")
     # The stale host's round 2 is both a re-signed digest ("replay") and a sketch match ("near_copy");
     # the rule cites the first record by (round, kind).
-    assert slashed(report) == {who["other_data"]: KIND_REPLAY_MISMATCH, who["heldout_data"]: KIND_REPLAY_MISMATCH,
-                               who["stale"]: "near_copy"}
+    assert slashed(report) == {who[n]: KIND_REPLAY_MISMATCH for n in
+                               ("other_data", "heldout_data", "sign_flip", "scale100", "lazy_base")} | \
+        {who["stale"]: "near_copy"}
     ev = next(d.evidence for d in report.slashed if d.host == who["other_data"])
     assert ev.round == 1 and ev.detail.startswith("replay mismatch: cosine")
 

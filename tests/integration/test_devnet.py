@@ -41,7 +41,7 @@ def test_devnet_runs_an_epoch_and_pays_by_proof(tmp_path: Path) -> None:
     try:
         for round_ in (1, 2):
             for c in store.contributions(report["epoch"], round_):
-                assert c.reasons[0].startswith("replay: cosine +1.0000 with the replay of slot"), c.reasons
+                assert c.reasons[0].startswith("replay: cosine +1.0000, norm ratio 1.0000 with the replay of slot"), c.reasons
     finally:
         store.close()
     # Nothing left running: the devnet stopped its children (their logs are complete).

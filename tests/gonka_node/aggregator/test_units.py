@@ -148,6 +148,7 @@ def test_config_reads_and_validates(tmp_path: Path) -> None:
         ("[aggregator\n", r"not valid TOML"),
         ("[aggregation]\nreplay_fraction = 1.5\n", r"\[aggregation\] replay_fraction must be in \[0, 1\]"),
         ("[aggregation]\nreplay_min_cosine = 0\n", r"\[aggregation\] replay_min_cosine must be in \(0, 1\]"),
+        ("[aggregation]\nreplay_norm_tolerance = 1.0\n", r"replay_norm_tolerance must be in \(0, 1\)"),
     ],
 )
 def test_config_errors_name_the_file_and_field(tmp_path: Path, text: str, match: str) -> None:
