@@ -241,7 +241,8 @@ class TopKCodec(Codec):
     Values: a sign bit and (bits − 1) magnitude bits on a uniform grid from the chunk's smallest to its
     largest selected magnitude (two fp32 per chunk), so 2-bit values are ±lo or ±hi. With bits = 1 a
     value is its sign times the mean selected magnitude of its chunk (one fp32 per chunk: the
-    least-squares magnitude for those signs), which buys twice the entries at the same bytes. Positions
+    least-squares magnitude for those signs): one bit less per entry, so a few more entries fit in the
+    same bytes (positions dominate: 12 bits each for chunk 4096). Positions
     are chunk-relative, ceil(log2 chunk) bits each, strictly increasing within a chunk. The last chunk
     of a tensor may be shorter; it keeps min(k, its length) entries.
     Section: (lo, hi) fp32 per chunk (bits = 1: the mean magnitude) | packed positions | packed codes.

@@ -197,8 +197,9 @@ def test_topk_positions_are_checked() -> None:
         codec.decode(three[:-1] + bytes([three[-1] | 0b1100_0000]), {"x": (3,)})
 
 
-def test_error_feedback_recovers_what_topk_dropped_over_rounds() -> None:
-    codec = TopKCodec(chunk=64, k=2, bits=2)  # keeps 1/32 of the entries, 2-bit values
+@pytest.mark.parametrize("bits", [2, 1])
+def test_error_feedback_recovers_what_topk_dropped_over_rounds(bits: int) -> None:
+    codec = TopKCodec(chunk=64, k=2, bits=bits)  # keeps 1/32 of the entries, 2-bit or sign-only values
     g = torch.Generator().manual_seed(1)
     base = torch.randn(4, 64, generator=g)  # a persistent direction, like a slowly varying gradient
     inputs = [{"w": base + 0.3 * torch.randn(4, 64, generator=g)} for _ in range(200)]
