@@ -83,7 +83,22 @@ def run_row(attack: str, report: EpochReport, honest_loss: float) -> dict[str, A
         "outcomes": sorted({f"{o.attack}: {o.reason or 'accepted'}" for os in report.outcomes.values() for o in os}),
         "seconds": report.seconds,
         "within_target": report.final_loss / honest_loss <= TARGET_LOSS_RATIO,
+        "replay": replay_summary(report),
     }
+
+
+def replay_summary(report: EpochReport) -> dict[str, list[list[float]]]:
+    """The replay check's (cosine, norm ratio) per round, for honest hosts and for adversaries."""
+    out: dict[str, list[list[float]]] = {"honest": [], "adversary": []}
+    for host, by_round in report.reasons.items():
+        side = "adversary" if host in report.adversaries else "honest"
+        for lines in by_round.values():
+            for line in lines:
+                if line.startswith(("replay: cosine", "replay mismatch: cosine")):
+                    cos = float(line.split("cosine ")[1].split(",")[0])
+                    ratio = float(line.split("norm ratio ")[1].split()[0])
+                    out[side].append([cos, ratio])
+    return out
 
 
 def run_named(job: tuple[str, EpochPlan, Path, int]) -> EpochReport:
@@ -91,9 +106,11 @@ def run_named(job: tuple[str, EpochPlan, Path, int]) -> EpochReport:
     name, plan, root, threads = job
     torch.set_num_threads(threads)
     rep = run_epoch(plan, root / name, root / "cache")
+    replays = replay_summary(rep)
+    honest = min((c for c, _ in replays["honest"]), default=float("nan"))
     print(f"{name:>16}: loss {rep.final_loss:.4f}  adversary {rep.gnk(True):7.3f} GNK  honest "
           f"{rep.gnk(False):7.3f} GNK  slashed {[d.evidence.kind for d in rep.slashed]}  "
-          f"({rep.seconds:.0f} s)", flush=True)
+          f"honest replay cosine ≥ {honest:+.4f}  ({rep.seconds:.0f} s)", flush=True)
     return rep
 
 

@@ -3,10 +3,10 @@
 With the recipe's `round_state = "fresh"` a round is a pure function of public data — the round's base
 checkpoint, the host's assigned windows (its slot, the epoch seed) and the round number — so the
 aggregator can run the very code an honest host runs (`training.worker.replay_round`) and compare the
-result with the decoded payload. Honest hosts match (on the same hardware cosine +1.0000 and norm
-ratio 1.0000 to four decimals with int8, whose rounding and error feedback are all that differ),
+result with the decoded payload. Honest hosts match (on the same hardware cosine ≥ 0.9999 and norm
+ratio within 1 ± 0.0001 with int8, whose rounding and error feedback are all that differ),
 while a host that trained on any other data — another slot's windows, the held-out split — shares
-only the direction common to all hosts (cosine 0.2–0.8 on the devnet model, docs/SECURITY.md), and a
+only the direction common to all hosts (cosine 0.20–0.79 on the devnet and tiny models, docs/benchmarks.md), and a
 reversed, scaled, zero or random update fails on direction or length. A failing update is excluded,
 unpaid, and the reason is kept as slashing evidence that anyone can re-check by running the same
 replay.
