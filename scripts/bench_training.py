@@ -62,8 +62,9 @@ METHODS: dict[str, Method] = {
         Method("diloco-int8", "int8:block=256", 30, 0.9, 0.5),
         Method("diloco-int4", "int4:block=128", 30, 0.9, 0.5),
         Method("diloco-topk", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9),
-        # Sign-only values buy twice the entries (1/16) at >= 1,000x; a sparse average is diluted by the
-        # hosts that did not pick an entry, and a larger outer lr (1.2) makes up for part of it.
+        # The whole >= 1,000x budget: 1/16 of each chunk as signs (2-bit values at equal bytes do as
+        # well). A sparse average is diluted by the hosts that did not pick an entry; a larger outer
+        # lr (1.2) makes up for part of it.
         Method("diloco-topk1", "topk:chunk=4096,k=256,bits=1", 30, 1.2, 0.5, 0.9),
         Method("diloco-mask", "mask:stride=2,bits=2,chunk=256", 30, 0.9, 0.5),
     ]
