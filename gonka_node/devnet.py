@@ -63,7 +63,7 @@ class DevnetOptions:
     timeout_s: float = 900.0
     heldout_windows: int = 64
     chain_url: str | None = None  # an external dev node (anvil); None: the embedded chain, served here
-    replay_fraction: float = 0.0  # > 0: fresh rounds, and the aggregator replays this share of hosts
+    replay_fraction: float = 1.0  # > 0: fresh rounds, and the aggregator replays this share of hosts
 
 
 @dataclass
