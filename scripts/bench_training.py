@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, ddp_bytes_per_worker, load_windows
+from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, ddp_bytes_per_worker, load_windows, local_recipe
 from training.data import Windows
 from training.inner import Batch, InnerTrainer, evaluate
 from training.model import ModelConfig, build_model
@@ -85,35 +85,35 @@ def parse_extra(text: str) -> Method:
     return Method(fields[0], None if fields[1] == "ddp" else fields[1], int(fields[2]), *numbers)
 
 
-def run_ddp(base: LocalRunConfig, windows: Windows, steps: int) -> tuple[float, list[tuple[int, float]]]:
+def run_ddp(base: LocalRunConfig, windows: Windows) -> tuple[float, list[tuple[int, float]]]:
     """One model, global batch = K micro-batches (exactly the workers' windows of each step)."""
-    cfg = replace(base, rounds=steps // base.inner_steps)
-    model = build_model(cfg.model, seed=cfg.seed)
-    inner = replace(cfg.inner_config(), steps=cfg.inner_steps, grad_accum=cfg.workers)
-    trainer = InnerTrainer(model, inner)
-    heldout = windows.sample_heldout(cfg.seed, cfg.eval_windows)
+    recipe = base.recipe
+    model = build_model(recipe.model, seed=recipe.init_seed)
+    trainer = InnerTrainer(model, replace(recipe.inner_config(), grad_accum=base.workers))
+    heldout = windows.sample_heldout(base.seed, base.eval_windows)
     curve = []
-    for r in range(cfg.rounds):
-        trainer.run(_interleaved(windows, cfg, r))
-        curve.append(((r + 1) * cfg.inner_steps, evaluate(model, windows.batches(heldout, 32))))
+    for r in range(recipe.n_rounds):
+        trainer.run(_interleaved(windows, base, r))
+        curve.append(((r + 1) * recipe.inner_steps, evaluate(model, windows.batches(heldout, 32))))
     return curve[-1][1], curve
 
 
 def _interleaved(windows: Windows, cfg: LocalRunConfig, round_index: int) -> Iterator[Batch]:
     """Step i's micro-batches of workers 0..K-1 in turn: the DDP global batch of step i."""
+    steps, micro_batch = cfg.recipe.inner_steps, cfg.recipe.micro_batch
     per_worker = [
         windows.assignment(
             epoch_seed=cfg.seed,
             round_index=round_index,
             slot=w,
             max_slots=cfg.workers,
-            windows_per_host=cfg.inner_steps * cfg.micro_batch,
-        ).reshape(cfg.inner_steps, cfg.micro_batch)
+            windows_per_host=steps * micro_batch,
+        ).reshape(steps, micro_batch)
         for w in range(cfg.workers)
     ]
-    for step in range(cfg.inner_steps):
+    for step in range(steps):
         for ids in per_worker:
-            yield from windows.batches(ids[step], cfg.micro_batch)
+            yield from windows.batches(ids[step], micro_batch)
 
 
 def inner_lr(method: Method, args: argparse.Namespace) -> float:
@@ -127,33 +127,36 @@ def run_method(method: Method, args: argparse.Namespace, windows: Windows, seed:
     h = method.sync_every if method.codec else args.ddp_eval_every
     if steps % h:
         raise SystemExit(f"--steps {steps} must be a multiple of {method.name}'s H = {h}")
+    model = MODELS[args.model]
     base = LocalRunConfig(
-        model=MODELS[args.model],
+        recipe=local_recipe(
+            model,
+            rounds=steps // h,
+            inner_steps=h,
+            micro_batch=args.micro_batch,
+            seq_len=model.max_seq_len,
+            lr=inner_lr(method, args),
+            warmup_steps=args.warmup,
+            codec=method.codec or "fp32",
+            ef_decay=method.ef_decay,
+            outer_lr=method.outer_lr,
+            outer_momentum=method.outer_momentum,
+            seed=seed,
+        ),
         workers=args.workers,
-        rounds=steps // h,
-        inner_steps=h,
-        micro_batch=args.micro_batch,
-        seq_len=MODELS[args.model].max_seq_len,
-        lr=inner_lr(method, args),
-        warmup_steps=args.warmup,
-        codec=method.codec or "fp32",
-        ef_decay=method.ef_decay,
-        outer_lr=method.outer_lr,
-        outer_momentum=method.outer_momentum,
-        seed=seed,
         eval_windows=args.eval_windows,
     )
     params = MODELS[args.model].num_params()
     ddp_bytes = ddp_bytes_per_worker(params, steps)
     started = time.perf_counter()
     if method.codec is None:
-        final, curve = run_ddp(base, windows, steps)
+        final, curve = run_ddp(base, windows)
         sent = ddp_bytes
         points = [(step * 4 * params, loss) for step, loss in curve]
     else:
         run = LocalDiLoCo(base, windows)
         sent, points = 0, []
-        for _ in range(base.rounds):
+        for _ in range(base.recipe.n_rounds):
             report = run.run_round()
             sent += report.bytes_per_worker
             points.append((sent, report.heldout_loss))

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from gonka_node.cli import CliError
+from gonka_node.recipe import BUILTIN_CORPUS, Recipe
 from training.codecs import Codec, get_codec, round_seed, spec_of
 from training.data import TokenCorpus, Windows
 from training.diloco import OuterOptimizer, StreamingAverager
-from training.inner import InnerConfig, evaluate
+from training.inner import evaluate
 from training.model import ModelConfig, build_model
 from training.worker import Assignment, DiLoCoWorker
 
@@ -35,46 +36,47 @@ StepHook = Callable[[int, int, float], None]  # (worker, epoch-wide step, loss)
 
 @dataclass(frozen=True, kw_only=True)
 class LocalRunConfig:
-    model: ModelConfig
+    """An epoch recipe run by `workers` simulated hosts in one process. The recipe is the one type that
+    says how an epoch trains (model, schedule, codec, outer step, seeds), here and on the network."""
+
+    recipe: Recipe
     workers: int = 2
-    rounds: int = 6
-    inner_steps: int = 40
-    micro_batch: int = 8
-    seq_len: int = 64
-    lr: float = 2e-3
-    warmup_steps: int = 50
-    codec: str = "int8"
-    ef_decay: float = 1.0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    seed: int = 0
     eval_windows: int = 64
-    round_state: str = "carry"  # "fresh": zero AdamW moments each round (replayable rounds)
 
     def __post_init__(self) -> None:
-        for name in ("workers", "rounds", "inner_steps", "micro_batch", "seq_len", "eval_windows"):
+        for name in ("workers", "eval_windows"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"seq_len {self.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}"
-            )
-        get_codec(self.codec)  # raises ValueError naming the choices
 
     @property
-    def total_steps(self) -> int:
-        return self.rounds * self.inner_steps
+    def seed(self) -> int:
+        """Data assignment and held-out sampling (the recipe's epoch seed)."""
+        return self.recipe.epoch_seed
 
-    def inner_config(self) -> InnerConfig:
-        return InnerConfig(
-            steps=self.inner_steps,
-            lr=self.lr,
-            warmup_steps=min(self.warmup_steps, self.total_steps - 1),
-            total_steps=self.total_steps,
-            micro_batch=self.micro_batch,
-            seq_len=self.seq_len,
-            round_state=self.round_state,  # type: ignore[arg-type]
-        )
+
+def local_recipe(
+    model: ModelConfig,
+    *,
+    rounds: int = 6,
+    inner_steps: int = 40,
+    micro_batch: int = 8,
+    seq_len: int = 64,
+    lr: float = 2e-3,
+    warmup_steps: int = 50,
+    codec: str = "int8",
+    ef_decay: float = 1.0,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    seed: int = 0,
+    round_state: str = "carry",
+    corpus: str = BUILTIN_CORPUS,
+) -> Recipe:
+    """A recipe with the local run's defaults and one seed for both the model and the data."""
+    return Recipe(
+        model=model, corpus=corpus, epoch_seed=seed, init_seed=seed, seq_len=seq_len, micro_batch=micro_batch,
+        inner_steps=inner_steps, inner_lr=lr, warmup_steps=warmup_steps, n_rounds=rounds, codec=codec,
+        ef_decay=ef_decay, outer_lr=outer_lr, outer_momentum=outer_momentum, round_state=round_state,
+    )
 
 
 @dataclass
@@ -125,23 +127,23 @@ class LocalDiLoCo:
 
     def __init__(self, config: LocalRunConfig, windows: Windows) -> None:
         self.config, self.windows = config, windows
-        self.global_model = build_model(config.model, seed=config.seed)
+        recipe = config.recipe
+        self.global_model = build_model(recipe.model, seed=recipe.init_seed)
         self.params = {name: p for name, p in self.global_model.named_parameters()}
         self.spec = spec_of(self.params)
-        self.codec: Codec = get_codec(config.codec)
+        self.codec: Codec = get_codec(recipe.codec)
         self.outer = OuterOptimizer(
-            lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_momentum > 0
+            lr=recipe.outer_lr, momentum=recipe.outer_momentum, nesterov=recipe.outer_momentum > 0
         )
         # Each simulated host is the very object a real host daemon runs (training/worker.py).
         self.hosts = [
             DiLoCoWorker(
-                build_model(config.model, seed=config.seed),
-                config.inner_config(),
+                build_model(recipe.model, seed=recipe.init_seed),
+                recipe.inner_config(),
                 self.codec,
                 windows,
-                Assignment(config.seed, slot, config.workers),
-                config.ef_decay,
-                config.micro_batch,
+                Assignment(recipe.epoch_seed, slot, config.workers),
+                recipe.ef_decay,
                 first_round=0,  # this simulation numbers rounds from 0
             )
             for slot in range(config.workers)
@@ -222,9 +224,8 @@ def _train(args: argparse.Namespace) -> int:
         raise CliError(f"--threads must be positive, got {args.threads}")
     torch.set_num_threads(args.threads)
     try:
-        config = LocalRunConfig(
-            model=ModelConfig.preset(args.preset),
-            workers=args.workers,
+        recipe = local_recipe(
+            ModelConfig.preset(args.preset),
             rounds=args.rounds,
             inner_steps=args.inner_steps,
             micro_batch=args.micro_batch,
@@ -234,23 +235,27 @@ def _train(args: argparse.Namespace) -> int:
             codec=args.codec,
             seed=args.seed,
             round_state=args.round_state,
+            corpus=str(args.corpus) if args.corpus is not None else BUILTIN_CORPUS,
         )
-    except ValueError as exc:
+        get_codec(recipe.codec)  # raises ValueError naming the choices
+        config = LocalRunConfig(recipe=recipe, workers=args.workers)
+    except ValueError as exc:  # RecipeError included: it names the field
         raise CliError(str(exc)) from exc
-    windows = load_windows(args.corpus, config.seq_len)
+    windows = load_windows(args.corpus, recipe.seq_len)
     run = LocalDiLoCo(config, windows)
     summary = RunSummary(
-        config={**asdict(config), "model": config.model.to_dict(), "preset": args.preset},
+        config={**recipe.to_dict(), "workers": config.workers, "eval_windows": config.eval_windows,
+                "preset": args.preset},
         params=sum(p.numel() for p in run.params.values()),
         initial_heldout_loss=run.heldout_loss(),
     )
     console.print(
         f"DiLoCo: {args.preset} model ({summary.params:,} parameters), {config.workers} hosts × "
-        f"{config.rounds} rounds × H={config.inner_steps}, codec {config.codec}, "
+        f"{recipe.n_rounds} rounds × H={recipe.inner_steps}, codec {recipe.codec}, "
         f"held-out loss {summary.initial_heldout_loss:.3f}"
     )
     _train_with_progress(run, summary, console)
-    ddp = ddp_bytes_per_worker(summary.params, config.total_steps)
+    ddp = ddp_bytes_per_worker(summary.params, recipe.total_inner_steps)
     console.print(_summary_table(summary, config, ddp))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -262,16 +267,16 @@ def _train(args: argparse.Namespace) -> int:
 def _train_with_progress(run: LocalDiLoCo, summary: RunSummary, console: Any) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    config = run.config
+    recipe = run.config.recipe
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("round 1", total=config.rounds * config.workers * config.inner_steps)
+        task = progress.add_task("round 1", total=recipe.total_inner_steps * run.config.workers)
 
         def on_step(worker: int, step: int, loss: float) -> None:
-            desc = f"round {run.round + 1}/{config.rounds} host {worker} step {step} loss {loss:.3f}"
+            desc = f"round {run.round + 1}/{recipe.n_rounds} host {worker} step {step} loss {loss:.3f}"
             progress.update(task, advance=1, description=desc)
 
-        for _ in range(config.rounds):
+        for _ in range(recipe.n_rounds):
             report = run.run_round(on_step)
             summary.rounds.append(report)
             progress.console.print(
@@ -283,10 +288,10 @@ def _train_with_progress(run: LocalDiLoCo, summary: RunSummary, console: Any) ->
 def _summary_table(summary: RunSummary, config: LocalRunConfig, ddp_total: int) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"DiLoCo vs data-parallel all-reduce every step ({config.codec})")
+    table = Table(title=f"DiLoCo vs data-parallel all-reduce every step ({config.recipe.codec})")
     for column in ("round", "held-out loss", "bytes/host", "DDP bytes/host", "reduction"):
         table.add_column(column, justify="right")
-    ddp_round = ddp_total // config.rounds
+    ddp_round = ddp_total // config.recipe.n_rounds
     table.add_row("0", f"{summary.initial_heldout_loss:.3f}", "-", "-", "-")
     for r in summary.rounds:
         table.add_row(

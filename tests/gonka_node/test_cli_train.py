@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gonka_node.cli import main
-from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, load_windows
+from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, load_windows, local_recipe
 from training.codecs import get_codec
 from training.model import ModelConfig, build_model
 
@@ -58,15 +58,8 @@ def test_train_runs_writes_a_summary_and_counts_real_bytes(
 
 
 def _final_digest(corpus: Path, codec: str) -> str:
-    config = LocalRunConfig(
-        model=ModelConfig.preset("tiny"),
-        workers=2,
-        rounds=2,
-        inner_steps=3,
-        micro_batch=4,
-        seq_len=32,
-        codec=codec,
-    )
+    recipe = local_recipe(ModelConfig.preset("tiny"), rounds=2, inner_steps=3, micro_batch=4, seq_len=32, codec=codec)
+    config = LocalRunConfig(recipe=recipe, workers=2)
     run = LocalDiLoCo(config, load_windows(corpus, 32))
     run.run_round()
     run.run_round()
