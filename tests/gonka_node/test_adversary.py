@@ -169,11 +169,13 @@ def test_replay_check_stops_training_on_other_data(tmp_path: Path) -> None:
         cos, ratio = cosine_and_ratio(replay_line(who["scale100"], r))
         assert cos > 0.99 and 99 < ratio < 101  # the right direction, 100× too long
     for h in report.rewards:
-        if h not in report.adversaries:  # honest hosts reproduce exactly (same code, same machine)
-            assert replay_line(h, 1).startswith("replay: cosine +1.0000, norm ratio 1.0000 with the replay of slot")
+        if h not in report.adversaries:  # honest: same code, same machine; only int8 rounding differs
+            for r in (1, 2):
+                cos, ratio = cosine_and_ratio(replay_line(h, r))
+                assert replay_line(h, r).startswith("replay: cosine") and cos >= 0.9999 and abs(ratio - 1) <= 2e-4
             assert report.rewards[h] > 0
     stale = report.reasons[who["stale"]]
-    assert stale[1][0].startswith("replay: cosine +1.0000")  # its honest first round
+    assert stale[1][0].startswith("replay: cosine") and cosine_and_ratio(stale[1][0])[0] >= 0.9999  # honest round 1
     assert stale[2][0].startswith("copy: sketch cosine 1.0000")
     # The stale host's round 2 is both a re-signed digest ("replay") and a sketch match ("near_copy");
     # the rule cites the first record by (round, kind).

@@ -41,7 +41,11 @@ def test_devnet_runs_an_epoch_and_pays_by_proof(tmp_path: Path) -> None:
     try:
         for round_ in (1, 2):
             for c in store.contributions(report["epoch"], round_):
-                assert c.reasons[0].startswith("replay: cosine +1.0000, norm ratio 1.0000 with the replay of slot"), c.reasons
+                # int8 rounding and error feedback are all that separate a host's upload from the replay
+                why = c.reasons[0]
+                assert why.startswith("replay: cosine") and "with the replay of slot" in why, c.reasons
+                cos, ratio = float(why.split("cosine ")[1].split(",")[0]), float(why.split("ratio ")[1].split()[0])
+                assert cos >= 0.9999 and abs(ratio - 1.0) <= 0.0002, why
     finally:
         store.close()
     # Nothing left running: the devnet stopped its children (their logs are complete).
