@@ -80,10 +80,10 @@ class Recipe:
 
     def inner_config(self) -> InnerConfig:
         try:
-            return InnerConfig(
+            return InnerConfig.fitted(
                 steps=self.inner_steps,
                 lr=self.inner_lr,
-                warmup_steps=min(self.warmup_steps, self.total_inner_steps - 1),
+                warmup_steps=self.warmup_steps,
                 total_steps=self.total_inner_steps,
                 weight_decay=self.weight_decay,
                 grad_clip=self.grad_clip,

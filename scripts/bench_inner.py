@@ -92,7 +92,7 @@ def bare_loop(model: Llama, args: argparse.Namespace, device: torch.device) -> C
 
 def trainer_loop(model: Llama, args: argparse.Namespace) -> Callable[[int], float]:
     total = args.warmup + args.steps * args.repeats
-    config = InnerConfig(steps=args.steps, lr=args.lr, warmup_steps=min(10, total - 1), total_steps=total,
+    config = InnerConfig.fitted(steps=args.steps, lr=args.lr, warmup_steps=10, total_steps=total,
                          micro_batch=args.micro_batch, grad_accum=args.grad_accum, seq_len=args.seq_len,
                          compile=args.compile)
     trainer = InnerTrainer(model, config)

@@ -70,6 +70,16 @@ class InnerConfig:
         if self.round_state not in ROUND_STATES:
             raise ValueError(f"InnerConfig.round_state must be 'carry' or 'fresh', got {self.round_state!r}")
 
+    @classmethod
+    def fitted(cls, **fields: Any) -> InnerConfig:
+        """An InnerConfig whose warm-up is cut to fit its horizon: a run shorter than the requested
+        warm-up warms up over all but its last step (warmup_steps < total_steps is required)."""
+        total = fields.get("total_steps", cls.total_steps)
+        warmup = fields.get("warmup_steps", cls.warmup_steps)
+        if isinstance(total, int) and isinstance(warmup, int):
+            fields["warmup_steps"] = min(warmup, total - 1)
+        return cls(**fields)
+
     @property
     def windows_per_round(self) -> int:
         """Training windows one host consumes in a round (its `windows_per_host`)."""

@@ -238,10 +238,10 @@ def _parse(argv: Sequence[str] | None) -> RigJob:
     parser.add_argument("--log-every", type=int, default=10)
     args = parser.parse_args(argv)
     model = ModelConfig.preset(args.preset)
-    inner = InnerConfig(
+    inner = InnerConfig.fitted(
         steps=args.steps,
         lr=args.lr,
-        warmup_steps=min(args.warmup_steps, args.steps - 1),
+        warmup_steps=args.warmup_steps,
         total_steps=args.steps,
         micro_batch=args.micro_batch,
         grad_accum=args.grad_accum,

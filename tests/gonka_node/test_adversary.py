@@ -8,11 +8,11 @@ Measured limitations are asserted too (marked "limitation"), so a change in them
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+from stdlib_corpus import write_small_corpus
 
 from gonka_node.adversary import make_behaviour, reasons_by_attack
 from gonka_node.aggregator.reasons import Reason
@@ -37,10 +37,7 @@ GNK = 10**9
 
 
 def tiny_recipe(tmp: Path, rounds: int, round_state: str = "carry") -> Recipe:
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    corpus = tmp / "corpus.txt"
-    corpus.write_bytes(b"".join((lib / n).read_bytes() for n in ("argparse.py", "textwrap.py", "shlex.py")))
-    return Recipe(model=ModelConfig.preset("tiny"), corpus=str(corpus), seq_len=32, micro_batch=4,
+    return Recipe(model=ModelConfig.preset("tiny"), corpus=str(write_small_corpus(tmp)), seq_len=32, micro_batch=4,
                   inner_steps=15, inner_lr=3e-3, warmup_steps=3, n_rounds=rounds, codec="int8",
                   round_state=round_state).with_data_manifest()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sysconfig
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from eth_account import Account
 from nacl.signing import SigningKey
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
+from stdlib_corpus import write_small_corpus
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
@@ -51,13 +51,6 @@ GNK = 10**9
 AGG = 9
 
 
-def small_corpus(tmp: Path) -> Path:
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp / "corpus.txt"
-    path.write_bytes(b"".join((lib / n).read_bytes() for n in ("argparse.py", "textwrap.py", "shlex.py")))
-    return path
-
-
 @dataclass
 class World:
     backend: EmbeddedBackend
@@ -80,7 +73,7 @@ def world(tmp_path: Path) -> World:
     gov = ChainClient(backend, accounts[0], deployment).connect()
     recipe = Recipe(
         model=ModelConfig.preset("tiny"),
-        corpus=str(small_corpus(tmp_path)),
+        corpus=str(write_small_corpus(tmp_path)),
         seq_len=32,
         micro_batch=4,
         inner_steps=15,

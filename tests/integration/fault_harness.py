@@ -20,7 +20,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from stdlib_corpus import write_small_corpus
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
@@ -146,13 +146,6 @@ def _close(s: socket.socket) -> None:
     s.close()
 
 
-def small_corpus(root: Path) -> Path:
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    path = root / "corpus.txt"
-    path.write_bytes(b"".join((lib / n).read_bytes() for n in ("argparse.py", "textwrap.py", "shlex.py")))
-    return path
-
-
 @dataclass
 class FaultNet:
     """A chain, an epoch and the configs of one aggregator and `hosts` hosts (all signed in)."""
@@ -190,7 +183,7 @@ class FaultNet:
         self.deployment.save(self.out / "deployment.json")
         self.recipe = Recipe(
             model=ModelConfig.preset("tiny"),
-            corpus=str(small_corpus(self.out)),
+            corpus=str(write_small_corpus(self.out)),
             seq_len=32,
             micro_batch=4,
             inner_steps=self.inner_steps,

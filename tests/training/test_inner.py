@@ -155,3 +155,11 @@ def test_evaluate_weights_by_tokens_and_restores_mode(small_windows: Windows) ->
     assert model.training
     with pytest.raises(ValueError, match="no batches"):
         evaluate(model, [])
+
+
+def test_fitted_cuts_a_warmup_longer_than_the_run() -> None:
+    assert InnerConfig.fitted(steps=4, warmup_steps=50, total_steps=20).warmup_steps == 19
+    assert InnerConfig.fitted(steps=4, warmup_steps=5, total_steps=20).warmup_steps == 5
+    assert InnerConfig.fitted(steps=4, total_steps=30).warmup_steps == 29  # the default 100, cut
+    with pytest.raises(ValueError, match="warmup_steps"):
+        InnerConfig(steps=4, warmup_steps=50, total_steps=20)  # the plain constructor still refuses

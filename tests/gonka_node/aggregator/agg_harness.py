@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import sysconfig
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import pytest
 import torch
 from eth_account.signers.local import LocalAccount
 from nacl.signing import SigningKey
+from stdlib_corpus import small_corpus_bytes
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
@@ -45,9 +45,7 @@ WINDOWS_PER_HOST = 8
 
 def corpus_windows() -> Windows:
     """~160 KB of the running Python's own sources: real text, no download, same on every machine."""
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    text = b"".join((lib / name).read_bytes() for name in ("argparse.py", "textwrap.py", "shlex.py"))
-    return Windows(np.frombuffer(text, dtype=np.uint8).astype(np.int64), SEQ_LEN, heldout_fraction=0.1)
+    return Windows(np.frombuffer(small_corpus_bytes(), dtype=np.uint8).astype(np.int64), SEQ_LEN, heldout_fraction=0.1)
 
 
 @dataclass
