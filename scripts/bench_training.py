@@ -11,17 +11,25 @@ For each run: final held-out loss, bytes each worker sent, reduction against DDP
 bytes are each worker's fp32 gradient once per step (what it uploads to a parameter server; a ring
 all-reduce sends 2(K−1)/K times that, so the reductions quoted are conservative).
 
+Every method starts from the seed's random init, or with --warm-start N from one shared checkpoint:
+DDP pre-trains N steps on the first rounds of the seed's data stream and every method continues on the
+rounds after them (an epoch that continues an earlier model). Runs are then also scored by their share
+of DDP's progress from that start. --jobs runs them in parallel processes.
+
     .venv/bin/python scripts/bench_training.py --seeds 3 --out bench.json
+    .venv/bin/python scripts/bench_training.py --warm-start 900 --lr 3e-3 --diloco-lr 1.5e-3 --seeds 3 --jobs 2
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, ddp_bytes_per_worker, load_windows, local_recipe
 from training.data import Windows
 from training.inner import Batch, InnerTrainer, evaluate
-from training.model import ModelConfig, build_model
+from training.model import Llama, ModelConfig, build_model
+
+StateDict = dict[str, torch.Tensor]
 
 BENCH_MODEL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=64)
 # The issue's pilot size (0.83M parameters): 853,120 parameters, ~3.7x the compute per step.
@@ -85,17 +95,30 @@ def parse_extra(text: str) -> Method:
     return Method(fields[0], None if fields[1] == "ddp" else fields[1], int(fields[2]), *numbers)
 
 
-def run_ddp(base: LocalRunConfig, windows: Windows) -> tuple[float, list[tuple[int, float]]]:
-    """One model, global batch = K micro-batches (exactly the workers' windows of each step)."""
+@dataclass
+class DdpRun:
+    model: Llama
+    start_loss: float
+    curve: list[tuple[int, float]]  # (steps taken, held-out loss) after each evaluation interval
+
+
+def run_ddp(
+    base: LocalRunConfig, windows: Windows, initial: StateDict | None = None, first_round: int = 0
+) -> DdpRun:
+    """One model, global batch = K micro-batches (exactly the workers' windows of each step), from
+    `initial` (or the recipe's init) on the data stream's rounds first_round, first_round + 1, ..."""
     recipe = base.recipe
     model = build_model(recipe.model, seed=recipe.init_seed)
+    if initial is not None:
+        model.load_state_dict(initial)
     trainer = InnerTrainer(model, replace(recipe.inner_config(), grad_accum=base.workers))
     heldout = windows.sample_heldout(base.seed, base.eval_windows)
+    start = evaluate(model, windows.batches(heldout, 32))
     curve = []
     for r in range(recipe.n_rounds):
-        trainer.run(_interleaved(windows, base, r))
+        trainer.run(_interleaved(windows, base, first_round + r))
         curve.append(((r + 1) * recipe.inner_steps, evaluate(model, windows.batches(heldout, 32))))
-    return curve[-1][1], curve
+    return DdpRun(model, start, curve)
 
 
 def _interleaved(windows: Windows, cfg: LocalRunConfig, round_index: int) -> Iterator[Batch]:
@@ -122,13 +145,9 @@ def inner_lr(method: Method, args: argparse.Namespace) -> float:
     return args.lr if method.codec is None else args.diloco_lr
 
 
-def run_method(method: Method, args: argparse.Namespace, windows: Windows, seed: int) -> dict[str, Any]:
-    steps = args.steps
-    h = method.sync_every if method.codec else args.ddp_eval_every
-    if steps % h:
-        raise SystemExit(f"--steps {steps} must be a multiple of {method.name}'s H = {h}")
+def _config(args: argparse.Namespace, seed: int, method: Method, steps: int, h: int) -> LocalRunConfig:
     model = MODELS[args.model]
-    base = LocalRunConfig(
+    return LocalRunConfig(
         recipe=local_recipe(
             model,
             rounds=steps // h,
@@ -146,28 +165,59 @@ def run_method(method: Method, args: argparse.Namespace, windows: Windows, seed:
         workers=args.workers,
         eval_windows=args.eval_windows,
     )
+
+
+def pretrain(args: argparse.Namespace, windows: Windows, seed: int) -> StateDict:
+    """--warm-start: the checkpoint every method of this seed continues from. DDP at its own lr
+    (--pretrain-lr) for --warm-start steps from the seed's init, warm-up + cosine over those steps, on the
+    first rounds of the seed's data stream; the comparison then takes the rounds after them, so no
+    method sees a pre-training window again."""
+    h = args.ddp_eval_every
+    if args.warm_start % h:
+        raise SystemExit(f"--warm-start {args.warm_start} must be a multiple of --ddp-eval-every {h}")
+    method = Method("pretrain", None, inner_lr=args.pretrain_lr)
+    return run_ddp(_config(args, seed, method, args.warm_start, h), windows).model.state_dict()
+
+
+def check_schedule(method: Method, args: argparse.Namespace) -> int:
+    """The method's round length (H, or DDP's evaluation interval), which --steps and --warm-start must
+    both be multiples of: rounds are the unit of the data stream."""
+    h = method.sync_every if method.codec else args.ddp_eval_every
+    for what, n in (("--steps", args.steps), ("--warm-start", args.warm_start)):
+        if n % h:
+            raise SystemExit(f"{what} {n} must be a multiple of {method.name}'s H = {h}")
+    return h
+
+
+def run_method(
+    method: Method, args: argparse.Namespace, windows: Windows, seed: int, initial: StateDict | None = None
+) -> dict[str, Any]:
+    steps = args.steps
+    h = check_schedule(method, args)
+    base = _config(args, seed, method, steps, h)
+    first_round = args.warm_start // h  # rounds of H steps the pre-training took from the data stream
     params = MODELS[args.model].num_params()
     ddp_bytes = ddp_bytes_per_worker(params, steps)
     started = time.perf_counter()
     if method.codec is None:
-        final, curve = run_ddp(base, windows)
-        sent = ddp_bytes
-        points = [(step * 4 * params, loss) for step, loss in curve]
+        ddp = run_ddp(base, windows, initial, first_round)
+        start, sent = ddp.start_loss, ddp_bytes
+        points = [(step * 4 * params, loss) for step, loss in ddp.curve]
     else:
-        run = LocalDiLoCo(base, windows)
-        sent, points = 0, []
+        run = LocalDiLoCo(base, windows, initial, first_round)
+        start, sent, points = run.heldout_loss(), 0, []
         for _ in range(base.recipe.n_rounds):
             report = run.run_round()
             sent += report.bytes_per_worker
             points.append((sent, report.heldout_loss))
-        final = points[-1][1]
     return {
         "name": method.name,
         "codec": method.codec,
         "sync_every": h if method.codec else 1,
         "inner_lr": inner_lr(method, args),
         "seed": seed,
-        "final_loss": final,
+        "start_loss": start,
+        "final_loss": points[-1][1],
         "bytes_per_worker": sent,
         "reduction_vs_ddp": ddp_bytes / sent,
         "wall_s": time.perf_counter() - started,
@@ -196,8 +246,18 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     ddp = next((r for r in out if r["name"] == "ddp"), None)
+    ddp_final = {r["seed"]: r["final_loss"] for r in runs if r["name"] == "ddp"}
     for r in out:
         r["loss_vs_ddp"] = r["final_loss"] / ddp["final_loss"] - 1 if ddp else None
+        # From a warm start the final losses sit close together whatever happens, so also: the share of
+        # DDP's loss reduction (from the shared start) the method achieved, paired by seed.
+        shares = [
+            (x["start_loss"] - x["final_loss"]) / (x["start_loss"] - ddp_final[x["seed"]])
+            for x in runs
+            if x["name"] == r["name"] and x["seed"] in ddp_final and x["start_loss"] > ddp_final[x["seed"]]
+        ]
+        r["start_loss"] = statistics.fmean(x["start_loss"] for x in runs if x["name"] == r["name"])
+        r["progress_vs_ddp"] = statistics.fmean(shares) if shares else None
     return out
 
 
@@ -218,6 +278,41 @@ def plot(runs: list[dict[str, Any]], path: Path, model: ModelConfig) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+class _InlineExecutor(concurrent.futures.Executor):
+    """--jobs 1: run each task when it is submitted, in this process."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # re-raised by .result(), as a pool would
+            future.set_exception(exc)
+        return future
+
+
+def _executor(jobs: int, threads: int) -> concurrent.futures.Executor:
+    if jobs == 1:
+        return _InlineExecutor()
+    return concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(threads,)
+    )
+
+
+def run_all(args: argparse.Namespace, windows: Windows, names: list[str]) -> Iterator[dict[str, Any]]:
+    """Every (seed, method) run, yielded in that order. With --warm-start a seed's runs are queued as soon
+    as its checkpoint exists, so the pool never waits for all pre-trainings to finish."""
+    with _executor(args.jobs, args.threads) as pool:
+        seeds = range(args.seeds)
+        starts = {s: pool.submit(pretrain, args, windows, s) for s in seeds} if args.warm_start else {}
+        runs = [
+            pool.submit(run_method, METHODS[name], args, windows, seed, starts[seed].result() if starts else None)
+            for seed in seeds
+            for name in names
+        ]
+        for run in runs:
+            yield run.result()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--diloco-lr", type=float, default=3e-3, help="DiLoCo workers' inner AdamW peak learning rate"
     )
+    parser.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="continue from a shared checkpoint: DDP pre-trains STEPS steps per seed, then every method "
+        "starts from it on the data that follows (0: every method starts from the random init)",
+    )
+    parser.add_argument(
+        "--pretrain-lr", type=float, default=6e-3, help="peak lr of the --warm-start pre-training (DDP's)"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (one thread each)")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--eval-windows", type=int, default=128)
     parser.add_argument("--ddp-eval-every", type=int, default=30)
@@ -258,23 +365,29 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if args.jobs <= 0 or args.warm_start < 0:
+        parser.error("--jobs must be positive and --warm-start >= 0")
+    for name in names:  # before any work, and before a pool worker would hit it
+        check_schedule(METHODS[name], args)
     model = MODELS[args.model]
     windows = load_windows(args.corpus, model.max_seq_len)
     runs = []
-    for seed in range(args.seeds):
-        for name in names:
-            run = run_method(METHODS[name], args, windows, seed)
-            runs.append(run)
-            print(
-                f"seed {seed} {name:14s} loss {run['final_loss']:.4f}  bytes/worker {run['bytes_per_worker']:>13,}"
-                f"  {run['reduction_vs_ddp']:>8,.1f}×  {run['wall_s']:6.1f} s",
-                flush=True,
-            )
+    for run in run_all(args, windows, names):
+        runs.append(run)
+        print(
+            f"seed {run['seed']} {run['name']:14s} loss {run['start_loss']:.4f} → {run['final_loss']:.4f}"
+            f"  bytes/worker {run['bytes_per_worker']:>13,}  {run['reduction_vs_ddp']:>8,.1f}×"
+            f"  {run['wall_s']:6.1f} s",
+            flush=True,
+        )
     summary = aggregate(runs)
     for r in summary:
         rel = f"{100 * r['loss_vs_ddp']:+.1f}%" if r["loss_vs_ddp"] is not None else ""
+        share = r["progress_vs_ddp"]
+        share = f"{100 * share:.0f}% of DDP's progress" if args.warm_start and share is not None else ""
         print(
-            f"{r['name']:14s} {r['final_loss']:.4f} ± {r['final_loss_std']:.4f} {rel:>7s}  {r['reduction_vs_ddp']:,.1f}×"
+            f"{r['name']:14s} {r['final_loss']:.4f} ± {r['final_loss_std']:.4f} {rel:>7s}"
+            f"  {r['reduction_vs_ddp']:,.1f}×  {share}"
         )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config["model"] = model.to_dict()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,11 @@ import torch
 
 from gonka_node.cli import CliError
 from gonka_node.recipe import BUILTIN_CORPUS, Recipe
+from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from training.codecs import Codec, get_codec, round_seed, spec_of
 from training.data import TokenCorpus, Windows
 from training.diloco import OuterOptimizer, StreamingAverager
+from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
 from training.model import ModelConfig, build_model
 from training.worker import Assignment, DiLoCoWorker
@@ -125,10 +127,23 @@ def ddp_bytes_per_worker(params: int, steps: int) -> int:
 class LocalDiLoCo:
     """K simulated hosts and one aggregator, in one process, on one set of training windows."""
 
-    def __init__(self, config: LocalRunConfig, windows: Windows) -> None:
+    def __init__(
+        self,
+        config: LocalRunConfig,
+        windows: Windows,
+        initial: Mapping[str, torch.Tensor] | None = None,
+        first_round: int = 0,
+    ) -> None:
+        """`initial`: start from these weights (a state dict of the recipe's model) instead of the
+        recipe's random init, e.g. a checkpoint trained further. `first_round`: the data stream's round
+        the run starts at (windows of earlier rounds are left to whoever trained `initial`)."""
+        if first_round < 0:
+            raise ValueError(f"first_round must be >= 0, got {first_round}")
         self.config, self.windows = config, windows
         recipe = config.recipe
         self.global_model = build_model(recipe.model, seed=recipe.init_seed)
+        if initial is not None:
+            _load_weights(self.global_model, initial)
         self.params = {name: p for name, p in self.global_model.named_parameters()}
         self.spec = spec_of(self.params)
         self.codec: Codec = get_codec(recipe.codec)
@@ -144,12 +159,12 @@ class LocalDiLoCo:
                 windows,
                 Assignment(recipe.epoch_seed, slot, config.workers),
                 recipe.ef_decay,
-                first_round=0,  # this simulation numbers rounds from 0
+                first_round=first_round,  # this simulation numbers rounds from 0
             )
             for slot in range(config.workers)
         ]
         self.heldout = windows.sample_heldout(config.seed, config.eval_windows)
-        self.round = 0
+        self.round = first_round
 
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
@@ -174,6 +189,26 @@ class LocalDiLoCo:
             bytes_per_worker=max(sizes),
             seconds=time.perf_counter() - started,
         )
+
+
+def _load_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy `weights` into `model`, refusing (ValueError naming the tensor) anything but its exact names
+    and shapes, before changing any parameter."""
+    params = dict(model.named_parameters())
+    missing, unknown = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unknown:
+        raise ValueError(
+            f"the weights do not fit this model: missing {missing[:3]}, unexpected {unknown[:3]}"
+        )
+    for name, p in params.items():
+        if tuple(weights[name].shape) != tuple(p.shape):
+            raise ValueError(
+                f"the weights do not fit this model: {name} has shape {tuple(weights[name].shape)}, "
+                f"the model's is {tuple(p.shape)}"
+            )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
 
 
 def load_windows(corpus: Path | None, seq_len: int) -> Windows:
@@ -212,7 +247,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: robust when cores are shared)"
     )
-    parser.add_argument("--out", type=Path, help="write DIR/summary.json")
+    parser.add_argument(
+        "--init",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="start from this safetensors checkpoint (a pulled round, or an earlier run's model.safetensors) "
+        "instead of a random init",
+    )
+    parser.add_argument("--out", type=Path, help="write DIR/summary.json and the final DIR/model.safetensors")
     parser.set_defaults(func=_train)
 
 
@@ -241,8 +283,12 @@ def _train(args: argparse.Namespace) -> int:
         config = LocalRunConfig(recipe=recipe, workers=args.workers)
     except ValueError as exc:  # RecipeError included: it names the field
         raise CliError(str(exc)) from exc
+    initial = _initial_weights(args.init) if args.init is not None else None
     windows = load_windows(args.corpus, recipe.seq_len)
-    run = LocalDiLoCo(config, windows)
+    try:
+        run = LocalDiLoCo(config, windows, initial)
+    except ValueError as exc:
+        raise CliError(f"--init {args.init}: {exc} (preset {args.preset})") from exc
     summary = RunSummary(
         config={**recipe.to_dict(), "workers": config.workers, "eval_windows": config.eval_windows,
                 "preset": args.preset},
@@ -252,6 +298,7 @@ def _train(args: argparse.Namespace) -> int:
     console.print(
         f"DiLoCo: {args.preset} model ({summary.params:,} parameters), {config.workers} hosts × "
         f"{recipe.n_rounds} rounds × H={recipe.inner_steps}, codec {recipe.codec}, "
+        f"{'from ' + str(args.init) if args.init else 'from a random init'}, "
         f"held-out loss {summary.initial_heldout_loss:.3f}"
     )
     _train_with_progress(run, summary, console)
@@ -259,9 +306,19 @@ def _train(args: argparse.Namespace) -> int:
     console.print(_summary_table(summary, config, ddp))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "summary.json").write_text(json.dumps(summary.to_json(ddp), indent=2) + "\n")
-        console.print(f"wrote {args.out / 'summary.json'}")
+        metadata = {MODEL_CONFIG_KEY: json.dumps(recipe.model.to_dict(), sort_keys=True)}
+        sha256 = save_checkpoint(args.out / "model.safetensors", run.params, metadata)
+        report = {**summary.to_json(ddp), "init": str(args.init) if args.init else None, "final_sha256": sha256}
+        (args.out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {args.out / 'summary.json'} and {args.out / 'model.safetensors'} (sha256 {sha256})")
     return 0
+
+
+def _initial_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_checkpoint(path).tensors
+    except CheckpointError as exc:
+        raise CliError(f"--init {path}: {exc}") from exc
 
 
 def _train_with_progress(run: LocalDiLoCo, summary: RunSummary, console: Any) -> None:

@@ -11,7 +11,9 @@ import torch
 
 from gonka_node.cli import main
 from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, load_windows, local_recipe
+from training.checkpoint import load_checkpoint, save_checkpoint
 from training.codecs import get_codec
+from training.hf_export import MODEL_CONFIG_KEY
 from training.model import ModelConfig, build_model
 
 TRAINING = Path(__file__).resolve().parents[2] / "training"
@@ -55,6 +57,39 @@ def test_train_runs_writes_a_summary_and_counts_real_bytes(
     assert summary["reduction_vs_ddp"] == pytest.approx(summary["ddp_bytes_per_worker"] / (3 * per_round))
     printed = capsys.readouterr().out
     assert "held-out loss" in printed and "total" in printed
+
+
+def test_a_run_continues_from_the_previous_runs_checkpoint(corpus: Path, tmp_path: Path) -> None:
+    base = ["train", "--preset", "tiny", "--workers", "2", "--rounds", "2", "--inner-steps", "3",
+            "--micro-batch", "4", "--seq-len", "32", "--corpus", str(corpus)]
+    assert main([*base, "--out", str(tmp_path / "first")]) == 0
+    first = json.loads((tmp_path / "first" / "summary.json").read_text())
+    saved = load_checkpoint(tmp_path / "first" / "model.safetensors")
+    assert saved.sha256 == first["final_sha256"]
+    assert json.loads(saved.metadata[MODEL_CONFIG_KEY]) == ModelConfig.preset("tiny").to_dict()
+    init = str(tmp_path / "first" / "model.safetensors")
+    assert main([*base, "--init", init, "--out", str(tmp_path / "second")]) == 0
+    second = json.loads((tmp_path / "second" / "summary.json").read_text())
+    # The second run starts where the first ended (same held-out windows: same seed), not at random init.
+    assert second["initial_heldout_loss"] == pytest.approx(first["rounds"][-1]["heldout_loss"], abs=1e-6)
+    assert second["init"] == init and second["final_sha256"] != first["final_sha256"]
+
+
+def test_init_that_does_not_fit_the_preset_is_refused_before_training(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = build_model(ModelConfig.preset("tiny"), seed=0)
+    tensors = {n: p.detach() for n, p in other.named_parameters()}
+    name = sorted(tensors)[0]
+    save_checkpoint(tmp_path / "wrong.safetensors", {**tensors, name: torch.zeros(3)})
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint")
+    base = ["train", "--preset", "tiny", "--seq-len", "32", "--corpus", str(corpus), "--out", str(tmp_path / "o")]
+    assert main([*base, "--init", str(tmp_path / "wrong.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "wrong.safetensors" in err and f"{name} has shape (3,)" in err
+    assert main([*base, "--init", str(tmp_path / "garbage.safetensors")]) == 2
+    assert "garbage.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def _final_digest(corpus: Path, codec: str) -> str:
