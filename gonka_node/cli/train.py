@@ -159,12 +159,12 @@ class LocalDiLoCo:
                 windows,
                 Assignment(recipe.epoch_seed, slot, config.workers),
                 recipe.ef_decay,
-                first_round=first_round,  # this simulation numbers rounds from 0
+                first_round=first_round,  # the chain numbers rounds from 1; this simulation from 0
             )
             for slot in range(config.workers)
         ]
         self.heldout = windows.sample_heldout(config.seed, config.eval_windows)
-        self.round = first_round
+        self.first_round = self.round = first_round
 
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
@@ -254,6 +254,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="start from this safetensors checkpoint (a pulled round, or an earlier run's model.safetensors) "
         "instead of a random init",
     )
+    parser.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="start at this round of the seed's data stream (continuing an earlier run of the same --seed: "
+        "its number of rounds, so no window is seen twice)",
+    )
     parser.add_argument("--out", type=Path, help="write DIR/summary.json and the final DIR/model.safetensors")
     parser.set_defaults(func=_train)
 
@@ -286,7 +293,9 @@ def _train(args: argparse.Namespace) -> int:
     initial = _initial_weights(args.init) if args.init is not None else None
     windows = load_windows(args.corpus, recipe.seq_len)
     try:
-        run = LocalDiLoCo(config, windows, initial)
+        if args.first_round < 0:
+            raise CliError(f"--first-round must be >= 0, got {args.first_round}")
+        run = LocalDiLoCo(config, windows, initial, args.first_round)
     except ValueError as exc:
         raise CliError(f"--init {args.init}: {exc} (preset {args.preset})") from exc
     summary = RunSummary(
@@ -330,7 +339,8 @@ def _train_with_progress(run: LocalDiLoCo, summary: RunSummary, console: Any) ->
         task = progress.add_task("round 1", total=recipe.total_inner_steps * run.config.workers)
 
         def on_step(worker: int, step: int, loss: float) -> None:
-            desc = f"round {run.round + 1}/{recipe.n_rounds} host {worker} step {step} loss {loss:.3f}"
+            done = run.round - run.first_round
+            desc = f"round {done + 1}/{recipe.n_rounds} host {worker} step {step} loss {loss:.3f}"
             progress.update(task, advance=1, description=desc)
 
         for _ in range(recipe.n_rounds):

@@ -68,8 +68,9 @@ def test_a_run_continues_from_the_previous_runs_checkpoint(corpus: Path, tmp_pat
     assert saved.sha256 == first["final_sha256"]
     assert json.loads(saved.metadata[MODEL_CONFIG_KEY]) == ModelConfig.preset("tiny").to_dict()
     init = str(tmp_path / "first" / "model.safetensors")
-    assert main([*base, "--init", init, "--out", str(tmp_path / "second")]) == 0
+    assert main([*base, "--init", init, "--first-round", "2", "--out", str(tmp_path / "second")]) == 0
     second = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert [r["round"] for r in second["rounds"]] == [3, 4]  # the data stream's rounds after the first run's
     # The second run starts where the first ended (same held-out windows: same seed), not at random init.
     assert second["initial_heldout_loss"] == pytest.approx(first["rounds"][-1]["heldout_loss"], abs=1e-6)
     assert second["init"] == init and second["final_sha256"] != first["final_sha256"]
@@ -118,6 +119,7 @@ def test_local_run_is_a_pure_function_of_its_config(corpus: Path) -> None:
         (["--workers", "0"], "workers must be positive"),
         (["--seq-len", "4096"], "max_seq_len"),
         (["--corpus", "/nonexistent/corpus"], "--corpus"),
+        (["--first-round", "-1"], "--first-round must be >= 0"),
     ],
 )
 def test_user_mistakes_exit_2_with_a_message(
