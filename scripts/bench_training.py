@@ -29,7 +29,7 @@ import multiprocessing
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -176,6 +176,7 @@ def pretrain(args: argparse.Namespace, windows: Windows, seed: int) -> StateDict
     if args.warm_start % h:
         raise SystemExit(f"--warm-start {args.warm_start} must be a multiple of --ddp-eval-every {h}")
     method = Method("pretrain", None, inner_lr=args.pretrain_lr)
+    print(f"seed {seed}: pre-training {args.warm_start} steps of DDP for the shared start", flush=True)
     return run_ddp(_config(args, seed, method, args.warm_start, h), windows).model.state_dict()
 
 
@@ -306,11 +307,13 @@ def run_all(args: argparse.Namespace, windows: Windows, names: list[str]) -> Ite
     with _executor(args.jobs, args.threads) as pool:
         seeds = range(args.seeds)
         starts = {s: pool.submit(pretrain, args, windows, s) for s in seeds} if args.warm_start else {}
-        runs = [
+        runs: Iterable[concurrent.futures.Future[dict[str, Any]]] = (
             pool.submit(run_method, METHODS[name], args, windows, seed, starts[seed].result() if starts else None)
             for seed in seeds
             for name in names
-        ]
+        )
+        if args.jobs > 1:
+            runs = list(runs)  # queue them all now; inline (--jobs 1) each runs when its turn comes
         for run in runs:
             yield run.result()
 
