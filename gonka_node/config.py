@@ -73,12 +73,20 @@ class RoundSettings:
     max_update_norm: float = 1.0e4
     max_clock_skew_s: float = 300.0
     reward_per_round: int = 0  # ngonka split among contributors; 0: the epoch's pool / rounds
+    # Stream deadlines (docs/PROTOCOL.md): the longest wait for a header or the next chunk, and the
+    # minimum upload rate: an upload of N bytes must finish within stream_setup_s + N / rate.
+    stream_idle_s: float = 30.0
+    stream_setup_s: float = 30.0
+    min_upload_kib_per_s: float = 128.0
 
     def __post_init__(self) -> None:
         _positive("[round] duration_s", self.duration_s)
         _positive("[round] extend_s", self.extend_s)
         _positive("[round] max_update_norm", self.max_update_norm)
         _positive("[round] max_clock_skew_s", self.max_clock_skew_s)
+        _positive("[round] stream_idle_s", self.stream_idle_s)
+        _positive("[round] stream_setup_s", self.stream_setup_s)
+        _positive("[round] min_upload_kib_per_s", self.min_upload_kib_per_s)
         if self.quorum < 1:
             raise ConfigError(f"[round] quorum must be >= 1, got {self.quorum}")
         if self.max_extensions < 0:
@@ -91,6 +99,10 @@ class RoundSettings:
             )
         if self.reward_per_round < 0:
             raise ConfigError(f"[round] reward_per_round must be >= 0, got {self.reward_per_round}")
+
+    def longest_upload_s(self) -> float:
+        """How long the largest allowed payload may stream at the minimum upload rate."""
+        return self.stream_setup_s + self.max_payload_bytes / (self.min_upload_kib_per_s * 1024)
 
 
 @dataclass(frozen=True)

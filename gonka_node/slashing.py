@@ -35,6 +35,7 @@ from typing import Any
 
 from eth_utils import to_checksum_address
 
+from gonka_node.aggregator.close import arrival_order
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.replay import MISMATCH
 from gonka_node.aggregator.store import Store, SubmissionRow
@@ -150,7 +151,7 @@ def collect_evidence(store: Store, epoch: int, ident: RoundIdentity, log: Eviden
     """Add what the store proves (re-signed digests, near-copies) to `log`; returns the epoch's records."""
     first: dict[bytes, SubmissionRow] = {}
     for row in store.rounds(epoch):
-        subs = sorted(store.submissions(epoch, row.round), key=lambda s: (s.received_ms, s.host))
+        subs = arrival_order(store.submissions(epoch, row.round))
         by_host = {s.host: s for s in subs}
         for s in subs:
             earlier = first.setdefault(s.payload_sha256, s)
@@ -172,7 +173,7 @@ def collect_evidence(store: Store, epoch: int, ident: RoundIdentity, log: Eviden
 
 def _copied_from(store: Store, epoch: int, round_: int, reason: str) -> SubmissionRow | None:
     """The submission a near-copy reason names: "… with 0x<host>, round <r> …" (an earlier round) or
-    "… with 0x<host>, received earlier" (the same round)."""
+    "… with 0x<host>, whose header arrived earlier" (the same round)."""
     found = re.search(r"with 0x([0-9a-f]{40}), (?:round (\d+))?", reason)
     if found is None:
         return None

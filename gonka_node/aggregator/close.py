@@ -44,9 +44,16 @@ class RoundOutcome:
     aggregated: int
 
 
+def arrival_order(subs: list[SubmissionRow]) -> list[SubmissionRow]:
+    """Submissions in the order their signed headers arrived (then completion, then address): the
+    header commits to the payload's digest before any payload byte is sent, so a host that copies what
+    it saw of another's upload always comes later in this order, however fast its own stream is."""
+    return sorted(subs, key=lambda s: (s.started_ms, s.received_ms, s.host))
+
+
 def find_copies(subs: list[SubmissionRow], threshold: float) -> dict[bytes, str]:
-    """Hosts whose update's sketch is within `threshold` cosine of an earlier-received one's."""
-    order = sorted(subs, key=lambda s: (s.received_ms, s.host))
+    """Hosts whose update's sketch is within `threshold` cosine of an earlier-arrived one's."""
+    order = arrival_order(subs)
     sketches = {s.host: torch.frombuffer(bytearray(s.sketch), dtype=torch.float32) for s in subs}
     copies: dict[bytes, str] = {}
     for i, later in enumerate(order):
@@ -56,7 +63,7 @@ def find_copies(subs: list[SubmissionRow], threshold: float) -> dict[bytes, str]
             c = cosine(sketches[later.host], sketches[earlier.host])
             if c >= threshold:
                 copies[later.host] = (
-                    f"copy: sketch cosine {c:.4f} with 0x{earlier.host.hex()}, received earlier"
+                    f"copy: sketch cosine {c:.4f} with 0x{earlier.host.hex()}, whose header arrived earlier"
                 )
                 break
     return copies

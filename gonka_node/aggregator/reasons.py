@@ -27,6 +27,7 @@ class Reason(enum.Enum):
     COPY = 17
     CLOCK_SKEW = 18
     UNAVAILABLE = 19
+    STREAM_TIMEOUT = 20
 
 
 class Rejected(Exception):

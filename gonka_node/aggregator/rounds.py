@@ -7,7 +7,12 @@ States (table `rounds`): open → finalizing → finalized, or open → skipping
 - Deadline passed below quorum: the deadline moves by `extend_s`, at most `max_extensions` times;
   then the round is *skipped*: finalized on chain with the base checkpoint hash unchanged, no
   contributors and no reward, and the next round starts from the same checkpoint.
-- A submission arriving once the round is closing, or after its deadline, is refused with LATE.
+- A submission arriving once the round is closing, or after its deadline, is refused with LATE, and a
+  stream still open when the round closes ends with LATE at once: no upload holds a round
+  (`ingest.StreamGuard` also bounds each stream's idle time and total time; one stream per host).
+- Copies are ordered by when each host's signed header arrived, not when its upload completed: a
+  header commits to the payload digest before any payload byte travels, so whoever saw an honest
+  host's bytes on the wire can only send its own header later.
 - Closing: (compute, pure) score, copy detection, robust aggregate, outer step, checkpoint, rewards;
   (record) the intent, with everything the chain transaction will say; (chain) finalize unless the
   chain already shows this round finalized; (record) done. A restart in between re-reads the intent
@@ -32,7 +37,7 @@ from chain.client import round_result_hash
 from chain.merkle import RewardTree
 from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import RoundOutcome, compute_outcome
-from gonka_node.aggregator.ingest import receive_payload
+from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
@@ -97,6 +102,15 @@ class EvidenceSink(Protocol):
 
 
 @dataclass(frozen=True)
+class InFlight:
+    """An authenticated upload still streaming: what its signed header committed to, and when."""
+
+    payload_sha256: bytes
+    started_ms: int
+    signature: bytes
+
+
+@dataclass(frozen=True)
 class SignedReceipt:
     body: ReceiptBody
     signature: bytes
@@ -128,12 +142,16 @@ class RoundEngine:
         self.clock = clock
         self.current: RoundRow | None = None
         self.closing = False
-        self._in_flight: set[bytes] = set()
+        self.closed_for_submissions = asyncio.Event()  # set when the open round closes; new one per round
+        self._in_flight: dict[bytes, InFlight] = {}
+        self.stream_limits = StreamLimits(
+            settings.stream_idle_s, settings.stream_setup_s, settings.min_upload_kib_per_s * 1024
+        )
         self._decode_slots = asyncio.Semaphore(1)  # one decoded update in memory at a time
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()
         self._signin_closed_seen = False
-        self._hosts_cache: tuple[tuple[int, int], int, set[bytes]] | None = None
+        self._members_of_round: tuple[int, set[bytes]] | None = None  # (round, hosts that may submit)
         self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
 
@@ -174,6 +192,7 @@ class RoundEngine:
         deadline = self.clock() + int(self.ctx.round_length_s * 1000)
         self.current = self.store.open_round(self.ctx.epoch, round_, base_sha256, deadline)
         self.closing = False
+        self.closed_for_submissions = asyncio.Event()
         log.info("round %d/%d open until %d", self.ctx.epoch, round_, deadline)
 
     def _open_next(self, last: RoundRow) -> None:
@@ -240,20 +259,36 @@ class RoundEngine:
             raise Rejected(
                 Reason.BAD_SIGNATURE, "signature does not verify under the node key registered on chain"
             )
-        if sub.host in self._in_flight or self.store.has_submission(r.epoch, r.round, sub.host):
+        if sub.host in self._in_flight:
+            raise Rejected(Reason.DUPLICATE, f"host already has an upload streaming in round {r.epoch}/{r.round}")
+        if self.store.has_submission(r.epoch, r.round, sub.host):
             raise Rejected(Reason.DUPLICATE, f"host already submitted in round {r.epoch}/{r.round}")
-        owner = self.store.digest_owner(r.epoch, r.round, sub.payload_sha256)
+        owner = self._digest_owner(r, sub.payload_sha256)
         if owner is not None:
-            why = f"payload identical to the submission of {to_checksum_address(owner)}"
+            why = f"payload identical to the submission of {to_checksum_address(owner)}, whose header came first"
             if self.evidence is not None:  # signature verified above: the host signed a copy
                 self.evidence.signed_rejection(sub, signature, Reason.COPY, f"0x{owner.hex()}", None)
             raise Rejected(Reason.COPY, why)
         return member
 
-    async def submit(self, sub: Submission, signature: bytes, chunks: AsyncIterator[bytes]) -> SignedReceipt:
+    def _digest_owner(self, r: RoundRow, payload_sha256: bytes) -> bytes | None:
+        """The host whose signed header named this digest first in the round: stored, or still streaming."""
+        stored = self.store.digest_owner(r.epoch, r.round, payload_sha256)
+        if stored is not None:
+            return stored
+        return next((h for h, f in self._in_flight.items() if f.payload_sha256 == payload_sha256), None)
+
+    def stream_guard(self, what: str) -> StreamGuard:
+        """Time limits for one Submit stream, ended early by the open round's close."""
+        return StreamGuard(self.stream_limits, self.closed_for_submissions, what)
+
+    async def submit(
+        self, sub: Submission, signature: bytes, chunks: AsyncIterator[bytes], guard: StreamGuard | None = None
+    ) -> SignedReceipt:
         """Authenticate, stream, validate, persist; returns the signed acceptance or raises Rejected."""
         await self.authenticate(sub, signature)
-        self._in_flight.add(sub.host)
+        started = self.clock()
+        self._in_flight[sub.host] = InFlight(sub.payload_sha256, started, signature)
         try:
             part = await receive_payload(
                 chunks,
@@ -261,6 +296,7 @@ class RoundEngine:
                 declared_sha256=sub.payload_sha256,
                 max_chunk_bytes=self.settings.max_chunk_bytes,
                 incoming=self.store.incoming,
+                guard=guard or self.stream_guard(f"upload of 0x{sub.host.hex()}"),
             )
             try:
                 async with self._decode_slots:
@@ -287,6 +323,7 @@ class RoundEngine:
                     timestamp_ms=sub.timestamp_ms,
                     signature=signature,
                     received_ms=received,
+                    started_ms=started,
                     norm=checked[0],
                     sketch=checked[1],
                     path=str(self.store.payload_path(sub.epoch, sub.round, sub.host)),
@@ -295,7 +332,7 @@ class RoundEngine:
             finally:
                 part.unlink(missing_ok=True)
         finally:
-            self._in_flight.discard(sub.host)
+            self._in_flight.pop(sub.host, None)
         return self.receipt(sub, accepted=True, reason=0, received_ms=received)
 
     def _check(self, part: Path, round_: int) -> tuple[float, bytes]:
@@ -335,10 +372,7 @@ class RoundEngine:
                 await self.close(skip=self._close_failed)
             return
         accepted = {s.host for s in self.store.submissions(r.epoch, r.round)}
-        hosts = await self._signed_in(r.epoch, len(accepted))
-        # "Everyone has submitted" means everyone who can still sign in too: while the sign-in window is
-        # open a later host may join (and the registry refuses to finalize before the window ends).
-        everyone = bool(hosts) and hosts <= accepted and await self._signin_closed(r.epoch)
+        everyone = await self._everyone_submitted(r, accepted)
         if everyone or (self.clock() > r.deadline_ms and len(accepted) >= self.settings.quorum):
             await self.close(skip=False)
         elif self.clock() > r.deadline_ms and r.extensions < self.settings.max_extensions:
@@ -360,22 +394,29 @@ class RoundEngine:
         self._signin_closed_seen = await self.chain.acall(chain.chain_time) >= end
         return self._signin_closed_seen
 
-    async def _signed_in(self, epoch: int, n_accepted: int) -> set[bytes]:
-        """Hosts of the epoch, re-read from the chain only when a submission arrived or every 10 s:
-        reading it at every tick would keep a CPU busy with EVM calls."""
-        key = (epoch, n_accepted)
-        now = self.clock()
-        if self._hosts_cache is None or self._hosts_cache[0] != key or now - self._hosts_cache[1] > 10_000:
-            hosts = await self.chain.acall(self.chain.chain.hosts, epoch)
-            self._hosts_cache = (key, now, {bytes.fromhex(h[2:]) for h in hosts})
-        return self._hosts_cache[2]
+    async def _everyone_submitted(self, r: RoundRow, accepted: set[bytes]) -> bool:
+        """Whether every host that may submit in the round has been accepted.
+
+        "Everyone" means everyone who can still sign in too: while the sign-in window is open a later host
+        may join (and the registry refuses to finalize before the window ends). Once it is closed the set
+        can only shrink (a host leaves or is slashed), so it is read once per round, after the window:
+        never from a cache filled while hosts were still joining."""
+        if not accepted or not await self._signin_closed(r.epoch):
+            return False
+        if self._members_of_round is None or self._members_of_round[0] != r.round:
+            members = await asyncio.to_thread(self.chain.members, r.epoch)
+            self._members_of_round = (r.round, {m.address for m in members})
+        hosts = self._members_of_round[1]
+        return bool(hosts) and hosts <= accepted
 
     async def close(self, skip: bool) -> None:
         r = self.current
         assert r is not None
-        self.closing = True  # from here on, submissions of this round are refused as LATE
-        while self._in_flight:  # let payloads already past authentication finish (or fail)
-            await asyncio.sleep(0.01)
+        # From here on, submissions of this round are refused as LATE, and uploads still streaming end
+        # with LATE now: nothing a host holds open delays the close. No stream can store a payload after
+        # this line, since the check and the store's insert run on this event loop without a pause.
+        self.closing = True
+        self.closed_for_submissions.set()
         try:
             row = await asyncio.to_thread(self._close_sync, r, skip)
         except Exception as exc:  # the chain (or a disk) failed: keep refusing, retry at the next tick

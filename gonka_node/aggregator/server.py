@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
+from gonka_node.config import RoundSettings
 from gonka_node.envelope import EnvelopeError, Submission
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
@@ -49,6 +50,7 @@ STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.COPY: grpc.StatusCode.ALREADY_EXISTS,
     Reason.CLOCK_SKEW: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Reason.STREAM_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -140,11 +142,14 @@ class AggregatorService(pb_grpc.AggregatorServicer):
     ) -> pb.Receipt:
         sub: Submission | None = None
         try:
-            first = await anext(aiter(request_iterator), None)
+            requests = aiter(request_iterator)
+            guard = self.engine.stream_guard(f"stream from {context.peer()}")
+            first = await guard.next(requests)  # a connection that never sends its header is dropped too
             if first is None or first.WhichOneof("part") != "header":
                 raise Rejected(Reason.MALFORMED, "the stream must start with a SubmitHeader")
             sub = submission_from_pb(first.header)
-            receipt = await self.engine.submit(sub, first.header.signature, _chunks(request_iterator))
+            guard.what = f"upload of 0x{sub.host.hex()}"
+            receipt = await self.engine.submit(sub, first.header.signature, _chunks(requests), guard)
             return receipt_pb(receipt)
         except asyncio.CancelledError:  # the host went away mid-stream: its partial file is already gone
             log.warning(
@@ -321,6 +326,29 @@ class CheckpointsService(cpb_grpc.CheckpointsServicer):
             yield chunk
 
 
+def server_options(settings: RoundSettings) -> list[tuple[str, int]]:
+    """Transport limits: no connection is kept beyond what the longest legitimate upload needs.
+
+    Keepalive pings find dead peers (a host whose link dropped without a FIN) within about three
+    minutes; the ack may take up to a minute, since it queues behind a saturated home uplink's data (a
+    shorter timeout cut honest slow uploads in the throttled-link fault test); idle connections are
+    closed; a connection's age is capped at the longest allowed upload, after which the client reconnects
+    (open calls get the same time again to finish). Per-stream idle and total deadlines, and one upload
+    per host at a time, are enforced by the round engine; volume (many connections) is out of scope."""
+    upload_ms = int(settings.longest_upload_s() * 1000)
+    return [
+        ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+        ("grpc.max_send_message_length", MESSAGE_LIMIT),
+        ("grpc.keepalive_time_ms", 120_000),
+        ("grpc.keepalive_timeout_ms", 60_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.max_connection_idle_ms", 300_000),
+        ("grpc.max_connection_age_ms", upload_ms),
+        ("grpc.max_connection_age_grace_ms", upload_ms),
+    ]
+
+
 class AggregatorServer:
     """The asyncio gRPC server around one RoundEngine: bind, serve, tick rounds, stop."""
 
@@ -335,12 +363,7 @@ class AggregatorServer:
 
     async def start(self) -> int:
         self.engine.start()
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-                ("grpc.max_send_message_length", MESSAGE_LIMIT),
-            ]
-        )
+        server = grpc.aio.server(options=server_options(self.engine.settings))
         pb_grpc.add_AggregatorServicer_to_server(AggregatorService(self.engine), server)
         cpb_grpc.add_CheckpointsServicer_to_server(CheckpointsService(self.engine, self.model_name), server)
         health_servicer = health.aio.HealthServicer()

@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS submissions (
     norm REAL NOT NULL,
     sketch BLOB NOT NULL,
     path TEXT NOT NULL,
+    started_ms INTEGER NOT NULL DEFAULT 0,  -- when its signed header arrived (orders copies)
     PRIMARY KEY (epoch, round, host)
 );
 CREATE TABLE IF NOT EXISTS contributions (
@@ -95,6 +96,7 @@ class SubmissionRow:
     norm: float
     sketch: bytes
     path: str
+    started_ms: int = 0  # when the signed header arrived: the order in which copies are judged
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class Store:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")  # fsync the WAL at every commit: a receipt implies durability
         db.executescript(SCHEMA)
+        _add_missing_columns(db)
         self._db = db
         # Half-received payloads of a previous process: never acknowledged, so safe to drop.
         for part in self.incoming.iterdir():
@@ -273,7 +276,9 @@ class Store:
                 if state is None or state[0] != "open":
                     raise sqlite3.IntegrityError(f"round {row.epoch}/{row.round} is not open")
                 db.execute(
-                    "INSERT INTO submissions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "INSERT INTO submissions (epoch, round, host, payload_sha256, payload_length, tokens_trained, "
+                    "timestamp_ms, signature, received_ms, norm, sketch, path, started_ms) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         row.epoch,
                         row.round,
@@ -287,6 +292,7 @@ class Store:
                         row.norm,
                         row.sketch,
                         row.path,
+                        row.started_ms,
                     ),
                 )
         except BaseException:
@@ -318,3 +324,10 @@ class Store:
                 (epoch, round_, payload_sha256),
             ).fetchone()
         return None if row is None else bytes(row[0])
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    """Bring a store written by an older version up to the schema (columns added since, with defaults)."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(submissions)")}
+    if "started_ms" not in have:
+        db.execute("ALTER TABLE submissions ADD COLUMN started_ms INTEGER NOT NULL DEFAULT 0")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -33,7 +34,31 @@ from training.diloco import OuterOptimizer
 from training.model import build_model
 from training.worker import Assignment, DiLoCoWorker
 
+T = TypeVar("T")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def patiently(
+    call: Callable[[], T], who: str, what: str, sleep: Callable[[float], None], note: Callable[[str], None],
+    backoff_s: float, max_backoff_s: float = 30.0,
+) -> T:
+    """`call` until it answers: a host must outlive an aggregator outage while it follows the chain
+    (the round is finalized on chain; only the download is missing). Refusals that are not about
+    reachability (RETRYABLE) propagate. Says so once, then every ~5 minutes of waiting."""
+    delay, waited, said = backoff_s, 0.0, -1.0
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            if code not in RETRYABLE:
+                raise
+            if said < 0 or waited - said >= 300:
+                note(f"{who} unreachable ({code.name}) while fetching {what}; waiting for it to come back")
+                said = waited
+        sleep(delay)
+        waited += delay
+        delay = min(delay * 2, max_backoff_s)
 
 
 class HostError(RuntimeError):
@@ -205,8 +230,8 @@ class HostNode:
             gm,
             target,
             hashes,
-            lambda r: self._retrying(lambda: self.aggregator.round_update(epoch, r)).data,
-            lambda r: self._retrying(lambda: self.aggregator.checkpoint(epoch, r)).data,
+            lambda r: self._patiently(f"round {r}'s update", lambda: self.aggregator.round_update(epoch, r)).data,
+            lambda r: self._patiently(f"round {r}'s checkpoint", lambda: self.aggregator.checkpoint(epoch, r)).data,
         )
 
     def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
@@ -292,6 +317,10 @@ class HostNode:
                 delay = min(delay * 2, 30.0)
         raise AssertionError("unreachable")
 
+    def _patiently(self, what: str, call: Callable[[], T]) -> T:
+        return patiently(call, f"aggregator {self.aggregator.target}", what, self.sleep, self.events.note,
+                         self.settings.backoff_s)
+
     def _wait_finalized(self, round_: int) -> None:
         while self.chain.latest_round(self.settings.epoch) < round_:
             self.sleep(self.settings.poll_s)
@@ -301,9 +330,10 @@ class HostNode:
         return int(mine.reward) if mine is not None else 0
 
     def _contribution(self, round_: int) -> pb.Contribution | None:
-        """This host's row in the aggregator's result of `round_` (None: not submitted, or unreachable)."""
+        """This host's row in the aggregator's result of `round_` (None: not submitted, or not served)."""
+        epoch = self.settings.epoch
         try:
-            result = self._retrying(lambda: self.aggregator.round_result(self.settings.epoch, round_))
-        except grpc.RpcError:
+            result = self._patiently(f"round {round_}'s result", lambda: self.aggregator.round_result(epoch, round_))
+        except grpc.RpcError:  # not served (e.g. a round this aggregator did not close)
             return None
         return next((c for c in result.contributions if bytes(c.host) == self.host_bytes), None)

@@ -159,6 +159,7 @@ class FaultNet:
     max_extensions: int = 2
     scoring: bool = False  # every valid update scores 1: the faults, not the scores, are under test
     inner_steps: int = 4
+    stream_idle_s: float = 30.0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     starts: dict[str, int] = field(default_factory=dict)
 
@@ -256,7 +257,7 @@ class FaultNet:
             f"epoch = {self.epoch}\nscoring = {'true' if self.scoring else 'false'}\n\n"
             f'[chain]\nbackend = "rpc"\nrpc_url = "{rpc_url or self.server.url}"\n\n'
             f"[round]\nquorum = {self.quorum}\nextend_s = {self.extend_s}\n"
-            f"max_extensions = {self.max_extensions}\n"
+            f"max_extensions = {self.max_extensions}\nstream_idle_s = {self.stream_idle_s}\n"
         )
         port_file = self.out / "aggregator.port"
         port_file.unlink(missing_ok=True)
@@ -319,17 +320,32 @@ class FaultNet:
             db.close()
         return None if row is None else str(row[0])
 
+    def round_times(self, round_: int) -> tuple[int, int]:
+        """(deadline_ms, closed_ms) of a closed round, on the aggregator's clock."""
+        db = sqlite3.connect(f"file:{self.out / 'aggregator' / 'state.sqlite3'}?mode=ro", uri=True, timeout=5)
+        try:
+            row = db.execute(
+                "SELECT deadline_ms, closed_ms FROM rounds WHERE epoch=? AND round=?", (self.epoch, round_)
+            ).fetchone()
+        finally:
+            db.close()
+        return int(row[0]), int(row[1])
+
     def finalize_txs_sent(self) -> int:
         """Transactions ever mined from the aggregator's account: it sends nothing but finalize_round."""
         with self.backend.lock:
             return int(self.backend.connect().eth.get_transaction_count(self.accounts[AGGREGATOR].address))
 
-    def submit_update(self, target: str, i: int, seed: int) -> pb.Receipt:
-        """Submit a small valid update for host i (what a host would send, without training for it)."""
+    def update_payload(self, seed: int) -> bytes:
+        """A small valid encoded update (what a host would send, without training for it)."""
         model = build_model(self.recipe.model, self.recipe.init_seed)
         g = torch.Generator().manual_seed(seed)
         update = {n: torch.randn(p.shape, generator=g) * 1e-3 for n, p in model.named_parameters()}
-        payload = get_codec(self.recipe.codec).encode(update)
+        return get_codec(self.recipe.codec).encode(update)
+
+    def submit_update(self, target: str, i: int, seed: int) -> pb.Receipt:
+        """Submit a small valid update for host i (what a host would send, without training for it)."""
+        payload = self.update_payload(seed)
         with AggregatorClient(target, 30) as agg:
             info = agg.open_round()
             return agg.submit(info, self.host_address(i), payload, self.keys(i).node_key.signing_key, 1000)

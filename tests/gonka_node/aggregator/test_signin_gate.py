@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 
-from agg_harness import Harness
+from agg_harness import GNK, Harness, Host
+from nacl.signing import SigningKey
 from test_round import wait_state
 
 from gonka_node.aggregator.client import AggregatorClient
@@ -27,3 +29,28 @@ def test_everyone_submitted_waits_for_the_signin_window(harness: Harness, monkey
     backend.increase_time(31)  # the window closes: the next ticks close and finalize the round
     assert wait_state(server, h.epoch, 1, ("finalized",)) == "finalized"
     assert h.world.client(0).latest_round(h.epoch) == 1
+
+
+def test_a_host_signing_in_late_is_waited_for(harness: Harness, monkeypatch) -> None:
+    """Two hosts sign in and submit while the window is open; a third signs in just before it closes.
+    The round must not close as "everyone has submitted" on a host list read while hosts were still
+    joining: it waits for the third host."""
+    h = harness
+    backend = h.world.backend
+    with monkeypatch.context() as m:
+        m.setattr(backend, "increase_time", lambda seconds: None)  # leave the sign-in window open
+        h.schedule(2)
+    server = h.start_server()
+    late = Host(3, h.world.accounts[3], SigningKey(hashlib.sha256(b"host-3").digest()))
+    with AggregatorClient(server.target) as client:
+        info = client.open_round()
+        for host in h.hosts:
+            client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)
+        time.sleep(1.0)  # ticks see the two submissions while the window is open
+        late.slot = h.world.client(3).join(h.epoch, 10 * GNK, bytes(late.key.verify_key))
+        backend.increase_time(31)  # the window closes with three hosts signed in
+        time.sleep(2.0)  # many ticks: two of three have submitted
+        assert server.engine.store.get_round(h.epoch, 1).state == "open"
+        client.submit(info, late.address, h.payload(h.honest_update(late, 1)), late.key)
+    assert wait_state(server, h.epoch, 1, ("finalized",)) == "finalized"
+    assert len(server.engine.store.submissions(h.epoch, 1)) == 3
