@@ -2,11 +2,14 @@
 
 The constructor stores; `connect()` opens the backend. Every transaction goes through one `TxSender`
 (nonce, gas, signing, bounded retries, receipt, uniform `ChainRevert`). Reads return the dataclasses of
-`chain.types`. All amounts are integers in ngonka (1 GNK = 10**9 ngonka).
+`chain.types`. All amounts are integers in ngonka (1 GNK = 10**9 ngonka). What the Registry keeps only
+in events (recipes, TLS certificates, challenge URIs) is read from logs from the deployment block on
+and checked against what it keeps in storage (hashes).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,15 +18,30 @@ from eth_utils import to_checksum_address
 from web3 import Web3
 from web3.contract import Contract
 from web3.logs import DISCARD
-from web3.types import TxReceipt
+from web3.types import EventData, TxReceipt
 
 from chain.artifacts import load_artifact
 from chain.backends import ChainBackend
 from chain.errors import ChainError, DeploymentError
 from chain.tx import TxSender, translate_call
-from chain.types import Action, Deployment, EpochInfo, EpochSpec, HostInfo, Proposal, RoundResult
+from chain.types import (
+    CHALLENGE_STATUSES,
+    Action,
+    AggregatorEndpoint,
+    Challenge,
+    Deployment,
+    EpochInfo,
+    EpochSpec,
+    HostInfo,
+    Proposal,
+    RoundResult,
+    RoundSeed,
+)
 
 HOSTS_PAGE = 256
+MAX_URI = 256  # Registry: endpoint and evidence_uri, UTF-8 bytes
+MAX_RECIPE = 8192
+MAX_CERT = 4096
 
 
 def _bytes32(name: str, value: bytes | str) -> bytes:
@@ -31,6 +49,12 @@ def _bytes32(name: str, value: bytes | str) -> bytes:
     if len(raw) != 32:
         raise ValueError(f"{name} must be 32 bytes, got {len(raw)}")
     return raw
+
+
+def _bounded(name: str, value: bytes, limit: int) -> bytes:
+    if len(value) > limit:
+        raise ValueError(f"{name} is {len(value)} bytes; the Registry takes at most {limit}")
+    return value
 
 
 class ChainClient:
@@ -236,6 +260,14 @@ class ChainClient:
         events = self.registry.events.StakeWithdrawn().process_receipt(receipt, errors=DISCARD)
         return int(events[0]["args"]["amount"])
 
+    def epoch_end(self, epoch: int) -> int:
+        """When the epoch ended or will end: the last round's finalization, else the rounds' deadline."""
+        return int(self.read(self.registry, "epoch_end", epoch))
+
+    def stake_unlock_time(self, epoch: int) -> int:
+        """epoch_end + challenge_window: from then on stake without an open challenge can be withdrawn."""
+        return int(self.read(self.registry, "stake_unlock_time", epoch))
+
     def host_info(self, epoch: int, host: str) -> HostInfo:
         return HostInfo.from_abi(self.read(self.registry, "host_info", epoch, to_checksum_address(host)))
 
@@ -268,7 +300,7 @@ class ChainClient:
         t = self.read(self.registry, "round_result", epoch, round_)
         return RoundResult(
             epoch=epoch, round=round_, checkpoint_sha256=bytes(t[0]), rewards_root=bytes(t[1]),
-            n_contributors=t[2], total_reward=t[3], claimed=t[4], finalized_at=t[5],
+            n_contributors=t[2], total_reward=t[3], claimed=t[4], finalized_at=t[5], seed=bytes(t[6]),
         )
 
     def round_vote(self, epoch: int, round_: int, aggregator: str | None = None) -> bytes:
@@ -287,6 +319,112 @@ class ChainClient:
 
     def claimed(self, epoch: int, round_: int, host: str | None = None) -> bool:
         return bool(self.read(self.registry, "claimed", epoch, round_, to_checksum_address(host or self.address)))
+
+    # ------------------------------------------------------------------ round seed (aggregators)
+
+    def commit_round_seed(self, epoch: int, round_: int, commitment: bytes | str) -> TxReceipt:
+        """Commit keccak256(secret) for the round (chain.seed.seed_commitment), when the round opens."""
+        return self.transact(self.registry, "commit_round_seed", epoch, round_, _bytes32("commitment", commitment))
+
+    def reveal_round_seed(self, epoch: int, round_: int, secret: bytes | str) -> TxReceipt:
+        """Reveal the committed secret once the round's submissions are fixed; mixes it into the seed."""
+        return self.transact(self.registry, "reveal_round_seed", epoch, round_, _bytes32("secret", secret))
+
+    def round_seed(self, epoch: int, round_: int) -> RoundSeed:
+        t = self.read(self.registry, "round_seed", epoch, round_)
+        return RoundSeed(epoch=epoch, round=round_, seed=bytes(t[0]), commits=t[1], reveals=t[2])
+
+    def seed_commitment(self, epoch: int, round_: int, aggregator: str | None = None) -> bytes:
+        """`aggregator`'s (default: this account) commitment for the round; 32 zero bytes if none."""
+        who = to_checksum_address(aggregator or self.address)
+        return bytes(self.read(self.registry, "seed_commitment", epoch, round_, who))
+
+    def seed_revealed(self, epoch: int, round_: int, aggregator: str | None = None) -> bool:
+        who = to_checksum_address(aggregator or self.address)
+        return bool(self.read(self.registry, "seed_revealed", epoch, round_, who))
+
+    # ------------------------------------------------------------------ challenges
+
+    def challenge(self, epoch: int, host: str, evidence_hash: bytes | str, evidence_uri: str = "") -> int:
+        """File a challenge against `host`'s stake, escrowing the epoch's challenge_bond; returns its id."""
+        evidence = _bytes32("evidence_hash", evidence_hash)
+        _bounded("evidence_uri", evidence_uri.encode(), MAX_URI)
+        self._ensure_allowance(self.registry.address, self.get_epoch(epoch).spec.challenge_bond)
+        receipt = self.transact(self.registry, "challenge", epoch, to_checksum_address(host), evidence, evidence_uri)
+        events = self.registry.events.ChallengeFiled().process_receipt(receipt, errors=DISCARD)
+        return int(events[0]["args"]["challenge_id"])
+
+    def resolve_challenge(self, challenge_id: int, uphold: bool) -> TxReceipt:
+        """Governance's ruling (an EOA governance; with a Governor use action_resolve_challenge)."""
+        return self.transact(self.registry, "resolve_challenge", challenge_id, uphold)
+
+    def vote_challenge(self, challenge_id: int, uphold: bool) -> TxReceipt:
+        """An aggregator's vote; aggregator_quorum votes either way resolve the challenge."""
+        return self.transact(self.registry, "vote_challenge", challenge_id, uphold)
+
+    def get_challenge(self, challenge_id: int) -> Challenge:
+        t = self.read(self.registry, "get_challenge", challenge_id)
+        if t[6] == 0:
+            raise ChainError(f"no challenge {challenge_id} on this Registry")
+        logs = self._logs("ChallengeFiled", {"challenge_id": challenge_id})
+        return Challenge(
+            challenge_id=challenge_id, epoch=t[0], host=to_checksum_address(t[1]), challenger=to_checksum_address(t[2]),
+            bond=t[3], evidence_hash=bytes(t[4]), evidence_uri=logs[0]["args"]["evidence_uri"] if logs else "",
+            filed_at=t[5], status=CHALLENGE_STATUSES[t[6]], uphold_votes=t[7], reject_votes=t[8], slashed=t[9],
+        )
+
+    def challenges(self, epoch: int) -> list[Challenge]:
+        """Every challenge filed in `epoch`, oldest first."""
+        ids = [int(e["args"]["challenge_id"]) for e in self._logs("ChallengeFiled", {"epoch": epoch})]
+        return [self.get_challenge(i) for i in ids]
+
+    # ------------------------------------------------------------------ publication
+
+    def publish_recipe(self, epoch: int, recipe_json: bytes) -> TxReceipt:
+        """Publish the recipe's canonical JSON; the Registry refuses bytes not hashing to model_spec_hash."""
+        return self.transact(self.registry, "publish_recipe", epoch, _bounded("recipe_json", bytes(recipe_json), MAX_RECIPE))
+
+    def published_recipe(self, epoch: int) -> bytes | None:
+        """The epoch's recipe as published on chain (checked again against model_spec_hash), or None."""
+        want = self.get_epoch(epoch).spec.model_spec_hash
+        for event in self._logs("RecipePublished", {"epoch": epoch}):
+            recipe = bytes(event["args"]["recipe_json"])
+            if hashlib.sha256(recipe).digest() == want:
+                return recipe
+        return None
+
+    def announce_aggregator(self, epoch: int, endpoint: str, tls_cert_pem: bytes) -> TxReceipt:
+        """Announce (or replace) where this aggregator serves the epoch and its TLS certificate (PEM)."""
+        _bounded("endpoint", endpoint.encode(), MAX_URI)
+        cert = _bounded("tls_cert_pem", bytes(tls_cert_pem), MAX_CERT)
+        return self.transact(self.registry, "announce_aggregator", epoch, endpoint, cert)
+
+    def aggregator_endpoints(self, epoch: int) -> list[AggregatorEndpoint]:
+        """The current aggregators' latest announcements, in the spec's order; silent ones are omitted."""
+        out: list[AggregatorEndpoint] = []
+        for aggregator in self.get_epoch(epoch).spec.aggregators:
+            endpoint = self._announcement(epoch, aggregator)
+            if endpoint is not None:
+                out.append(endpoint)
+        return out
+
+    def _announcement(self, epoch: int, aggregator: str) -> AggregatorEndpoint | None:
+        endpoint, digest = self.read(self.registry, "announcement", epoch, aggregator)
+        if bytes(digest) == bytes(32):
+            return None
+        logs = self._logs("AggregatorAnnounced", {"epoch": epoch, "aggregator": aggregator})
+        latest = logs[-1]["args"] if logs else None
+        if latest is None or hashlib.sha256(latest["tls_cert"]).digest() != bytes(digest) or latest["endpoint"] != endpoint:
+            # Storage is the truth; a node that pruned or lost the log cannot give the certificate to pin.
+            raise ChainError(f"aggregator {aggregator}: no announcement in the logs matches the one in storage")
+        return AggregatorEndpoint(
+            address=aggregator, endpoint=endpoint, tls_cert_pem=bytes(latest["tls_cert"]), tls_cert_sha256=bytes(digest)
+        )
+
+    def _logs(self, event: str, filters: Mapping[str, Any]) -> list[EventData]:
+        start = self.deployment.block if self.deployment else 0
+        logs = getattr(self.registry.events, event)().get_logs(from_block=start, argument_filters=dict(filters))
+        return sorted(logs, key=lambda e: (e["blockNumber"], e["logIndex"]))
 
     # ------------------------------------------------------------------ governance (Governor contract)
 
@@ -349,6 +487,9 @@ class ChainClient:
     def action_slash(self, epoch: int, host: str, amount: int, evidence_hash: bytes | str) -> Action:
         evidence = _bytes32("evidence_hash", evidence_hash)
         return self.encode(self.registry, "slash", epoch, to_checksum_address(host), amount, evidence)
+
+    def action_resolve_challenge(self, challenge_id: int, uphold: bool) -> Action:
+        return self.encode(self.registry, "resolve_challenge", challenge_id, uphold)
 
     def action_mint(self, receiver: str, amount: int) -> Action:
         return self.encode(self.gnk, "mint", to_checksum_address(receiver), amount)

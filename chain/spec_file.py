@@ -6,17 +6,21 @@
     inner_lr = 3e-4                     # also outer_lr, outer_momentum (at most 9 decimals)
     codec = "topk-int8"
     round_length = 600                  # seconds; also signin_window
-    min_stake_gnk = "100"               # also reward_per_round_gnk ("1.5" = 1.5 GNK)
+    min_stake_gnk = "100"               # also reward_per_round_gnk, challenge_bond_gnk ("1.5" = 1.5 GNK)
     aggregators = ["0x…", "0x…"]
+    replay_probability = 0.25           # optional (default 1.0): min_stake >= reward_per_round / p
+    challenge_window = 3600             # optional: seconds the stake stays locked after the epoch
 
-Every mistake raises SpecError naming the file and the field.
+Keys for EpochSpec fields with a default (aggregator_quorum, reward_per_round_gnk, replay_probability,
+challenge_window, challenge_bond_gnk) may be left out. Every mistake raises SpecError naming the file
+and the field.
 """
 
 from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +29,13 @@ from chain.types import EpochSpec
 from chain.units import parse_gnk
 
 _HASHES = ("model_spec_hash", "data_manifest_hash", "init_checkpoint_hash")
-_INTS = ("inner_steps", "batch_size", "n_rounds", "round_length", "signin_window", "max_hosts", "aggregator_quorum")
-_FLOATS = ("inner_lr", "outer_lr", "outer_momentum")
-_GNK = {"min_stake_gnk": "min_stake", "reward_per_round_gnk": "reward_per_round"}
-_OPTIONAL = {"aggregator_quorum": 1, "reward_per_round_gnk": "0"}
+_INTS = (
+    "inner_steps", "batch_size", "n_rounds", "round_length", "signin_window", "max_hosts", "aggregator_quorum",
+    "challenge_window",
+)
+_FLOATS = ("inner_lr", "outer_lr", "outer_momentum", "replay_probability")
+_GNK = {"min_stake_gnk": "min_stake", "reward_per_round_gnk": "reward_per_round", "challenge_bond_gnk": "challenge_bond"}
+_KEY_OF_FIELD = {name: key for key, name in _GNK.items()}
 
 
 def _hash(value: Any) -> bytes:
@@ -82,8 +89,12 @@ def _converter(key: str) -> tuple[str, Callable[[Any], Any]]:
 
 
 def spec_keys() -> list[str]:
-    inverse = {v: k for k, v in _GNK.items()}
-    return [inverse.get(f.name, f.name) for f in fields(EpochSpec)]
+    return [_KEY_OF_FIELD.get(f.name, f.name) for f in fields(EpochSpec)]
+
+
+def _optional_keys() -> set[str]:
+    """Keys whose EpochSpec field has a default: left out, the dataclass's default applies."""
+    return {_KEY_OF_FIELD.get(f.name, f.name) for f in fields(EpochSpec) if f.default is not MISSING}
 
 
 def parse_epoch_spec(data: dict[str, Any], path: str | None = None) -> EpochSpec:
@@ -91,19 +102,22 @@ def parse_epoch_spec(data: dict[str, Any], path: str | None = None) -> EpochSpec
     unknown = sorted(set(data) - set(keys))
     if unknown:
         raise SpecError(unknown[0], f"unknown field (known: {', '.join(keys)})", path)
+    optional = _optional_keys()
     values: dict[str, Any] = {}
     for key in keys:
-        if key not in data and key not in _OPTIONAL:
+        if key not in data:
+            if key in optional:
+                continue
             raise SpecError(key, "missing", path)
         name, convert = _converter(key)
         try:
-            values[name] = convert(data.get(key, _OPTIONAL.get(key)))
+            values[name] = convert(data[key])
         except ValueError as exc:
             raise SpecError(key, str(exc), path) from None
     try:
         return EpochSpec(**values)
     except SpecError as exc:
-        key = {v: k for k, v in _GNK.items()}.get(exc.field, exc.field)
+        key = _KEY_OF_FIELD.get(exc.field, exc.field)
         raise SpecError(key, exc.message, path) from None
 
 

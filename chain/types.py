@@ -1,7 +1,9 @@
-"""Typed views of what the contracts hold (epochs, hosts, rounds, proposals, deployments).
+"""Typed views of what the contracts hold (epochs, hosts, rounds, seeds, challenges, proposals,
+aggregator endpoints, deployments).
 
-Fixed-point: learning rates and momentum travel on chain as integers in units of 1e-9 (`*_e9`), so
-a spec read back equals the spec written as long as each value has at most 9 decimals.
+Fixed-point: learning rates, momentum and the replay probability travel on chain as integers in units
+of 1e-9 (`*_e9`), so a spec read back equals the spec written as long as each value has at most 9
+decimals.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ NGONKA_PER_GNK = 10**9
 MAX_AGGREGATORS = 16
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+UINT256_MAX = 2**256 - 1
+CHALLENGER_SHARE_BPS = 5000  # Registry.CHALLENGER_SHARE_BPS: the challenger's share of an upheld slash
+CHALLENGE_STATUSES = {1: "open", 2: "upheld", 3: "rejected"}  # Registry's OPEN, UPHELD, REJECTED
 
 
 def _to_e9(name: str, value: float) -> int:
@@ -65,6 +70,9 @@ class EpochSpec:
     aggregators: tuple[str, ...]
     aggregator_quorum: int = 1
     reward_per_round: int = 0  # ngonka
+    replay_probability: float = 1.0  # p: each host's round is replayed (recomputed) with probability p
+    challenge_window: int = 3600  # seconds after the epoch's end: stake stays locked, challenges allowed
+    challenge_bond: int = NGONKA_PER_GNK  # ngonka a challenger escrows
 
     def __post_init__(self) -> None:
         for name in ("model_spec_hash", "data_manifest_hash", "init_checkpoint_hash"):
@@ -78,6 +86,8 @@ class EpochSpec:
             ("round_length", UINT64_MAX),
             ("signin_window", UINT64_MAX),
             ("max_hosts", 65536),
+            ("challenge_window", UINT64_MAX),
+            ("challenge_bond", UINT256_MAX),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hi:
@@ -86,6 +96,9 @@ class EpochSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SpecError(name, f"must be an integer >= 0 (ngonka), got {value!r}")
+        if _to_e9("replay_probability", self.replay_probability) > E9:
+            raise SpecError("replay_probability", f"must be in [0, 1], got {self.replay_probability!r}")
+        self._check_stake_rule()
         if len(self.model_uri.encode()) > 256:
             raise SpecError("model_uri", "longer than 256 bytes")
         if not self.codec or len(self.codec.encode()) > 64:
@@ -101,6 +114,17 @@ class EpochSpec:
         object.__setattr__(self, "aggregators", checksummed)
         if not 1 <= self.aggregator_quorum <= len(self.aggregators):
             raise SpecError("aggregator_quorum", f"must be in 1..{len(self.aggregators)} (number of aggregators)")
+
+    def _check_stake_rule(self) -> None:
+        # A cheat is caught with probability p per round and loses its whole stake: stake * p must
+        # cover the largest reward a round pays, or cheating pays on average (Registry.create_epoch).
+        p_e9 = _to_e9("replay_probability", self.replay_probability)
+        if self.reward_per_round * E9 > self.min_stake * p_e9:
+            need = "impossible with replay_probability 0" if p_e9 == 0 else f">= {-(-self.reward_per_round * E9 // p_e9)} ngonka"
+            raise SpecError(
+                "min_stake",
+                f"min_stake x replay_probability is below reward_per_round (stake must be >= reward / p: {need})",
+            )
 
     def to_abi(self) -> tuple[Any, ...]:
         """The Registry's EpochSpec struct as a tuple, in the contract's field order."""
@@ -123,6 +147,9 @@ class EpochSpec:
             list(self.aggregators),
             self.aggregator_quorum,
             self.reward_per_round,
+            _to_e9("replay_probability", self.replay_probability),
+            self.challenge_window,
+            self.challenge_bond,
         )
 
     @classmethod
@@ -146,6 +173,9 @@ class EpochSpec:
             aggregators=tuple(t[15]),
             aggregator_quorum=t[16],
             reward_per_round=t[17],
+            replay_probability=t[18] / E9,
+            challenge_window=t[19],
+            challenge_bond=t[20],
         )
 
 
@@ -172,11 +202,13 @@ class HostInfo:
     node_key: bytes
     stake: int
     slashed: int
+    open_challenges: int  # while > 0 the stake cannot be withdrawn
 
     @classmethod
     def from_abi(cls, t: tuple[Any, ...]) -> HostInfo:
         return cls(
-            joined=t[0], left=t[1], withdrawn=t[2], slot=t[3], node_key=bytes(t[4]), stake=t[5], slashed=t[6]
+            joined=t[0], left=t[1], withdrawn=t[2], slot=t[3], node_key=bytes(t[4]), stake=t[5], slashed=t[6],
+            open_challenges=t[7],
         )
 
 
@@ -190,6 +222,7 @@ class RoundResult:
     total_reward: int
     claimed: int  # ngonka claimed so far; total_reward - claimed stays in the contract, accounted
     finalized_at: int
+    seed: bytes  # the round seed when it was finalized (zero when the epoch's p is 0 and none was revealed)
 
     @property
     def finalized(self) -> bool:
@@ -198,6 +231,54 @@ class RoundResult:
     @property
     def unclaimed(self) -> int:
         return self.total_reward - self.claimed
+
+
+@dataclass(frozen=True)
+class RoundSeed:
+    """A round's commit-reveal seed so far (chain.seed has the formula)."""
+
+    epoch: int
+    round: int
+    seed: bytes
+    commits: int
+    reveals: int
+
+    @property
+    def complete(self) -> bool:
+        """Every commitment revealed: the seed can no longer change, and finalize_round accepts it."""
+        return self.commits > 0 and self.reveals == self.commits
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """A bonded challenge against a host's stake (Registry.challenge)."""
+
+    challenge_id: int
+    epoch: int
+    host: str
+    challenger: str
+    bond: int  # ngonka escrowed by the challenger
+    evidence_hash: bytes
+    evidence_uri: str  # from the ChallengeFiled event ("" when the log is not available)
+    filed_at: int
+    status: str  # open | upheld | rejected
+    uphold_votes: int
+    reject_votes: int
+    slashed: int  # ngonka slashed when upheld
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == "open"
+
+
+@dataclass(frozen=True)
+class AggregatorEndpoint:
+    """Where an epoch's aggregator serves, and the TLS certificate to pin, as it announced on chain."""
+
+    address: str
+    endpoint: str
+    tls_cert_pem: bytes
+    tls_cert_sha256: bytes
 
 
 @dataclass(frozen=True)

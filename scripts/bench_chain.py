@@ -19,10 +19,12 @@ from pathlib import Path
 from chain.backends import ChainBackend, EmbeddedBackend, RpcBackend
 from chain.client import ChainClient
 from chain.merkle import RewardTree
+from chain.seed import seed_commitment
 from chain.types import EpochSpec
 
 GNK = 10**9
 TREE_SIZES = (4, 64, 1024)
+RECIPE = b"r" * 1024  # stands for a recipe's canonical JSON: publish_recipe checks its sha256
 
 
 def sha(text: str) -> bytes:
@@ -31,11 +33,11 @@ def sha(text: str) -> bytes:
 
 def spec(aggregator: str, max_hosts: int) -> EpochSpec:
     return EpochSpec(
-        model_spec_hash=sha("model"), model_uri="https://example.org/llama-tiny.json",
+        model_spec_hash=hashlib.sha256(RECIPE).digest(), model_uri="https://example.org/llama-tiny.json",
         data_manifest_hash=sha("data"), init_checkpoint_hash=sha("ckpt-0"), inner_steps=50, inner_lr=3e-4,
         batch_size=8, outer_lr=0.7, outer_momentum=0.9, codec="topk-int8", n_rounds=10, round_length=600,
-        signin_window=3600, min_stake=100 * GNK, max_hosts=max_hosts, aggregators=(aggregator,),
-        reward_per_round=1000 * GNK,
+        signin_window=3600, min_stake=8000 * GNK, max_hosts=max_hosts, aggregators=(aggregator,),
+        reward_per_round=2000 * GNK, replay_probability=0.25,
     )
 
 
@@ -61,13 +63,21 @@ def run(backend: ChainBackend) -> dict[str, object]:
     record("fund_epoch", gov.fund_epoch(epoch, 100_000 * GNK))
     record("set_aggregators", gov.set_aggregators(epoch, [agg.address, accounts[3].address], 1))
     host.approve(gov.registry.address, 10**30)
-    record("join", host.transact(host.registry, "join", epoch, 100 * GNK, sha("node-key")))
+    record("join", host.transact(host.registry, "join", epoch, 8000 * GNK, sha("node-key")))
     leaver = gov.with_account(accounts[4])
-    gov.mint(leaver.address, 1000 * GNK)
-    leaver.join(epoch, 100 * GNK, sha("leaver-key"))
+    gov.mint(leaver.address, 10_000 * GNK)
+    leaver.join(epoch, 8000 * GNK, sha("leaver-key"))
     record("leave", leaver.leave(epoch))
     record("slash", gov.slash(epoch, host.address, GNK, sha("evidence")))
+    record("publish_recipe (1 KiB)", gov.transact(gov.registry, "publish_recipe", epoch, RECIPE))
+    record("announce_aggregator (1.2 KB certificate)", agg.announce_aggregator(epoch, "agg.example:443", b"c" * 1200))
+    record("challenge", gov.transact(gov.registry, "challenge", epoch, host.address, sha("e"), "ipfs://evidence"))
+    record("resolve_challenge (rejected)", gov.resolve_challenge(1, False))
+    gov.transact(gov.registry, "challenge", epoch, host.address, sha("e"), "ipfs://evidence")
+    record("vote_challenge (upholds: slashes, pays)", agg.vote_challenge(2, True))
     backend.increase_time(3601)
+    record("commit_round_seed", agg.commit_round_seed(epoch, 1, seed_commitment(sha("secret"))))
+    record("reveal_round_seed", agg.reveal_round_seed(epoch, 1, sha("secret")))
 
     # Each size finalizes the same round 1 from the same state (snapshot/revert), so only the tree
     # differs; the last (1,024) stays for the claim.
@@ -98,7 +108,7 @@ def run(backend: ChainBackend) -> dict[str, object]:
     backend.increase_time(3601)
     record("governor execute (create_epoch)", voter.execute(pid))
 
-    backend.increase_time(10 * 600)
+    backend.increase_time(10 * 600 + 3600)  # the rounds' deadline, then the challenge window
     record("withdraw_stake", gov.with_account(accounts[4]).transact(gov.registry, "withdraw_stake", epoch))
     return {
         "backend": backend.name,

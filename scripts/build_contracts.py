@@ -4,6 +4,9 @@
 Each artifact names the compiler version, the EVM version and the sha256 of its source, next to the
 ABI and deploy bytecode. `--check` recompiles in memory and fails (exit 1) when an artifact is missing,
 stale or extra, without writing anything; CI runs it so the committed bytecode always matches the source.
+Optimization is the compiler's default (gas) unless a source says otherwise: Registry.vy carries
+`# pragma optimize codesize` to stay under EIP-170's 24,576-byte limit, in the source so that compiling
+the file alone reproduces the artifact.
 
     .venv/bin/python scripts/build_contracts.py          # rebuild
     .venv/bin/python scripts/build_contracts.py --check  # verify

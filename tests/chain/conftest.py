@@ -18,6 +18,8 @@ from eth_account.signers.local import LocalAccount
 from chain.anvil import AnvilNode
 from chain.backends import ChainBackend, EmbeddedBackend, RpcBackend
 from chain.client import ChainClient
+from chain.errors import ChainRevert
+from chain.seed import seed_commitment
 from chain.types import Deployment, EpochSpec
 
 GNK = 10**9
@@ -69,9 +71,26 @@ def make_spec(aggregator: str, **overrides: object) -> EpochSpec:
         data_manifest_hash=sha("data"), init_checkpoint_hash=sha("ckpt-0"),
         inner_steps=50, inner_lr=3e-4, batch_size=8, outer_lr=0.7, outer_momentum=0.9, codec="topk-int8",
         n_rounds=3, round_length=600, signin_window=3600, min_stake=100 * GNK, max_hosts=4,
-        aggregators=(aggregator,), aggregator_quorum=1, reward_per_round=1000 * GNK,
+        aggregators=(aggregator,), aggregator_quorum=1, reward_per_round=100 * GNK,
+        replay_probability=1.0, challenge_window=3600, challenge_bond=GNK,
     )
     return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def reverts(reason: str) -> pytest.RaisesExc[ChainRevert]:
+    return pytest.raises(ChainRevert, match=f"^reverted: {reason}")
+
+
+def seed_secret(epoch: int, round_: int, aggregator: int) -> bytes:
+    return sha(f"seed-secret-{epoch}-{round_}-{aggregator}")
+
+
+def settle_seed(world: World, epoch: int, round_: int, aggregators: tuple[int, ...] = (1,)) -> None:
+    """Each listed aggregator (dev account index) commits, then each reveals: the round can be final."""
+    for i in aggregators:
+        world.client(i).commit_round_seed(epoch, round_, seed_commitment(seed_secret(epoch, round_, i)))
+    for i in aggregators:
+        world.client(i).reveal_round_seed(epoch, round_, seed_secret(epoch, round_, i))
 
 
 def _deploy_world(name: str, backend: ChainBackend) -> World:

@@ -34,7 +34,10 @@ signin_window = 3600
 min_stake_gnk = "100"
 max_hosts = 4
 aggregators = ["{agg}"]
-reward_per_round_gnk = "1000.5"
+reward_per_round_gnk = "40.5"
+replay_probability = 0.5
+challenge_window = 7200
+challenge_bond_gnk = "2.5"
 """
 
 
@@ -87,7 +90,8 @@ def test_governance_by_cli(served: tuple[str, Path], tmp_path: Path, capsys: pyt
 
     client = ChainClient(RpcBackend(url), accounts[2], Deployment.load(deployment)).connect()
     info = client.get_epoch(1)
-    assert (info.pool, info.spec.reward_per_round, info.spec.min_stake) == (2500 * GNK, 1000_500_000_000, 100 * GNK)
+    assert (info.pool, info.spec.reward_per_round, info.spec.min_stake) == (2500 * GNK, 40_500_000_000, 100 * GNK)
+    assert (info.spec.replay_probability, info.spec.challenge_window, info.spec.challenge_bond) == (0.5, 7200, 2_500_000_000)
     client.join(1, 100 * GNK, sha("node"))
 
     key = bytes(accounts[0].key)
@@ -120,6 +124,8 @@ def test_spec_mistakes_name_the_file_and_field(served: tuple[str, Path], tmp_pat
         "max_hosts = 4": ("max_hosts = 0", "field 'max_hosts'"),
         "codec = \"topk-int8\"": ("codec = \"topk-int8\"\ncolour = 1", "field 'colour': unknown"),
         "n_rounds = 3": ("", "field 'n_rounds': missing"),
+        "replay_probability = 0.5": ("replay_probability = 0.25", "field 'min_stake_gnk': min_stake x replay_probability"),
+        "challenge_bond_gnk = \"2.5\"": ("challenge_bond_gnk = \"0\"", "field 'challenge_bond_gnk'"),
     }
     for old, (new, expected) in cases.items():
         spec = write_spec(tmp_path, aggregator, **{old: new})

@@ -152,6 +152,29 @@ def test_spec_validation_names_the_field() -> None:
     with pytest.raises(SpecError, match="field 'aggregators'"):
         make_spec(aggregator, aggregators=(aggregator, aggregator.lower()))
     assert make_spec(aggregator, inner_lr=1.5e-4).to_abi()[5] == 150_000
+    with pytest.raises(SpecError, match=r"field 'replay_probability': must be in \[0, 1\]"):
+        make_spec(aggregator, replay_probability=1.5)
+    with pytest.raises(SpecError, match="field 'challenge_window'"):
+        make_spec(aggregator, challenge_window=0)
+    with pytest.raises(SpecError, match="field 'challenge_bond'"):
+        make_spec(aggregator, challenge_bond=0)
+
+
+def test_the_stake_rule_is_checked_before_anything_is_sent() -> None:
+    aggregator = embedded_accounts()[1].address
+    with pytest.raises(SpecError, match=r"field 'min_stake'.*stake must be >= reward / p: >= 400000000000 ngonka"):
+        make_spec(aggregator, min_stake=400 * GNK - 1, reward_per_round=100 * GNK, replay_probability=0.25)
+    with pytest.raises(SpecError, match="impossible with replay_probability 0"):
+        make_spec(aggregator, reward_per_round=1, replay_probability=0.0)
+    boundary = make_spec(aggregator, min_stake=400 * GNK, reward_per_round=100 * GNK, replay_probability=0.25)
+    assert boundary.to_abi()[18:] == (250_000_000, 3600, GNK)
+    assert make_spec(aggregator, reward_per_round=0, replay_probability=0.0).to_abi()[18] == 0
+
+
+def test_the_registry_fits_under_the_eip170_code_size_limit(world: World) -> None:
+    client = world.client(0)
+    size = len(client.w3.eth.get_code(client.registry.address))
+    assert 20_000 < size <= 24_576 - 1024  # keep 1 KiB of headroom for the next rule
 
 
 def test_constructors_store_and_connect_dials() -> None:

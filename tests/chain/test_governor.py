@@ -120,11 +120,22 @@ def test_governor_slashes_and_mints(world: World) -> None:
     world.client(3, governed=True).join(1, 100 * GNK, sha("k3"))
     with reverts("gnk: only the minter"):
         world.client(0, governed=True).mint(world.address(0), GNK)
-    actions = [gov.action_slash(1, world.address(3), 10 * GNK, sha("evidence")), gov.action_mint(world.address(5), 7 * GNK)]
-    pid = gov.propose(actions, "slash and mint")
+    challenger = world.client(4, governed=True)
+    cid = challenger.challenge(1, world.address(3), sha("challenge evidence"), "ipfs://evidence")
+    with reverts("registry: only governance"):  # the deployer cannot rule on it alone either
+        world.client(0, governed=True).resolve_challenge(cid, True)
+    actions = [
+        gov.action_slash(1, world.address(3), 10 * GNK, sha("evidence")),
+        gov.action_resolve_challenge(cid, True),
+        gov.action_mint(world.address(5), 7 * GNK),
+    ]
+    pid = gov.propose(actions, "slash, uphold the challenge, mint")
     gov.vote(pid, True)
     world.backend.increase_time(VOTING_PERIOD)
-    before = gov.gnk_balance(world.address(5))
+    before, challenger_before = gov.gnk_balance(world.address(5)), challenger.gnk_balance()
     gov.execute(pid)
-    assert gov.host_info(1, world.address(3)).slashed == 10 * GNK
+    # The direct slash takes 10 GNK, the upheld challenge the remaining 90: half to the challenger.
+    assert gov.host_info(1, world.address(3)).slashed == 100 * GNK
+    assert challenger.gnk_balance() - challenger_before == GNK + 45 * GNK
+    assert gov.get_challenge(cid).status == "upheld"
     assert gov.gnk_balance(world.address(5)) - before == 7 * GNK

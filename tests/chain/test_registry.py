@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import GNK, World, sha
+from conftest import GNK, World, reverts, settle_seed, sha
 
-from chain.errors import ChainRevert
 from chain.merkle import RewardTree, reward_leaf
 from chain.types import HostInfo
 
@@ -28,8 +26,9 @@ def start_training(world: World, epoch: int) -> None:
     world.backend.increase_time(info.spec.signin_window + 1)
 
 
-def reverts(reason: str) -> pytest.RaisesExc[ChainRevert]:
-    return pytest.raises(ChainRevert, match=f"^reverted: {reason}")
+def finalize(world: World, epoch: int, round_: int, total: int = 0, root: bytes = sha("root")) -> None:
+    settle_seed(world, epoch, round_)
+    world.client(1).finalize_round(epoch, round_, sha(f"c{round_}"), root, 3, total)
 
 
 def test_epoch_is_readable_as_written(world: World) -> None:
@@ -67,6 +66,38 @@ def test_bad_spec_is_refused_on_chain(world: World) -> None:
     bad[15] = [world.address(1), world.address(1)]
     with reverts("registry: duplicate aggregator"):
         gov.transact(gov.registry, "create_epoch", tuple(bad))
+    for index, value, reason in (
+        (18, 10**9 + 1, "registry: replay probability above 1"),
+        (19, 0, "registry: challenge_window must be > 0"),
+        (20, 0, "registry: challenge_bond must be > 0"),
+    ):
+        bad = list(world.spec().to_abi())
+        bad[index] = value
+        with reverts(reason):
+            gov.transact(gov.registry, "create_epoch", tuple(bad))
+    assert gov.epoch_count() == 0
+
+
+def create_raw(world: World, min_stake: int, reward: int, p_e9: int) -> int:
+    """create_epoch with the stake-rule fields set directly (EpochSpec refuses a bad one in Python)."""
+    gov = world.client(0)
+    spec = list(world.spec(reward_per_round=0).to_abi())
+    spec[13], spec[17], spec[18] = min_stake, reward, p_e9
+    return gov.epochs_created(gov.transact(gov.registry, "create_epoch", tuple(spec)))[0]
+
+
+def test_stake_must_cover_the_round_reward_at_the_replay_probability(world: World) -> None:
+    rule = "registry: min_stake x replay probability below reward_per_round"
+    # p = 0.25: a cheat is caught once in four rounds, so stake must be >= 4 x the round reward.
+    with reverts(rule):
+        create_raw(world, min_stake=400 * GNK - 1, reward=100 * GNK, p_e9=250_000_000)
+    epoch = create_raw(world, min_stake=400 * GNK, reward=100 * GNK, p_e9=250_000_000)  # the boundary
+    spec = world.client(0).get_epoch(epoch).spec
+    assert (spec.min_stake, spec.reward_per_round, spec.replay_probability) == (400 * GNK, 100 * GNK, 0.25)
+    with reverts(rule):  # unverifiable (p = 0) epochs cannot pay
+        create_raw(world, min_stake=10**6 * GNK, reward=1, p_e9=0)
+    assert create_raw(world, min_stake=0, reward=0, p_e9=0) == epoch + 1
+    assert world.client(0).epoch_count() == epoch + 1
 
 
 def test_join_assigns_slots_in_signin_order_and_escrows_stake(world: World) -> None:
@@ -75,7 +106,7 @@ def test_join_assigns_slots_in_signin_order_and_escrows_stake(world: World) -> N
     assert gov.hosts(epoch) == [world.address(4), world.address(2), world.address(3)]
     info = gov.host_info(epoch, world.address(2))
     assert info == HostInfo(joined=True, left=False, withdrawn=False, slot=1, node_key=sha("node-key-2"),
-                            stake=STAKE, slashed=0)
+                            stake=STAKE, slashed=0, open_challenges=0)
     assert gov.get_epoch(epoch).total_stake == 3 * STAKE
     assert gov.gnk_balance(gov.registry.address) == 3 * STAKE + 3000 * GNK
 
@@ -106,28 +137,34 @@ def test_join_outside_the_signin_window(world: World) -> None:
 
 
 def test_finalize_rules(world: World) -> None:
-    epoch = open_epoch(world)
+    epoch = open_epoch(world, fund=150 * GNK)
     agg, stranger = world.client(1), world.client(9)
     with reverts("registry: sign-in window still open"):
-        agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 1000 * GNK)
+        agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 100 * GNK)
     start_training(world, epoch)
     with reverts("registry: not an aggregator of this epoch"):
-        stranger.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 1000 * GNK)
+        stranger.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 100 * GNK)
     with reverts("registry: round out of order"):
-        agg.finalize_round(epoch, 2, sha("c2"), sha("root"), 3, 1000 * GNK)
-    with reverts("registry: total reward exceeds the epoch's pool"):
-        agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 3001 * GNK)
+        agg.finalize_round(epoch, 2, sha("c2"), sha("root"), 3, 100 * GNK)
+    with reverts("registry: round seed not revealed"):
+        agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 100 * GNK)
+    settle_seed(world, epoch, 1)
+    with reverts("registry: total reward above reward_per_round"):
+        agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 100 * GNK + 1)
     with reverts("registry: empty checkpoint hash"):
-        agg.finalize_round(epoch, 1, bytes(32), sha("root"), 3, 1000 * GNK)
+        agg.finalize_round(epoch, 1, bytes(32), sha("root"), 3, 100 * GNK)
     with reverts("registry: rewards without a root"):
-        agg.finalize_round(epoch, 1, sha("c1"), bytes(32), 3, 1000 * GNK)
-    agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 1000 * GNK)
+        agg.finalize_round(epoch, 1, sha("c1"), bytes(32), 3, 100 * GNK)
+    agg.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 100 * GNK)
     with reverts("registry: round out of order"):
-        agg.finalize_round(epoch, 1, sha("c1-again"), sha("root"), 3, 1000 * GNK)
+        agg.finalize_round(epoch, 1, sha("c1-again"), sha("root"), 3, 100 * GNK)
     result = agg.round_result(epoch, 1)
-    assert (result.checkpoint_sha256, result.n_contributors, result.total_reward) == (sha("c1"), 3, 1000 * GNK)
+    assert (result.checkpoint_sha256, result.n_contributors, result.total_reward) == (sha("c1"), 3, 100 * GNK)
     assert agg.latest_round(epoch) == 1
-    assert agg.get_epoch(epoch).pool == 2000 * GNK
+    assert agg.get_epoch(epoch).pool == 50 * GNK
+    settle_seed(world, epoch, 2)
+    with reverts("registry: total reward exceeds the epoch's pool"):
+        agg.finalize_round(epoch, 2, sha("c2"), sha("root"), 3, 50 * GNK + 1)
 
 
 def test_rounds_beyond_n_rounds_are_refused_and_the_epoch_ends(world: World) -> None:
@@ -135,7 +172,7 @@ def test_rounds_beyond_n_rounds_are_refused_and_the_epoch_ends(world: World) -> 
     start_training(world, epoch)
     agg = world.client(1)
     for r in (1, 2):
-        agg.finalize_round(epoch, r, sha(f"c{r}"), sha("root"), 3, 10 * GNK)
+        finalize(world, epoch, r, 10 * GNK)
     with reverts("registry: round beyond n_rounds"):
         agg.finalize_round(epoch, 3, sha("c3"), sha("root"), 3, 10 * GNK)
     assert agg.get_epoch(epoch).ended
@@ -145,6 +182,7 @@ def test_aggregator_quorum_needs_matching_results(world: World) -> None:
     aggs = (world.address(1), world.address(5), world.address(6))
     epoch = open_epoch(world, aggregators=aggs, aggregator_quorum=2)
     start_training(world, epoch)
+    settle_seed(world, epoch, 1)
     a1, a5, a6 = world.client(1), world.client(5), world.client(6)
     a1.finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 100 * GNK)
     assert not a1.round_result(epoch, 1).finalized
@@ -161,24 +199,24 @@ def test_claims_by_merkle_proof(world: World) -> None:
     epoch = open_epoch(world)
     start_training(world, epoch)
     gov = world.client(0)
-    rewards = [(world.address(2), 500 * GNK), (world.address(3), 300 * GNK), (world.address(4), 200 * GNK)]
+    rewards = [(world.address(2), 50 * GNK), (world.address(3), 30 * GNK), (world.address(4), 20 * GNK)]
     tree = RewardTree(gov.chain_id, gov.registry.address, epoch, 1, rewards)
-    world.client(1).finalize_round(epoch, 1, sha("c1"), tree.root, 3, tree.total)
+    finalize(world, epoch, 1, tree.total, tree.root)
     host = world.client(3)
     before = host.gnk_balance()
     with reverts("registry: invalid Merkle proof"):
-        host.claim(epoch, 1, 301 * GNK, tree.proof(world.address(3)))
+        host.claim(epoch, 1, 31 * GNK, tree.proof(world.address(3)))
     with reverts("registry: invalid Merkle proof"):
-        host.claim(epoch, 1, 300 * GNK, tree.proof(world.address(2)))
+        host.claim(epoch, 1, 30 * GNK, tree.proof(world.address(2)))
     with reverts("registry: invalid Merkle proof"):  # someone else's leaf, claimed by a stranger
-        world.client(9).claim(epoch, 1, 500 * GNK, tree.proof(world.address(2)))
-    host.claim(epoch, 1, 300 * GNK, tree.proof(world.address(3)))
-    assert host.gnk_balance() - before == 300 * GNK
+        world.client(9).claim(epoch, 1, 50 * GNK, tree.proof(world.address(2)))
+    host.claim(epoch, 1, 30 * GNK, tree.proof(world.address(3)))
+    assert host.gnk_balance() - before == 30 * GNK
     assert host.claimed(epoch, 1) and not host.claimed(epoch, 1, world.address(2))
     with reverts("registry: reward already claimed"):
-        host.claim(epoch, 1, 300 * GNK, tree.proof(world.address(3)))
+        host.claim(epoch, 1, 30 * GNK, tree.proof(world.address(3)))
     result = gov.round_result(epoch, 1)
-    assert (result.claimed, result.unclaimed) == (300 * GNK, 700 * GNK)
+    assert (result.claimed, result.unclaimed) == (30 * GNK, 70 * GNK)
 
 
 def test_a_bad_root_cannot_pay_more_than_the_round_total(world: World) -> None:
@@ -187,7 +225,7 @@ def test_a_bad_root_cannot_pay_more_than_the_round_total(world: World) -> None:
     gov = world.client(0)
     # The aggregator publishes a root whose leaves add up to more than the declared total.
     tree = RewardTree(gov.chain_id, gov.registry.address, epoch, 1, [(world.address(2), 80 * GNK), (world.address(3), 80 * GNK)])
-    world.client(1).finalize_round(epoch, 1, sha("c1"), tree.root, 2, 100 * GNK)
+    finalize(world, epoch, 1, 100 * GNK, tree.root)
     world.client(2).claim(epoch, 1, 80 * GNK, tree.proof(world.address(2)))
     with reverts("registry: claims exceed the round's total reward"):
         world.client(3).claim(epoch, 1, 80 * GNK, tree.proof(world.address(3)))
@@ -201,7 +239,7 @@ def test_python_leaf_and_proofs_match_the_contract(world: World) -> None:
     start_training(world, epoch)
     rewards = [(f"0x{i:040x}", i + 1) for i in range(1, 1025)]
     tree = RewardTree(gov.chain_id, gov.registry.address, epoch, 1, rewards)
-    world.client(1).finalize_round(epoch, 1, sha("c1"), tree.root, 0, 0)
+    finalize(world, epoch, 1, 0, tree.root)
     for host, amount in (rewards[0], rewards[511], rewards[-1]):
         assert gov.read(gov.registry, "verify_reward", epoch, 1, host, amount, tree.proof(host))
         assert not gov.read(gov.registry, "verify_reward", epoch, 1, host, amount + 1, tree.proof(host))
@@ -226,18 +264,24 @@ def test_slash_rules_and_slashed_stake_refills_the_pool(world: World) -> None:
     assert events[-1]["args"]["evidence_hash"] == sha("evidence")
 
 
-def test_leave_and_withdraw_after_the_epoch(world: World) -> None:
+def test_leave_and_withdraw_after_the_epoch_and_its_challenge_window(world: World) -> None:
     epoch = open_epoch(world, n_rounds=1)
-    host = world.client(2)
+    host, gov = world.client(2), world.client(0)
     host.leave(epoch)
     with reverts("registry: already left"):
         host.leave(epoch)
-    assert world.client(0).hosts(epoch)[0] == world.address(2)  # slots never move
-    world.client(0).slash(epoch, world.address(3), 30 * GNK, sha("evidence"))
+    assert gov.hosts(epoch)[0] == world.address(2)  # slots never move
+    gov.slash(epoch, world.address(3), 30 * GNK, sha("evidence"))
     with reverts("registry: epoch still running"):
         host.withdraw_stake(epoch)
     start_training(world, epoch)
-    world.client(1).finalize_round(epoch, 1, sha("c1"), sha("root"), 2, 0)
+    finalize(world, epoch, 1)
+    end = gov.round_result(epoch, 1).finalized_at
+    assert (gov.epoch_end(epoch), gov.stake_unlock_time(epoch)) == (end, end + 3600)
+    # The epoch is over, but a slash for what it did may still come: the stake stays locked.
+    with reverts("registry: stake locked until the challenge window closes"):
+        host.withdraw_stake(epoch)
+    world.backend.increase_time(3600)
     before = host.gnk_balance()
     assert host.withdraw_stake(epoch) == STAKE
     assert host.gnk_balance() - before == STAKE
@@ -245,15 +289,21 @@ def test_leave_and_withdraw_after_the_epoch(world: World) -> None:
         host.withdraw_stake(epoch)
     assert world.client(3).withdraw_stake(epoch) == STAKE - 30 * GNK
     with reverts("registry: stake already withdrawn"):
-        world.client(0).slash(epoch, world.address(3), GNK, sha("evidence"))
+        gov.slash(epoch, world.address(3), GNK, sha("evidence"))
 
 
-def test_stake_comes_back_after_the_deadline_without_results(world: World) -> None:
-    epoch = open_epoch(world, hosts=(2,), n_rounds=2, round_length=600)
+def test_stake_comes_back_after_the_deadline_and_window_without_results(world: World) -> None:
+    epoch = open_epoch(world, hosts=(2,), n_rounds=2, round_length=600, challenge_window=900)
     start_training(world, epoch)
     with reverts("registry: epoch still running"):
         world.client(2).withdraw_stake(epoch)
+    gov = world.client(0)
+    deadline = gov.get_epoch(epoch).signin_end + 2 * 600
+    assert (gov.epoch_end(epoch), gov.stake_unlock_time(epoch)) == (deadline, deadline + 900)
     world.backend.increase_time(2 * 600)
+    with reverts("registry: stake locked until the challenge window closes"):
+        world.client(2).withdraw_stake(epoch)
+    world.backend.increase_time(900)
     assert world.client(2).withdraw_stake(epoch) == STAKE
 
 
@@ -264,5 +314,6 @@ def test_set_aggregators_replaces_the_set(world: World) -> None:
     start_training(world, epoch)
     with reverts("registry: not an aggregator of this epoch"):
         world.client(1).finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 0)
+    settle_seed(world, epoch, 1, aggregators=(5,))
     world.client(5).finalize_round(epoch, 1, sha("c1"), sha("root"), 3, 0)
     assert gov.get_epoch(epoch).spec.aggregators == (world.address(5),)
