@@ -117,9 +117,11 @@ class AggregationSettings:
     min_score: float = 0.0  # contributions scoring at or below this are not aggregated nor paid
     heldout_windows: int = 4
     score_rule: str = "heldout_gain"  # or "assignment_gap" (gonka_node/aggregator/scoring.py)
-    # Replay check (gonka_node/aggregator/replay.py; needs the recipe's round_state = "fresh"): the share
-    # of hosts whose round is recomputed each round (0: off, 1: all), and the cosine an update must reach.
-    replay_fraction: float = 0.0
+    # An update within this relative residual of the span of public tensors and earlier-arrived
+    # submissions brings nothing of its own (aggregator/checks.py find_mixtures): excluded.
+    mix_residual: float = 0.05
+    # Replay check (gonka_node/aggregator/replay.py): how often a host is replayed is the epoch's
+    # replay_probability on chain; these say what a replay must reproduce.
     replay_min_cosine: float = 0.9
     replay_norm_tolerance: float = 0.1  # |update| / |replay| must lie within 1 ± this
 
@@ -141,8 +143,8 @@ class AggregationSettings:
             raise ConfigError(
                 f"[aggregation] score_rule must be 'heldout_gain' or 'assignment_gap', got {self.score_rule!r}"
             )
-        if not 0.0 <= self.replay_fraction <= 1.0:
-            raise ConfigError(f"[aggregation] replay_fraction must be in [0, 1], got {self.replay_fraction}")
+        if not 0.0 <= self.mix_residual < 1.0:
+            raise ConfigError(f"[aggregation] mix_residual must be in [0, 1), got {self.mix_residual}")
         if not 0.0 < self.replay_min_cosine <= 1.0:
             raise ConfigError(
                 f"[aggregation] replay_min_cosine must be in (0, 1], got {self.replay_min_cosine}"
@@ -248,8 +250,20 @@ def _build(
     )
 
 
+# Settings that moved: a file still naming one is told where the value comes from now.
+MOVED: dict[tuple[str, str], str] = {
+    ("[aggregation]", "replay_fraction"): (
+        "how often hosts are replayed is the epoch's replay_probability on chain, set by governance when it "
+        "schedules the epoch (the stake rule depends on it); remove replay_fraction"
+    ),
+}
+
+
 def _section(cls: type, name: str, values: dict[str, Any]) -> Any:
     allowed = {f.name: f for f in fields(cls)}
+    for key in values:
+        if (name, key) in MOVED:
+            raise ConfigError(f"{name} {key}: {MOVED[(name, key)]}")
     _only_keys(name, values, set(allowed))
     for key, value in values.items():
         if not _type_ok(allowed[key].default, value):

@@ -63,7 +63,7 @@ class DevnetOptions:
     timeout_s: float = 900.0
     heldout_windows: int = 64
     chain_url: str | None = None  # an external dev node (anvil); None: the embedded chain, served here
-    replay_fraction: float = 1.0  # > 0: fresh rounds, and the aggregator replays this share of hosts
+    replay_fraction: float = 1.0  # the epoch's replay probability p; > 0: fresh rounds; 0: no replays, no pay
 
 
 @dataclass
@@ -122,12 +122,14 @@ def schedule_by_vote(backend: ChainBackend, deployment: Deployment, spec: Any, p
     """Create and fund the epoch through the Governor: treasury transfer, escrow, propose, vote, execute."""
     accounts = backend.dev_accounts()
     gov = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
-    gov.transfer(deployment.governor, pool)
+    if pool:
+        gov.transfer(deployment.governor, pool)
     epoch = gov.epoch_count() + 1
     voters = [ChainClient(backend, accounts[i], deployment).connect() for i in (GOVERNANCE, AGGREGATOR)]
     for v in voters:
         v.gov_deposit(v.gnk_balance() * 9 // 10)
-    pid = gov.propose([gov.action_create_epoch(spec), *gov.action_fund_epoch(epoch, pool)], "devnet epoch")
+    funding = gov.action_fund_epoch(epoch, pool) if pool else []
+    pid = gov.propose([gov.action_create_epoch(spec), *funding], "devnet epoch")
     for v in voters:
         v.vote(pid, True)
     backend.increase_time(VOTING_PERIOD_S + 1)
@@ -137,7 +139,7 @@ def schedule_by_vote(backend: ChainBackend, deployment: Deployment, spec: Any, p
     return epoch
 
 
-def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int) -> None:
+def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int) -> None:
     out = opts.out
     (out / "aggregator.toml").write_text(
         "[aggregator]\n"
@@ -145,13 +147,13 @@ def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int) -> None:
         'evm_key = "keys/aggregator/evm_key.json"\nrecipe = "recipe.json"\ndeployment = "deployment.json"\n'
         f"epoch = {epoch}\n\n[chain]\nbackend = \"rpc\"\nrpc_url = \"{rpc_url}\"\n\n"
         f"[round]\nquorum = {opts.hosts}\nduration_s = 600\n\n"
-        f"[aggregation]\nheldout_windows = {opts.heldout_windows}\nreplay_fraction = {opts.replay_fraction}\n"
+        f"[aggregation]\nheldout_windows = {opts.heldout_windows}\n"
     )
     for i in range(1, opts.hosts + 1):
         (out / f"host{i}.toml").write_text(
             "[host]\n"
             f'key_dir = "keys/host{i}"\nstate_dir = "host{i}"\naggregator = "AGGREGATOR"\n'
-            f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {epoch}\nstake_gnk = 10\n'
+            f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {epoch}\nstake_gnk = {stake_gnk}\n'
             f'cache_dir = "cache"\n\n[chain]\nrpc_url = "{rpc_url}"\n'
         )
 
@@ -215,22 +217,26 @@ def deploy_and_schedule(
     recipe = make_recipe(opts)
     recipe.save(out / "recipe.json")
     init_sha = initial_checkpoint(recipe, out / "aggregator" / "initial.safetensors")
-    terms = EpochTerms(
+    # The stake rule: min_stake × p must cover a round's reward, so a cheat is a losing bet. An epoch
+    # that replays nobody (p = 0) cannot pay.
+    reward = opts.reward_per_round_gnk * GNK if opts.replay_fraction > 0 else 0
+    terms = EpochTerms.staked_for(
+        reward, opts.replay_fraction,
         aggregators=[accounts[AGGREGATOR].address],
         round_length_s=600,
         signin_window_s=SIGNIN_WINDOW_S,
-        min_stake=10 * GNK,
         max_hosts=max(8, opts.hosts),
-        reward_per_round=opts.reward_per_round_gnk * GNK,
     )
     spec = epoch_spec(recipe, init_sha, terms, "file:recipe.json")
     epoch = schedule_by_vote(backend, deployment, spec, opts.rounds * terms.reward_per_round)
     say(f"governance: epoch {epoch} scheduled and funded by a vote ({recipe.model.num_params():,} "
-        f"parameters, {opts.rounds} rounds × H={opts.inner_steps}, codec {opts.codec})")
+        f"parameters, {opts.rounds} rounds × H={opts.inner_steps}, codec {opts.codec}, replay probability "
+        f"{opts.replay_fraction:g}, stake {terms.min_stake / GNK:g} GNK per host"
+        + (")" if reward else "; no replay check, so no rewards: the stake rule needs p > 0)"))
     for name, index in [("aggregator", AGGREGATOR)] + [(f"host{i}", i) for i in range(1, opts.hosts + 1)]:
         init_keys(out / "keys" / name, None, insecure_plaintext=True, force=True,
                   evm_private_key=bytes(accounts[index].key))
-    _write_configs(opts, chain.url, epoch)
+    _write_configs(opts, chain.url, epoch, -(-terms.min_stake // GNK))
     return ScheduledEpoch(deployment, recipe, epoch, init_sha)
 
 

@@ -8,9 +8,11 @@ says, not what a local file claims.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from chain.types import EpochInfo, EpochSpec
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
@@ -30,10 +32,19 @@ class EpochTerms:
     aggregators: Sequence[str]
     round_length_s: int = 600
     signin_window_s: int = 60
-    min_stake: int = 10**9  # ngonka
+    min_stake: int = 10**9  # ngonka; the chain requires min_stake × replay_probability ≥ reward_per_round
     max_hosts: int = 16
     reward_per_round: int = 0  # ngonka
     aggregator_quorum: int = 1
+    replay_probability: float = 1.0  # p: each host's round is recomputed with this probability
+    challenge_window_s: int = 3600  # stake stays locked this long after the epoch; challenges accepted
+    challenge_bond: int = 10**9  # ngonka a challenger escrows
+
+    @classmethod
+    def staked_for(cls, reward_per_round: int, replay_probability: float, **kw: Any) -> EpochTerms:
+        """Terms whose min_stake is the least the stake rule allows: ⌈reward_per_round / p⌉."""
+        stake = math.ceil(reward_per_round / replay_probability) if replay_probability > 0 else 0
+        return cls(min_stake=stake, reward_per_round=reward_per_round, replay_probability=replay_probability, **kw)
 
 
 def initial_checkpoint(recipe: Recipe, path: Path) -> bytes:
@@ -70,6 +81,9 @@ def epoch_spec(recipe: Recipe, init_sha256: bytes, terms: EpochTerms, model_uri:
         aggregators=tuple(terms.aggregators),
         aggregator_quorum=terms.aggregator_quorum,
         reward_per_round=terms.reward_per_round,
+        replay_probability=terms.replay_probability,
+        challenge_window=terms.challenge_window_s,
+        challenge_bond=terms.challenge_bond,
     )
 
 
@@ -87,6 +101,11 @@ def aggregator_context(
     """The aggregator's view of an epoch, checked against the chain's record of it."""
     spec = info.spec
     recipe.check_against_chain(spec)
+    if scoring and spec.replay_probability > 0 and recipe.round_state != "fresh":
+        raise RecipeError(
+            f"epoch {info.epoch} replays hosts with probability {spec.replay_probability:g}, which needs a recipe "
+            "with round_state = 'fresh' (with 'carry' a host's round depends on its private AdamW state)"
+        )
     checkpoints = TrainingCheckpoints()
     if not init_path.exists():
         initial_checkpoint(recipe, init_path)
@@ -128,4 +147,5 @@ def aggregator_context(
         )
         if scoring and recipe.round_state == "fresh"
         else None,
+        replay_probability=spec.replay_probability if scoring else 0.0,
     )

@@ -35,7 +35,7 @@ from typing import Any
 
 from eth_utils import to_checksum_address
 
-from gonka_node.aggregator.close import arrival_order
+from gonka_node.aggregator.checks import arrival_order
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.replay import MISMATCH
 from gonka_node.aggregator.store import Store, SubmissionRow

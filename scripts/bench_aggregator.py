@@ -78,18 +78,18 @@ def serve(n_hosts: int, workdir: Path) -> None:
     spec = EpochSpec(
         model_spec_hash=hashlib.sha256(b"bench").digest(), model_uri="bench", data_manifest_hash=hashlib.sha256(b"d").digest(),
         init_checkpoint_hash=init_sha, inner_steps=1, inner_lr=1e-3, batch_size=1, outer_lr=0.7, outer_momentum=0.9,
-        codec=CODEC, n_rounds=2, round_length=3600, signin_window=7200, min_stake=GNK, max_hosts=n_hosts,
+        codec=CODEC, n_rounds=2, round_length=3600, signin_window=7200, min_stake=reward, max_hosts=n_hosts,
         aggregators=(dev[1].address,), reward_per_round=reward,
     )  # fmt: skip
     epoch = gov.create_epoch(spec)
-    gov.mint(gov.address, reward * 2 + n_hosts * GNK)
+    gov.mint(gov.address, reward * 2 + n_hosts * reward)
     gov.fund_epoch(epoch, reward * 2)
     for i in range(n_hosts):
         evm, node = host_keys(i)
         account = Account.from_key(evm)
         gov.w3.eth.send_transaction({"from": dev[0].address, "to": account.address, "value": 10**18})
-        gov.transfer(account.address, GNK)
-        ChainClient(backend, account, deployment).connect().join(epoch, GNK, bytes(node.verify_key))
+        gov.transfer(account.address, reward)  # the stake rule: min_stake × p (1) covers the round's reward
+        ChainClient(backend, account, deployment).connect().join(epoch, reward, bytes(node.verify_key))
     backend.increase_time(7201)
     ctx = EpochContext(
         chain_id=deployment.chain_id, registry=bytes.fromhex(deployment.registry[2:]), epoch=epoch, codec_name=CODEC,

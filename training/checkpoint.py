@@ -95,7 +95,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write a temporary file in the same folder, fsync, rename, fsync the folder: readers see the old
     file or the new one, never half of one, even after a crash."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,7 @@ def save_checkpoint(
     cpu = _cpu_tensors(tensors)
     sha256 = canonical_sha256(cpu)
     metadata |= {META_FORMAT: HASH_FORMAT.decode().strip(), META_SHA256: sha256}
-    _atomic_write(Path(path), lambda tmp: save_file(cpu, tmp, metadata=metadata))
+    atomic_write(Path(path), lambda tmp: save_file(cpu, tmp, metadata=metadata))
     return sha256
 
 
@@ -214,7 +214,7 @@ def save_training_state(
         "rng": _rng_state(),
         "extra": dict(extra or {}),
     }
-    _atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
+    atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
 
 
 def _check_same_shapes(

@@ -17,6 +17,9 @@ from typing import Any, Protocol, TypeVar
 
 from eth_utils import to_checksum_address
 
+from chain.seed import seed_commitment
+from chain.types import RoundSeed
+
 T = TypeVar("T")
 
 
@@ -61,6 +64,18 @@ class ChainReader(Protocol):
         total_reward: int,
     ) -> Any: ...
 
+    def round_vote(self, epoch: int, round_: int, aggregator: str | None = None) -> bytes: ...
+
+    def seed_commitment(self, epoch: int, round_: int, aggregator: str | None = None) -> bytes: ...
+
+    def commit_round_seed(self, epoch: int, round_: int, commitment: bytes) -> Any: ...
+
+    def seed_revealed(self, epoch: int, round_: int, aggregator: str | None = None) -> bool: ...
+
+    def reveal_round_seed(self, epoch: int, round_: int, secret: bytes) -> Any: ...
+
+    def round_seed(self, epoch: int, round_: int) -> RoundSeed: ...
+
 
 @dataclass(frozen=True)
 class Member:
@@ -95,6 +110,28 @@ class ChainView:
         member = Member(address=host, slot=int(info.slot), node_key=bytes(info.node_key)) if ok else None
         self._members[(epoch, host)] = (now + (self._member_ttl if ok else self._unknown_ttl), member)
         return member
+
+    def commit_seed(self, epoch: int, round_: int, secret: bytes) -> None:
+        """Commit keccak256(secret) for the round, unless this account already did (a restart)."""
+        commitment = seed_commitment(secret)
+        with self._lock:
+            have = self.chain.seed_commitment(epoch, round_)
+            if have == commitment:
+                return
+            if have != bytes(32):
+                raise RuntimeError(
+                    f"round {epoch}/{round_}: this aggregator committed {have.hex()} on chain, not the "
+                    f"commitment of its stored secret {commitment.hex()}"
+                )
+            self.chain.commit_round_seed(epoch, round_, commitment)
+
+    def reveal_seed(self, epoch: int, round_: int, secret: bytes) -> RoundSeed:
+        """Reveal the round's secret unless already revealed; the round's seed as the chain has it now
+        (complete once every committed aggregator has revealed)."""
+        with self._lock:
+            if not self.chain.seed_revealed(epoch, round_):
+                self.chain.reveal_round_seed(epoch, round_, secret)
+            return self.chain.round_seed(epoch, round_)
 
     def members(self, epoch: int) -> list[Member]:
         """Every host that may submit in `epoch` (synchronous: used when closing a round)."""

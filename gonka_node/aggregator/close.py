@@ -1,15 +1,21 @@
-"""What closing a round computes, from files on disk only: scores, copies, the robust aggregate, the
-outer step, the new checkpoint and the rewards. Deterministic: a crash here is recovered by running
-it again. Peak memory: the base model, the new model, the aggregate, a scoring model and one decoded
-update — independent of the number of hosts (updates are decoded from disk one at a time).
+"""What closing a round computes, from files on disk only: the checks, scores, the robust aggregate,
+the outer step, the new checkpoint and the rewards. Deterministic given the round's seed: a crash
+here is recovered by running it again. Peak memory: the base model, the new model, the aggregate, a
+scoring model and one decoded update — independent of the number of hosts (updates are decoded from
+disk one at a time; the similarity checks read 16 KB sketches).
+
+A close is a `Closing` record passed through `CHECKS` in order, each returning the hosts it excludes
+and why; then the survivors are scored (a gate: the score must be positive) and the round's reward is
+split equally among those that pass (`equal_shares`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+import statistics
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,12 +24,19 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gonka_node.aggregator import robust
+from gonka_node.aggregator.checks import (
+    Labelled,
+    find_copies,
+    find_dissenters,
+    find_mixtures,
+    find_resubmissions,
+)
 from gonka_node.aggregator.replay import chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer
 from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
-from gonka_node.aggregator.validate import cosine, decode_update
+from gonka_node.aggregator.validate import count_sketch, decode_update
 from gonka_node.config import AggregationSettings
-from training.checkpoint import fsync_path
+from training.checkpoint import atomic_write, fsync_path
 from training.diloco import OuterOptimizer
 from training.hf_export import MODEL_CONFIG_KEY
 
@@ -31,7 +44,7 @@ if TYPE_CHECKING:
     from gonka_node.aggregator.rounds import CheckpointIO, EpochContext
 
 log = logging.getLogger(__name__)
-SCORE_QUANTUM = 10**9  # scores become integers before splitting the pool: exact, reproducible rewards
+PUBLIC_ROUNDS = 16  # earlier aggregates in the mixture check's public span
 
 
 @dataclass(frozen=True)
@@ -44,92 +57,97 @@ class RoundOutcome:
     aggregated: int
 
 
-def arrival_order(subs: list[SubmissionRow]) -> list[SubmissionRow]:
-    """Submissions in the order their signed headers arrived (then completion, then address): the
-    header commits to the payload's digest before any payload byte is sent, so a host that copies what
-    it saw of another's upload always comes later in this order, however fast its own stream is."""
-    return sorted(subs, key=lambda s: (s.started_ms, s.received_ms, s.host))
+@dataclass
+class Closing:
+    """One close in progress: its inputs, and the reasons and exclusions found so far."""
+
+    ctx: EpochContext
+    round_row: RoundRow
+    seed: bytes  # the round's commit–reveal seed (chain): decides the replay pick
+    submissions: list[SubmissionRow]
+    earlier: list[SubmissionRow]  # every submission of the epoch's earlier rounds
+    slots: Mapping[bytes, int]
+    base: Mapping[str, Tensor]
+    public: list[Labelled]  # sketches of what everyone holds: the base model, earlier aggregates
+    decode: Callable[[SubmissionRow], dict[str, Tensor]]
+    aggregation: AggregationSettings
+    reasons: dict[bytes, list[str]] = field(default_factory=dict)
+    excluded: set[bytes] = field(default_factory=set)
+    replayed: set[bytes] = field(default_factory=set)  # hosts whose round the replay reproduced
+
+    def __post_init__(self) -> None:
+        self.reasons = {s.host: [] for s in self.submissions}
+
+    def live(self) -> list[SubmissionRow]:
+        return [s for s in self.submissions if s.host not in self.excluded]
+
+    def exclude(self, found: Mapping[bytes, str]) -> None:
+        for host, why in found.items():
+            if host not in self.excluded:
+                self.reasons[host].append(why)
+                self.excluded.add(host)
 
 
-def find_copies(subs: list[SubmissionRow], threshold: float) -> dict[bytes, str]:
-    """Hosts whose update's sketch is within `threshold` cosine of an earlier-arrived one's."""
-    order = arrival_order(subs)
-    sketches = {s.host: torch.frombuffer(bytearray(s.sketch), dtype=torch.float32) for s in subs}
-    copies: dict[bytes, str] = {}
-    for i, later in enumerate(order):
-        for earlier in order[:i]:
-            if earlier.host in copies:
-                continue
-            c = cosine(sketches[later.host], sketches[earlier.host])
-            if c >= threshold:
-                copies[later.host] = (
-                    f"copy: sketch cosine {c:.4f} with 0x{earlier.host.hex()}, whose header arrived earlier"
-                )
-                break
-    return copies
+Check = Callable[[Closing], Mapping[bytes, str]]  # {host: why it is excluded}
 
 
-def find_resubmissions(
-    subs: list[SubmissionRow], earlier: list[SubmissionRow], threshold: float
-) -> dict[bytes, str]:
-    """Hosts whose update's sketch is within `threshold` cosine of a submission of an *earlier round*
-    (their own — a stale resubmission — or anyone's): old work, which the round's base has moved past."""
-    if not earlier or not subs:
+def copies(c: Closing) -> Mapping[bytes, str]:
+    return find_copies(c.submissions, c.aggregation.copy_cosine)
+
+
+def resubmissions(c: Closing) -> Mapping[bytes, str]:
+    return find_resubmissions(c.live(), c.earlier, c.aggregation.copy_cosine)
+
+
+def departed(c: Closing) -> Mapping[bytes, str]:
+    why = "host is no longer signed in to the epoch (left or slashed)"
+    return {s.host: why for s in c.submissions if s.host not in c.slots}
+
+
+def mixtures(c: Closing) -> Mapping[bytes, str]:
+    found = find_mixtures(c.submissions, c.public, c.aggregation.mix_residual)
+    return {h: why for h, why in found.items() if h not in c.excluded}
+
+
+def replays(c: Closing) -> Mapping[bytes, str]:
+    """Recompute the picked hosts' rounds (gonka_node/aggregator/replay.py); exclude mismatches."""
+    p = c.ctx.replay_probability
+    if c.ctx.replay is None or p <= 0:
         return {}
-    old = torch.stack([torch.frombuffer(bytearray(s.sketch), dtype=torch.float32) for s in earlier]).double()
-    old = old / old.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    found: dict[bytes, str] = {}
-    for s in subs:
-        new = torch.frombuffer(bytearray(s.sketch), dtype=torch.float32).double()
-        if float(new.norm()) == 0.0:
+    row, found = c.round_row, {}
+    live = c.live()
+    for s in live:
+        if s.host not in chosen_for_replay(p, c.seed, row.round, [s.host]):
             continue
-        sims = old @ (new / new.norm())
-        best = int(sims.argmax())
-        if float(sims[best]) >= threshold:
-            src = earlier[best]
-            whose = "its own" if src.host == s.host else f"0x{src.host.hex()}'s"
-            found[s.host] = (
-                f"copy: sketch cosine {float(sims[best]):.4f} with 0x{src.host.hex()}, round {src.round} "
-                f"({whose} earlier submission): stale work, the base has moved on"
-            )
+        slot = c.slots[s.host]
+        cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, c.base, c.decode(s))
+        passed, why = verdict(
+            row.round, slot, cos, ratio, c.aggregation.replay_min_cosine, c.aggregation.replay_norm_tolerance
+        )
+        if passed:
+            c.reasons[s.host].append(why)
+            c.replayed.add(s.host)
+        else:
+            log.warning("round %d: host 0x%s excluded: %s", row.round, s.host.hex(), why)
+            found[s.host] = why
     return found
 
 
-def find_dissenters(
-    subs: list[SubmissionRow], excluded: set[bytes], fraction: float
-) -> dict[bytes, str]:
-    """Hosts whose update points away from the round's consensus.
+def dissent(c: Closing) -> Mapping[bytes, str]:
+    return find_dissenters(c.submissions, c.excluded, c.aggregation.consensus_fraction)
 
-    Each remaining host's sketch is compared with the coordinate-wise median of the *other* remaining
-    hosts' sketches (robust to a minority of attackers among them). Honest DiLoCo pseudo-gradients of
-    one round agree (measured on the devnet model: leave-one-out cosine 0.4–0.77 over four rounds),
-    while a sign-flipped update scores about −0.6 and matched-norm noise about 0. A host is excluded when
-    its cosine is at or below `fraction` × the median cosine of all remaining hosts (and at or below 0
-    whatever the median). Needs at least four remaining hosts, so that each host's reference is a
-    median over three or more others (with two, one attacker drags an honest host's reference away).
-    """
-    live = [s for s in subs if s.host not in excluded]
-    if len(live) < 4 or fraction <= 0:
-        return {}
-    sketches = {s.host: torch.frombuffer(bytearray(s.sketch), dtype=torch.float32) for s in live}
-    agreement: dict[bytes, float] = {}
-    for s in live:
-        others = torch.stack([sketches[o.host] for o in live if o.host != s.host])
-        agreement[s.host] = cosine(sketches[s.host], others.median(dim=0).values)
-    typical = float(torch.tensor(list(agreement.values())).median())
-    bar = max(0.0, fraction * typical)
-    return {
-        host: f"dissent: sketch cosine {c:+.3f} with the other hosts' median update, at or below {bar:.3f} "
-        f"({fraction:g} × the round's median agreement {typical:+.3f})"
-        for host, c in agreement.items()
-        if c <= bar
-    }
+
+# In this order: each later check sees only what the earlier ones left. A replay mismatch is proof
+# (slashable) and dissent only a statistic, so the replay runs first and the dissent reference is a
+# median over updates already known to be the hosts' own work.
+CHECKS: tuple[Check, ...] = (copies, resubmissions, departed, mixtures, replays, dissent)
 
 
 def compute_outcome(
     *,
     ctx: EpochContext,
     round_row: RoundRow,
+    seed: bytes,
     submissions: list[SubmissionRow],
     slots: Mapping[bytes, int],
     base_path: Path,
@@ -146,37 +164,19 @@ def compute_outcome(
         update = decode_update(ctx.codec_for(round_), ctx.codec_error, Path(sub.path).read_bytes(), ctx.spec)
         return {name: t.float() for name, t in update.items()}
 
-    reasons: dict[bytes, list[str]] = {s.host: [] for s in submissions}
-    excluded = set()
-    for host, why in find_copies(submissions, aggregation.copy_cosine).items():
-        reasons[host].append(why)
-        excluded.add(host)
-    for host, why in find_resubmissions(submissions, earlier or [], aggregation.copy_cosine).items():
-        if host not in excluded:
-            reasons[host].append(why)
-            excluded.add(host)
-    for s in submissions:
-        if s.host not in slots:
-            reasons[s.host].append("host is no longer signed in to the epoch (left or slashed)")
-            excluded.add(s.host)
-    closing = _Closing(ctx, round_row, submissions, slots, base, decode, reasons, excluded, aggregation)
-    # Before the dissent check: a replay mismatch is proof (slashable), dissent only a statistic, and the
-    # dissent reference is then a median over updates already known to be honest work.
-    _replay_checks(closing)
-    for host, why in find_dissenters(submissions, excluded, aggregation.consensus_fraction).items():
-        reasons[host].append(why)
-        excluded.add(host)
-    scores = _scores(closing)
-    for s in submissions:
-        if s.host not in excluded and scores[s.host] <= aggregation.min_score:
-            reasons[s.host].append(
-                f"score {scores[s.host]:+.5f} at or below {aggregation.min_score}: not aggregated"
-            )
-            excluded.add(s.host)
-    eligible = [s for s in submissions if s.host not in excluded]
+    public = public_tensors(store, epoch, round_, base)
+    c = Closing(ctx, round_row, seed, submissions, earlier or [], slots, base, public, decode, aggregation)
+    for check in CHECKS:
+        c.exclude(check(c))
+    scores = _scores(c)
+    c.exclude({
+        s.host: f"score {scores[s.host]:+.5f} at or below {aggregation.min_score}: not aggregated"
+        for s in c.live() if scores[s.host] <= aggregation.min_score
+    })
+    eligible = c.live()
     rule = aggregation.rule_for(epoch)
     if not eligible:
-        rows = [ContributionRow(s.host, scores[s.host], 0, False, reasons[s.host]) for s in submissions]
+        rows = [ContributionRow(s.host, scores[s.host], 0, False, c.reasons[s.host]) for s in submissions]
         return RoundOutcome(round_row.base_sha256, bytes(32), 0, rule, rows, 0)
 
     def source() -> Iterator[tuple[str, Mapping[str, Tensor]]]:
@@ -202,15 +202,17 @@ def compute_outcome(
         meta[MODEL_CONFIG_KEY] = ctx.model_config
     sha = checkpoints.save(store.checkpoint_path(epoch, round_), params, meta)
     _save_durably(store.update_path(epoch, round_), agg.update, meta)
+    sketch = count_sketch(agg.update).numpy().tobytes()
+    atomic_write(_sketch_path(store, epoch, round_), lambda tmp: tmp.write_bytes(sketch))
     _save_durably(
         store.outer_state_path(epoch, round_),
         outer.state_dict()["momentum_buffer"],
         {"steps": str(outer.steps)},
     )
-    rewards = split_pool(ctx.reward_per_round, {s.host: scores[s.host] for s in eligible})
+    rewards = equal_shares(ctx.reward_per_round, [s.host for s in eligible])
     rows = [
         ContributionRow(
-            s.host, scores[s.host], rewards.get(s.host, 0), s.host not in excluded, reasons[s.host]
+            s.host, scores[s.host], rewards.get(s.host, 0), s.host not in c.excluded, c.reasons[s.host]
         )
         for s in submissions
     ]
@@ -218,72 +220,58 @@ def compute_outcome(
     return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible))
 
 
-@dataclass
-class _Closing:
-    """One close in progress: its inputs, and the reasons and exclusions found so far."""
-
-    ctx: EpochContext
-    round_row: RoundRow
-    submissions: list[SubmissionRow]
-    slots: Mapping[bytes, int]
-    base: Mapping[str, Tensor]
-    decode: Callable[[SubmissionRow], dict[str, Tensor]]
-    reasons: dict[bytes, list[str]]
-    excluded: set[bytes]
-    aggregation: AggregationSettings
-
-    def live(self) -> list[SubmissionRow]:
-        return [s for s in self.submissions if s.host not in self.excluded]
+def public_tensors(store: Store, epoch: int, round_: int, base: Mapping[str, Tensor]) -> list[Labelled]:
+    """Sketches of what every host holds without training: the round's base model, and the aggregated
+    updates of the epoch's latest PUBLIC_ROUNDS finalized rounds (older ones are as stale as any old
+    work, and the resubmission check compares with all earlier submissions)."""
+    out: list[Labelled] = [("the base model", count_sketch({n: t.float() for n, t in base.items()}))]
+    for r in range(round_ - 1, max(0, round_ - 1 - PUBLIC_ROUNDS), -1):
+        path = _sketch_path(store, epoch, r)
+        if path.exists():
+            out.append((f"round {r}'s aggregate", torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32)))
+    return out
 
 
-def _replay_checks(c: _Closing) -> None:
-    """Recompute the chosen hosts' rounds (gonka_node/aggregator/replay.py); exclude mismatches."""
-    if c.ctx.replay is None or c.aggregation.replay_fraction <= 0:
-        return
-    row = c.round_row
-    live = c.live()
-    chosen = chosen_for_replay(c.aggregation.replay_fraction, row.epoch, row.round, row.base_sha256, live)
-    for s in live:
-        if s.host not in chosen:
-            continue
-        slot = c.slots[s.host]
-        cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, c.base, c.decode(s))
-        passed, why = verdict(
-            row.round, slot, cos, ratio, c.aggregation.replay_min_cosine, c.aggregation.replay_norm_tolerance
-        )
-        c.reasons[s.host].append(why)
-        if not passed:
-            log.warning("round %d: host 0x%s excluded: %s", row.round, s.host.hex(), why)
-            c.excluded.add(s.host)
+def _sketch_path(store: Store, epoch: int, round_: int) -> Path:
+    return store.update_path(epoch, round_).with_suffix(".sketch")
 
 
-def _scores(c: _Closing) -> dict[bytes, float]:
+def _scores(c: Closing) -> dict[bytes, float]:
+    """Each live update's score on held-out data, taken at the round's median update norm: its
+    direction is scored, not its length, so sending 3·Δ or Δ/2 scores exactly as Δ would. A host whose
+    round the replay reproduced is not vetoed for fitting held-out data better than its assignment:
+    the replay proved what it trained on."""
     if c.ctx.model_factory is None or c.ctx.scoring is None:
         for s in c.submissions:
             c.reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
         return {s.host: 1.0 for s in c.submissions}
+    live = c.live()
+    out: dict[bytes, float] = {s.host: 0.0 for s in c.submissions}
+    if not live:
+        return out
     heldout = c.ctx.scoring.heldout(c.round_row.round, c.round_row.base_sha256)
     scorer = Scorer(c.ctx.model_factory(), c.base, heldout, c.aggregation.score_rule)
-    out: dict[bytes, float] = {}
-    for s in c.submissions:
-        if s.host in c.excluded:
-            out[s.host] = 0.0
-            continue
+    tau = float(statistics.median(s.norm for s in live))
+    for s in live:
         assigned = c.ctx.scoring.assigned(c.round_row.round, c.slots[s.host])
-        result = scorer.score(c.decode(s), assigned)
+        factor = torch.tensor(tau / s.norm if s.norm > 0 else 0.0, dtype=torch.float32)
+        delta = {n: t * factor for n, t in c.decode(s).items()}
+        result = scorer.score(delta, assigned, veto=s.host not in c.replayed)
         c.reasons[s.host].extend(result.reasons())
         out[s.host] = result.score
     return out
 
 
-def split_pool(pool: int, scores: Mapping[bytes, float]) -> dict[bytes, int]:
-    """The pool split in proportion to positive scores, in integers (floor; the dust stays unpaid)."""
-    quanta = {h: int(s * SCORE_QUANTUM) for h, s in scores.items() if s > 0}
-    total = sum(quanta.values())
-    if pool <= 0 or total <= 0:
+def equal_shares(pool: int, hosts: Sequence[bytes]) -> dict[bytes, int]:
+    """The round's pool in equal integer shares among the hosts that passed every check (floor; the
+    dust stays unpaid). Every host trains the same recipe on the same number of tokens, so honest
+    updates are worth the same in expectation; paying by score would pay luck (which windows a host
+    drew), and whatever inflates a score (a longer update, training on the held-out split the score
+    reads) would pay more. The score is a gate, not a weight."""
+    if pool <= 0 or not hosts:
         return {}
-    shares = {h: pool * q // total for h, q in quanta.items()}
-    return {h: a for h, a in shares.items() if a > 0}
+    share = pool // len(hosts)
+    return {h: share for h in hosts} if share > 0 else {}
 
 
 def _rewards_root(ctx: EpochContext, epoch: int, round_: int, rewards: Mapping[bytes, int]) -> bytes:

@@ -11,20 +11,20 @@ reversed, scaled, zero or random update fails on direction or length. A failing 
 unpaid, and the reason is kept as slashing evidence that anyone can re-check by running the same
 replay.
 
-Which hosts are replayed: each with probability `[aggregation] replay_fraction`, decided by a hash of
-the round's identity and *every* accepted payload digest, so a host cannot know at training time
-whether it will be checked (the costs: one host-round of compute per replay).
+Which hosts are replayed: each with the epoch's `replay_probability` p (on chain, set by governance),
+decided by the round's commit–reveal seed (`chosen_for_replay`), so a host cannot know while it trains
+or submits whether it will be checked; the epoch's stake rule (min_stake × p ≥ reward_per_round) makes
+cheating a losing bet (docs/SECURITY.md). The cost: one host-round of compute per replay.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from torch import Tensor, cat
 
-from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import cosine
 from training.data import Windows
 from training.inner import InnerConfig
@@ -32,6 +32,8 @@ from training.model import Llama
 from training.worker import Assignment, replay_round
 
 MISMATCH = "replay mismatch"  # reason prefix; gonka_node.slashing turns it into evidence
+PASSED = "replay:"  # reason prefix of a host whose round the replay reproduced
+PICK_TAG = b"gonka-replay-pick-v2"
 
 
 @dataclass(frozen=True)
@@ -45,22 +47,22 @@ class ReplayData:
     max_slots: int
 
 
-def chosen_for_replay(
-    fraction: float, epoch: int, round_: int, base_sha256: bytes, subs: Sequence[SubmissionRow]
-) -> set[bytes]:
-    """The hosts to replay: each with probability `fraction`, from a seed no host knows while training."""
+def chosen_for_replay(fraction: float, seed: bytes, round_: int, hosts: Iterable[bytes]) -> set[bytes]:
+    """The hosts to replay: each independently with probability `fraction`, decided by the round's seed.
+
+    The seed is the chain's commit–reveal result (`Registry.round_seed`): the aggregators committed to
+    it before the round took submissions and revealed it only once they were fixed, so no host can
+    know, or grind its payload to change, whether it will be checked, and no aggregator can choose the
+    pick after seeing the submissions. Anyone recomputes the pick from the seed on chain."""
     if fraction <= 0:
         return set()
-    if fraction >= 1:
-        return {s.host for s in subs}
-    seed = hashlib.sha256(b"gonka-replay-pick-v1" + epoch.to_bytes(8, "big") + round_.to_bytes(8, "big"))
-    seed.update(base_sha256 + b"".join(sorted(bytes(s.payload_sha256) for s in subs)))
     bar = int(fraction * 2**64)
-    return {
-        s.host
-        for s in subs
-        if int.from_bytes(hashlib.sha256(seed.digest() + bytes(s.host)).digest()[:8], "big") < bar
-    }
+    picked = set()
+    for host in hosts:
+        draw = hashlib.sha256(PICK_TAG + seed + round_.to_bytes(8, "big") + bytes(host)).digest()
+        if fraction >= 1 or int.from_bytes(draw[:8], "big") < bar:
+            picked.add(bytes(host))
+    return picked
 
 
 def replay_comparison(
@@ -91,7 +93,7 @@ def verdict(
     honest update has the replay's direction but not its length."""
     what = f"cosine {cos:+.4f}, norm ratio {ratio:.4f} with the replay of slot {slot}'s round {round_}"
     if cos >= min_cosine and abs(ratio - 1.0) <= norm_tolerance:
-        return True, f"replay: {what}"
+        return True, f"{PASSED} {what}"
     return False, (
         f"{MISMATCH}: {what} from the round's base (needs cosine ≥ {min_cosine:g} and norm ratio within "
         f"1 ± {norm_tolerance:g}): not the training of its assignment that the recipe prescribes"

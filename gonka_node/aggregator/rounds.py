@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from chain.client import round_result_hash
 from chain.merkle import RewardTree
+from chain.seed import new_secret
 from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import RoundOutcome, compute_outcome
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
@@ -85,6 +86,7 @@ class EpochContext:
     model_config: str | None = None
     # The recipe's rounds are replayable (round_state = "fresh"): what the replay check needs; None: no check.
     replay: ReplayData | None = None
+    replay_probability: float = 0.0  # the epoch's p (chain): each host's round is replayed with it
 
     def codec_for(self, round_: int) -> Codec:
         """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
@@ -99,6 +101,10 @@ class EvidenceSink(Protocol):
     def signed_rejection(
         self, sub: Submission, signature: bytes, reason: Reason, detail: str, payload: Path | None
     ) -> None: ...
+
+
+class SeedPending(RuntimeError):
+    """Another aggregator of the epoch has not revealed its round-seed secret yet."""
 
 
 @dataclass(frozen=True)
@@ -130,12 +136,6 @@ class RoundEngine:
         clock: Callable[[], int] = now_ms,
         evidence: EvidenceSink | None = None,
     ) -> None:
-        if aggregation.replay_fraction > 0 and ctx.replay is None:
-            raise ValueError(
-                f"[aggregation] replay_fraction = {aggregation.replay_fraction:g} needs an epoch whose recipe has "
-                "round_state = 'fresh' (with 'carry' a host's round depends on its private AdamW state) and "
-                "scoring on; set replay_fraction = 0 or use such an epoch"
-            )
         self.ctx, self.settings, self.aggregation = ctx, settings, aggregation
         self.evidence = evidence
         self.store, self.chain, self.checkpoints, self.signer = store, chain, checkpoints, signer
@@ -154,6 +154,7 @@ class RoundEngine:
         self._members_of_round: tuple[int, set[bytes]] | None = None  # (round, hosts that may submit)
         self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
+        self._opening_failed = False  # the next round's seed commitment failed: retried every tick
 
     @property
     def aggregator_key(self) -> bytes:
@@ -168,18 +169,21 @@ class RoundEngine:
             if row.state in ("finalizing", "skipping"):
                 log.info("resuming the finalization of round %d/%d", ctx.epoch, row.round)
                 self._finish(row)
-        rows = self.store.rounds(ctx.epoch)
-        if not rows:
-            self._open(1, ctx.initial_sha256)
-        elif rows[-1].state == "open":
-            self.current = rows[-1]
+        row = self._resume_or_open()
+        if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(
                 "resumed open round %d/%d with %d accepted submissions (deadline %d)",
-                ctx.epoch, rows[-1].round, len(self.store.submissions(ctx.epoch, rows[-1].round)),
-                rows[-1].deadline_ms,
+                ctx.epoch, row.round, len(self.store.submissions(ctx.epoch, row.round)), row.deadline_ms,
             )
-        else:
-            self._open_next(rows[-1])
+        self._activate(row)
+
+    def _resume_or_open(self) -> RoundRow | None:
+        """The round to take submissions for: the stored open one (its commitment sent if a crash or an
+        outage came between the store and the chain), else the next one, opened now."""
+        rows = self.store.rounds(self.ctx.epoch)
+        if rows and rows[-1].state == "open":
+            return self._commit(rows[-1])
+        return self._open_after(rows[-1] if rows else None)
 
     def base_path(self, round_: int) -> Path:
         """Checkpoint a round starts from: the epoch's initial one, or the last finalized round's."""
@@ -188,20 +192,37 @@ class RoundEngine:
                 return self.store.checkpoint_path(self.ctx.epoch, row.round)
         return self.ctx.initial_checkpoint
 
-    def _open(self, round_: int, base_sha256: bytes) -> None:
-        deadline = self.clock() + int(self.ctx.round_length_s * 1000)
-        self.current = self.store.open_round(self.ctx.epoch, round_, base_sha256, deadline)
+    def _open_after(self, last: RoundRow | None) -> RoundRow | None:
+        """Open the round after `last` (None: the first; returns None when the epoch is over): its seed
+        secret is stored, then its commitment sent on chain (blocking: run at start or in a thread).
+        Submissions are taken only once the commitment is on chain, so the replay pick, which the
+        secret decides, is fixed before any payload is seen."""
+        ctx = self.ctx
+        if last is not None and last.round >= ctx.n_rounds:
+            return None
+        round_ = 1 if last is None else last.round + 1
+        base = ctx.initial_sha256 if last is None else (
+            last.checkpoint_sha256 if last.state == "finalized" else last.base_sha256
+        )
+        assert base is not None
+        deadline = self.clock() + int(ctx.round_length_s * 1000)
+        row = self._commit(self.store.open_round(ctx.epoch, round_, base, deadline, new_secret()))
+        log.info("round %d/%d open until %d", ctx.epoch, round_, deadline)
+        return row
+
+    def _commit(self, row: RoundRow) -> RoundRow:
+        if row.seed_secret is None:  # a round opened by a version that kept no secret
+            self.store.set_seed_secret(row.epoch, row.round, new_secret())
+            row = self.store.get_round(row.epoch, row.round) or row
+        assert row.seed_secret is not None
+        self.chain.commit_seed(row.epoch, row.round, row.seed_secret)
+        return row
+
+    def _activate(self, row: RoundRow | None) -> None:
+        """Start taking submissions for `row` (None: the epoch is over)."""
+        self.current = row
         self.closing = False
         self.closed_for_submissions = asyncio.Event()
-        log.info("round %d/%d open until %d", self.ctx.epoch, round_, deadline)
-
-    def _open_next(self, last: RoundRow) -> None:
-        if last.round >= self.ctx.n_rounds:
-            self.current = None  # epoch over
-            return
-        base = last.checkpoint_sha256 if last.state == "finalized" else last.base_sha256
-        assert base is not None
-        self._open(last.round + 1, base)
 
     # ---- submissions -------------------------------------------------------------------------------
 
@@ -362,6 +383,10 @@ class RoundEngine:
 
     async def tick(self) -> None:
         """Close, extend or skip the open round when its rule says so (called periodically)."""
+        if self._opening_failed:  # the next round's commitment did not reach the chain: again
+            self._activate(await asyncio.to_thread(self._resume_or_open))
+            self._opening_failed = False
+            return
         r = self.current
         if r is None:
             return
@@ -429,9 +454,16 @@ class RoundEngine:
                 row.state,
             )
             self._close_failed, self._close_failures = None, (0, 0)
-        self._open_next(row)
+        # `current` stays the closed round (closing: late uploads hear LATE) until the next round's seed
+        # commitment is on chain and it takes submissions.
         self.round_closed.set()
         self.round_closed = asyncio.Event()
+        try:
+            self._activate(await asyncio.to_thread(self._resume_or_open))
+        except Exception as exc:  # the chain is unreachable: the commitment is retried every tick
+            self._opening_failed = True
+            log.warning("round %d/%d: committing the next round's seed failed (%s); retrying every tick",
+                        self.ctx.epoch, row.round + 1, exc)
 
     def _note_close_failure(self, r: RoundRow, skip: bool, exc: Exception) -> None:
         """One line when closing first fails, then one every 50 attempts: the retry runs every tick."""
@@ -451,12 +483,13 @@ class RoundEngine:
         recorded = self.store.get_round(r.epoch, r.round)
         if recorded is not None and recorded.state in ("finalizing", "skipping"):
             return self._finish(recorded)  # the intent of an earlier, failed attempt: never recompute it
+        seed = self._revealed_seed(r)
         if skip:
             self.store.record_finalize_intent(
                 r.epoch, r.round, "skipping", r.base_sha256, ZERO32, 0, "skipped", []
             )
         else:
-            outcome = self._compute(r)
+            outcome = self._compute(r, seed)
             if outcome.aggregated == 0:  # nothing worth aggregating: same as a skip, but scores are kept
                 self.store.record_finalize_intent(
                     r.epoch, r.round, "skipping", r.base_sha256, ZERO32, 0, "skipped", outcome.contributions
@@ -476,11 +509,24 @@ class RoundEngine:
         assert row is not None
         return self._finish(row)
 
-    def _compute(self, r: RoundRow) -> RoundOutcome:
+    def _revealed_seed(self, r: RoundRow) -> bytes:
+        """Reveal this aggregator's secret now that the round's submissions are fixed, and return the
+        round's seed once every aggregator that committed has revealed (else raise: the close is retried
+        next tick, as for any chain failure)."""
+        assert r.seed_secret is not None
+        seed = self.chain.reveal_seed(r.epoch, r.round, r.seed_secret)
+        if not seed.complete:
+            raise SeedPending(
+                f"round {r.epoch}/{r.round}: {seed.reveals} of {seed.commits} aggregators revealed their seed"
+            )
+        return seed.seed
+
+    def _compute(self, r: RoundRow, seed: bytes) -> RoundOutcome:
         ctx = self.ctx
         return compute_outcome(
             ctx=ctx,
             round_row=r,
+            seed=seed,
             submissions=self.store.submissions(r.epoch, r.round),
             earlier=[s for row in self.store.rounds(r.epoch) if row.round < r.round
                      for s in self.store.submissions(r.epoch, row.round)],

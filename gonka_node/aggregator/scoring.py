@@ -84,6 +84,7 @@ class Score:
     stderr: float  # of the rule's statistic
     rule: str = "assignment_gap"
     gap_stderr: float = 0.0
+    vetoed: bool = False  # heldout_gain only: fits held-out data significantly better than its assignment
 
     def reasons(self) -> list[str]:
         if self.rule == "heldout_gain":
@@ -92,7 +93,7 @@ class Score:
                 f"score {self.score:+.5f} = gain on held-out {self.gain_heldout:+.5f} − "
                 f"{CONFIDENCE_Z:g}×stderr {self.stderr:.5f}"
             ]
-            if gap < -CONFIDENCE_Z * self.gap_stderr:
+            if self.vetoed:
                 why.append(
                     f"fits held-out data better than its assignment (gap {gap:+.5f}, stderr "
                     f"{self.gap_stderr:.5f}): not trained on its assignment"
@@ -148,9 +149,10 @@ class Scorer:
             base = self.base[name]
             p.copy_(base if delta is None else base - delta[name].to(base.dtype))
 
-    def score(self, delta: Mapping[str, Tensor], assigned: Batch) -> Score:
+    def score(self, delta: Mapping[str, Tensor], assigned: Batch, veto: bool = True) -> Score:
         """Per-window gains on both sets, and the rule's lower confidence bound (CONFIDENCE_Z standard
-        errors below the mean), so an apparent advantage within window-to-window variation scores ≤ 0."""
+        errors below the mean), so an apparent advantage within window-to-window variation scores ≤ 0.
+        `veto`: apply heldout_gain's veto (off once a replay has proved what the host trained on)."""
         self._load(None)
         before_a = self._losses(assigned)
         self._load(delta)
@@ -162,9 +164,10 @@ class Scorer:
             return Score(mean_a - mean_h - CONFIDENCE_Z * gap_se, mean_a, mean_h, gap_se, self.rule, gap_se)
         se_h = math.sqrt(_var_of_mean(gain_h))
         score = mean_h - CONFIDENCE_Z * se_h
-        if mean_a - mean_h < -CONFIDENCE_Z * gap_se:
+        vetoed = veto and mean_a - mean_h < -CONFIDENCE_Z * gap_se
+        if vetoed:
             score = min(score, 0.0)
-        return Score(score, mean_a, mean_h, se_h, self.rule, gap_se)
+        return Score(score, mean_a, mean_h, se_h, self.rule, gap_se, vetoed)
 
 
 def _var_of_mean(x: Tensor) -> float:

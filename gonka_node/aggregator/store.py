@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS rounds (
     aggregation TEXT,
     finalize_tx BLOB,
     closed_ms INTEGER,
+    seed_secret BLOB,                  -- committed on chain when the round opened, revealed at close
     PRIMARY KEY (epoch, round)
 );
 CREATE TABLE IF NOT EXISTS submissions (
@@ -80,6 +81,7 @@ class RoundRow:
     aggregation: str | None = None
     finalize_tx: bytes | None = None
     closed_ms: int | None = None
+    seed_secret: bytes | None = None  # this aggregator's round-seed secret (chain.seed)
 
 
 @dataclass(frozen=True)
@@ -174,11 +176,15 @@ class Store:
 
     # ---- rounds ------------------------------------------------------------------------------------
 
-    def open_round(self, epoch: int, round_: int, base_sha256: bytes, deadline_ms: int) -> RoundRow:
+    def open_round(
+        self, epoch: int, round_: int, base_sha256: bytes, deadline_ms: int, seed_secret: bytes | None = None
+    ) -> RoundRow:
+        """Record an open round; its seed secret is on disk before its commitment goes on chain."""
         with self._tx() as db:
             db.execute(
-                "INSERT INTO rounds (epoch, round, state, base_sha256, deadline_ms, opened_ms) VALUES (?,?,?,?,?,?)",
-                (epoch, round_, "open", base_sha256, deadline_ms, now_ms()),
+                "INSERT INTO rounds (epoch, round, state, base_sha256, deadline_ms, opened_ms, seed_secret) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (epoch, round_, "open", base_sha256, deadline_ms, now_ms(), seed_secret),
             )
         row = self.get_round(epoch, round_)
         assert row is not None
@@ -206,6 +212,11 @@ class Store:
             cur = db.execute(f"SELECT * FROM rounds {where}", args)
             names = [d[0] for d in cur.description]
             return [RoundRow(**dict(zip(names, r, strict=True))) for r in cur.fetchall()]
+
+    def set_seed_secret(self, epoch: int, round_: int, secret: bytes) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE rounds SET seed_secret=? WHERE epoch=? AND round=? AND seed_secret IS NULL",
+                       (secret, epoch, round_))
 
     def extend_round(self, epoch: int, round_: int, deadline_ms: int) -> None:
         with self._tx() as db:
@@ -328,6 +339,7 @@ class Store:
 
 def _add_missing_columns(db: sqlite3.Connection) -> None:
     """Bring a store written by an older version up to the schema (columns added since, with defaults)."""
-    have = {row[1] for row in db.execute("PRAGMA table_info(submissions)")}
-    if "started_ms" not in have:
-        db.execute("ALTER TABLE submissions ADD COLUMN started_ms INTEGER NOT NULL DEFAULT 0")
+    for table, column, decl in (("submissions", "started_ms", "INTEGER NOT NULL DEFAULT 0"),
+                                ("rounds", "seed_secret", "BLOB")):
+        if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")

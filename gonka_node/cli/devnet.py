@@ -21,9 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the rounds")
     p.add_argument(
         "--replay-fraction", type=float, default=1.0,
-        help="share of hosts' rounds the aggregator recomputes to check them (default 1: all; > 0 makes the "
-        "recipe's rounds start fresh so they can be replayed; 0: AdamW state carried, no replay check; "
-        "docs/SECURITY.md)",
+        help="the epoch's replay probability p: each host's round is recomputed by the aggregator with it "
+        "(default 1: all); hosts stake reward/p; > 0 makes the recipe's rounds start fresh so they can be "
+        "replayed; 0: AdamW state carried, no replay check and, by the stake rule, no rewards "
+        "(docs/SECURITY.md)",
     )
     p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"

@@ -20,6 +20,7 @@ import pytest
 
 from chain.backends import EmbeddedBackend, RpcBackend
 from chain.client import ChainClient
+from chain.seed import new_secret, seed_commitment
 from chain.server import ChainServer
 from chain.types import EpochSpec
 from gonka_node.cli import main
@@ -104,14 +105,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         model_spec_hash=recipe.sha256(), model_uri="file:recipe.json", data_manifest_hash=bytes(range(32)),
         init_checkpoint_hash=bytes.fromhex(shas[0]), inner_steps=20, inner_lr=2e-3, batch_size=8,
         outer_lr=0.7, outer_momentum=0.9, codec="int8", n_rounds=3, round_length=600, signin_window=60,
-        min_stake=0, max_hosts=4, aggregators=(accounts[1].address,),
+        min_stake=1500 * GNK, max_hosts=4, aggregators=(accounts[1].address,), reward_per_round=1500 * GNK,
     )
     epoch = gov.create_epoch(spec)
     gov.fund_epoch(epoch, 5000 * GNK)
     backend.increase_time(61)
     aggregator = gov.with_account(accounts[1])
-    aggregator.finalize_round(epoch, 1, shas[1], bytes([7]) * 32, 3, 1000 * GNK)
-    aggregator.finalize_round(epoch, 2, shas[2], bytes([8]) * 32, 2, 1500 * GNK)
+    for r, sha, root, n, total in ((1, shas[1], 7, 3, 1000 * GNK), (2, shas[2], 8, 2, 1500 * GNK)):
+        secret = new_secret()  # the round seed's commit-reveal, which finalize_round requires
+        aggregator.commit_round_seed(epoch, r, seed_commitment(secret))
+        aggregator.reveal_round_seed(epoch, r, secret)
+        aggregator.finalize_round(epoch, r, sha, bytes([root]) * 32, n, total)
 
     servicer = FileServer({(epoch, r): (files[r], bytes.fromhex(shas[r])) for r in range(3)})
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))

@@ -85,14 +85,14 @@ def world(tmp_path: Path) -> World:
     init_path = tmp_path / "init.safetensors"
     init_sha = initial_checkpoint(recipe, init_path)
     terms = EpochTerms(aggregators=[accounts[AGG].address], round_length_s=120, signin_window_s=30,
-                       min_stake=5 * GNK, max_hosts=4, reward_per_round=100 * GNK)
+                       min_stake=100 * GNK, max_hosts=4, reward_per_round=100 * GNK)
     epoch = gov.create_epoch(epoch_spec(recipe, init_sha, terms, "file:recipe.json"))
     gov.fund_epoch(epoch, 200 * GNK)
     world = World(backend, accounts, deployment, recipe, epoch, init_path)
     # Sign in ahead (the nodes find themselves signed in) and close the sign-in window: rounds can
     # only be finalized after it, and the embedded chain's clock can be moved instead of waited for.
     for i in (1, 2):
-        world.client(i).join(epoch, 5 * GNK, host_keys(i, world).node_public_key)
+        world.client(i).join(epoch, 100 * GNK, host_keys(i, world).node_public_key)
     backend.increase_time(31)
     return world
 

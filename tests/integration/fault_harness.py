@@ -199,7 +199,7 @@ class FaultNet:
             aggregators=[accounts[AGGREGATOR].address],
             round_length_s=self.round_length_s,
             signin_window_s=SIGNIN_WINDOW_S,
-            min_stake=5 * GNK,
+            min_stake=100 * GNK,
             max_hosts=8,
             reward_per_round=100 * GNK,
         )
@@ -210,7 +210,7 @@ class FaultNet:
             init_keys(self.out / "keys" / name, None, insecure_plaintext=True, force=True,
                       evm_private_key=bytes(accounts[index].key))
         for i in self.host_ids:  # signed in ahead, so the sign-in window can close before rounds start
-            self.client(i).join(self.epoch, 5 * GNK, self.keys(i).node_public_key)
+            self.client(i).join(self.epoch, 100 * GNK, self.keys(i).node_public_key)
         self.backend.increase_time(SIGNIN_WINDOW_S + 1)
 
     @property
@@ -270,7 +270,7 @@ class FaultNet:
         cfg.write_text(
             "[host]\n"
             f'key_dir = "keys/host{i}"\nstate_dir = "host{i}"\naggregator = "{aggregator}"\n'
-            f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {self.epoch}\nstake_gnk = 5\n'
+            f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {self.epoch}\nstake_gnk = 100\n'
             f'cache_dir = "cache"\n\n[chain]\nrpc_url = "{self.server.url}"\n'
         )
         return self._spawn(f"host{i}", ["run", "--config", str(cfg), "--quiet"])

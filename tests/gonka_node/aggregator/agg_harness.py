@@ -135,7 +135,7 @@ class Harness:
     cfg: ModelConfig = field(default_factory=lambda: ModelConfig.preset("tiny"))
     codec_name: str = "fp32"
     n_rounds: int = 3
-    reward_per_round: int = 1000 * GNK
+    reward_per_round: int = 10 * GNK  # the stake rule: min_stake (10 GNK) × p (1) covers it
     round_length_s: float = 600.0
     settings: RoundSettings = field(
         default_factory=lambda: RoundSettings(quorum=2, max_update_norm=100.0, max_chunk_bytes=1 << 16)
