@@ -2,25 +2,31 @@
 
 An `AdversarialHost` is a `HostNode` whose "train and submit" step is replaced by a `Behaviour`; the
 rest of the loop (sign in, follow the chain's model, wait for finalization) is the honest one, so an
-adversary stays in step with the epoch. Honest code carries no attack flag: everything hostile is here.
+adversary stays in step with the epoch. Honest code carries no attack flag: everything hostile is here
+(and in `gonka_node.adversary_tap`, the network tap; `gonka_node.adversary_open`, the attacks of
+strangers who skip or fake the work).
 
 Behaviours (`BEHAVIOURS`, by name):
 
 - update attacks (train honestly, then send something else, correctly signed and encoded):
-  `sign_flip` (−Δ), `scale100` (100·Δ), `noise` (Gaussian of Δ's norm), `lazy_zero` (Δ = 0),
-  `lazy_base` (the base model itself as Δ), `other_data` (trained on an unassigned slot's windows),
-  `heldout_data` (trained on the public held-out split), `stale` (re-signs its previous round's
-  payload for the current round).
+  `sign_flip` (−Δ), `scale100` / `scale3` / `scale_half` (100·Δ, 3·Δ, 0.5·Δ), `noise` (Gaussian of
+  Δ's norm), `lazy_zero` (Δ = 0), `lazy_base` (the base model itself as Δ), `other_data` (trained on an
+  unassigned slot's windows), `heldout_data` (trained on the public held-out split), `stale` (re-signs
+  its previous round's payload for the current round).
 - garbage (signed, so provable): `nan`, `inf` (non-finite values in the encoded payload),
   `wrong_shape` (encoded for other tensor shapes).
-- copies, from a network tap on another host's traffic (`TappedClient`): `copy` (re-signs the
+- copies, from a network tap on other hosts' traffic (`TappedClient`): `copy` (re-signs the
   victim's payload), `copy_perturbed` (adds noise of 1e-3 of its norm), `replay` (resends the
   victim's previous signed request byte for byte).
+- no training at all (gonka_node/adversary_open.py): `mix` (the average of two honest hosts'
+  updates), `aggregate_reuse` (the previous round's public aggregate), `grind` (that, varied until
+  the public replay pick passes it over), `front_run` (the victim's payload, finished before the
+  victim's own upload), `stall` (half an honest upload, then a stream held open).
 - envelope/stream attacks: `forged_signature`, `foreign_signature` (signs as another host),
   `unregistered` (a key never signed in), `wrong_codec`, `truncated`, `oversized`, `malformed`
   (bytes that are not a protobuf message).
 
-`protocol` sends every envelope/stream/garbage attack in one round; `mix` changes attack every round.
+`protocol` sends every envelope/stream/garbage attack in one round; `rotate` changes attack every round.
 """
 
 from __future__ import annotations
@@ -29,8 +35,7 @@ import copy
 import hashlib
 import struct
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -38,158 +43,29 @@ import numpy as np
 import torch
 from eth_account import Account
 from nacl.signing import SigningKey
-from torch import Tensor
 
-from gonka_node.aggregator.client import AggregatorClient, SubmitRejected, header_pb
-from gonka_node.envelope import Submission
+from gonka_node.adversary_open import (
+    FrontRunner,
+    Grinder,
+    KitSettings,
+    Mixer,
+    Staller,
+    aggregate_reuse,
+    predict_pick,
+)
+from gonka_node.adversary_tap import Tap, TappedClient
+from gonka_node.adversary_view import Behaviour, Outcome, RoundView, Tensors, matched_noise, submit_requests
 from gonka_node.host.follow import GlobalModel
 from gonka_node.host.node import HostNode
 from gonka_node.host.store import Progress
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import HEADER_SIZE, get_codec
-from training.diloco import pseudo_gradient
 from training.worker import DiLoCoWorker
 
-Tensors = dict[str, Tensor]
 SUBMIT_METHOD = "/gonka.v1.Aggregator/Submit"
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """One attempt of an adversary: what it tried, and how the aggregator answered."""
-
-    round: int
-    attack: str
-    accepted: bool
-    reason: str  # RejectReason name (or gRPC status name when the server could not even parse it)
-
-
-# ---- the network tap (a copier's or replayer's source) -------------------------------------------
-
-
-class Tap:
-    """What an eavesdropper saw: each host's Submit request stream, per round (payloads are sent in
-    the clear on an insecure channel, and are public to anyone the host shares them with)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[tuple[bytes, int], list[pb.SubmitRequest]] = {}
-
-    def record(self, requests: list[pb.SubmitRequest]) -> None:
-        if requests and requests[0].WhichOneof("part") == "header":
-            h = requests[0].header
-            self.seen[(bytes(h.host), h.round)] = requests
-
-    def wait(self, host: bytes, round_: int, timeout_s: float = 600.0) -> list[pb.SubmitRequest]:
-        deadline = time.monotonic() + timeout_s
-        while (host, round_) not in self.seen:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the tap saw no submission of 0x{host.hex()} in round {round_}")
-            time.sleep(0.05)
-        return self.seen[(host, round_)]
-
-    @staticmethod
-    def payload(requests: list[pb.SubmitRequest]) -> bytes:
-        return b"".join(r.chunk for r in requests[1:])
-
-
-class TappedClient(AggregatorClient):
-    """An honest host's client whose traffic the tap copies (the host itself is unchanged)."""
-
-    def __init__(self, target: str, tap: Tap, timeout_s: float = 120.0) -> None:
-        super().__init__(target, timeout_s)
-        self.tap = tap
-
-    def submit_raw(self, requests: Iterator[pb.SubmitRequest]) -> pb.Receipt:
-        seen = list(requests)
-        try:
-            return super().submit_raw(iter(seen))
-        finally:
-            # Seen once the whole stream has gone out: a copier that raced the victim's own upload
-            # could win the "received first" order (docs/SECURITY.md, not stopped yet).
-            self.tap.record(seen)
-
-
-# ---- what a behaviour works with -----------------------------------------------------------------
-
-
-@dataclass
-class RoundView:
-    host: AdversarialHost
-    worker: DiLoCoWorker
-    gm: GlobalModel
-    info: pb.RoundInfo
-
-    @property
-    def spec(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(t.shape) for n, t in self.gm.params.items()}
-
-    def honest(self) -> tuple[bytes, int]:
-        """The honest payload of this round (trains the worker as an honest host would)."""
-        result = self.worker.train_round(self.info.round, self.gm.params)
-        return result.payload, result.tokens
-
-    def decode(self, payload: bytes) -> Tensors:
-        return get_codec(self.info.codec).decode(payload, self.spec)
-
-    def encode(self, tensors: Mapping[str, Tensor]) -> bytes:
-        return get_codec(self.info.codec).encode(tensors)
-
-    def train_on(self, ids: np.ndarray) -> tuple[bytes, int]:
-        """Train H inner steps from the global model on windows `ids` (not the assignment)."""
-        w = self.worker
-        with torch.no_grad():
-            for name, p in w.model.named_parameters():
-                p.copy_(self.gm.params[name])
-        result = w.trainer.run(w.windows.batches(ids, w.micro_batch))
-        delta = pseudo_gradient(self.gm.params, dict(w.model.named_parameters()))
-        return self.encode(delta), result.tokens
-
-    def send(self, attack: str, payload: bytes, tokens: int = 0, **kw: Any) -> Outcome:
-        return send(self, attack, payload, tokens, **kw)
-
-
-def send(
-    view: RoundView,
-    attack: str,
-    payload: bytes,
-    tokens: int = 0,
-    *,
-    key: SigningKey | None = None,
-    host: bytes | None = None,
-    codec: str | None = None,
-    body: bytes | None = None,
-    signature: bytes | None = None,
-) -> Outcome:
-    """Sign a header for `payload` (fields overridable) and stream `body` (default: the payload)."""
-    h, info = view.host, view.info
-    sub = Submission(
-        chain_id=info.chain_id, registry=info.registry, epoch=info.epoch, round=info.round,
-        host=host or h.host_bytes, base_checkpoint_sha256=info.base_checkpoint_sha256,
-        codec=codec or info.codec, payload_sha256=hashlib.sha256(payload).digest(),
-        payload_length=len(payload), tokens_trained=tokens, timestamp_ms=time.time_ns() // 1_000_000,
-    )
-    sig = signature if signature is not None else sub.sign(key or h.keys.node_key.signing_key)
-    return submit_requests(view, attack, _stream(header_pb(sub, sig), payload if body is None else body))
-
-
-def _stream(header: pb.SubmitHeader, body: bytes, chunk: int = 1 << 20) -> list[pb.SubmitRequest]:
-    return [pb.SubmitRequest(header=header)] + [
-        pb.SubmitRequest(chunk=body[i : i + chunk]) for i in range(0, len(body), chunk)
-    ]
-
-
-def submit_requests(view: RoundView, attack: str, requests: list[pb.SubmitRequest]) -> Outcome:
-    try:
-        view.host.aggregator.submit_raw(iter(requests))
-    except SubmitRejected as exc:
-        return Outcome(view.info.round, attack, False, exc.reason or exc.code.name)
-    return Outcome(view.info.round, attack, True, "")
-
-
 # ---- behaviours ----------------------------------------------------------------------------------
-
-
-Behaviour = Callable[[RoundView], list[Outcome]]
 
 
 def update_attack(name: str, transform: Callable[[RoundView, Tensors], Tensors]) -> Behaviour:
@@ -198,15 +74,6 @@ def update_attack(name: str, transform: Callable[[RoundView, Tensors], Tensors])
         return [view.send(name, view.encode(transform(view, view.decode(payload))), tokens)]
 
     return act
-
-
-def _noise(view: RoundView, delta: Tensors, scale: float = 1.0) -> Tensors:
-    gen = torch.Generator().manual_seed(view.info.round * 7919 + int(view.host.host_bytes[0]))
-    noise = {n: torch.randn(t.shape, generator=gen) for n, t in sorted(delta.items())}
-    norm_d = torch.sqrt(sum(t.double().square().sum() for t in delta.values()))
-    norm_n = torch.sqrt(sum(t.double().square().sum() for t in noise.values()))
-    k = float(norm_d / norm_n) * scale
-    return {n: noise[n] * k for n in delta}
 
 
 def nonfinite(view: RoundView, value: float) -> bytes:
@@ -271,7 +138,7 @@ class Copier:
         if self.perturb <= 0:
             return [view.send("copy", payload, requests[0].header.tokens_trained)]
         delta = view.decode(payload)
-        noise = _noise(view, delta, self.perturb)
+        noise = matched_noise(view, delta, self.perturb)
         moved = view.encode({n: delta[n] + noise[n] for n in delta})
         return [view.send("copy_perturbed", moved, requests[0].header.tokens_trained)]
 
@@ -325,13 +192,18 @@ def single(name: str, payload: Callable[[RoundView], bytes]) -> Behaviour:
     return lambda view: [view.send(name, payload(view))]
 
 
-def make_behaviour(name: str, tap: Tap | None = None, victim: bytes | None = None) -> Behaviour:
-    """A behaviour by name (`copy`, `copy_perturbed` and `replay` need the tap and the victim)."""
+def make_behaviour(
+    name: str, tap: Tap | None = None, victim: bytes | None = None, settings: KitSettings | None = None
+) -> Behaviour:
+    """A behaviour by name (those in `NEEDS_TAP` need the tap; copies and `front_run` a victim too)."""
+    kit = settings or KitSettings()
     simple: dict[str, Behaviour] = {
         "sign_flip": update_attack("sign_flip", lambda v, d: {n: -t for n, t in d.items()}),
         "scale100": update_attack("scale100", lambda v, d: {n: 100.0 * t for n, t in d.items()}),
-        "noise": update_attack("noise", lambda v, d: _noise(v, d)),
-        "lazy_zero": single("lazy_zero", lambda v: v.encode({n: torch.zeros(t.shape) for n, t in v.gm.params.items()})),
+        "scale3": update_attack("scale3", lambda v, d: {n: 3.0 * t for n, t in d.items()}),
+        "scale_half": update_attack("scale_half", lambda v, d: {n: 0.5 * t for n, t in d.items()}),
+        "noise": update_attack("noise", lambda v, d: matched_noise(v, d)),
+        "lazy_zero": single("lazy_zero", lambda v: v.encode(v.zeros())),
         "lazy_base": single("lazy_base", lambda v: v.encode(v.gm.params)),
         "other_data": train_elsewhere("other_data", other_slot_ids),
         "heldout_data": train_elsewhere("heldout_data", heldout_ids),
@@ -339,31 +211,47 @@ def make_behaviour(name: str, tap: Tap | None = None, victim: bytes | None = Non
         "inf": single("inf", lambda v: nonfinite(v, float("inf"))),
         "wrong_shape": single("wrong_shape", wrong_shape),
         "protocol": protocol_attacks,
+        "aggregate_reuse": aggregate_reuse,
     }
     if name in simple:
         return simple[name]
     if name == "stale":
         return Stale()
-    if name in ("copy", "copy_perturbed", "replay"):
-        if tap is None or victim is None:
-            raise ValueError(f"behaviour {name!r} needs a tap on a victim host's traffic")
-        if name == "replay":
-            return Replayer(tap, victim)
+    if name == "stall":
+        return Staller(kit.stall_cap_s)
+    if name not in NEEDS_TAP:
+        raise ValueError(f"unknown behaviour {name!r}; choose one of {', '.join(BEHAVIOURS)}")
+    if tap is None or (victim is None and name in NEEDS_VICTIM):
+        raise ValueError(f"behaviour {name!r} needs a tap on other hosts' traffic" +
+                         (" and a victim" if name in NEEDS_VICTIM else ""))
+    return tapped_behaviour(name, tap, victim or bytes(20), kit)
+
+
+def tapped_behaviour(name: str, tap: Tap, victim: bytes, kit: KitSettings) -> Behaviour:
+    if name == "replay":
+        return Replayer(tap, victim)
+    if name in ("copy", "copy_perturbed"):
         return Copier(tap, victim, 1e-3 if name == "copy_perturbed" else 0.0)
     if name == "mix":
-        return Mix([make_behaviour(n, tap, victim) for n in MIX])
-    raise ValueError(f"unknown behaviour {name!r}; choose one of {', '.join(BEHAVIOURS)}")
+        return Mixer(tap, kit.sources)
+    if name == "grind":
+        return Grinder(tap, kit)
+    if name == "front_run":
+        return FrontRunner(tap, victim)
+    return Rotate([make_behaviour(n, tap, victim, kit) for n in ROTATION])
 
 
-MIX = ("sign_flip", "copy_perturbed", "scale100", "noise", "lazy_zero", "nan")
+ROTATION = ("sign_flip", "copy_perturbed", "scale100", "noise", "lazy_zero", "nan")
 BEHAVIOURS = (
-    "sign_flip", "scale100", "noise", "lazy_zero", "lazy_base", "other_data", "heldout_data", "stale",
-    "nan", "inf", "wrong_shape", "copy", "copy_perturbed", "replay", "protocol", "mix",
+    "sign_flip", "scale100", "scale3", "scale_half", "noise", "lazy_zero", "lazy_base", "other_data",
+    "heldout_data", "stale", "nan", "inf", "wrong_shape", "copy", "copy_perturbed", "replay", "protocol",
+    "rotate", "mix", "aggregate_reuse", "grind", "front_run", "stall",
 )
-NEEDS_TAP = ("copy", "copy_perturbed", "replay", "mix")
+NEEDS_TAP = ("copy", "copy_perturbed", "replay", "rotate", "mix", "grind", "front_run")
+NEEDS_VICTIM = ("copy", "copy_perturbed", "replay", "rotate", "front_run")
 
 
-class Mix:
+class Rotate:
     """A different attack every round (round r uses behaviour (r − 1) mod len)."""
 
     def __init__(self, behaviours: Sequence[Behaviour]) -> None:
@@ -383,6 +271,10 @@ class AdversarialHost(HostNode):
         super().__init__(*args, **kw)
         self.behaviour, self.victim = behaviour, victim
         self.outcomes: list[Outcome] = []
+
+    def mark_attempted(self, round_: int) -> None:
+        """Tell the events this round's attempt is made while the behaviour still runs (a held stream)."""
+        self.events.submitted(round_, False, "attempt made; its stream is still open", 0.0)
 
     def _train_and_submit(
         self, worker: DiLoCoWorker, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
@@ -406,6 +298,6 @@ def reasons_by_attack(outcomes: Sequence[Outcome]) -> dict[str, str]:
 
 
 __all__ = [
-    "BEHAVIOURS", "NEEDS_TAP", "AdversarialHost", "Outcome", "Tap", "TappedClient", "make_behaviour",
-    "reasons_by_attack",
+    "BEHAVIOURS", "NEEDS_TAP", "AdversarialHost", "KitSettings", "Outcome", "Tap", "TappedClient",
+    "make_behaviour", "predict_pick", "reasons_by_attack",
 ]

@@ -1,16 +1,22 @@
 """One epoch in one process, some hosts adversarial: what the adversary tests and the benchmark run.
 
 Real parts: the embedded EVM (EOA governance, so slashing needs no vote), the aggregator's gRPC server
-on 127.0.0.1:0 in its own event loop, honest `HostNode`s and `AdversarialHost`s in threads. The
-aggregator's clock is driven: once every host has made its attempt in a round, the clock jumps past
-the deadline, so a refused adversary costs no waiting (the round closes with whoever was accepted).
-After the last round: held-out loss of the final model, GNK paid per host, evidence collected from
-the aggregator's store and evidence log, and the documented slashes sent (`gonka_node.slashing`).
+on 127.0.0.1:0 in its own event loop, honest `HostNode`s and `AdversarialHost`s in threads. Every
+host's client is a `TappedClient`: the tap sees all uploads (copiers, mixers, grinders and
+front-runners read it); the victim's uploads stay open `slow_link_s` after their last chunk when a
+front-runner is in the plan. The aggregator's clock is driven: once every host has made its attempt in
+a round, the clock jumps past the deadline, so a refused adversary costs no waiting (the round closes
+with whoever was accepted); the wall time of that jump and of the round's close are kept, and their
+difference is the close delay a staller causes. After the last round: held-out loss of the final
+model, GNK paid per host and round, evidence collected from the aggregator's store and evidence log,
+the documented slashes sent (`gonka_node.slashing`), and the stake each host lost, read back from the
+chain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,10 +29,9 @@ from eth_utils import to_checksum_address
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
-from gonka_node.adversary import NEEDS_TAP, AdversarialHost, Outcome, Tap, TappedClient, make_behaviour
+from gonka_node.adversary import AdversarialHost, KitSettings, Outcome, Tap, TappedClient, make_behaviour
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store, now_ms
@@ -50,11 +55,14 @@ class EpochPlan:
     recipe: Recipe
     hosts: int = 4
     adversaries: dict[int, str] = field(default_factory=dict)  # host index (1..hosts) → behaviour
-    victim: int = 1  # whose traffic the tap sees (copy, replay)
+    victim: int = 1  # whose uploads copiers, replayers and front-runners take
     reward_per_round: int = 100 * GNK
+    stake: int = STAKE  # each host's stake (ngonka); the epoch's min_stake too
     heldout_windows: int = 32
     eval_windows: int = 128
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
+    stall_cap_s: float = 600.0  # a staller cancels its own stream after this long
+    slow_link_s: float = 1.5  # with a front-runner: the victim's stream stays open this long after its last chunk
     timeout_s: float = 900.0
 
 
@@ -68,9 +76,48 @@ class EpochReport:
     slashed: list[SlashDecision]
     reasons: dict[str, dict[int, list[str]]]  # address → round → the aggregator's reasons
     seconds: float
+    round_rewards: dict[str, dict[int, int]] = field(default_factory=dict)  # address → round → ngonka
+    aggregated: dict[str, dict[int, bool]] = field(default_factory=dict)  # address → round → in the aggregate
+    rounds: list[int] = field(default_factory=list)  # rounds that closed (finalized or skipped)
+    stake: int = STAKE
+    stake_lost: dict[str, int] = field(default_factory=dict)  # address → stake − what remains on chain
+    close_delay_s: dict[int, float] = field(default_factory=dict)  # round → close − deadline passed (wall)
+    epoch: int = 0
+    addresses: dict[int, str] = field(default_factory=dict)  # host index (1..hosts) → address
 
     def gnk(self, adversarial: bool) -> float:
         return sum(a for h, a in self.rewards.items() if (h in self.adversaries) == adversarial) / GNK
+
+    def honest(self) -> list[str]:
+        return sorted(h for h in self.rewards if h not in self.adversaries)
+
+    def slashed_adversary(self) -> bool:
+        return any(self.stake_lost.get(h, 0) > 0 for h in self.adversaries)
+
+    def net_gnk(self) -> float:
+        """What the adversaries came out with: GNK earned minus stake lost."""
+        return sum(self.rewards.get(h, 0) - self.stake_lost.get(h, 0) for h in self.adversaries) / GNK
+
+    def honest_gnk_per_host(self) -> list[float]:
+        return [self.rewards[h] / GNK for h in self.honest()]
+
+    def honest_excluded(self) -> list[tuple[str, int, list[str]]]:
+        """(host, round, reasons) of each honest host-round that did not make it into the aggregate."""
+        out = []
+        for h in self.honest():
+            for r in self.rounds:
+                if not self.aggregated.get(h, {}).get(r, False):
+                    out.append((h, r, self.reasons.get(h, {}).get(r) or ["no accepted submission"]))
+        return out
+
+    def honest_slashed(self) -> int:
+        return sum(1 for h in self.honest() if self.stake_lost.get(h, 0) > 0)
+
+    def max_close_delay_s(self) -> float:
+        return max(self.close_delay_s.values(), default=0.0)
+
+    def median_honest_reward(self, round_: int) -> float:
+        return statistics.median([self.round_rewards.get(h, {}).get(round_, 0) for h in self.honest()] or [0])
 
 
 class Attempts(HostEvents):
@@ -122,7 +169,8 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     backend = EmbeddedBackend()
     accounts = backend.dev_accounts()
     gov = ChainClient(backend, accounts[GOVERNANCE]).connect()
-    deployment = gov.deploy_all(initial_mint={a.address: 1_000 * GNK for a in accounts})
+    mint = max(1_000 * GNK, plan.stake + plan.reward_per_round * recipe.n_rounds)
+    deployment = gov.deploy_all(initial_mint={a.address: mint for a in accounts})
     gov = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
 
     def client(i: int) -> ChainClient:
@@ -131,13 +179,13 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     init_path = root / "init.safetensors"
     init_sha = initial_checkpoint(recipe, init_path)
     terms = EpochTerms(aggregators=[accounts[AGGREGATOR].address], round_length_s=600, signin_window_s=60,
-                       min_stake=STAKE, max_hosts=8, reward_per_round=plan.reward_per_round)
+                       min_stake=plan.stake, max_hosts=8, reward_per_round=plan.reward_per_round)
     epoch = gov.create_epoch(epoch_spec(recipe, init_sha, terms, "file:recipe.json"))
     gov.fund_epoch(epoch, plan.reward_per_round * recipe.n_rounds)
     keys = {i: NodeKeys(NodeSigningKey(bytes([i]) * 32), Account.from_key(accounts[i].key))
             for i in range(1, plan.hosts + 1)}
     for i, k in keys.items():
-        client(i).join(epoch, STAKE, k.node_public_key)
+        client(i).join(epoch, plan.stake, k.node_public_key)
     backend.increase_time(61)
 
     agg_chain = client(AGGREGATOR)
@@ -151,40 +199,47 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     engine = RoundEngine(ctx, settings, plan.aggregation, store, ChainView(agg_chain), TrainingCheckpoints(),
                          NodeSigningKey(b"\x09" * 32).signing_key, clock=clock, evidence=evidence)
     tap = Tap()
-    victim = bytes.fromhex(keys[plan.victim].evm_address[2:])
     attempts = {i: Attempts() for i in keys}
+    passed: dict[int, float] = {}
     try:
         with Aggregator(engine) as target:
-            nodes = [_node(plan, i, target, tap, victim, keys[i], client(i), attempts[i], root, cache_dir)
-                     for i in keys]
+            nodes = [_node(plan, i, target, tap, keys, client(i), attempts[i], root, cache_dir) for i in keys]
             with ThreadPoolExecutor(len(nodes)) as pool:
                 futures = [pool.submit(n.run) for n in nodes]
-                _drive(engine, clock, attempts, futures, plan.timeout_s)
+                _drive(engine, clock, attempts, futures, plan.timeout_s, passed)
                 for f in futures:
                     f.result(timeout=60)
         records = collect_evidence(store, epoch, RoundIdentity(deployment.chain_id, ctx.registry,
                                                                ctx.codec_name), evidence)
         slashed = slash_all(gov, epoch, records)
-        return _report(plan, root, store, epoch, nodes, slashed, started, cache_dir)
+        report = _report(plan, root, store, epoch, nodes, slashed, started, cache_dir)
+        report.stake_lost = {h: gov.host_info(epoch, h).slashed for h in report.rewards}
+        report.close_delay_s = _close_delays(store, epoch, passed)
+        return report
     finally:
         store.close()
 
 
-def _node(plan: EpochPlan, i: int, target: str, tap: Tap, victim: bytes, keys: NodeKeys,
+def _node(plan: EpochPlan, i: int, target: str, tap: Tap, keys: dict[int, NodeKeys],
           chain: ChainClient, events: Attempts, root: Path, cache_dir: Path | None) -> HostNode:
-    settings = HostSettings(epoch=chain.epoch_count(), stake=STAKE, state_dir=root / f"host{i}",
+    settings = HostSettings(epoch=chain.epoch_count(), stake=plan.stake, state_dir=root / f"host{i}",
                             cache_dir=cache_dir, poll_s=0.05, backoff_s=0.1)
-    agg = TappedClient(target, tap, 120.0) if i == plan.victim else AggregatorClient(target, 120.0)
+    address = {j: bytes.fromhex(k.evm_address[2:]) for j, k in keys.items()}
+    slow = i == plan.victim and "front_run" in plan.adversaries.values()
+    agg = TappedClient(target, tap, 120.0, owner=address[i], hold_s=plan.slow_link_s if slow else 0.0)
     if i not in plan.adversaries:
-        return HostNode(settings, plan.recipe, chain, agg, keys, events)
-    name = plan.adversaries[i]
-    behaviour = make_behaviour(name, tap if name in NEEDS_TAP else None, victim)
-    return AdversarialHost(settings, plan.recipe, chain, agg, keys, events, behaviour=behaviour, victim=victim)
+        return HostNode(settings, plan.recipe, chain, agg, keys[i], events)
+    kit = KitSettings(sources=tuple(a for j, a in address.items() if j not in plan.adversaries),
+                      replay_fraction=plan.aggregation.replay_fraction, stall_cap_s=plan.stall_cap_s)
+    victim = address[plan.victim]
+    behaviour = make_behaviour(plan.adversaries[i], tap, victim, kit)
+    return AdversarialHost(settings, plan.recipe, chain, agg, keys[i], events, behaviour=behaviour, victim=victim)
 
 
 def _drive(engine: RoundEngine, clock: DrivenClock, attempts: dict[int, Attempts], futures: list[Any],
-           timeout_s: float) -> None:
-    """Move the aggregator's clock past a round's deadline once every host has made its attempt."""
+           timeout_s: float, passed: dict[int, float]) -> None:
+    """Move the aggregator's clock past a round's deadline once every host has made its attempt;
+    `passed` gets the wall time (time.time()) at which each round's deadline was passed so."""
     deadline = time.monotonic() + timeout_s
     while not all(f.done() for f in futures):
         for f in futures:
@@ -193,21 +248,39 @@ def _drive(engine: RoundEngine, clock: DrivenClock, attempts: dict[int, Attempts
         r = engine.current
         if r is not None and not engine.closing and all(r.round in a.rounds for a in attempts.values()):
             clock.offset = max(clock.offset, r.deadline_ms - now_ms() + 1)
+            passed.setdefault(r.round, time.time())
         if time.monotonic() > deadline:
             raise TimeoutError(f"the epoch did not finish within {timeout_s:.0f} s")
         time.sleep(0.05)
+
+
+def _close_delays(store: Store, epoch: int, passed: dict[int, float]) -> dict[int, float]:
+    """round → seconds from the driven clock passing its deadline to its close (the store's closed_ms,
+    wall time); 0 for a round that closed before its deadline (everyone had submitted)."""
+    out = {}
+    for row in store.rounds(epoch):
+        if row.closed_ms is not None:
+            out[row.round] = max(0.0, row.closed_ms / 1000 - passed[row.round]) if row.round in passed else 0.0
+    return out
 
 
 def _report(plan: EpochPlan, root: Path, store: Store, epoch: int, nodes: list[HostNode],
             slashed: list[SlashDecision], started: float, cache_dir: Path | None) -> EpochReport:
     rewards: dict[str, int] = {}
     reasons: dict[str, dict[int, list[str]]] = {}
+    per_round: dict[str, dict[int, int]] = {}
+    aggregated: dict[str, dict[int, bool]] = {}
+    closed: list[int] = []
     last = None
     for row in store.rounds(epoch):
         for c in store.contributions(epoch, row.round):
             h = to_checksum_address(c.host)
             rewards[h] = rewards.get(h, 0) + c.reward
             reasons.setdefault(h, {})[row.round] = list(c.reasons)
+            per_round.setdefault(h, {})[row.round] = c.reward
+            aggregated.setdefault(h, {})[row.round] = bool(c.aggregated)
+        if row.state in ("finalized", "skipped"):
+            closed.append(row.round)
         if row.state == "finalized":
             last = row.round
     for n in nodes:
@@ -224,6 +297,8 @@ def _report(plan: EpochPlan, root: Path, store: Store, epoch: int, nodes: list[H
     outcomes = {to_checksum_address(n.keys.evm_address): n.outcomes
                 for n in nodes if isinstance(n, AdversarialHost)}
     return EpochReport(final, initial, rewards, adversaries, outcomes, slashed, reasons,
-                       round(time.monotonic() - started, 1))
+                       round(time.monotonic() - started, 1), per_round, aggregated, closed, plan.stake,
+                       epoch=epoch, addresses={i: to_checksum_address(n.keys.evm_address)
+                                               for i, n in enumerate(nodes, start=1)})
 
 

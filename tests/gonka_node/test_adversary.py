@@ -1,7 +1,7 @@
 """Every behaviour of the adversary kit against the real aggregator, chain and honest hosts (in-process).
 
-Each epoch: tiny model, honest hosts 1 and 2 (host 1's traffic visible to a tap), adversaries on the
-other slots. The assertions are the defence each behaviour meets: its specific rejection reason, its
+Each epoch: tiny model, honest hosts 1 and 2 (host 1 the victim whose uploads copiers take off the
+tap), adversaries on the other slots. The attacks that skip training: test_adversary_open.py. The assertions are the defence each behaviour meets: its specific rejection reason, its
 score and pay, and whether the documented slashing rule names it (with evidence a voter can check).
 Measured limitations are asserted too (marked "limitation"), so a change in them is noticed.
 """
@@ -14,7 +14,8 @@ import pytest
 import torch
 from stdlib_corpus import write_small_corpus
 
-from gonka_node.adversary import make_behaviour, reasons_by_attack
+from gonka_node.adversary import KitSettings, Tap, make_behaviour, reasons_by_attack
+from gonka_node.adversary_open import Grinder
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.byzantine import STAKE, EpochPlan, EpochReport, run_epoch
 from gonka_node.config import AggregationSettings
@@ -208,3 +209,8 @@ def test_unknown_behaviour_and_missing_tap_are_refused() -> None:
         make_behaviour("sybil")
     with pytest.raises(ValueError, match="needs a tap"):
         make_behaviour("copy")
+    with pytest.raises(ValueError, match="needs a tap on other hosts' traffic and a victim"):
+        make_behaviour("front_run", Tap())
+    with pytest.raises(ValueError, match="at least two source hosts"):
+        make_behaviour("mix", Tap(), settings=KitSettings(sources=(b"\x01" * 20,)))
+    assert isinstance(make_behaviour("grind", Tap()), Grinder)  # no victim needed
