@@ -32,8 +32,6 @@ from safetensors.torch import load as load_safetensors
 
 from gonka_node.adversary_tap import Sighting, Tap
 from gonka_node.adversary_view import Outcome, RoundView, Tensors, matched_noise, signed_header, stream_of
-from gonka_node.aggregator.replay import chosen_for_replay
-from gonka_node.aggregator.store import SubmissionRow
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 SETTLE_S = 1.0  # a staller's pause after its half: the aggregator has taken the header by then
@@ -95,13 +93,14 @@ def aggregate_reuse(view: RoundView) -> list[Outcome]:
 def predict_pick(
     fraction: float, epoch: int, round_: int, base_sha256: bytes, digests: Mapping[bytes, bytes]
 ) -> set[bytes] | None:
-    """The hosts the replay check will recompute this round, predicted from public data: host → its
-    accepted payload digest (the predictor's own candidate included). Today's rule
-    (`gonka_node.aggregator.replay.chosen_for_replay`) hashes the round's identity and every accepted
-    digest, all of which a host that submits last has seen. Returns None where the rule cannot be
-    predicted before submitting (point this at the aggregator's rule when it changes)."""
-    rows = [SubmissionRow(epoch, round_, host, digest, 0, 0, 0, b"", 0, 0.0, b"", "") for host, digest in digests.items()]
-    return chosen_for_replay(fraction, epoch, round_, base_sha256, rows)
+    """The hosts the replay check will recompute this round, predicted from what a host can see before it
+    submits (host → accepted payload digest, its own candidate included), or None where that is
+    impossible. The pick (`gonka_node.aggregator.replay.chosen_for_replay`) is decided by the round's
+    commit–reveal seed: on chain there is only keccak256 of the aggregator's secret until the round's
+    submissions are fixed, and neither the digests nor anything else public changes it. So a grinder
+    has nothing to grind: None. (The rule before the seed hashed the round's identity and every
+    accepted digest, which the last submitter sees: 1 to 146 tries made it unpicked.)"""
+    return None
 
 
 def nudged(delta: Mapping[str, torch.Tensor], i: int) -> Tensors:

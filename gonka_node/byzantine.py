@@ -16,6 +16,7 @@ chain.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import threading
 import time
@@ -57,7 +58,8 @@ class EpochPlan:
     adversaries: dict[int, str] = field(default_factory=dict)  # host index (1..hosts) → behaviour
     victim: int = 1  # whose uploads copiers, replayers and front-runners take
     reward_per_round: int = 100 * GNK
-    stake: int = STAKE  # each host's stake (ngonka); the epoch's min_stake too
+    replay_probability: float = 1.0  # the epoch's p: each host's round is replayed with it
+    stake: int | None = None  # each host's stake and the epoch's min_stake; None: reward / p (the least)
     heldout_windows: int = 32
     eval_windows: int = 128
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
@@ -169,7 +171,13 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     backend = EmbeddedBackend()
     accounts = backend.dev_accounts()
     gov = ChainClient(backend, accounts[GOVERNANCE]).connect()
-    mint = max(1_000 * GNK, plan.stake + plan.reward_per_round * recipe.n_rounds)
+    terms = EpochTerms.staked_for(plan.reward_per_round, plan.replay_probability,
+                                  aggregators=[accounts[AGGREGATOR].address], round_length_s=600,
+                                  signin_window_s=60, max_hosts=8)
+    if plan.stake is not None:
+        terms = dataclasses.replace(terms, min_stake=plan.stake)
+    stake = terms.min_stake
+    mint = max(1_000 * GNK, stake + plan.reward_per_round * recipe.n_rounds)
     deployment = gov.deploy_all(initial_mint={a.address: mint for a in accounts})
     gov = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
 
@@ -178,14 +186,13 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
 
     init_path = root / "init.safetensors"
     init_sha = initial_checkpoint(recipe, init_path)
-    terms = EpochTerms(aggregators=[accounts[AGGREGATOR].address], round_length_s=600, signin_window_s=60,
-                       min_stake=plan.stake, max_hosts=8, reward_per_round=plan.reward_per_round)
     epoch = gov.create_epoch(epoch_spec(recipe, init_sha, terms, "file:recipe.json"))
-    gov.fund_epoch(epoch, plan.reward_per_round * recipe.n_rounds)
+    if plan.reward_per_round:
+        gov.fund_epoch(epoch, plan.reward_per_round * recipe.n_rounds)
     keys = {i: NodeKeys(NodeSigningKey(bytes([i]) * 32), Account.from_key(accounts[i].key))
             for i in range(1, plan.hosts + 1)}
     for i, k in keys.items():
-        client(i).join(epoch, plan.stake, k.node_public_key)
+        client(i).join(epoch, stake, k.node_public_key)
     backend.increase_time(61)
 
     agg_chain = client(AGGREGATOR)
@@ -203,7 +210,8 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     passed: dict[int, float] = {}
     try:
         with Aggregator(engine) as target:
-            nodes = [_node(plan, i, target, tap, keys, client(i), attempts[i], root, cache_dir) for i in keys]
+            nodes = [_node(plan, stake, i, target, tap, keys, client(i), attempts[i], root, cache_dir)
+                     for i in keys]
             with ThreadPoolExecutor(len(nodes)) as pool:
                 futures = [pool.submit(n.run) for n in nodes]
                 _drive(engine, clock, attempts, futures, plan.timeout_s, passed)
@@ -212,7 +220,7 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
         records = collect_evidence(store, epoch, RoundIdentity(deployment.chain_id, ctx.registry,
                                                                ctx.codec_name), evidence)
         slashed = slash_all(gov, epoch, records)
-        report = _report(plan, root, store, epoch, nodes, slashed, started, cache_dir)
+        report = _report(plan, stake, root, store, epoch, nodes, slashed, started, cache_dir)
         report.stake_lost = {h: gov.host_info(epoch, h).slashed for h in report.rewards}
         report.close_delay_s = _close_delays(store, epoch, passed)
         return report
@@ -220,9 +228,9 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
         store.close()
 
 
-def _node(plan: EpochPlan, i: int, target: str, tap: Tap, keys: dict[int, NodeKeys],
+def _node(plan: EpochPlan, stake: int, i: int, target: str, tap: Tap, keys: dict[int, NodeKeys],
           chain: ChainClient, events: Attempts, root: Path, cache_dir: Path | None) -> HostNode:
-    settings = HostSettings(epoch=chain.epoch_count(), stake=plan.stake, state_dir=root / f"host{i}",
+    settings = HostSettings(epoch=chain.epoch_count(), stake=stake, state_dir=root / f"host{i}",
                             cache_dir=cache_dir, poll_s=0.05, backoff_s=0.1)
     address = {j: bytes.fromhex(k.evm_address[2:]) for j, k in keys.items()}
     slow = i == plan.victim and "front_run" in plan.adversaries.values()
@@ -230,7 +238,7 @@ def _node(plan: EpochPlan, i: int, target: str, tap: Tap, keys: dict[int, NodeKe
     if i not in plan.adversaries:
         return HostNode(settings, plan.recipe, chain, agg, keys[i], events)
     kit = KitSettings(sources=tuple(a for j, a in address.items() if j not in plan.adversaries),
-                      replay_fraction=plan.aggregation.replay_fraction, stall_cap_s=plan.stall_cap_s)
+                      replay_fraction=plan.replay_probability, stall_cap_s=plan.stall_cap_s)
     victim = address[plan.victim]
     behaviour = make_behaviour(plan.adversaries[i], tap, victim, kit)
     return AdversarialHost(settings, plan.recipe, chain, agg, keys[i], events, behaviour=behaviour, victim=victim)
@@ -264,7 +272,7 @@ def _close_delays(store: Store, epoch: int, passed: dict[int, float]) -> dict[in
     return out
 
 
-def _report(plan: EpochPlan, root: Path, store: Store, epoch: int, nodes: list[HostNode],
+def _report(plan: EpochPlan, stake: int, root: Path, store: Store, epoch: int, nodes: list[HostNode],
             slashed: list[SlashDecision], started: float, cache_dir: Path | None) -> EpochReport:
     rewards: dict[str, int] = {}
     reasons: dict[str, dict[int, list[str]]] = {}
@@ -297,7 +305,7 @@ def _report(plan: EpochPlan, root: Path, store: Store, epoch: int, nodes: list[H
     outcomes = {to_checksum_address(n.keys.evm_address): n.outcomes
                 for n in nodes if isinstance(n, AdversarialHost)}
     return EpochReport(final, initial, rewards, adversaries, outcomes, slashed, reasons,
-                       round(time.monotonic() - started, 1), per_round, aggregated, closed, plan.stake,
+                       round(time.monotonic() - started, 1), per_round, aggregated, closed, stake,
                        epoch=epoch, addresses={i: to_checksum_address(n.keys.evm_address)
                                                for i, n in enumerate(nodes, start=1)})
 

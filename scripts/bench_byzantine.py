@@ -66,8 +66,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--round-state", choices=("fresh", "carry"), default="fresh",
                     help="the recipe's round_state; 'fresh' makes rounds replayable")
     ap.add_argument("--replay-fraction", type=float, default=1.0,
-                    help="[aggregation] replay_fraction (needs --round-state fresh; 0: no replay check)")
-    ap.add_argument("--stake", type=float, default=10.0, help="each host's stake in GNK (the epoch's min_stake)")
+                    help="the epoch's replay probability p (needs --round-state fresh when > 0; 0: no replay "
+                    "check, and by the stake rule no rewards either)")
+    ap.add_argument("--stake", type=float, default=None,
+                    help="each host's stake in GNK (the epoch's min_stake; default: reward per round / p, the "
+                    "least the chain's stake rule allows)")
     ap.add_argument("--grace", type=float, default=5.0,
                     help="seconds a round may close later than in the honest-only run (the stall target)")
     ap.add_argument("--stall-cap", type=float, default=120.0,
@@ -186,10 +189,13 @@ def main() -> int:
         raise SystemExit("--hosts must be in (adversaries, 8] and --adversaries >= 1")
     if a.replay_fraction > 0 and a.round_state != "fresh":
         raise SystemExit("--replay-fraction > 0 needs --round-state fresh (a 'carry' round cannot be replayed)")
-    if a.stake <= 0 or a.grace < 0 or a.stall_cap <= 0:
+    if (a.stake is not None and a.stake <= 0) or a.grace < 0 or a.stall_cap <= 0:
         raise SystemExit("--stake and --stall-cap must be positive and --grace at least 0")
+    if not 0 <= a.replay_fraction <= 1:
+        raise SystemExit("--replay-fraction must be in [0, 1]")
     recipe = recipe_of(a)
-    agg = AggregationSettings(rule=a.rule, replay_fraction=a.replay_fraction)
+    agg = AggregationSettings(rule=a.rule)
+    reward = 100 * GNK if a.replay_fraction > 0 else 0  # the stake rule: an unverified epoch cannot pay
     bad = {a.hosts - k: "" for k in range(a.adversaries)}  # the last hosts; host 1 is the tapped victim
     plans = {"honest": {}} | {x: {i: x for i in bad} for x in attacks}
     started = time.monotonic()
@@ -198,8 +204,10 @@ def main() -> int:
         recipe.windows(root / "cache")  # tokenize once, before the epochs share the cache
         # A staller may hold every round's close for its whole cap (today's aggregator does wait).
         timeout = 900.0 + (a.rounds * a.stall_cap if "stall" in attacks else 0.0)
-        jobs = [(name, EpochPlan(recipe, a.hosts, adv, aggregation=agg, stake=int(a.stake * GNK),
-                                 stall_cap_s=a.stall_cap, timeout_s=timeout), root, a.threads)
+        stake = None if a.stake is None else int(a.stake * GNK)
+        jobs = [(name, EpochPlan(recipe, a.hosts, adv, reward_per_round=reward, aggregation=agg,
+                                 replay_probability=a.replay_fraction, stake=stake, stall_cap_s=a.stall_cap,
+                                 timeout_s=timeout), root, a.threads)
                 for name, adv in plans.items()]
         with ProcessPoolExecutor(max(1, a.jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
             reports = dict(zip(plans, pool.map(run_named, jobs), strict=True))
@@ -219,7 +227,7 @@ def main() -> int:
                   "params": recipe.model.num_params(), "rounds": a.rounds, "inner_steps": a.inner_steps,
                   "seq_len": a.seq_len, "micro_batch": a.micro_batch, "codec": a.codec, "rule": a.rule,
                   "corpus": a.corpus or "built-in", "round_state": a.round_state,
-                  "replay_fraction": a.replay_fraction, "jobs": a.jobs, "stake_gnk": a.stake,
+                  "replay_fraction": a.replay_fraction, "jobs": a.jobs, "stake_gnk": honest.stake / GNK,
                   "grace_s": a.grace, "stall_cap_s": a.stall_cap},
         "seconds": round(time.monotonic() - started, 1),
     }

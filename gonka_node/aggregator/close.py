@@ -138,9 +138,10 @@ def dissent(c: Closing) -> Mapping[bytes, str]:
 
 
 # In this order: each later check sees only what the earlier ones left. A replay mismatch is proof
-# (slashable) and dissent only a statistic, so the replay runs first and the dissent reference is a
-# median over updates already known to be the hosts' own work.
-CHECKS: tuple[Check, ...] = (copies, resubmissions, departed, mixtures, replays, dissent)
+# (slashable) while mixtures and dissent are statistics, so a picked host is judged by its replay first
+# (a mix or a reused aggregate that is picked is slashed, not merely excluded), and the dissent
+# reference is a median over updates already known to be the hosts' own work.
+CHECKS: tuple[Check, ...] = (copies, resubmissions, departed, replays, mixtures, dissent)
 
 
 def compute_outcome(
@@ -237,10 +238,10 @@ def _sketch_path(store: Store, epoch: int, round_: int) -> Path:
 
 
 def _scores(c: Closing) -> dict[bytes, float]:
-    """Each live update's score on held-out data, taken at the round's median update norm: its
-    direction is scored, not its length, so sending 3·Δ or Δ/2 scores exactly as Δ would. A host whose
-    round the replay reproduced is not vetoed for fitting held-out data better than its assignment:
-    the replay proved what it trained on."""
+    """Each live update's score, taken on the update as the aggregate will use it: clipped to the round's
+    median update norm (clip_median), so sending 3·Δ scores no better than Δ (and pay does not follow the
+    score anyway: `equal_shares`). A host whose round the replay reproduced is not vetoed for fitting
+    held-out data better than its assignment: the replay proved what it trained on."""
     if c.ctx.model_factory is None or c.ctx.scoring is None:
         for s in c.submissions:
             c.reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
@@ -254,7 +255,7 @@ def _scores(c: Closing) -> dict[bytes, float]:
     tau = float(statistics.median(s.norm for s in live))
     for s in live:
         assigned = c.ctx.scoring.assigned(c.round_row.round, c.slots[s.host])
-        factor = torch.tensor(tau / s.norm if s.norm > 0 else 0.0, dtype=torch.float32)
+        factor = torch.tensor(min(1.0, tau / s.norm) if s.norm > 0 else 0.0, dtype=torch.float32)
         delta = {n: t * factor for n, t in c.decode(s).items()}
         result = scorer.score(delta, assigned, veto=s.host not in c.replayed)
         c.reasons[s.host].extend(result.reasons())

@@ -7,9 +7,15 @@ hash the chain records for that round; only a verified file is renamed into plac
 deleted. `export --format hf` writes a Hugging Face Llama folder and `generate` samples text; both
 verify the file's canonical sha256 first (against the chain when `--epoch/--round` are given).
 
-The model config comes from the checkpoint's metadata (`model_config`) when its writer stored it,
-else from `--recipe FILE` (checked against the epoch's model spec hash when `--epoch` is given) or
-`--preset NAME`; two sources that disagree are an error, and the tensors are checked against it.
+The model config comes from the epoch's recipe when it is published on chain (`Registry.publish_recipe`
+checks it hashes to the epoch's model_spec_hash), from the checkpoint's metadata (`model_config`) when
+its writer stored it, from `--recipe FILE` (checked against the epoch's model spec hash when `--epoch` is
+given) or `--preset NAME`; two sources that disagree are an error, and the tensors are checked against it.
+
+The chain's checkpoint hash covers tensors only, so a pulled file's metadata is not vouched for by it:
+`pull` compares the file's `model_config` with the epoch's recipe (on chain, or `--recipe`) and deletes a
+file whose metadata says otherwise; where no recipe can be had, it strips that metadata instead of
+keeping an unverified claim.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pull.add_argument("--force", action="store_true", help="replace an existing --out file")
     pull.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole download")
     pull.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest file accepted")
+    pull.add_argument("--recipe", type=Path,
+                      help="the epoch's recipe file, to verify the file's model config when the chain has none")
     pull.set_defaults(func=chain_errors(_pull))
 
     export = actions.add_parser("export", help="write a Hugging Face Llama folder (transformers loads it)")
@@ -176,21 +184,45 @@ def _pull(args: argparse.Namespace) -> int:
     out = args.out or Path(f"epoch-{want.epoch}-round-{want.round}.safetensors")
     if out.exists() and not args.force:
         raise CliError(f"--out {out}: file exists; pass --force to replace it")
+    model, where = epoch_model(client, args.epoch, args.recipe)
     with grpc.insecure_channel(
         args.aggregator, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]
     ) as channel:
-        size = pull_checkpoint(channel, want, out, timeout_s=args.timeout, max_bytes=args.max_bytes)
+        size, note = pull_checkpoint(channel, want, out, timeout_s=args.timeout, max_bytes=args.max_bytes,
+                                     model=model, model_source=where)
     print(
         f"pulled epoch {want.epoch} round {want.round} from {args.aggregator} to {out} ({size:,} bytes)\n"
-        f"sha256 {want.sha256.hex()} matches chain {want.chain_id} registry {want.registry}"
+        f"sha256 {want.sha256.hex()} matches chain {want.chain_id} registry {want.registry}\n{note}"
     )
     return 0
 
 
+def epoch_model(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any, str]:
+    """The epoch's ModelConfig from a source the chain vouches for (the recipe published on chain, else
+    `recipe_file` checked against the epoch's model_spec_hash) and where it came from; (None, "") if none."""
+    import json
+
+    from gonka_node.recipe import Recipe, RecipeError
+
+    published = client.published_recipe(epoch)
+    if published is not None:
+        where = f"epoch {epoch}'s recipe on chain"
+        try:
+            return Recipe.from_dict(json.loads(published), where=where).model, where
+        except (RecipeError, ValueError) as exc:
+            raise CliError(f"{where} cannot be read by this node: {exc}") from None
+    if recipe_file is not None:
+        return _recipe_model(recipe_file, epoch, client), f"--recipe {recipe_file}"
+    return None, ""
+
+
 def pull_checkpoint(
-    channel: grpc.Channel, want: ChainCheckpoint, out: Path, *, timeout_s: float, max_bytes: int
-) -> int:
-    """Stream (epoch, round) into `out`, verified against `want.sha256`; returns the file size.
+    channel: grpc.Channel, want: ChainCheckpoint, out: Path, *, timeout_s: float, max_bytes: int,
+    model: Any = None, model_source: str = "",
+) -> tuple[int, str]:
+    """Stream (epoch, round) into `out`, verified against `want.sha256` and its metadata against `model`
+    (the epoch's ModelConfig from `model_source`; None: no source, the metadata is stripped); returns the
+    file size and a line saying what became of the metadata.
 
     Nothing is left behind unless verified: the stream goes to a temporary file in `out`'s folder,
     which is renamed onto `out` only after the canonical sha256 matches the chain.
@@ -209,6 +241,7 @@ def pull_checkpoint(
             handle.flush()
             os.fsync(handle.fileno())
         _verify_file(tmp, want)
+        note = _settle_metadata(tmp, want, model, model_source)
         os.replace(tmp, out)
     except grpc.RpcError as exc:
         tmp.unlink(missing_ok=True)
@@ -219,7 +252,42 @@ def pull_checkpoint(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return size
+    return size, note
+
+
+def _settle_metadata(path: Path, want: ChainCheckpoint, model: Any, model_source: str) -> str:
+    """Keep the file's model config only if it is the epoch's; refuse a contradicting one; strip one that
+    nothing vouches for (a server can rewrite metadata freely: the chain's hash covers tensors only)."""
+    from safetensors import safe_open
+
+    from training.hf_export import MODEL_CONFIG_KEY, ExportError, config_from_metadata
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+    try:
+        claimed = config_from_metadata(metadata)
+    except ExportError as exc:
+        claimed = exc
+    if claimed is None:
+        return "the file records no model config"
+    if model is not None and claimed == model:
+        return f"its model config is {model_source}'s"
+    if model is not None:
+        raise CliError(
+            f"epoch {want.epoch} round {want.round}: the file's tensors match the chain but its metadata "
+            f"{MODEL_CONFIG_KEY!r} ({claimed}) is not {model_source}'s model ({model}): the aggregator "
+            "rewrote what the hash does not cover; the file was deleted"
+        )
+    _rewrite_metadata(path, {k: v for k, v in metadata.items() if k != MODEL_CONFIG_KEY})
+    return (f"its metadata {MODEL_CONFIG_KEY!r} was removed: no recipe on chain or --recipe vouches for it "
+            "(export/generate then need --recipe or --preset)")
+
+
+def _rewrite_metadata(path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    save_file(tensors, str(path), metadata=metadata)
 
 
 def _receive(stream: Iterator[Any], want: ChainCheckpoint, handle: Any, max_bytes: int) -> int:
@@ -304,6 +372,10 @@ def _model_config(args: argparse.Namespace, metadata: dict[str, str], client: An
     from training.model import ModelConfig
 
     found = []
+    if client is not None:  # the chain's word first: the metadata is checked against it, never trusted
+        model, where = epoch_model(client, args.epoch, None)
+        if model is not None:
+            found.append((where, model))
     try:
         recorded = config_from_metadata(metadata)
     except ExportError as exc:
@@ -311,7 +383,7 @@ def _model_config(args: argparse.Namespace, metadata: dict[str, str], client: An
     if recorded is not None:
         found.append((f"{args.checkpoint} metadata {MODEL_CONFIG_KEY!r}", recorded))
     if args.recipe is not None:
-        found.append((f"--recipe {args.recipe}", _recipe_model(args, client)))
+        found.append((f"--recipe {args.recipe}", _recipe_model(args.recipe, args.epoch, client)))
     if args.preset is not None:
         try:
             found.append((f"--preset {args.preset}", ModelConfig.preset(args.preset)))
@@ -329,18 +401,18 @@ def _model_config(args: argparse.Namespace, metadata: dict[str, str], client: An
     return config
 
 
-def _recipe_model(args: argparse.Namespace, client: Any) -> Any:
+def _recipe_model(path: Path, epoch: int | None, client: Any) -> Any:
     from gonka_node.recipe import Recipe, RecipeError
 
     try:
-        recipe = Recipe.load(args.recipe)
+        recipe = Recipe.load(path)
     except RecipeError as exc:
         raise CliError(str(exc)) from None
-    if client is not None:
-        spec_hash = client.get_epoch(args.epoch).spec.model_spec_hash
+    if client is not None and epoch is not None:
+        spec_hash = client.get_epoch(epoch).spec.model_spec_hash
         if spec_hash != recipe.sha256():
             raise CliError(
-                f"--recipe {args.recipe}: hashes to {recipe.sha256().hex()}, epoch {args.epoch}'s "
+                f"--recipe {path}: hashes to {recipe.sha256().hex()}, epoch {epoch}'s "
                 f"model_spec_hash on chain is {spec_hash.hex()}: not this epoch's recipe"
             )
     return recipe.model

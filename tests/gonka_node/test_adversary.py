@@ -18,7 +18,6 @@ from gonka_node.adversary import KitSettings, Tap, make_behaviour, reasons_by_at
 from gonka_node.adversary_open import Grinder
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.byzantine import STAKE, EpochPlan, EpochReport, run_epoch
-from gonka_node.config import AggregationSettings
 from gonka_node.envelope import Submission
 from gonka_node.keys import NodeSigningKey
 from gonka_node.recipe import Recipe
@@ -35,6 +34,16 @@ from training.model import ModelConfig
 
 torch.set_num_threads(1)
 GNK = 10**9
+
+
+def unpaid(recipe: Recipe, **kw: object) -> EpochPlan:
+    """An epoch with no replay check (p = 0), so by the stake rule no rewards; hosts still stake, so
+    slashing shows. What stops an attack here is what the aggregator excludes without recomputing."""
+    return EpochPlan(recipe, replay_probability=0.0, reward_per_round=0, stake=STAKE, **kw)  # type: ignore[arg-type]
+
+
+def excluded(report: EpochReport, host: str, round_: int = 1) -> bool:
+    return not report.aggregated[host][round_]
 
 
 def tiny_recipe(tmp: Path, rounds: int, round_state: str = "carry") -> Recipe:
@@ -56,7 +65,8 @@ def honest_paid(report: EpochReport) -> list[int]:
 
 
 def test_envelope_stream_and_garbage_attacks_are_refused_with_their_reason(tmp_path: Path) -> None:
-    report = run_epoch(EpochPlan(tiny_recipe(tmp_path, 1), hosts=3, adversaries={3: "protocol"}), tmp_path / "e")
+    report = run_epoch(EpochPlan(tiny_recipe(tmp_path, 1, "fresh"), hosts=3, adversaries={3: "protocol"}),
+                       tmp_path / "e")
     adversary = by_behaviour(report)["protocol"]
     assert reasons_by_attack(report.outcomes[adversary]) == {
         "forged_signature": "BAD_SIGNATURE",
@@ -74,7 +84,8 @@ def test_envelope_stream_and_garbage_attacks_are_refused_with_their_reason(tmp_p
     # Only the signed garbage is evidence; the whole remaining stake is slashed once, citing it.
     assert slashed(report) == {adversary: KIND_GARBAGE}
     (decision,) = report.slashed
-    assert decision.amount == STAKE and decision.evidence.detail.startswith(("UNDECODABLE", "WRONG_SHAPE"))
+    assert decision.amount == report.stake and decision.evidence.detail.startswith(("UNDECODABLE", "WRONG_SHAPE"))
+    assert report.stake == 100 * GNK  # the least the stake rule allows: reward per round (100 GNK) / p (1)
     ev_dir = tmp_path / "e" / "aggregator" / "evidence"
     assert verify_evidence(decision.evidence, NodeSigningKey(bytes([3]) * 32).public_key, ev_dir)
     assert not verify_evidence(decision.evidence, NodeSigningKey(bytes([1]) * 32).public_key, ev_dir)
@@ -82,34 +93,34 @@ def test_envelope_stream_and_garbage_attacks_are_refused_with_their_reason(tmp_p
 
 
 @pytest.mark.slow
-def test_update_attacks_are_not_aggregated_nor_paid(tmp_path: Path) -> None:
-    plan = EpochPlan(
+def test_update_attacks_are_not_aggregated_without_a_replay(tmp_path: Path) -> None:
+    plan = unpaid(
         tiny_recipe(tmp_path, 1),
         hosts=8,
         adversaries={3: "sign_flip", 4: "scale100", 5: "noise", 6: "lazy_zero", 7: "lazy_base", 8: "heldout_data"},
     )
     report = run_epoch(plan, tmp_path / "e")
     who = by_behaviour(report)
-    for name in ("sign_flip", "scale100", "noise", "lazy_zero"):
-        assert report.rewards[who[name]] == 0, name
+    for name in ("sign_flip", "noise"):
+        assert excluded(report, who[name]), name
         # Excluded by its score, or earlier by the dissent check (its sketch disagrees with the others').
         assert any("not aggregated" in r or r.startswith("dissent") for r in report.reasons[who[name]][1]), name
-    assert report.reasons[who["scale100"]][1][0].startswith("score -")  # hurts held-out text badly
-    zero_why = report.reasons[who["lazy_zero"]][1][0]  # a zero update: score 0, or no agreement at all
-    assert report.rewards[who["lazy_zero"]] == 0
-    assert "+0.00000" in zero_why or zero_why.startswith("dissent: sketch cosine +0.000")
-    # Limitation (measured): in round 1 the base is the random initial model, and all-zero weights
-    # (uniform logits) are slightly better than it, so resubmitting the base earns a sliver of the pool.
-    assert 0 <= report.rewards[who["lazy_base"]] < min(honest_paid(report)) // 20
+    # No training of their own: a zero update, and the base model sent back as an update.
+    assert report.reasons[who["lazy_zero"]][1] == ["mix: a zero update: no training of its own"]
+    assert report.reasons[who["lazy_base"]][1][0].startswith("mix: sketch residual 0.0")
+    assert "outside the span of public tensors (the base model" in report.reasons[who["lazy_base"]][1][0]
+    # 100·Δ is its honest direction: scored as such (at the round's median norm), aggregated and clipped
+    # to the median norm by clip_median; only a replay shows its length is not its training's.
+    assert not excluded(report, who["scale100"])
     # Limitation (measured): training on the public held-out split is not vetoed at this scale.
-    assert report.rewards[who["heldout_data"]] > 0
+    assert not excluded(report, who["heldout_data"])
     assert report.slashed == []  # none of these is provable cheating
-    assert all(a > 0 for a in honest_paid(report))
+    assert all(not excluded(report, h) for h in report.honest())
 
 
 @pytest.mark.slow
 def test_copies_replays_and_other_data(tmp_path: Path) -> None:
-    plan = EpochPlan(
+    plan = unpaid(
         tiny_recipe(tmp_path, 2),
         hosts=7,
         adversaries={3: "copy", 4: "copy_perturbed", 5: "replay", 6: "stale", 7: "other_data"},
@@ -117,36 +128,34 @@ def test_copies_replays_and_other_data(tmp_path: Path) -> None:
     )
     report = run_epoch(plan, tmp_path / "e")
     who = by_behaviour(report)
-    victim = next(h for h in report.rewards if h not in report.adversaries and report.reasons[h])
     assert reasons_by_attack(report.outcomes[who["copy"]]) == {"copy": "COPY"}
     assert [o.reason for o in report.outcomes[who["replay"]]] == ["DUPLICATE", "LATE"]
     for r in (1, 2):  # the perturbed copy is accepted, then excluded at close by sketch cosine
         assert report.reasons[who["copy_perturbed"]][r][0].startswith("copy: sketch cosine")
-    for name in ("copy", "copy_perturbed", "replay"):
-        assert report.rewards[who[name]] == 0, name
+        assert excluded(report, who["copy_perturbed"], r)
     assert slashed(report) == {who["copy"]: KIND_COPY, who["copy_perturbed"]: "near_copy",
                                who["stale"]: "near_copy"}  # its round 2 matches its own round 1
-    assert report.rewards[victim] > 0 and all(a > 0 for a in honest_paid(report))
-    # The stale host's round-2 resubmission matches its own round-1 update: excluded at close, unpaid
-    # (its honest round 1 was paid).
+    assert all(not excluded(report, h, r) for h in report.honest() for r in (1, 2))
+    # The stale host's round-2 resubmission matches its own round-1 update: excluded at close (its
+    # honest round 1 was aggregated).
     stale_why = report.reasons[who["stale"]][2][0]
     assert stale_why.startswith("copy: sketch cosine 1.0000 with 0x") and "round 1 (its own" in stale_why
-    assert "not aggregated" not in " ".join(report.reasons[who["stale"]][1])
-    # Limitation (measured) with round_state = "carry": training on other real data is paid like honest
-    # work (test_replay_check_stops_training_on_other_data: what "fresh" rounds and the replay check do).
-    assert report.rewards[who["other_data"]] > 0 and who["other_data"] not in slashed(report)
+    assert not excluded(report, who["stale"], 1) and excluded(report, who["stale"], 2)
+    # Limitation (measured) with round_state = "carry": training on other real data is aggregated like
+    # honest work (test_replay_check_stops_training_on_other_data: what "fresh" rounds and the replay do).
+    assert not excluded(report, who["other_data"], 1) and who["other_data"] not in slashed(report)
 
 
 @pytest.mark.slow
 def test_replay_check_stops_training_on_other_data(tmp_path: Path) -> None:
-    """round_state = "fresh" + [aggregation] replay_fraction = 1: every round is recomputed; updates
+    """round_state = "fresh" and the epoch's replay probability 1: every round is recomputed; updates
     that are not the training of the host's own assignment — other data, reversed, scaled, the base
     model — are excluded, unpaid and slashed on the replay evidence."""
     plan = EpochPlan(
         tiny_recipe(tmp_path, 2, round_state="fresh"),
         hosts=8,
         adversaries={3: "other_data", 4: "heldout_data", 5: "stale", 6: "sign_flip", 7: "scale100", 8: "lazy_base"},
-        aggregation=AggregationSettings(replay_fraction=1.0),
+        replay_probability=1.0,
     )
     report = run_epoch(plan, tmp_path / "e")
     who = by_behaviour(report)

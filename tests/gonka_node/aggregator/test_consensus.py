@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gonka_node.aggregator.close import find_dissenters
+from gonka_node.aggregator.checks import find_dissenters
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from agg_harness import Harness
-from test_round import wait_state
+from test_round import wait_open, wait_state
 
 from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.config import RoundSettings
@@ -25,7 +25,7 @@ def test_below_quorum_the_round_is_extended_then_skipped(harness: Harness, caplo
         assert client.submit(info, lone.address, payload, lone.key).accepted
         assert wait_state(server, h.epoch, 1, ("skipped",), timeout=60) == "skipped"
         result = client.round_result(h.epoch, 1)
-        nxt = client.open_round()
+        nxt = wait_open(client, 2)
     row = server.engine.store.get_round(h.epoch, 1)
     assert row.extensions == 1  # extended once, then skipped
     on_chain = h.world.client(0).round_result(h.epoch, 1)

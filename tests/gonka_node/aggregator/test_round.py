@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 import time
 
-import pytest
+import grpc
 import torch
 from agg_harness import AGGREGATOR, Harness, ServerThread
 from eth_utils import to_checksum_address
@@ -16,7 +16,23 @@ from chain.merkle import reward_leaf, verify_proof
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.config import AggregationSettings
+from proto.gonka.v1 import aggregator_pb2 as pb
 from training.diloco import OuterOptimizer
+
+
+def wait_open(client: AggregatorClient, round_: int, timeout: float = 60.0) -> pb.RoundInfo:
+    """The open round once it is `round_` (a round opens only after its seed commitment is on chain)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            info = client.open_round()
+            if info.round == round_:
+                return info
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        time.sleep(0.05)
+    raise AssertionError(f"round {round_} did not open")
 
 
 def wait_state(
@@ -79,7 +95,7 @@ def test_three_honest_hosts_finalize_on_chain_and_hosts_recompute_the_hash(harne
         assert total > 0.99 * h.reward_per_round
 
         # The next round is open on the new checkpoint.
-        nxt = client.open_round()
+        nxt = wait_open(client, 2)
         assert (nxt.round, nxt.base_checkpoint_sha256) == (2, on_chain.checkpoint_sha256)
 
 
@@ -207,11 +223,3 @@ def test_restart_after_voting_below_quorum_does_not_vote_again(harness: Harness)
         assert ours.latest_round(h.epoch) == 1  # the second aggregator's vote reached the quorum
     finally:
         again.stop()
-
-
-def test_replay_check_needs_a_replayable_recipe(harness: Harness) -> None:
-    """The harness's epoch carries AdamW state across rounds (no ReplayData): a replay fraction is a
-    configuration error at startup, not a check that silently never runs."""
-    harness.aggregation = AggregationSettings(replay_fraction=0.5)
-    with pytest.raises(ValueError, match=r"replay_fraction = 0.5 needs an epoch whose recipe has round_state = 'fresh'"):
-        harness.build_engine()

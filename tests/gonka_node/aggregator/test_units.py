@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gonka_node.aggregator.close import find_copies, find_resubmissions, split_pool
+from gonka_node.aggregator.checks import find_copies, find_resubmissions
+from gonka_node.aggregator.close import equal_shares
 from gonka_node.aggregator.replay import chosen_for_replay
 from gonka_node.aggregator.robust import aggregate
 from gonka_node.aggregator.store import SubmissionRow
@@ -72,11 +73,11 @@ def test_unknown_rule_is_refused() -> None:
         run("krum", updates(2))
 
 
-def test_split_pool_is_proportional_integer_and_skips_non_positive_scores() -> None:
-    shares = split_pool(1000, {b"a": 3.0, b"b": 1.0, b"c": 0.0, b"d": -2.0})
-    assert shares == {b"a": 750, b"b": 250}
-    assert split_pool(10, {b"a": 1.0, b"b": 1.0, b"c": 1.0}) == {b"a": 3, b"b": 3, b"c": 3}  # dust unpaid
-    assert split_pool(0, {b"a": 1.0}) == {} and split_pool(5, {b"a": -1.0}) == {}
+def test_the_pool_is_split_equally_among_the_hosts_that_passed() -> None:
+    assert equal_shares(1000, [b"a", b"b", b"c"]) == {b"a": 333, b"b": 333, b"c": 333}  # dust unpaid
+    assert equal_shares(1000, [b"a"]) == {b"a": 1000}
+    assert equal_shares(0, [b"a"]) == {} and equal_shares(5, []) == {}
+    assert equal_shares(2, [b"a", b"b", b"c"]) == {}  # less than one ngonka each
 
 
 def test_sketch_cosine_tracks_true_cosine_and_finds_near_copies() -> None:
@@ -102,17 +103,19 @@ def test_sketch_cosine_tracks_true_cosine_and_finds_near_copies() -> None:
     assert find_resubmissions(now, [], 0.99) == {}
 
 
-def test_replay_picks_are_a_fraction_no_host_can_predict() -> None:
-    subs = [SubmissionRow(1, 3, i.to_bytes(20, "big"), i.to_bytes(32, "big"), 0, 0, 0, b"", 0, 1.0, b"", "")
-            for i in range(400)]
-    assert chosen_for_replay(0.0, 1, 3, b"b" * 32, subs) == set()
-    assert chosen_for_replay(1.0, 1, 3, b"b" * 32, subs) == {s.host for s in subs}
-    picked = chosen_for_replay(0.25, 1, 3, b"b" * 32, subs)
+def test_replay_picks_are_a_fraction_decided_by_the_round_seed_alone() -> None:
+    hosts = [i.to_bytes(20, "big") for i in range(400)]
+    seed = b"s" * 32
+    assert chosen_for_replay(0.0, seed, 3, hosts) == set()
+    assert chosen_for_replay(1.0, seed, 3, hosts) == set(hosts)
+    picked = chosen_for_replay(0.25, seed, 3, hosts)
     assert 70 <= len(picked) <= 130  # binomial(400, 0.25): mean 100, sd 8.7
-    assert picked == chosen_for_replay(0.25, 1, 3, b"b" * 32, list(reversed(subs)))  # order-free
-    # One other host's payload digest changes the draw: a host cannot know its fate while training.
-    moved = [dataclasses.replace(subs[0], payload_sha256=b"x" * 32), *subs[1:]]
-    assert chosen_for_replay(0.25, 1, 3, b"b" * 32, moved) != picked
+    assert picked == chosen_for_replay(0.25, seed, 3, list(reversed(hosts)))  # order-free
+    # Each host's draw is its own: the other hosts (and their payloads) do not move it, so the last
+    # submitter cannot change its fate by what it sends; only the seed, unknown until revealed, does.
+    assert {h for h in hosts[:10] if chosen_for_replay(0.25, seed, 3, [h])} == picked & set(hosts[:10])
+    assert chosen_for_replay(0.25, b"t" * 32, 3, hosts) != picked
+    assert chosen_for_replay(0.25, seed, 4, hosts) != picked
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -146,7 +149,8 @@ def test_config_reads_and_validates(tmp_path: Path) -> None:
         ('[chain]\nbackend = "rpc"\n', r"rpc_url is required"),
         ("[sections]\n", r"unknown key\(s\) sections"),
         ("[aggregator\n", r"not valid TOML"),
-        ("[aggregation]\nreplay_fraction = 1.5\n", r"\[aggregation\] replay_fraction must be in \[0, 1\]"),
+        ("[aggregation]\nreplay_fraction = 0.5\n", r"replay_fraction: how often hosts are replayed is the epoch's replay_probability on chain"),
+        ("[aggregation]\nmix_residual = 1.0\n", r"\[aggregation\] mix_residual must be in \[0, 1\)"),
         ("[aggregation]\nreplay_min_cosine = 0\n", r"\[aggregation\] replay_min_cosine must be in \(0, 1\]"),
         ("[aggregation]\nreplay_norm_tolerance = 1.0\n", r"replay_norm_tolerance must be in \(0, 1\)"),
     ],
