@@ -68,8 +68,8 @@ class Outcome:
 
 
 class Tap:
-    """What an eavesdropper saw: each host's Submit request stream, per round (payloads are sent in
-    the clear on an insecure channel, and are public to anyone the host shares them with)."""
+    """What a copier got hold of: each host's Submit request stream, per round. The wire is TLS, so
+    this models a host sharing its payload, a leak at either end, or a pre-TLS deployment's wire."""
 
     def __init__(self) -> None:
         self.seen: dict[tuple[bytes, int], list[pb.SubmitRequest]] = {}
@@ -95,8 +95,8 @@ class Tap:
 class TappedClient(AggregatorClient):
     """An honest host's client whose traffic the tap copies (the host itself is unchanged)."""
 
-    def __init__(self, target: str, tap: Tap, timeout_s: float = 120.0) -> None:
-        super().__init__(target, timeout_s)
+    def __init__(self, target: str, tls_cert_pem: bytes, tap: Tap, timeout_s: float = 120.0) -> None:
+        super().__init__(target, tls_cert_pem, timeout_s)
         self.tap = tap
 
     def submit_raw(self, requests: Iterator[pb.SubmitRequest]) -> pb.Receipt:

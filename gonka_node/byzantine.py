@@ -37,6 +37,7 @@ from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.keys import NodeKeys, NodeSigningKey
 from gonka_node.recipe import Recipe
 from gonka_node.slashing import EvidenceLog, RoundIdentity, SlashDecision, collect_evidence, slash_all
+from gonka_node.tls import create_identity
 from training.inner import evaluate
 from training.model import build_model
 
@@ -92,10 +93,12 @@ class DrivenClock:
 
 
 class Aggregator:
-    """The aggregator's server in a thread with its own event loop (a context manager → target)."""
+    """The aggregator's server (TLS, a fresh identity) in a thread with its own event loop (a context
+    manager → target; clients pin `identity.cert_pem`)."""
 
     def __init__(self, engine: RoundEngine) -> None:
         self.engine = engine
+        self.identity = create_identity()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -103,7 +106,7 @@ class Aggregator:
         self.thread.start()
 
         async def boot() -> int:
-            self.server = AggregatorServer(self.engine, "127.0.0.1:0")
+            self.server = AggregatorServer(self.engine, self.identity, "127.0.0.1:0")
             return await self.server.start()
 
         return f"127.0.0.1:{asyncio.run_coroutine_threadsafe(boot(), self.loop).result(120)}"
@@ -154,8 +157,10 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     victim = bytes.fromhex(keys[plan.victim].evm_address[2:])
     attempts = {i: Attempts() for i in keys}
     try:
-        with Aggregator(engine) as target:
-            nodes = [_node(plan, i, target, tap, victim, keys[i], client(i), attempts[i], root, cache_dir)
+        server = Aggregator(engine)
+        with server as target:
+            pin = server.identity.cert_pem
+            nodes = [_node(plan, i, (target, pin), tap, victim, keys[i], client(i), attempts[i], root, cache_dir)
                      for i in keys]
             with ThreadPoolExecutor(len(nodes)) as pool:
                 futures = [pool.submit(n.run) for n in nodes]
@@ -170,11 +175,12 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
         store.close()
 
 
-def _node(plan: EpochPlan, i: int, target: str, tap: Tap, victim: bytes, keys: NodeKeys,
+def _node(plan: EpochPlan, i: int, aggregator: tuple[str, bytes], tap: Tap, victim: bytes, keys: NodeKeys,
           chain: ChainClient, events: Attempts, root: Path, cache_dir: Path | None) -> HostNode:
     settings = HostSettings(epoch=chain.epoch_count(), stake=STAKE, state_dir=root / f"host{i}",
                             cache_dir=cache_dir, poll_s=0.05, backoff_s=0.1)
-    agg = TappedClient(target, tap, 120.0) if i == plan.victim else AggregatorClient(target, 120.0)
+    target, pin = aggregator  # the address and the pinned certificate
+    agg = TappedClient(target, pin, tap, 120.0) if i == plan.victim else AggregatorClient(target, pin, 120.0)
     if i not in plan.adversaries:
         return HostNode(settings, plan.recipe, chain, agg, keys, events)
     name = plan.adversaries[i]

@@ -8,7 +8,9 @@ the client → server direction (a slow uplink).
 `FaultNet` is the devnet in miniature, for tests: the embedded chain served on loopback, contracts
 deployed, one epoch from a tiny recipe with every host signed in ahead, key folders and TOML configs
 written the way `gonka_node.devnet` writes them, and `gonka-node aggregator` / `gonka-node run` started
-as real processes whose logs go to files. Every child is SIGKILLed on `close()`.
+as real processes whose logs go to files. Every child is SIGKILLed on `close()`. The aggregator serves
+TLS with the identity it makes in its data_dir at first start; hosts and `aggregator_client` pin it
+(the proxy forwards bytes, so TLS runs end to end through it).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
 from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.devnet import aggregator_cert
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.keys import NodeKeys, init_keys, load_keys
 from gonka_node.recipe import Recipe
+from gonka_node.tls import load_certificate
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import get_codec
 from training.model import ModelConfig, build_model
@@ -270,9 +274,14 @@ class FaultNet:
             "[host]\n"
             f'key_dir = "keys/host{i}"\nstate_dir = "host{i}"\naggregator = "{aggregator}"\n'
             f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {self.epoch}\nstake_gnk = 5\n'
-            f'cache_dir = "cache"\n\n[chain]\nrpc_url = "{self.server.url}"\n'
+            f'cache_dir = "cache"\n\n[aggregator]\ntls_cert = "{aggregator_cert(self.out)}"\n\n'
+            f'[chain]\nrpc_url = "{self.server.url}"\n'
         )
         return self._spawn(f"host{i}", ["run", "--config", str(cfg), "--quiet"])
+
+    def aggregator_client(self, target: str, timeout_s: float = 30) -> AggregatorClient:
+        """A client of the running aggregator (directly or through a proxy), pinning its certificate."""
+        return AggregatorClient(target, load_certificate(aggregator_cert(self.out)), timeout_s)
 
     def kill(self, name: str) -> None:
         """SIGKILL: no handler runs, nothing is flushed or closed."""
@@ -330,10 +339,10 @@ class FaultNet:
         g = torch.Generator().manual_seed(seed)
         update = {n: torch.randn(p.shape, generator=g) * 1e-3 for n, p in model.named_parameters()}
         payload = get_codec(self.recipe.codec).encode(update)
-        with AggregatorClient(target, 30) as agg:
+        with self.aggregator_client(target) as agg:
             info = agg.open_round()
             return agg.submit(info, self.host_address(i), payload, self.keys(i).node_key.signing_key, 1000)
 
     def open_round(self, target: str) -> pb.RoundInfo:
-        with AggregatorClient(target, 30) as agg:
+        with self.aggregator_client(target) as agg:
             return agg.open_round()

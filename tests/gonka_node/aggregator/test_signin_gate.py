@@ -7,8 +7,6 @@ import time
 from agg_harness import Harness
 from test_round import wait_state
 
-from gonka_node.aggregator.client import AggregatorClient
-
 
 def test_everyone_submitted_waits_for_the_signin_window(harness: Harness, monkeypatch) -> None:
     h = harness
@@ -17,7 +15,7 @@ def test_everyone_submitted_waits_for_the_signin_window(harness: Harness, monkey
         m.setattr(backend, "increase_time", lambda seconds: None)  # leave the sign-in window open
         h.schedule(2)
     server = h.start_server()
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         for host in h.hosts:
             client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)
