@@ -80,8 +80,9 @@ def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
     bad = sorted(set(aggregator) - {"tls_cert"})
     if bad:
         raise ConfigError(f"[aggregator] unknown key(s) {bad}; known: ['tls_cert']")
-    if not isinstance(aggregator.get("tls_cert", "-"), str) or not aggregator.get("tls_cert", "-"):
-        raise ConfigError(f"[aggregator] tls_cert must be a file path, got {aggregator['tls_cert']!r}")
+    tls_cert = aggregator.get("tls_cert")
+    if tls_cert is not None and (not isinstance(tls_cert, str) or not tls_cert):
+        raise ConfigError(f"[aggregator] tls_cert must be a file path, got {tls_cert!r}")
     for name in ("aggregator", "recipe", "deployment"):
         if not isinstance(host.get(name), str) or not host[name]:
             raise ConfigError(f"[host] {name} is required (a string)")
@@ -107,7 +108,7 @@ def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
         key_dir=resolve(host.get("key_dir", "keys")),
         state_dir=resolve(host.get("state_dir", "host-state")),
         aggregator=host["aggregator"],
-        aggregator_tls_cert=resolve(aggregator["tls_cert"]) if "tls_cert" in aggregator else None,
+        aggregator_tls_cert=resolve(tls_cert) if tls_cert is not None else None,
         recipe=resolve(host["recipe"]),
         deployment=resolve(host["deployment"]),
         rpc_url=rpc_url,

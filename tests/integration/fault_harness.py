@@ -113,6 +113,9 @@ class TcpProxy:
             except OSError:
                 _close(client)
                 continue
+            # The timeout was for connecting. Left on, it cut any downlink quiet for 10 s: a throttled
+            # TLS upload is one (the server decrypts, and so answers, only once a whole record is in).
+            server.settimeout(None)
             with self._lock:
                 self._conns += [client, server]
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
