@@ -131,6 +131,8 @@ class AggregatorThread:
         asyncio.run_coroutine_threadsafe(self.server.stop(0.2), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
         self.store.close()
 
 
