@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
 from proto.gonka.v1 import aggregator_pb2 as pb
@@ -146,9 +146,10 @@ class TappedClient(AggregatorClient):
     Submit stream open that long after its last chunk, as a slow link would."""
 
     def __init__(
-        self, target: str, tap: Tap, timeout_s: float = 120.0, *, owner: bytes, hold_s: float = 0.0, **client: Any
+        self, target: str, tls_cert_pem: bytes, tap: Tap, timeout_s: float = 120.0, *, owner: bytes,
+        hold_s: float = 0.0,
     ) -> None:
-        super().__init__(target, timeout_s, **client)  # `client`: whatever else AggregatorClient takes
+        super().__init__(target, tls_cert_pem, timeout_s)
         self.tap, self.owner, self.hold_s = tap, owner, hold_s
 
     def submit_raw(self, requests: Iterator[pb.SubmitRequest]) -> pb.Receipt:

@@ -43,6 +43,7 @@ from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.keys import NodeKeys, NodeSigningKey
 from gonka_node.recipe import Recipe
 from gonka_node.slashing import EvidenceLog, RoundIdentity, SlashDecision, collect_evidence, slash_all
+from gonka_node.tls import create_identity
 from training.inner import evaluate
 from training.model import build_model
 
@@ -141,10 +142,12 @@ class DrivenClock:
 
 
 class Aggregator:
-    """The aggregator's server in a thread with its own event loop (a context manager → target)."""
+    """The aggregator's server (TLS, a fresh identity) in a thread with its own event loop (a context
+    manager → target; clients pin `identity.cert_pem`)."""
 
     def __init__(self, engine: RoundEngine) -> None:
         self.engine = engine
+        self.identity = create_identity()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -152,7 +155,7 @@ class Aggregator:
         self.thread.start()
 
         async def boot() -> int:
-            self.server = AggregatorServer(self.engine, "127.0.0.1:0")
+            self.server = AggregatorServer(self.engine, self.identity, "127.0.0.1:0")
             return await self.server.start()
 
         return f"127.0.0.1:{asyncio.run_coroutine_threadsafe(boot(), self.loop).result(120)}"
@@ -209,8 +212,10 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     attempts = {i: Attempts() for i in keys}
     passed: dict[int, float] = {}
     try:
-        with Aggregator(engine) as target:
-            nodes = [_node(plan, stake, i, target, tap, keys, client(i), attempts[i], root, cache_dir)
+        server = Aggregator(engine)
+        with server as target:
+            pin = server.identity.cert_pem
+            nodes = [_node(plan, stake, i, (target, pin), tap, keys, client(i), attempts[i], root, cache_dir)
                      for i in keys]
             with ThreadPoolExecutor(len(nodes)) as pool:
                 futures = [pool.submit(n.run) for n in nodes]
@@ -228,13 +233,14 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
         store.close()
 
 
-def _node(plan: EpochPlan, stake: int, i: int, target: str, tap: Tap, keys: dict[int, NodeKeys],
+def _node(plan: EpochPlan, stake: int, i: int, aggregator: tuple[str, bytes], tap: Tap, keys: dict[int, NodeKeys],
           chain: ChainClient, events: Attempts, root: Path, cache_dir: Path | None) -> HostNode:
     settings = HostSettings(epoch=chain.epoch_count(), stake=stake, state_dir=root / f"host{i}",
                             cache_dir=cache_dir, poll_s=0.05, backoff_s=0.1)
+    target, pin = aggregator  # the address and the pinned certificate
     address = {j: bytes.fromhex(k.evm_address[2:]) for j, k in keys.items()}
     slow = i == plan.victim and "front_run" in plan.adversaries.values()
-    agg = TappedClient(target, tap, 120.0, owner=address[i], hold_s=plan.slow_link_s if slow else 0.0)
+    agg = TappedClient(target, pin, tap, 120.0, owner=address[i], hold_s=plan.slow_link_s if slow else 0.0)
     if i not in plan.adversaries:
         return HostNode(settings, plan.recipe, chain, agg, keys[i], events)
     kit = KitSettings(sources=tuple(a for j, a in address.items() if j not in plan.adversaries),

@@ -25,6 +25,7 @@ KNOWN_ENV: dict[str, str] = {
 }
 AGGREGATION_RULES = ("mean", "clip_median", "centered_clip")
 MAX_CHUNK_BYTES = 1 << 20
+TLS_DIR = "tls"  # under the aggregator's data_dir
 
 
 class ConfigError(ValueError):
@@ -175,6 +176,11 @@ class AggregatorConfig:
     round: RoundSettings = field(default_factory=RoundSettings)
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
     log_level: str = "INFO"
+
+    @property
+    def tls_dir(self) -> Path:
+        """The aggregator's TLS identity (cert.pem, key.pem; gonka_node/tls.py), made at its first start."""
+        return self.data_dir / TLS_DIR
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -8,6 +8,8 @@ separate `gonka-node` processes that reach the chain and each other over loopbac
 its funded dev accounts play the same roles and its clock moves by `evm_increaseTime`). When the
 epoch's last round is finalized it claims every host's rewards with Merkle proofs, pulls each round's
 checkpoint and checks it against the hash on chain, and writes `report.json` and `loss.png`.
+The aggregator serves TLS only: it writes its certificate at start (`aggregator_cert(out)`), which the
+hosts' configs and this process's own pulls pin.
 Every child process is stopped on the way out, whatever happened.
 """
 
@@ -31,10 +33,12 @@ from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
 from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.config import TLS_DIR
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.store import HostStore
 from gonka_node.keys import init_keys
 from gonka_node.recipe import Recipe
+from gonka_node.tls import CERT_FILE, load_certificate
 from training.checkpoint import canonical_sha256
 from training.inner import evaluate
 from training.model import ModelConfig, build_model
@@ -43,6 +47,7 @@ GNK = 10**9
 GOVERNANCE, AGGREGATOR = 0, 9  # dev account indices; hosts are 1..N
 VOTING_PERIOD_S = 3600
 SIGNIN_WINDOW_S = 600  # closed early by moving the clock once every host has signed in
+AGGREGATOR_DIR = "aggregator"  # the aggregator's data_dir under the devnet folder
 
 
 class DevnetError(RuntimeError):
@@ -139,11 +144,21 @@ def schedule_by_vote(backend: ChainBackend, deployment: Deployment, spec: Any, p
     return epoch
 
 
+def aggregator_cert(out: Path) -> Path:
+    """The certificate the devnet's aggregator writes at its first start (its TLS identity's public half)."""
+    return out / AGGREGATOR_DIR / TLS_DIR / CERT_FILE
+
+
+def aggregator_client(out: Path, target: str, timeout_s: float = 120.0) -> AggregatorClient:
+    """A client of the devnet's running aggregator, pinning the certificate it wrote."""
+    return AggregatorClient(target, load_certificate(aggregator_cert(out)), timeout_s)
+
+
 def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int) -> None:
     out = opts.out
     (out / "aggregator.toml").write_text(
         "[aggregator]\n"
-        'listen = "127.0.0.1:0"\ndata_dir = "aggregator"\nnode_key = "keys/aggregator/node_key.json"\n'
+        f'listen = "127.0.0.1:0"\ndata_dir = "{AGGREGATOR_DIR}"\nnode_key = "keys/aggregator/node_key.json"\n'
         'evm_key = "keys/aggregator/evm_key.json"\nrecipe = "recipe.json"\ndeployment = "deployment.json"\n'
         f"epoch = {epoch}\n\n[chain]\nbackend = \"rpc\"\nrpc_url = \"{rpc_url}\"\n\n"
         f"[round]\nquorum = {opts.hosts}\nduration_s = 600\n\n"
@@ -154,7 +169,8 @@ def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int
             "[host]\n"
             f'key_dir = "keys/host{i}"\nstate_dir = "host{i}"\naggregator = "AGGREGATOR"\n'
             f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {epoch}\nstake_gnk = {stake_gnk}\n'
-            f'cache_dir = "cache"\n\n[chain]\nrpc_url = "{rpc_url}"\n'
+            f'cache_dir = "cache"\n\n[aggregator]\ntls_cert = "{aggregator_cert(out).relative_to(out)}"\n\n'
+            f'[chain]\nrpc_url = "{rpc_url}"\n'
         )
 
 
@@ -216,7 +232,7 @@ def deploy_and_schedule(
 
     recipe = make_recipe(opts)
     recipe.save(out / "recipe.json")
-    init_sha = initial_checkpoint(recipe, out / "aggregator" / "initial.safetensors")
+    init_sha = initial_checkpoint(recipe, out / AGGREGATOR_DIR / "initial.safetensors")
     # The stake rule: min_stake × p must cover a round's reward, so a cheat is a losing bet. An epoch
     # that replays nobody (p = 0) cannot pay.
     reward = opts.reward_per_round_gnk * GNK if opts.replay_fraction > 0 else 0
@@ -289,7 +305,8 @@ def run_devnet(opts: DevnetOptions, say: Callable[[str], None] = print) -> dict[
         target = start_aggregator(out, children)
         for i in range(1, opts.hosts + 1):
             start_host(out, i, target, children)
-        say(f"aggregator on {target}; {opts.hosts} hosts started (logs in {logs})")
+        say(f"aggregator on {target} (TLS, certificate {aggregator_cert(out)}); {opts.hosts} hosts started "
+            f"(logs in {logs})")
         close_signin(chain, sched, opts.hosts, children, out)
         reader = ChainClient(chain.backend, chain.backend.dev_accounts()[GOVERNANCE], sched.deployment).connect()
         last = 0
@@ -325,7 +342,7 @@ def make_report(
     model = build_model(recipe.model, recipe.init_seed)
     losses = [evaluate(model, windows.batches(heldout, 32))]
     hashes = [init_sha.hex()]
-    with AggregatorClient(target) as agg:
+    with aggregator_client(opts.out, target) as agg:
         for r in range(1, opts.rounds + 1):
             want = reader.round_result(epoch, r).checkpoint_sha256
             params = load_safetensors(agg.checkpoint(epoch, r).data)

@@ -65,6 +65,7 @@ def serve(n_hosts: int, workdir: Path) -> None:
     from gonka_node.aggregator.server import AggregatorServer
     from gonka_node.aggregator.store import Store
     from gonka_node.config import AggregationSettings, RoundSettings
+    from gonka_node.tls import create_identity
     from training.codecs import CodecError
 
     backend = EmbeddedBackend()
@@ -104,10 +105,11 @@ def serve(n_hosts: int, workdir: Path) -> None:
     )  # fmt: skip
 
     async def main() -> None:
-        server = AggregatorServer(engine, "127.0.0.1:0")
+        identity = create_identity()
+        server = AggregatorServer(engine, identity, "127.0.0.1:0")
         port = await server.start()
         setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps({"port": port, "setup_rss_mb": setup}), flush=True)
+        print(json.dumps({"port": port, "tls_cert": identity.cert_pem.decode(), "setup_rss_mb": setup}), flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
@@ -142,7 +144,7 @@ def run_one(n_hosts: int) -> dict[str, float]:
         hello = json.loads(proc.stdout.readline())
         port = hello["port"]
         try:
-            with AggregatorClient(f"127.0.0.1:{port}") as client:
+            with AggregatorClient(f"127.0.0.1:{port}", hello["tls_cert"].encode()) as client:
                 info = client.open_round()
 
                 def submit(i: int) -> None:

@@ -3,24 +3,34 @@
 Submitting: `submit(round_info, payload, ...)` signs the envelope with the node key and streams the
 payload in chunks of the round's `max_chunk_bytes`. A refusal comes back as `SubmitRejected` carrying
 the machine-readable reason, the gRPC status and the aggregator's signed receipt.
+
+The channel is TLS and trusts exactly the pinned certificate (`gonka_node.tls`). When a call fails
+UNAVAILABLE, the client looks at what the server presents: another certificate raises
+`PeerCertificateError`, a server without TLS `PlaintextPeerError` (neither is worth retrying); an
+unreachable server leaves the gRPC error as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from nacl.signing import SigningKey
 
 from gonka_node.envelope import ReceiptBody, Submission
+from gonka_node.tls import check_peer, pinned_channel
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import common_pb2 as common
 
 MESSAGE_LIMIT = 4 << 20
+PEER_CHECK_S = 10.0  # at most this long to look at the certificate a failing server presents
+T = TypeVar("T")
 
 
 class SubmitRejected(Exception):
@@ -104,13 +114,16 @@ def _requests(header: pb.SubmitHeader, payload: bytes, chunk: int) -> Iterator[p
 
 
 class AggregatorClient:
-    """Synchronous client (one channel). Use as a context manager or call `close()`."""
+    """Synchronous client (one TLS channel trusting exactly `tls_cert_pem`, the aggregator's pinned
+    certificate). Use as a context manager or call `close()`."""
 
-    def __init__(self, target: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, target: str, tls_cert_pem: bytes, timeout_s: float = 120.0) -> None:
         self.target = target
+        self.tls_cert_pem = tls_cert_pem
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(
+        self.channel = pinned_channel(
             target,
+            tls_cert_pem,
             options=[
                 ("grpc.max_receive_message_length", MESSAGE_LIMIT),
                 ("grpc.max_send_message_length", MESSAGE_LIMIT),
@@ -127,14 +140,33 @@ class AggregatorClient:
     def close(self) -> None:
         self.channel.close()
 
+    def check_peer(self) -> None:
+        """Raise `PeerCertificateError`/`PlaintextPeerError` when the aggregator answers but is not the
+        pinned one. An unreachable aggregator passes: a daemon waits for it, the next call says so."""
+        with contextlib.suppress(OSError, ValueError):  # unreachable, or a target that is not HOST:PORT
+            check_peer(self.target, self.tls_cert_pem, min(self.timeout_s, PEER_CHECK_S))
+
+    def _call(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            self._explain(exc)
+            raise
+
+    def _explain(self, exc: grpc.RpcError) -> None:
+        # A failed TLS handshake is only ever UNAVAILABLE with a free-text detail: look instead.
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            self.check_peer()
+
     def open_round(self) -> pb.RoundInfo:
-        return self.stub.GetOpenRound(pb.GetOpenRoundRequest(), timeout=self.timeout_s)
+        return self._call(lambda: self.stub.GetOpenRound(pb.GetOpenRoundRequest(), timeout=self.timeout_s))
 
     def submit_raw(self, requests: Iterator[pb.SubmitRequest]) -> pb.Receipt:
         """Send a hand-built request stream (tests of malformed streams use this)."""
         try:
             return self.stub.Submit(requests, timeout=self.timeout_s)
         except grpc.RpcError as exc:
+            self._explain(exc)
             raise _rejected(exc) from exc
 
     def submit(
@@ -154,22 +186,20 @@ class AggregatorClient:
         return receipt
 
     def round_result(self, epoch: int, round_: int) -> pb.RoundResult:
-        return self.stub.GetRoundResult(pb.RoundRef(epoch=epoch, round=round_), timeout=self.timeout_s)
+        ref = pb.RoundRef(epoch=epoch, round=round_)
+        return self._call(lambda: self.stub.GetRoundResult(ref, timeout=self.timeout_s))
 
     def reward_proof(self, epoch: int, round_: int, host: bytes) -> pb.RewardProof:
-        return self.stub.GetRewardProof(
-            pb.GetRewardProofRequest(epoch=epoch, round=round_, host=host), timeout=self.timeout_s
-        )
+        request = pb.GetRewardProofRequest(epoch=epoch, round=round_, host=host)
+        return self._call(lambda: self.stub.GetRewardProof(request, timeout=self.timeout_s))
 
     def round_update(self, epoch: int, round_: int) -> Downloaded:
-        return download(
-            self.stub.GetRoundUpdate(pb.RoundRef(epoch=epoch, round=round_), timeout=self.timeout_s)
-        )
+        ref = pb.RoundRef(epoch=epoch, round=round_)
+        return self._call(lambda: download(self.stub.GetRoundUpdate(ref, timeout=self.timeout_s)))
 
     def checkpoint(self, epoch: int, round_: int) -> Downloaded:
-        return download(
-            self.stub.GetCheckpoint(pb.RoundRef(epoch=epoch, round=round_), timeout=self.timeout_s)
-        )
+        ref = pb.RoundRef(epoch=epoch, round=round_)
+        return self._call(lambda: download(self.stub.GetCheckpoint(ref, timeout=self.timeout_s)))
 
 
 def download(stream: Iterator[common.FileChunk]) -> Downloaded:

@@ -20,6 +20,7 @@ from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
 from gonka_node.config import RoundSettings
 from gonka_node.envelope import EnvelopeError, Submission
+from gonka_node.tls import TlsIdentity, server_credentials
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import checkpoints_pb2 as cpb
@@ -350,10 +351,13 @@ def server_options(settings: RoundSettings) -> list[tuple[str, int]]:
 
 
 class AggregatorServer:
-    """The asyncio gRPC server around one RoundEngine: bind, serve, tick rounds, stop."""
+    """The asyncio gRPC server around one RoundEngine: bind (TLS only), serve, tick rounds, stop."""
 
-    def __init__(self, engine: RoundEngine, listen: str = "127.0.0.1:0", model_name: str = "") -> None:
+    def __init__(
+        self, engine: RoundEngine, identity: TlsIdentity, listen: str = "127.0.0.1:0", model_name: str = ""
+    ) -> None:
         self.engine = engine
+        self.identity = identity
         self.listen = listen
         self.model_name = model_name
         self.port = 0
@@ -375,7 +379,7 @@ class AggregatorServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(self.listen)
+        self.port = server.add_secure_port(self.listen, server_credentials(self.identity))
         if self.port == 0:
             raise OSError(f"cannot listen on {self.listen}")
         await server.start()

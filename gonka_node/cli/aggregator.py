@@ -1,4 +1,8 @@
-"""`gonka-node aggregator --config agg.toml`: serve one epoch's rounds over gRPC until interrupted."""
+"""`gonka-node aggregator --config agg.toml`: serve one epoch's rounds over gRPC (TLS) until interrupted.
+
+The TLS identity is made at the first start in `<data_dir>/tls/` and reused after; its certificate
+(`cert.pem`, never the key) is what hosts and clients pin.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from pathlib import Path
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.cli import CliError
 from gonka_node.config import AggregatorConfig, ConfigError, load_aggregator_config, read_env
+from gonka_node.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_identity
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -44,12 +51,13 @@ def _require(cfg: AggregatorConfig, where: Path, name: str) -> Path:
 
 
 async def _serve(cfg: AggregatorConfig, where: Path, port_file: Path | None = None) -> None:
+    identity = _identity(cfg)
     engine = _build(cfg, where)
     from gonka_node.aggregator.server import AggregatorServer
 
-    server = AggregatorServer(engine, cfg.listen)
+    server = AggregatorServer(engine, identity, cfg.listen)
     port = await server.start()
-    logging.getLogger(__name__).info("aggregator serving epoch %d on port %d", engine.ctx.epoch, port)
+    _announce(cfg, identity, engine.ctx.epoch, port)
     if port_file is not None:
         staged = port_file.with_name(port_file.name + ".tmp")
         staged.write_text(f"{port}\n")
@@ -61,6 +69,28 @@ async def _serve(cfg: AggregatorConfig, where: Path, port_file: Path | None = No
     await stop.wait()
     await server.stop(2.0)
     engine.store.close()
+
+
+def _identity(cfg: AggregatorConfig) -> TlsIdentity:
+    try:
+        return load_or_create_identity(cfg.tls_dir, _cert_names(cfg.listen))
+    except TlsError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _cert_names(listen: str) -> tuple[str, ...]:
+    """The listen host as an extra certificate name, for tools that check it (ours pin and do not)."""
+    host = listen.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    return () if host in ("", "0.0.0.0", "::") else (host,)
+
+
+def _announce(cfg: AggregatorConfig, identity: TlsIdentity, epoch: int, port: int) -> None:
+    """Say which certificate clients must pin. Announcing it on chain (`announce_aggregator(epoch,
+    endpoint, cert_pem)`, by the aggregator's account) belongs here too."""
+    log.info(
+        "aggregator serving epoch %d on port %d, TLS certificate sha256 %s (%s; clients pin this file)",
+        epoch, port, identity.sha256.hex(), cfg.tls_dir / CERT_FILE,
+    )
 
 
 def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:

@@ -1,7 +1,8 @@
 """`gonka-node checkpoint list|pull|export|generate`: the client side of trained checkpoints.
 
 `list` reads epochs and round results from the chain. `pull` streams a checkpoint from an
-aggregator's Checkpoints service into a temporary file next to the target, checks the transfer
+aggregator's Checkpoints service (TLS, trusting only the certificate `--tls-cert` names: the
+aggregator's `<data_dir>/tls/cert.pem`) into a temporary file next to the target, checks the transfer
 (length and file sha256 announced by the stream) and then the canonical tensor sha256 against the
 hash the chain records for that round; only a verified file is renamed into place, anything else is
 deleted. `export --format hf` writes a Hugging Face Llama folder and `generate` samples text; both
@@ -35,6 +36,7 @@ import grpc
 
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
+from gonka_node.tls import TlsError, check_peer, load_certificate, pinned_channel
 
 # A chunk is at most 1 MiB; the default 4 MiB receive limit leaves room for the protobuf framing.
 MESSAGE_LIMIT = 4 << 20
@@ -54,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pull = actions.add_parser("pull", help="download a checkpoint from an aggregator, verified against the chain")
     add_connection_args(pull, need_key=False)
     pull.add_argument("--aggregator", required=True, metavar="HOST:PORT", help="aggregator gRPC address")
+    pull.add_argument(
+        "--tls-cert", type=Path, required=True, metavar="FILE",
+        help="the aggregator's TLS certificate (its <data_dir>/tls/cert.pem): the only one trusted",
+    )
     pull.add_argument("--epoch", type=int, required=True)
     pull.add_argument("--round", required=True, help="round number (0: the initial checkpoint) or 'latest'")
     pull.add_argument("--out", type=Path, help="file to write (default: epoch-E-round-R.safetensors)")
@@ -179,14 +185,16 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
+    pin = _pin(args.tls_cert)
     client = open_client(args)
     want = chain_checkpoint(client, args.epoch, args.round)
     out = args.out or Path(f"epoch-{want.epoch}-round-{want.round}.safetensors")
     if out.exists() and not args.force:
         raise CliError(f"--out {out}: file exists; pass --force to replace it")
     model, where = epoch_model(client, args.epoch, args.recipe)
-    with grpc.insecure_channel(
-        args.aggregator, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]
+    _check_aggregator(args.aggregator, pin, min(args.timeout, 10.0))
+    with pinned_channel(
+        args.aggregator, pin, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]
     ) as channel:
         size, note = pull_checkpoint(channel, want, out, timeout_s=args.timeout, max_bytes=args.max_bytes,
                                      model=model, model_source=where)
@@ -214,6 +222,25 @@ def epoch_model(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any,
     if recipe_file is not None:
         return _recipe_model(recipe_file, epoch, client), f"--recipe {recipe_file}"
     return None, ""
+
+
+def _pin(path: Path) -> bytes:
+    try:
+        return load_certificate(path)
+    except TlsError as exc:
+        raise CliError(f"--tls-cert {exc}") from None
+
+
+def _check_aggregator(target: str, pin: bytes, timeout_s: float) -> None:
+    """Fail with what is wrong (unreachable, no TLS, another certificate) before streaming anything."""
+    try:
+        check_peer(target, pin, timeout_s)
+    except TlsError as exc:
+        raise CliError(f"--aggregator: {exc}") from None
+    except ValueError as exc:
+        raise CliError(f"--aggregator {exc}") from None
+    except OSError as exc:
+        raise CliError(f"--aggregator {target}: cannot connect ({exc.strerror or exc})") from None
 
 
 def pull_checkpoint(

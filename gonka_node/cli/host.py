@@ -38,8 +38,10 @@ class _Parts:
         from gonka_node.aggregator.client import AggregatorClient
         from gonka_node.config import ConfigError
         from gonka_node.host.config import load_host_config
+        from gonka_node.host.pin import aggregator_pin
         from gonka_node.keys import KeyStoreError, load_keys
         from gonka_node.recipe import Recipe, RecipeError
+        from gonka_node.tls import TlsError
 
         try:
             self.cfg = load_host_config(config_path)
@@ -48,15 +50,22 @@ class _Parts:
             deployment = Deployment.load(self.cfg.deployment)
             self.chain = ChainClient(RpcBackend(self.cfg.rpc_url), self.keys.evm_account, deployment).connect()
             self.epoch = self.cfg.epoch or self.chain.epoch_count()
-        except (ConfigError, KeyStoreError, RecipeError, ChainError, ValueError, OSError) as exc:
+            pin = aggregator_pin(self.cfg, self.chain, self.epoch)
+        except (ConfigError, KeyStoreError, RecipeError, ChainError, TlsError, ValueError, OSError) as exc:
             raise CliError(str(exc)) from exc
-        self.aggregator = AggregatorClient(self.cfg.aggregator)
+        self.aggregator = AggregatorClient(self.cfg.aggregator, pin)
+        try:
+            self.aggregator.check_peer()  # a wrong pin stops here, before any stake is escrowed
+        except TlsError as exc:
+            self.aggregator.close()
+            raise CliError(str(exc)) from None
 
 
 def _run(args: argparse.Namespace) -> int:
     from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
     from gonka_node.host.node import HostError, HostNode, HostSettings
     from gonka_node.recipe import RecipeError
+    from gonka_node.tls import TlsError
 
     if args.gpus < 1:
         raise CliError(f"--gpus {args.gpus}: a rig has at least one process")
@@ -80,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     node = HostNode(settings, parts.recipe, parts.chain, parts.aggregator, parts.keys, MultiEvents(sinks))
     try:
         progress = node.run() if args.quiet else _run_with_bar(node, sinks)
-    except (HostError, RecipeError) as exc:
+    except (HostError, RecipeError, TlsError) as exc:  # TlsError: the aggregator is not the pinned one
         raise CliError(str(exc)) from exc
     finally:
         parts.aggregator.close()
@@ -118,6 +127,7 @@ def _rewards(args: argparse.Namespace) -> int:
 
     from chain.errors import ChainError
     from gonka_node.host.store import HostStore
+    from gonka_node.tls import TlsError
 
     parts = _Parts(args.config)
     snap = HostStore(parts.cfg.state_dir).load()
@@ -136,7 +146,7 @@ def _rewards(args: argparse.Namespace) -> int:
                 claimed = True
                 total_claimed += int(proof.amount)
             table.add_row(str(r), f"{amount:,}", "yes" if claimed else "no")
-    except ChainError as exc:
+    except (ChainError, TlsError) as exc:
         raise CliError(f"claiming: {exc}") from exc
     finally:
         parts.aggregator.close()

@@ -12,6 +12,9 @@ stake_gnk = 10
 metrics_port = 0              # Prometheus on 127.0.0.1:PORT; 0: off
 cache_dir = "cache"           # token cache
 
+[aggregator]
+tls_cert = "aggregator-cert.pem"  # the aggregator's certificate (its <data_dir>/tls/cert.pem): pinned
+
 [chain]
 rpc_url = "http://127.0.0.1:8545"
 ```
@@ -49,6 +52,7 @@ class HostConfig:
     cache_dir: Path | None = None
     log_level: str = "INFO"
     passphrase: str | None = None
+    aggregator_tls_cert: Path | None = None  # the pinned certificate; None: (later) the chain's announcement
 
 
 def load_host_config(path: Path, environ: dict[str, str] | None = None) -> HostConfig:
@@ -61,17 +65,24 @@ def load_host_config(path: Path, environ: dict[str, str] | None = None) -> HostC
 
 
 def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
-    unknown = sorted(set(raw) - {"host", "chain"})
+    unknown = sorted(set(raw) - {"host", "aggregator", "chain"})
     if unknown:
-        raise ConfigError(f"unknown section(s) {unknown}; known: [host], [chain]")
+        raise ConfigError(f"unknown section(s) {unknown}; known: [host], [aggregator], [chain]")
     host = dict(raw.get("host", {}))
     chain = dict(raw.get("chain", {}))
+    aggregator = dict(raw.get("aggregator", {}))
     bad = sorted(set(host) - _HOST_KEYS)
     if bad:
         raise ConfigError(f"[host] unknown key(s) {bad}; known: {sorted(_HOST_KEYS)}")
     bad = sorted(set(chain) - {"rpc_url"})
     if bad:
         raise ConfigError(f"[chain] unknown key(s) {bad}; known: ['rpc_url']")
+    bad = sorted(set(aggregator) - {"tls_cert"})
+    if bad:
+        raise ConfigError(f"[aggregator] unknown key(s) {bad}; known: ['tls_cert']")
+    tls_cert = aggregator.get("tls_cert")
+    if tls_cert is not None and (not isinstance(tls_cert, str) or not tls_cert):
+        raise ConfigError(f"[aggregator] tls_cert must be a file path, got {tls_cert!r}")
     for name in ("aggregator", "recipe", "deployment"):
         if not isinstance(host.get(name), str) or not host[name]:
             raise ConfigError(f"[host] {name} is required (a string)")
@@ -97,6 +108,7 @@ def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
         key_dir=resolve(host.get("key_dir", "keys")),
         state_dir=resolve(host.get("state_dir", "host-state")),
         aggregator=host["aggregator"],
+        aggregator_tls_cert=resolve(tls_cert) if tls_cert is not None else None,
         recipe=resolve(host["recipe"]),
         deployment=resolve(host["deployment"]),
         rpc_url=rpc_url,

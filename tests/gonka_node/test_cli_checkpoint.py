@@ -1,5 +1,6 @@
 """`gonka-node checkpoint list|pull|export|generate` against a real chain served over JSON-RPC on
-127.0.0.1 (embedded py-evm) and a real gRPC Checkpoints server on 127.0.0.1:0 serving files.
+127.0.0.1 (embedded py-evm) and a real gRPC Checkpoints server on 127.0.0.1:0 serving files over TLS
+(a second port serves the same plaintext, as a pre-TLS aggregator would).
 
 The chain holds epoch 1 with an initial checkpoint (round 0) and two finalized rounds. The gRPC
 server can be told to misbehave (serve another file, lie about it, cut the stream) to check that
@@ -25,6 +26,7 @@ from chain.server import ChainServer
 from chain.types import EpochSpec
 from gonka_node.cli import main
 from gonka_node.recipe import Recipe
+from gonka_node.tls import create_identity, server_credentials
 from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
 from proto.gonka.v1 import common_pb2 as common
 from training.checkpoint import save_checkpoint
@@ -76,9 +78,15 @@ class World:
     files: dict[int, Path]  # round -> checkpoint file
     shas: dict[int, str]
     recipe: Path
+    cert: Path  # the server's certificate, what a client pins
+    cert_sha256: str
+    plaintext: str  # the same service without TLS
 
     def chain_args(self) -> list[str]:
         return ["--deployment", str(self.deployment)]
+
+    def pull_args(self) -> list[str]:
+        return [*self.chain_args(), "--aggregator", self.aggregator, "--tls-cert", str(self.cert)]
 
 
 def _checkpoint(path: Path, seed: int, with_config: bool) -> str:
@@ -120,9 +128,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     servicer = FileServer({(epoch, r): (files[r], bytes.fromhex(shas[r])) for r in range(3)})
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     cpb_grpc.add_CheckpointsServicer_to_server(servicer, grpc_server)
-    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    identity = create_identity()
+    (tmp / "cert.pem").write_bytes(identity.cert_pem)
+    port = grpc_server.add_secure_port("127.0.0.1:0", server_credentials(identity))
+    plain_port = grpc_server.add_insecure_port("127.0.0.1:0")
     grpc_server.start()
-    yield World(tmp / "deployment.json", f"127.0.0.1:{port}", servicer, files, shas, tmp / "recipe.json")
+    yield World(tmp / "deployment.json", f"127.0.0.1:{port}", servicer, files, shas, tmp / "recipe.json",
+                tmp / "cert.pem", identity.sha256.hex(), f"127.0.0.1:{plain_port}")
     grpc_server.stop(0)
     chain_server.stop()
 
@@ -167,7 +179,7 @@ def test_list_and_pull_need_no_account_on_a_public_node(world: World, server, tm
     code, out, _ = run(capsys, "list", *world.chain_args())
     assert code == 0 and world.shas[2] in out
     out_file = tmp_path / "got.safetensors"
-    code, _, err = run(capsys, "pull", *world.chain_args(), "--aggregator", world.aggregator, "--epoch", "1",
+    code, _, err = run(capsys, "pull", *world.pull_args(), "--epoch", "1",
                        "--round", "latest", "--out", str(out_file))
     assert (code, err) == (0, "")
     assert out_file.read_bytes() == world.files[2].read_bytes()
@@ -180,7 +192,7 @@ def test_list_and_pull_need_no_account_on_a_public_node(world: World, server, tm
 def test_pull_verifies_against_the_chain(world: World, server, tmp_path, capsys, round_arg, expect):
     out_file = tmp_path / "got.safetensors"
     code, out, err = run(
-        capsys, "pull", *world.chain_args(), "--aggregator", world.aggregator, "--epoch", "1",
+        capsys, "pull", *world.pull_args(), "--epoch", "1",
         "--round", round_arg, "--out", str(out_file),
     )
     assert (code, err) == (0, "")
@@ -204,7 +216,7 @@ def test_pull_keeps_nothing_unverified(world: World, server, tmp_path, capsys, m
     out_file = tmp_path / "got.safetensors"
     out_file.write_bytes(b"the previous file")
     code, out, err = run(
-        capsys, "pull", *world.chain_args(), "--aggregator", world.aggregator, "--epoch", "1",
+        capsys, "pull", *world.pull_args(), "--epoch", "1",
         "--round", "2", "--out", str(out_file), "--force",
     )
     assert code == 2 and out == ""
@@ -214,7 +226,7 @@ def test_pull_keeps_nothing_unverified(world: World, server, tmp_path, capsys, m
 
 
 def test_pull_refusals(world: World, tmp_path, capsys):
-    pull = ["pull", *world.chain_args(), "--aggregator", world.aggregator, "--epoch", "1"]
+    pull = ["pull", *world.pull_args(), "--epoch", "1"]
     code, _, err = run(capsys, *pull, "--round", "3", "--out", str(tmp_path / "x"))
     assert code == 2 and "no finalized round 3 yet (latest finalized: 2)" in err
     code, _, err = run(capsys, *pull, "--round", "two", "--out", str(tmp_path / "x"))
@@ -225,6 +237,23 @@ def test_pull_refusals(world: World, tmp_path, capsys):
     code, _, err = run(capsys, *pull, "--round", "1", "--out", str(tmp_path / "x"), "--max-bytes", "1000")
     assert code == 2 and "exceeds --max-bytes 1,000" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
+
+
+def test_pull_trusts_only_the_pinned_certificate_over_tls(world: World, tmp_path, capsys):
+    other = create_identity()
+    (tmp_path / "other.pem").write_bytes(other.cert_pem)
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    base = ["pull", *world.chain_args(), "--epoch", "1", "--round", "1", "--out", str(tmp_path / "x")]
+    code, _, err = run(capsys, *base, "--aggregator", world.aggregator, "--tls-cert", str(tmp_path / "other.pem"))
+    assert code == 2 and err.count("\n") == 1  # one line, no traceback
+    assert f"presents TLS certificate sha256 {world.cert_sha256}, not the pinned {other.sha256.hex()}" in err
+    code, _, err = run(capsys, *base, "--aggregator", world.plaintext, "--tls-cert", str(world.cert))
+    assert code == 2 and f"--aggregator: {world.plaintext} did not complete a TLS handshake" in err
+    code, _, err = run(capsys, *base, "--aggregator", world.aggregator, "--tls-cert", str(tmp_path / "junk.pem"))
+    assert code == 2 and f"--tls-cert {tmp_path / 'junk.pem'}: not a PEM certificate" in err
+    code, _, err = run(capsys, *base, "--aggregator", "127.0.0.1:1", "--tls-cert", str(world.cert))
+    assert code == 2 and "--aggregator 127.0.0.1:1: cannot connect" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.pem", "other.pem"]  # nothing pulled
 
 
 # ---------------------------------------------------------------------------------------------- export

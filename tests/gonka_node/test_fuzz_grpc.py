@@ -26,10 +26,11 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent / "aggregator"))  # the aggregator tests' harness
 from agg_harness import Harness, ServerThread, chain_world, windows
 
-from gonka_node.aggregator.client import AggregatorClient, SubmitRejected, header_pb, verify_receipt
+from gonka_node.aggregator.client import SubmitRejected, header_pb, verify_receipt
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.server import STATUS
 from gonka_node.envelope import EnvelopeError, Submission
+from gonka_node.tls import pinned_channel
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import checkpoints_pb2 as cpb
@@ -87,7 +88,7 @@ def server(chain_world, windows, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def channel(server: tuple[Harness, ServerThread]) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server[1].target) as ch:
+    with pinned_channel(server[1].target, server[1].identity.cert_pem) as ch:
         yield ch
 
 
@@ -196,7 +197,7 @@ def test_structured_garbage_submissions_are_refused_with_a_signed_receipt(
 ) -> None:
     harness, srv = server
     host = harness.hosts[host_index]
-    with AggregatorClient(srv.target, 30) as client:
+    with srv.client(30) as client:
         info = client.open_round()
         body = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
         fields = fuzzed_fields(data, info, host.address, body)

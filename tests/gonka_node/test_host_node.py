@@ -27,6 +27,7 @@ from stdlib_corpus import write_small_corpus
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
+from chain.server import ChainServer
 from chain.types import Deployment
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
@@ -40,8 +41,9 @@ from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, i
 from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
 from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.store import HostStore
-from gonka_node.keys import NodeKeys, NodeSigningKey
+from gonka_node.keys import NodeKeys, NodeSigningKey, init_keys
 from gonka_node.recipe import Recipe
+from gonka_node.tls import PeerCertificateError, create_identity
 from training.checkpoint import canonical_sha256
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
@@ -49,6 +51,7 @@ from training.model import ModelConfig, build_model
 
 GNK = 10**9
 AGG = 9
+TLS = create_identity()  # the test aggregator's; every client pins TLS.cert_pem
 
 
 @dataclass
@@ -118,7 +121,7 @@ class AggregatorThread:
         self.thread.start()
 
         async def boot() -> int:
-            self.server = AggregatorServer(engine, "127.0.0.1:0")
+            self.server = AggregatorServer(engine, TLS, "127.0.0.1:0")
             return await self.server.start()
 
         port = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(60)
@@ -128,6 +131,8 @@ class AggregatorThread:
         asyncio.run_coroutine_threadsafe(self.server.stop(0.2), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
         self.store.close()
 
 
@@ -141,7 +146,7 @@ def make_node(
     settings = HostSettings(epoch=world.epoch, stake=5 * GNK, state_dir=state, poll_s=0.05,
                             stop_after_rounds=stop_after)
     return HostNode(
-        settings, world.recipe, world.client(i), AggregatorClient(target, 60.0), host_keys(i, world), events
+        settings, world.recipe, world.client(i), AggregatorClient(target, TLS.cert_pem, 60.0), host_keys(i, world), events
     )
 
 
@@ -228,7 +233,7 @@ def test_metrics_port_and_checkpoint_metadata_after_a_round(world: World, tmp_pa
                  make_node(world, 2, target, tmp_path / "host2", 1)]
         with ThreadPoolExecutor(2) as pool:
             progress, _ = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
-        with AggregatorClient(target) as agg:
+        with AggregatorClient(target, TLS.cert_pem) as agg:
             pulled = tmp_path / "round1.safetensors"
             pulled.write_bytes(agg.checkpoint(world.epoch, 1).data)
 
@@ -254,7 +259,56 @@ def test_metrics_port_and_checkpoint_metadata_after_a_round(world: World, tmp_pa
 def test_a_rig_that_cannot_split_the_recipes_batch_is_refused(world: World, tmp_path: Path) -> None:
     # The epoch's recipe takes one micro-batch per step: two processes cannot share it equally.
     settings = HostSettings(epoch=world.epoch, stake=5 * GNK, state_dir=tmp_path / "host1", procs=2)
-    node = HostNode(settings, world.recipe, world.client(1), AggregatorClient("127.0.0.1:1"), host_keys(1, world))
+    node = HostNode(settings, world.recipe, world.client(1), AggregatorClient("127.0.0.1:1", TLS.cert_pem),
+                    host_keys(1, world))
     with pytest.raises(HostError, match=r"--gpus 2: the epoch's recipe accumulates 1 micro-batches per step"):
         node.run()
     assert not (tmp_path / "host1").exists()  # refused before anything was written
+
+
+def test_a_host_pinning_another_certificate_stops_and_says_so(world: World, tmp_path: Path) -> None:
+    other = create_identity()
+    with AggregatorThread(world, tmp_path / "agg") as target:
+        settings = HostSettings(epoch=world.epoch, stake=5 * GNK, state_dir=tmp_path / "host1", poll_s=0.05)
+        node = HostNode(settings, world.recipe, world.client(1), AggregatorClient(target, other.cert_pem, 60.0),
+                        host_keys(1, world))
+        with pytest.raises(PeerCertificateError, match=f"presents TLS certificate sha256 {TLS.sha256.hex()}, "
+                           f"not the pinned {other.sha256.hex()}"):
+            node.run()  # not retried like an outage: the daemon would wait forever
+
+
+@pytest.fixture
+def rpc_url(world: World) -> Iterator[str]:
+    """The world's chain served over JSON-RPC, as `gonka-node run` reaches it."""
+    server = ChainServer(world.backend).start()
+    yield server.url
+    server.stop()
+
+
+def host_cli_files(world: World, tmp_path: Path, target: str, tls_cert: str, rpc_url: str) -> Path:
+    """What `gonka-node run` reads: keys of dev account 3 (not signed in), recipe, deployment, host.toml."""
+    init_keys(tmp_path / "keys", None, insecure_plaintext=True, evm_private_key=bytes(world.accounts[3].key))
+    world.recipe.save(tmp_path / "recipe.json")
+    world.deployment.save(tmp_path / "deployment.json")
+    (tmp_path / "host.toml").write_text(
+        f'[host]\nkey_dir = "keys"\nstate_dir = "state"\naggregator = "{target}"\nrecipe = "recipe.json"\n'
+        f'deployment = "deployment.json"\nepoch = {world.epoch}\nstake_gnk = 5\n\n'
+        f'[aggregator]\ntls_cert = "{tls_cert}"\n\n[chain]\nrpc_url = "{rpc_url}"\n'
+    )
+    return tmp_path / "host.toml"
+
+
+def test_the_host_cli_checks_its_pin_before_anything_else(
+    world: World, rpc_url: str, tmp_path: Path, capsys
+) -> None:
+    (tmp_path / "other.pem").write_bytes(create_identity().cert_pem)
+    with AggregatorThread(world, tmp_path / "agg") as target:
+        config = host_cli_files(world, tmp_path, target, "other.pem", rpc_url)
+        assert main(["run", "--config", str(config), "--quiet"]) == 2
+        wrong = capsys.readouterr().err
+        (tmp_path / "host.toml").write_text(config.read_text().replace('tls_cert = "other.pem"\n', ""))
+        assert main(["rewards", "--config", str(config)]) == 2
+        missing = capsys.readouterr().err
+    assert wrong.count("\n") == 1 and f"presents TLS certificate sha256 {TLS.sha256.hex()}" in wrong
+    assert missing.startswith("gonka-node rewards: error: [aggregator] tls_cert is not set")
+    assert not (tmp_path / "state").exists()  # stopped before the node was built

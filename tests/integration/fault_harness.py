@@ -8,7 +8,9 @@ the client → server direction (a slow uplink).
 `FaultNet` is the devnet in miniature, for tests: the embedded chain served on loopback, contracts
 deployed, one epoch from a tiny recipe with every host signed in ahead, key folders and TOML configs
 written the way `gonka_node.devnet` writes them, and `gonka-node aggregator` / `gonka-node run` started
-as real processes whose logs go to files. Every child is SIGKILLed on `close()`.
+as real processes whose logs go to files. Every child is SIGKILLed on `close()`. The aggregator serves
+TLS with the identity it makes in its data_dir at first start; hosts and `aggregator_client` pin it
+(the proxy forwards bytes, so TLS runs end to end through it).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
 from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.devnet import aggregator_cert
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.keys import NodeKeys, init_keys, load_keys
 from gonka_node.recipe import Recipe
+from gonka_node.tls import load_certificate
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import get_codec
 from training.model import ModelConfig, build_model
@@ -109,6 +113,9 @@ class TcpProxy:
             except OSError:
                 _close(client)
                 continue
+            # The timeout was for connecting. Left on, it cut any downlink quiet for 10 s: a throttled
+            # TLS upload is one (the server decrypts, and so answers, only once a whole record is in).
+            server.settimeout(None)
             with self._lock:
                 self._conns += [client, server]
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
@@ -271,9 +278,14 @@ class FaultNet:
             "[host]\n"
             f'key_dir = "keys/host{i}"\nstate_dir = "host{i}"\naggregator = "{aggregator}"\n'
             f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {self.epoch}\nstake_gnk = 100\n'
-            f'cache_dir = "cache"\n\n[chain]\nrpc_url = "{self.server.url}"\n'
+            f'cache_dir = "cache"\n\n[aggregator]\ntls_cert = "{aggregator_cert(self.out)}"\n\n'
+            f'[chain]\nrpc_url = "{self.server.url}"\n'
         )
         return self._spawn(f"host{i}", ["run", "--config", str(cfg), "--quiet"])
+
+    def aggregator_client(self, target: str, timeout_s: float = 30) -> AggregatorClient:
+        """A client of the running aggregator (directly or through a proxy), pinning its certificate."""
+        return AggregatorClient(target, load_certificate(aggregator_cert(self.out)), timeout_s)
 
     def kill(self, name: str) -> None:
         """SIGKILL: no handler runs, nothing is flushed or closed."""
@@ -346,10 +358,10 @@ class FaultNet:
     def submit_update(self, target: str, i: int, seed: int) -> pb.Receipt:
         """Submit a small valid update for host i (what a host would send, without training for it)."""
         payload = self.update_payload(seed)
-        with AggregatorClient(target, 30) as agg:
+        with self.aggregator_client(target) as agg:
             info = agg.open_round()
             return agg.submit(info, self.host_address(i), payload, self.keys(i).node_key.signing_key, 1000)
 
     def open_round(self, target: str) -> pb.RoundInfo:
-        with AggregatorClient(target, 30) as agg:
+        with self.aggregator_client(target) as agg:
             return agg.open_round()

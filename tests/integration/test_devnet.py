@@ -10,12 +10,14 @@ host processes must reproduce it exactly to be paid.
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 import pytest
 
 from gonka_node.aggregator.store import Store
 from gonka_node.cli import main
+from gonka_node.tls import load_identity
 
 
 @pytest.mark.slow
@@ -49,4 +51,10 @@ def test_devnet_runs_an_epoch_and_pays_by_proof(tmp_path: Path) -> None:
     finally:
         store.close()
     # Nothing left running: the devnet stopped its children (their logs are complete).
-    assert "aggregator serving epoch" in (out / "logs" / "aggregator.log").read_text()
+    agg_log = (out / "logs" / "aggregator.log").read_text()
+    assert "aggregator serving epoch" in agg_log
+    # Served over TLS with the identity it made: the log names the certificate, never the key.
+    tls = out / "aggregator" / "tls"
+    assert f"TLS certificate sha256 {load_identity(tls).sha256.hex()} ({tls / 'cert.pem'};" in agg_log
+    assert stat.S_IMODE((tls / "key.pem").stat().st_mode) == 0o600 and "PRIVATE KEY" not in agg_log
+    assert 'tls_cert = "aggregator/tls/cert.pem"' in (out / "host1.toml").read_text()

@@ -19,7 +19,7 @@ import pytest
 from fault_harness import AGGREGATOR, FaultNet, TcpProxy
 
 from chain.errors import ChainError
-from gonka_node.aggregator.client import AggregatorClient, SubmitRejected, header_for
+from gonka_node.aggregator.client import SubmitRejected, header_for
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -61,7 +61,7 @@ def assert_finalized_once(net: FaultNet, round_: int = 1) -> None:
 def claim_all_once(net: FaultNet, target: str, round_: int, hosts: list[int]) -> int:
     """Each paid host claims by proof (succeeds), then again (reverts); returns the total claimed."""
     total = 0
-    with AggregatorClient(target, 30) as agg:
+    with net.aggregator_client(target, 30) as agg:
         for i in hosts:
             host = net.client(i)
             before = host.gnk_balance()
@@ -132,7 +132,7 @@ def test_chain_unreachable_for_30s_during_finalization(net_factory) -> None:
     net.wait("the outage to start", lambda: proxy.tripped_at is not None, 60)
     time.sleep(max(0.0, 30.0 - (time.monotonic() - proxy.tripped_at)))
     assert net.agg_state(1) == "finalizing"  # 30 s without the chain: still only the intent
-    with AggregatorClient(target, 10) as agg, pytest.raises(grpc.RpcError) as closed:
+    with net.aggregator_client(target, 10) as agg, pytest.raises(grpc.RpcError) as closed:
         agg.open_round()
     assert closed.value.code() == grpc.StatusCode.NOT_FOUND  # meanwhile no round takes submissions
     proxy.restore()
@@ -172,7 +172,7 @@ def test_a_throttled_host_misses_the_deadline_and_the_round_closes_with_quorum(n
     assert_finalized_once(net)
     assert net.client(0).round_result(net.epoch, 1).n_contributors == 2
     claim_all_once(net, target, 1, [2, 3])
-    with AggregatorClient(target, 30) as agg, pytest.raises(grpc.RpcError) as none:
+    with net.aggregator_client(target, 30) as agg, pytest.raises(grpc.RpcError) as none:
         agg.reward_proof(net.epoch, 1, net.host_address(1))
     assert none.value.code() == grpc.StatusCode.NOT_FOUND
 
@@ -222,7 +222,7 @@ class StalledUpload(threading.Thread):
         self.release.wait(self.hold_s)
 
     def run(self) -> None:
-        with AggregatorClient(self.target, self.hold_s + 60) as agg:
+        with self.net.aggregator_client(self.target, self.hold_s + 60) as agg:
             try:
                 agg.submit_raw(self.requests(agg.open_round()))
             except SubmitRejected as exc:

@@ -26,12 +26,12 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from chain.client import ChainClient
-from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.devnet import (
     GNK,
     GOVERNANCE,
     Children,
     DevnetOptions,
+    aggregator_client,
     close_signin,
     deploy_and_schedule,
     make_report,
@@ -103,7 +103,7 @@ def test_a_killed_host_process_rejoins_and_finishes_the_epoch(tmp_path: Path) ->
 
         reader = ChainClient(chain.backend, chain.backend.dev_accounts()[GOVERNANCE], sched.deployment).connect()
         assert reader.latest_round(sched.epoch) == 2
-        with AggregatorClient(target) as agg:
+        with aggregator_client(out, target) as agg:
             for r in (1, 2):
                 hosts = [bytes(c.host) for c in agg.round_result(sched.epoch, r).contributions]
                 assert len(hosts) == len(set(hosts)) == 2  # one submission per host, despite the restarts

@@ -1,7 +1,9 @@
 """A real aggregator on 127.0.0.1:0 over the embedded EVM, a tiny real model and real files.
 
 `Harness` deploys the contracts once per module, schedules an epoch per test (three hosts signed in
-with ed25519 node keys), and runs the asyncio gRPC server in a background thread with its own loop.
+with ed25519 node keys), and runs the asyncio gRPC server (TLS, the harness's identity, kept across
+restarts like an aggregator's data_dir) in a background thread with its own loop. `server.client()`
+dials it pinning that certificate.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from chain.client import ChainClient
 from chain.types import Deployment, EpochSpec
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.aggregator.rounds import EpochContext, RoundEngine
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store
 from gonka_node.config import AggregationSettings, RoundSettings
+from gonka_node.tls import TlsIdentity, create_identity
 from training.codecs import CodecError, get_codec
 from training.data import Windows
 from training.diloco import pseudo_gradient
@@ -90,8 +94,9 @@ def windows() -> Windows:
 class ServerThread:
     """Runs `AggregatorServer` on its own event loop in a thread; `run(coro)` executes there."""
 
-    def __init__(self, build: Callable[[], RoundEngine]) -> None:
+    def __init__(self, build: Callable[[], RoundEngine], identity: TlsIdentity) -> None:
         self.build = build
+        self.identity = identity
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.server: AggregatorServer | None = None
@@ -101,7 +106,7 @@ class ServerThread:
         self.thread.start()
 
         async def boot() -> int:
-            self.server = AggregatorServer(self.build(), "127.0.0.1:0")
+            self.server = AggregatorServer(self.build(), self.identity, "127.0.0.1:0")
             return await self.server.start()
 
         self.port = self.run(boot())
@@ -115,6 +120,10 @@ class ServerThread:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def client(self, timeout_s: float = 120.0) -> AggregatorClient:
+        """A client that pins this server's certificate."""
+        return AggregatorClient(self.target, self.identity.cert_pem, timeout_s)
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -144,6 +153,7 @@ class Harness:
     hosts: list[Host] = field(default_factory=list)
     epoch: int = 0
     servers: list[ServerThread] = field(default_factory=list)
+    identity: TlsIdentity = field(default_factory=create_identity)
 
     def __post_init__(self) -> None:
         self.base = {n: p.detach().clone() for n, p in build_model(self.cfg, MODEL_SEED).named_parameters()}
@@ -215,7 +225,7 @@ class Harness:
         )
 
     def start_server(self) -> ServerThread:
-        server = ServerThread(self.build_engine).start()
+        server = ServerThread(self.build_engine, self.identity).start()
         self.servers.append(server)
         return server
 

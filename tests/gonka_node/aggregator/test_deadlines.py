@@ -7,7 +7,6 @@ import logging
 from agg_harness import Harness
 from test_round import wait_open, wait_state
 
-from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.config import RoundSettings
 
 
@@ -20,7 +19,7 @@ def test_below_quorum_the_round_is_extended_then_skipped(harness: Harness, caplo
     lone = h.hosts[0]
     payload = h.payload(h.honest_update(lone, 1))  # before the 1-second round opens
     server = h.start_server()
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         assert client.submit(info, lone.address, payload, lone.key).accepted
         assert wait_state(server, h.epoch, 1, ("skipped",), timeout=60) == "skipped"

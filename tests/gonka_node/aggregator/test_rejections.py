@@ -63,7 +63,7 @@ def state_snapshot(server: ServerThread) -> tuple[object, ...]:
 def running(harness: Harness) -> Iterator[tuple[Harness, ServerThread, AggregatorClient]]:
     harness.schedule(3)
     server = harness.start_server()
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         yield harness, server, client
 
 

@@ -51,7 +51,7 @@ def test_three_honest_hosts_finalize_on_chain_and_hosts_recompute_the_hash(harne
     h = harness
     h.schedule(3)
     server = h.start_server()
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         assert (info.epoch, info.round, info.base_checkpoint_sha256) == (h.epoch, 1, h.init_sha)
         assert info.expected_hosts == 3
@@ -107,7 +107,7 @@ def test_noise_and_untrained_hosts_score_at_or_below_zero(harness: Harness) -> N
     h.schedule(3)
     server = h.start_server()
     honest, noisy, idle = h.hosts
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         client.submit(info, honest.address, h.payload(h.honest_update(honest, 1)), honest.key)
         gen = torch.Generator().manual_seed(5)
@@ -129,14 +129,14 @@ def test_restart_mid_round_keeps_accepted_submissions_and_finalizes_once(harness
     h.schedule(3)
     first = h.start_server()
     updates = {host.index: h.payload(h.honest_update(host, 1)) for host in h.hosts}
-    with AggregatorClient(first.target) as client:
+    with first.client() as client:
         info = client.open_round()
         for host in h.hosts[:2]:
             assert client.submit(info, host.address, updates[host.index], host.key).accepted
     first.stop()  # torn down mid-round: the third host has not submitted yet
 
     second = h.start_server()
-    with AggregatorClient(second.target) as client:
+    with second.client() as client:
         info2 = client.open_round()
         assert (info2.round, info2.submissions, info2.deadline_unix_ms) == (1, 2, info.deadline_unix_ms)
         # What was accepted before the restart is still accepted: a resend is a duplicate.
@@ -169,7 +169,7 @@ def test_restart_mid_round_keeps_accepted_submissions_and_finalizes_once(harness
 def close_round_one(h: Harness) -> None:
     """Every host submits an honest round-1 update; the aggregator closes the round; then it stops."""
     server = h.start_server()
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         for host in h.hosts:
             client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)

@@ -9,8 +9,6 @@ from agg_harness import GNK, Harness, Host
 from nacl.signing import SigningKey
 from test_round import wait_state
 
-from gonka_node.aggregator.client import AggregatorClient
-
 
 def test_everyone_submitted_waits_for_the_signin_window(harness: Harness, monkeypatch) -> None:
     h = harness
@@ -19,7 +17,7 @@ def test_everyone_submitted_waits_for_the_signin_window(harness: Harness, monkey
         m.setattr(backend, "increase_time", lambda seconds: None)  # leave the sign-in window open
         h.schedule(2)
     server = h.start_server()
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         for host in h.hosts:
             client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)
@@ -42,7 +40,7 @@ def test_a_host_signing_in_late_is_waited_for(harness: Harness, monkeypatch) -> 
         h.schedule(2)
     server = h.start_server()
     late = Host(3, h.world.accounts[3], SigningKey(hashlib.sha256(b"host-3").digest()))
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         for host in h.hosts:
             client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)

@@ -18,22 +18,22 @@ from agg_harness import Harness, ServerThread
 from test_rejections import envelope, good_payload, stream
 from test_round import wait_state
 
-from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
+from gonka_node.aggregator.client import SubmitRejected
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 
 class Upload(threading.Thread):
     """A Submit stream sent from its own thread and channel; `requests` may block to hold it open."""
 
-    def __init__(self, target: str, requests: Iterator[pb.SubmitRequest]) -> None:
+    def __init__(self, server: ServerThread, requests: Iterator[pb.SubmitRequest]) -> None:
         super().__init__(daemon=True)
-        self.target, self.requests = target, requests
+        self.server, self.requests = server, requests
         self.receipt: pb.Receipt | None = None
         self.refused: SubmitRejected | None = None
         self.ended_at = 0.0
 
     def run(self) -> None:
-        with AggregatorClient(self.target, 60) as client:
+        with self.server.client(60) as client:
             try:
                 self.receipt = client.submit_raw(self.requests)
             except SubmitRejected as exc:
@@ -68,11 +68,11 @@ def test_a_stream_that_goes_quiet_after_its_header_is_ended(harness: Harness) ->
     h = harness
     server = limited(h, stream_idle_s=0.5)
     host, payload = h.hosts[0], good_payload(h)
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
     requests = list(stream(envelope(info, host, payload), host.key, payload))
     started = time.monotonic()
-    up = Upload(server.target, held(requests[:1], requests[1:], threading.Event()))
+    up = Upload(server, held(requests[:1], requests[1:], threading.Event()))
     up.start()
     assert up.outcome() == "STREAM_TIMEOUT"
     assert up.ended_at - started < 10  # ended by the aggregator's 0.5 s idle limit, not the 60 s hold
@@ -83,7 +83,7 @@ def test_a_stream_that_goes_quiet_after_its_header_is_ended(harness: Harness) ->
 
 def test_a_connection_that_never_sends_a_header_is_ended(harness: Harness) -> None:
     server = limited(harness, stream_idle_s=0.5)
-    up = Upload(server.target, held([], [], threading.Event()))
+    up = Upload(server, held([], [], threading.Event()))
     up.start()
     assert up.outcome() == "STREAM_TIMEOUT"
 
@@ -95,7 +95,7 @@ def test_an_upload_below_the_minimum_rate_is_ended(harness: Harness) -> None:
     server = limited(h, stream_idle_s=5.0, stream_setup_s=0.2, min_upload_kib_per_s=64.0)
     host, payload = h.hosts[0], good_payload(h)
     assert len(payload) > 100_000  # at 20 KB/s this takes > 5 s, the deadline is < 2 s + 0.2 s
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
 
     def trickle() -> Iterator[pb.SubmitRequest]:
@@ -105,7 +105,7 @@ def test_an_upload_below_the_minimum_rate_is_ended(harness: Harness) -> None:
             yield req
 
     started = time.monotonic()
-    up = Upload(server.target, trickle())
+    up = Upload(server, trickle())
     up.start()
     assert up.outcome(60) == "STREAM_TIMEOUT"
     assert up.ended_at - started < 0.2 + len(payload) / 65536 + 3
@@ -117,11 +117,11 @@ def test_one_stream_per_host_at_a_time(harness: Harness) -> None:
     h = harness
     server = limited(h)
     host, payload = h.hosts[0], good_payload(h)
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         gate = threading.Event()
         requests = list(stream(envelope(info, host, payload), host.key, payload))
-        first = Upload(server.target, held(requests[:2], requests[2:], gate))
+        first = Upload(server, held(requests[:2], requests[2:], gate))
         first.start()
         time.sleep(0.5)  # the first stream is authenticated and streaming
         with pytest.raises(SubmitRejected) as second:
@@ -137,11 +137,11 @@ def test_an_exact_copy_of_an_upload_still_streaming_is_refused_as_copy(harness: 
     h = harness
     server = limited(h)
     victim, copier, payload = h.hosts[0], h.hosts[1], good_payload(h)
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         gate = threading.Event()
         requests = list(stream(envelope(info, victim, payload), victim.key, payload))
-        slow = Upload(server.target, held(requests[:2], requests[2:], gate))
+        slow = Upload(server, held(requests[:2], requests[2:], gate))
         slow.start()
         time.sleep(0.5)
         with pytest.raises(SubmitRejected) as copy:
@@ -161,11 +161,11 @@ def test_a_perturbed_copy_that_finishes_first_is_the_one_excluded(harness: Harne
     victim, copier, third = h.hosts
     honest = h.payload(h.honest_update(victim, 1))
     copy = perturbed(h, honest, 1e-6)
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         gate = threading.Event()
         requests = list(stream(envelope(info, victim, honest), victim.key, honest))
-        slow = Upload(server.target, held(requests[:2], requests[2:], gate))
+        slow = Upload(server, held(requests[:2], requests[2:], gate))
         slow.start()
         time.sleep(0.5)
         client.submit_raw(stream(envelope(info, copier, copy), copier.key, copy))  # completes first
