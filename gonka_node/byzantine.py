@@ -1,7 +1,7 @@
 """One epoch in one process, some hosts adversarial: what the adversary tests and the benchmark run.
 
-Real parts: the embedded EVM (EOA governance, so slashing needs no vote), the aggregator's gRPC server
-on 127.0.0.1:0 in its own event loop, honest `HostNode`s and `AdversarialHost`s in threads. Every
+Real parts: the embedded EVM (slashing by bonded challenges the aggregator files and upholds), the
+aggregator's gRPC server (TLS) on 127.0.0.1:0 in its own event loop, honest `HostNode`s and `AdversarialHost`s in threads. Every
 host's client is a `TappedClient`: the tap sees all uploads (copiers, mixers, grinders and
 front-runners read it); the victim's uploads stay open `slow_link_s` after their last chunk when a
 front-runner is in the plan. The aggregator's clock is driven: once every host has made its attempt in
@@ -9,8 +9,8 @@ a round, the clock jumps past the deadline, so a refused adversary costs no wait
 with whoever was accepted); the wall time of that jump and of the round's close are kept, and their
 difference is the close delay a staller causes. After the last round: held-out loss of the final
 model, GNK paid per host and round, evidence collected from the aggregator's store and evidence log,
-the documented slashes sent (`gonka_node.slashing`), and the stake each host lost, read back from the
-chain.
+the documented slashes carried out through bonded challenges the aggregator files and upholds
+(`gonka_node.slashing.challenge_all`), and the stake each host lost, read back from the chain.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from gonka_node.host.events import HostEvents
 from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.keys import NodeKeys, NodeSigningKey
 from gonka_node.recipe import Recipe
-from gonka_node.slashing import EvidenceLog, RoundIdentity, SlashDecision, collect_evidence, slash_all
+from gonka_node.slashing import EvidenceLog, RoundIdentity, SlashDecision, challenge_all, collect_evidence
 from gonka_node.tls import create_identity
 from training.inner import evaluate
 from training.model import build_model
@@ -224,7 +224,8 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
                     f.result(timeout=60)
         records = collect_evidence(store, epoch, RoundIdentity(deployment.chain_id, ctx.registry,
                                                                ctx.codec_name), evidence)
-        slashed = slash_all(gov, epoch, records)
+        # Anyone may challenge with a bond; the epoch's aggregator (quorum 1 here) rules on it.
+        slashed = challenge_all(agg_chain, [agg_chain], epoch, records, "evidence/<sha256>.json")
         report = _report(plan, stake, root, store, epoch, nodes, slashed, started, cache_dir)
         report.stake_lost = {h: gov.host_info(epoch, h).slashed for h in report.rewards}
         report.close_delay_s = _close_delays(store, epoch, passed)

@@ -121,6 +121,9 @@ class AggregationSettings:
     # An update within this relative residual of the span of public tensors and earlier-arrived
     # submissions brings nothing of its own (aggregator/checks.py find_mixtures): excluded.
     mix_residual: float = 0.05
+    # File a bonded challenge (and vote to uphold it) for every host this aggregator holds slashable
+    # evidence against, after each round (aggregator/challenger.py); the bond comes from its account.
+    challenge: bool = True
     # Replay check (gonka_node/aggregator/replay.py): how often a host is replayed is the epoch's
     # replay_probability on chain; these say what a replay must reproduce.
     replay_min_cosine: float = 0.9
@@ -165,6 +168,9 @@ class AggregationSettings:
 class AggregatorConfig:
     data_dir: Path
     listen: str = "127.0.0.1:50051"
+    # host:port hosts and clients dial, announced on chain with the TLS certificate; "": the listen
+    # address with its actual port (a wildcard listen address needs this set)
+    public_endpoint: str = ""
     node_key: Path | None = None  # ed25519 key that signs receipts
     evm_key: Path | None = None  # account that finalizes rounds on chain
     recipe: Path | None = None  # the epoch's training recipe (model, data, codec), checked against the chain
@@ -215,6 +221,7 @@ def _build(
         agg,
         {
             "listen",
+            "public_endpoint",
             "data_dir",
             "node_key",
             "evm_key",
@@ -242,6 +249,7 @@ def _build(
     return AggregatorConfig(
         data_dir=_resolve(base, data_dir),
         listen=str(listen),
+        public_endpoint=str(agg.get("public_endpoint", "")),
         node_key=_resolve(base, agg["node_key"]) if "node_key" in agg else None,
         evm_key=_resolve(base, agg["evm_key"]) if "evm_key" in agg else None,
         recipe=_resolve(base, agg["recipe"]) if "recipe" in agg else None,

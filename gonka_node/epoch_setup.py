@@ -148,4 +148,5 @@ def aggregator_context(
         if scoring and recipe.round_state == "fresh"
         else None,
         replay_probability=spec.replay_probability if scoring else 0.0,
+        recipe_json=recipe.canonical_json(),
     )

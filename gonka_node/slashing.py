@@ -13,8 +13,9 @@ The chain lets only governance slash, naming an `evidence_hash`. This module is 
    own round does not reproduce (whoever votes can run the same replay from public inputs).
 3. `evidence_hash` is the sha256 of a record's canonical JSON; the record is written to
    `<dir>/<hash>.json`, so whoever votes can fetch the file the chain names and re-check it.
-4. `slash_all` applies the documented rule (`SLASHABLE`: the host's whole remaining stake) with an
-   EOA governance key, or returns Governor actions for a proposal.
+4. `challenge_all` applies the documented rule (`SLASHABLE`: the host's whole remaining stake) through
+   the chain's bonded challenges: anyone holding the bond files, the epoch's aggregators (or governance)
+   rule, and the stake stays locked until then (docs/PROTOCOL.md "Challenges").
 
 Not evidence (never slashed): refusals that a network attacker can cause or that honest clients hit
 (bad signature, unknown host, late, replayed old envelope, truncated stream, wrong codec) — their
@@ -215,18 +216,32 @@ def decide(records: Iterable[Evidence], remaining_stake: dict[str, int]) -> list
     return list(out.values())
 
 
-def slash_all(chain: Any, epoch: int, records: Sequence[Evidence]) -> list[SlashDecision]:
-    """Slash every host the rule names with `chain` (a ChainClient holding EOA governance)."""
+def challengeable_stakes(chain: Any, epoch: int, hosts: Iterable[str]) -> dict[str, int]:
+    """Each host's stake still at risk: 0 once withdrawn, and 0 while a challenge against it is open or
+    after one was upheld (a second challenge on the same stake would only tie up a bond)."""
+    challenged = {c.host for c in chain.challenges(epoch) if c.status in ("open", "upheld")}
     stakes = {}
-    for ev in records:
-        info = chain.host_info(epoch, ev.host)
-        stakes[ev.host] = 0 if info.withdrawn else info.stake - info.slashed
-    decisions = decide([r for r in records if r.epoch == epoch], stakes)
+    for host in set(hosts):
+        info = chain.host_info(epoch, host)
+        at_risk = not info.withdrawn and host not in challenged
+        stakes[host] = info.stake - info.slashed if at_risk else 0
+    return stakes
+
+
+def challenge_all(
+    challenger: Any, voters: Sequence[Any], epoch: int, records: Sequence[Evidence], evidence_uri: str = ""
+) -> list[SlashDecision]:
+    """Apply the rule through the chain's bonded challenges: `challenger` (any account holding the epoch's
+    challenge bond) files one challenge per host the rule names, citing the evidence's sha256, and each of
+    `voters` (aggregators of the epoch; `aggregator_quorum` of them resolve it) votes to uphold. Upheld,
+    the host's whole remaining stake is slashed and the challenger gets its bond back with a share of it
+    (Registry rules). Hosts already under an open or upheld challenge are skipped."""
+    mine = [r for r in records if r.epoch == epoch]
+    decisions = decide(mine, challengeable_stakes(challenger, epoch, (r.host for r in mine)))
     for d in decisions:
-        chain.slash(epoch, d.host, d.amount, d.evidence.hash)
+        challenge_id = challenger.challenge(epoch, d.host, d.evidence.hash, evidence_uri)
+        for voter in voters:
+            if voter.get_challenge(challenge_id).status != "open":
+                break
+            voter.vote_challenge(challenge_id, True)
     return decisions
-
-
-def slash_actions(chain: Any, epoch: int, decisions: Sequence[SlashDecision]) -> list[Any]:
-    """The same slashes as Governor proposal actions (for epochs governed by the Governor)."""
-    return [chain.action_slash(epoch, d.host, d.amount, d.evidence.hash) for d in decisions]

@@ -3,10 +3,10 @@
 Nothing is read past the declared length (plus the one chunk that proves an overrun), and the bytes
 go to a private file under `incoming/` that the store renames into place only once everything checked.
 
-No stream may hold the aggregator: each waits at most `StreamLimits.idle_s` for its next message, the
-whole upload must finish within `setup_s + declared_length / min_bytes_per_s` (a stated minimum upload
-rate, so the limit grows with the payload and a slow honest link knows what it must sustain), and the
-stream ends as LATE the moment its round closes (`closed` is set), whatever it still had to send.
+No stream may hold the aggregator (`StreamGuard`): each waits at most `StreamLimits.idle_s` for its
+next message, the whole upload must finish within `setup_s + declared_length / min_bytes_per_s` (a
+stated minimum upload rate, so the limit grows with the payload and a slow honest link knows what it
+must sustain), and the stream ends as LATE the moment its round closes, whatever it still had to send.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 from gonka_node.aggregator.reasons import Reason, Rejected
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -39,39 +36,68 @@ class StreamLimits:
 
 
 class StreamGuard:
-    """Reads a stream's messages one at a time within the limits; raises `Rejected` when one is broken.
+    """Times one Submit stream from its handler's side: a watchdog task cancels the handler when the
+    stream breaks a limit or its round closes, and `refused()` turns that cancellation into the
+    `Rejected` it stands for. Reads stay plain awaits in the handler's own task (gRPC's request iterator
+    is read where the call lives; a read moved to another task does not see a dropped connection).
 
-    `closed` is the round's "closed for submissions" event: set, it ends every stream still reading."""
+    Armed from the call's start until the payload is fully received (`disarm`): decoding and storing
+    are never interrupted (a round that closes meanwhile refuses the upload as LATE by its own check)."""
 
     def __init__(self, limits: StreamLimits, closed: asyncio.Event, what: str) -> None:
         self.limits, self.closed, self.what = limits, closed, what
-        self.deadline = time.monotonic() + limits.idle_s
+        now = time.monotonic()
+        self.last, self.deadline = now, now + limits.idle_s  # the header is due within idle_s
+        self.refusal: Rejected | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    def arm(self) -> StreamGuard:
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._watch = asyncio.ensure_future(self._watchdog(handler))
+        return self
+
+    def disarm(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def touch(self) -> None:
+        """A message arrived: the idle clock starts again."""
+        self.last = time.monotonic()
 
     def allow_total(self, declared_length: int) -> None:
         """From the header on, the whole upload's deadline (the header itself was bounded by idle_s)."""
         self.deadline = time.monotonic() + self.limits.total_s(declared_length)
 
-    async def next(self, stream: AsyncIterator[T]) -> T | None:
-        """The stream's next message, None at its end."""
-        wait = min(self.limits.idle_s, self.deadline - time.monotonic())
-        if wait <= 0:
-            raise self._too_slow()
-        reading = asyncio.ensure_future(anext(stream, None))
-        closing = asyncio.ensure_future(self.closed.wait())
-        try:
-            done, _ = await asyncio.wait({reading, closing}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closing.cancel()
-        if reading in done:
-            return reading.result()
-        reading.cancel()
-        if closing in done:
-            raise Rejected(Reason.LATE, f"{self.what}: the round closed while the payload streamed")
-        if time.monotonic() >= self.deadline:
-            raise self._too_slow()
-        raise Rejected(
-            Reason.STREAM_TIMEOUT, f"{self.what}: nothing received for {self.limits.idle_s:g} s"
-        )
+    def refused(self, cancelled: BaseException) -> Rejected | None:
+        """The refusal a cancellation of the handler stands for (None: not ours, e.g. the client left)."""
+        if self.refusal is None:
+            return None
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()  # the handler goes on to answer with the refusal
+        return self.refusal
+
+    async def _watchdog(self, handler: asyncio.Task[object]) -> None:
+        while True:
+            now = time.monotonic()
+            idle_at = self.last + self.limits.idle_s
+            wake = min(idle_at, self.deadline)
+            if now >= wake:
+                self._refuse(handler, self._too_slow() if now >= self.deadline else Rejected(
+                    Reason.STREAM_TIMEOUT, f"{self.what}: nothing received for {self.limits.idle_s:g} s"))
+                return
+            try:
+                await asyncio.wait_for(self.closed.wait(), wake - now)
+            except TimeoutError:
+                continue
+            self._refuse(handler, Rejected(Reason.LATE, f"{self.what}: the round closed while the payload streamed"))
+            return
+
+    def _refuse(self, handler: asyncio.Task[object], refusal: Rejected) -> None:
+        self.refusal = refusal
+        handler.cancel()
 
     def _too_slow(self) -> Rejected:
         rate = self.limits.min_bytes_per_s / 1024
@@ -98,7 +124,8 @@ async def receive_payload(
     guard.allow_total(declared_length)
     try:
         with open(part, "wb") as f:
-            while (chunk := await guard.next(chunks)) is not None:
+            async for chunk in chunks:
+                guard.touch()
                 if len(chunk) > max_chunk_bytes:
                     raise Rejected(
                         Reason.OVERSIZE,

@@ -87,6 +87,7 @@ class EpochContext:
     # The recipe's rounds are replayable (round_state = "fresh"): what the replay check needs; None: no check.
     replay: ReplayData | None = None
     replay_probability: float = 0.0  # the epoch's p (chain): each host's round is replayed with it
+    recipe_json: bytes | None = None  # the recipe's canonical JSON (sha256 = the epoch's model_spec_hash)
 
     def codec_for(self, round_: int) -> Codec:
         """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
@@ -154,7 +155,7 @@ class RoundEngine:
         self._members_of_round: tuple[int, set[bytes]] | None = None  # (round, hosts that may submit)
         self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
-        self._opening_failed = False  # the next round's seed commitment failed: retried every tick
+        self._opening_failed = 0  # failed attempts to open the next round (its seed commitment): retried
 
     @property
     def aggregator_key(self) -> bytes:
@@ -304,9 +305,10 @@ class RoundEngine:
         return StreamGuard(self.stream_limits, self.closed_for_submissions, what)
 
     async def submit(
-        self, sub: Submission, signature: bytes, chunks: AsyncIterator[bytes], guard: StreamGuard | None = None
+        self, sub: Submission, signature: bytes, chunks: AsyncIterator[bytes], guard: StreamGuard
     ) -> SignedReceipt:
-        """Authenticate, stream, validate, persist; returns the signed acceptance or raises Rejected."""
+        """Authenticate, stream, validate, persist; returns the signed acceptance or raises Rejected.
+        `guard` (armed by the caller) times the stream until its payload is in; it is disarmed then."""
         await self.authenticate(sub, signature)
         started = self.clock()
         self._in_flight[sub.host] = InFlight(sub.payload_sha256, started, signature)
@@ -317,8 +319,9 @@ class RoundEngine:
                 declared_sha256=sub.payload_sha256,
                 max_chunk_bytes=self.settings.max_chunk_bytes,
                 incoming=self.store.incoming,
-                guard=guard or self.stream_guard(f"upload of 0x{sub.host.hex()}"),
+                guard=guard,
             )
+            guard.disarm()  # received: decoding and storing are not interrupted (LATE is checked below)
             try:
                 async with self._decode_slots:
                     try:
@@ -384,8 +387,7 @@ class RoundEngine:
     async def tick(self) -> None:
         """Close, extend or skip the open round when its rule says so (called periodically)."""
         if self._opening_failed:  # the next round's commitment did not reach the chain: again
-            self._activate(await asyncio.to_thread(self._resume_or_open))
-            self._opening_failed = False
+            await self._open_next()
             return
         r = self.current
         if r is None:
@@ -458,12 +460,21 @@ class RoundEngine:
         # commitment is on chain and it takes submissions.
         self.round_closed.set()
         self.round_closed = asyncio.Event()
+        await self._open_next()
+
+    async def _open_next(self) -> None:
+        """Open the next round (its seed committed on chain first); on failure, again at the next tick,
+        saying so once and then every 50 attempts."""
         try:
             self._activate(await asyncio.to_thread(self._resume_or_open))
         except Exception as exc:  # the chain is unreachable: the commitment is retried every tick
-            self._opening_failed = True
-            log.warning("round %d/%d: committing the next round's seed failed (%s); retrying every tick",
-                        self.ctx.epoch, row.round + 1, exc)
+            if self._opening_failed % 50 == 0:
+                log.warning("epoch %d: opening the next round (committing its seed on chain) failed %d time(s) "
+                            "(%s: %s); retrying every tick", self.ctx.epoch, self._opening_failed + 1,
+                            type(exc).__name__, exc)
+            self._opening_failed += 1
+            return
+        self._opening_failed = 0
 
     def _note_close_failure(self, r: RoundRow, skip: bool, exc: Exception) -> None:
         """One line when closing first fails, then one every 50 attempts: the retry runs every tick."""

@@ -142,31 +142,41 @@ class AggregatorService(pb_grpc.AggregatorServicer):
         self, request_iterator: AsyncIterator[pb.SubmitRequest], context: grpc.aio.ServicerContext
     ) -> pb.Receipt:
         sub: Submission | None = None
+        # Armed from the first byte: a connection that never sends its header is dropped too.
+        guard = self.engine.stream_guard(f"stream from {context.peer()}").arm()
         try:
             requests = aiter(request_iterator)
-            guard = self.engine.stream_guard(f"stream from {context.peer()}")
-            first = await guard.next(requests)  # a connection that never sends its header is dropped too
+            first = await anext(requests, None)
+            guard.touch()
             if first is None or first.WhichOneof("part") != "header":
                 raise Rejected(Reason.MALFORMED, "the stream must start with a SubmitHeader")
             sub = submission_from_pb(first.header)
             guard.what = f"upload of 0x{sub.host.hex()}"
             receipt = await self.engine.submit(sub, first.header.signature, _chunks(requests), guard)
             return receipt_pb(receipt)
-        except asyncio.CancelledError:  # the host went away mid-stream: its partial file is already gone
-            log.warning(
-                "submission from %s cancelled mid-stream (connection lost); nothing stored",
-                f"0x{sub.host.hex()}" if sub else "?",
-            )
-            raise
+        except asyncio.CancelledError as exc:
+            refusal = guard.refused(exc)
+            if refusal is None:  # the host went away mid-stream: its partial file is already gone
+                log.warning(
+                    "submission from %s cancelled mid-stream (connection lost); nothing stored",
+                    f"0x{sub.host.hex()}" if sub else "?",
+                )
+                raise
+            await self._refuse(sub, refusal, context)
         except Rejected as exc:
-            log.info("rejected %s: %s", f"0x{sub.host.hex()}" if sub else "?", exc)
-            signed = self.engine.receipt(sub, accepted=False, reason=exc.reason.value)
-            trailing = (
-                ("gonka-reason", exc.reason.name),
-                ("gonka-receipt-bin", receipt_pb(signed, exc.message).SerializeToString()),
-            )
-            await context.abort(STATUS[exc.reason], exc.message, trailing_metadata=trailing)
-            raise AssertionError("unreachable") from exc
+            await self._refuse(sub, exc, context)
+        finally:
+            guard.disarm()
+        raise AssertionError("unreachable")
+
+    async def _refuse(self, sub: Submission | None, exc: Rejected, context: grpc.aio.ServicerContext) -> None:
+        log.info("rejected %s: %s", f"0x{sub.host.hex()}" if sub else "?", exc)
+        signed = self.engine.receipt(sub, accepted=False, reason=exc.reason.value)
+        trailing = (
+            ("gonka-reason", exc.reason.name),
+            ("gonka-receipt-bin", receipt_pb(signed, exc.message).SerializeToString()),
+        )
+        await context.abort(STATUS[exc.reason], exc.message, trailing_metadata=trailing)
 
     async def GetRoundResult(self, request: pb.RoundRef, context: grpc.aio.ServicerContext) -> pb.RoundResult:
         row = await self._done_round(request.epoch, request.round, context)

@@ -12,9 +12,11 @@ import logging
 import signal
 from pathlib import Path
 
+from gonka_node.aggregator.challenger import Challenger
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.cli import CliError
 from gonka_node.config import AggregatorConfig, ConfigError, load_aggregator_config, read_env
+from gonka_node.slashing import EvidenceLog
 from gonka_node.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_identity
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ async def _serve(cfg: AggregatorConfig, where: Path, port_file: Path | None = No
 
     server = AggregatorServer(engine, identity, cfg.listen)
     port = await server.start()
-    _announce(cfg, identity, engine.ctx.epoch, port)
+    await asyncio.to_thread(_announce, cfg, identity, engine, port)
     if port_file is not None:
         staged = port_file.with_name(port_file.name + ".tmp")
         staged.write_text(f"{port}\n")
@@ -66,7 +68,13 @@ async def _serve(cfg: AggregatorConfig, where: Path, port_file: Path | None = No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    challenger = None
+    if cfg.aggregation.challenge and isinstance(engine.evidence, EvidenceLog):
+        uri = f"{public_endpoint(cfg, port)} evidence/<sha256>.json"
+        challenger = asyncio.create_task(Challenger(engine, engine.evidence, uri).run(stop))
     await stop.wait()
+    if challenger is not None:
+        await challenger
     await server.stop(2.0)
     engine.store.close()
 
@@ -84,13 +92,38 @@ def _cert_names(listen: str) -> tuple[str, ...]:
     return () if host in ("", "0.0.0.0", "::") else (host,)
 
 
-def _announce(cfg: AggregatorConfig, identity: TlsIdentity, epoch: int, port: int) -> None:
-    """Say which certificate clients must pin. Announcing it on chain (`announce_aggregator(epoch,
-    endpoint, cert_pem)`, by the aggregator's account) belongs here too."""
+def _announce(cfg: AggregatorConfig, identity: TlsIdentity, engine: RoundEngine, port: int) -> None:
+    """Say where this aggregator serves and which certificate clients must pin: in the log, and on chain
+    from the aggregator's account (re-announced only when either changed), so hosts and clients find
+    both from the chain alone; and publish the epoch's recipe on chain if nobody has yet (anyone may: the
+    contract checks it hashes to the epoch's model_spec_hash), so clients can check a checkpoint's model
+    config against it."""
+    epoch, chain = engine.ctx.epoch, engine.chain
+    endpoint = public_endpoint(cfg, port)
     log.info(
-        "aggregator serving epoch %d on port %d, TLS certificate sha256 %s (%s; clients pin this file)",
-        epoch, port, identity.sha256.hex(), cfg.tls_dir / CERT_FILE,
+        "aggregator serving epoch %d on %s, TLS certificate sha256 %s (%s)",
+        epoch, endpoint, identity.sha256.hex(), cfg.tls_dir / CERT_FILE,
     )
+    mine = {(a.address.lower(), a.endpoint, a.tls_cert_sha256) for a in chain.call(chain.chain.aggregator_endpoints, epoch)}
+    if (chain.chain.address.lower(), endpoint, identity.sha256) not in mine:
+        chain.call(chain.chain.announce_aggregator, epoch, endpoint, identity.cert_pem)
+        log.info("announced %s and the certificate on chain for epoch %d", endpoint, epoch)
+    recipe = engine.ctx.recipe_json
+    if recipe is not None and chain.call(chain.chain.published_recipe, epoch) is None:
+        chain.call(chain.chain.publish_recipe, epoch, recipe)
+        log.info("published epoch %d's recipe on chain", epoch)
+
+
+def public_endpoint(cfg: AggregatorConfig, port: int) -> str:
+    if cfg.public_endpoint:
+        return cfg.public_endpoint
+    host = cfg.listen.rpartition(":")[0]
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        raise CliError(
+            f"[aggregator] listen = {cfg.listen!r} binds every interface: set [aggregator] public_endpoint to "
+            "the HOST:PORT hosts and clients should dial (it is announced on chain)"
+        )
+    return f"{host}:{port}"
 
 
 def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:
@@ -132,6 +165,9 @@ def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:
         )
     except (KeyStoreError, RecipeError, ChainError, ValueError) as exc:
         raise CliError(f"{where}: {exc}") from exc
+    if not cfg.scoring:
+        log.warning("[aggregator] scoring = false: every valid update counts and no round is replayed, "
+                    "whatever the epoch's replay probability (for fault tests only)")
     try:
         return RoundEngine(
             ctx,

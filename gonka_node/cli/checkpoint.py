@@ -1,8 +1,8 @@
 """`gonka-node checkpoint list|pull|export|generate`: the client side of trained checkpoints.
 
 `list` reads epochs and round results from the chain. `pull` streams a checkpoint from an
-aggregator's Checkpoints service (TLS, trusting only the certificate `--tls-cert` names: the
-aggregator's `<data_dir>/tls/cert.pem`) into a temporary file next to the target, checks the transfer
+aggregator's Checkpoints service (TLS, trusting only the certificate the aggregator announced on chain,
+or the file `--tls-cert` names; gonka_node/discovery.py) into a temporary file next to the target, checks the transfer
 (length and file sha256 announced by the stream) and then the canonical tensor sha256 against the
 hash the chain records for that round; only a verified file is renamed into place, anything else is
 deleted. `export --format hf` writes a Hugging Face Llama folder and `generate` samples text; both
@@ -36,7 +36,7 @@ import grpc
 
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
-from gonka_node.tls import TlsError, check_peer, load_certificate, pinned_channel
+from gonka_node.tls import TlsError, check_peer, pinned_channel
 
 # A chunk is at most 1 MiB; the default 4 MiB receive limit leaves room for the protobuf framing.
 MESSAGE_LIMIT = 4 << 20
@@ -55,10 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     pull = actions.add_parser("pull", help="download a checkpoint from an aggregator, verified against the chain")
     add_connection_args(pull, need_key=False)
-    pull.add_argument("--aggregator", required=True, metavar="HOST:PORT", help="aggregator gRPC address")
+    pull.add_argument("--aggregator", metavar="HOST:PORT",
+                      help="aggregator gRPC address (default: the first one the epoch's aggregators announced on chain)")
     pull.add_argument(
-        "--tls-cert", type=Path, required=True, metavar="FILE",
-        help="the aggregator's TLS certificate (its <data_dir>/tls/cert.pem): the only one trusted",
+        "--tls-cert", type=Path, metavar="FILE",
+        help="trust this certificate file (an aggregator's <data_dir>/tls/cert.pem) instead of the one the "
+        "aggregator announced on chain",
     )
     pull.add_argument("--epoch", type=int, required=True)
     pull.add_argument("--round", required=True, help="round number (0: the initial checkpoint) or 'latest'")
@@ -185,21 +187,28 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    pin = _pin(args.tls_cert)
+    from gonka_node.discovery import resolve_aggregator
+
     client = open_client(args)
     want = chain_checkpoint(client, args.epoch, args.round)
+    try:
+        found = resolve_aggregator(client, args.epoch, args.aggregator, args.tls_cert)
+    except TlsError as exc:
+        raise CliError(f"--tls-cert {exc}" if args.tls_cert else str(exc)) from None
+    target, pin = found.target, found.tls_cert_pem
     out = args.out or Path(f"epoch-{want.epoch}-round-{want.round}.safetensors")
     if out.exists() and not args.force:
         raise CliError(f"--out {out}: file exists; pass --force to replace it")
     model, where = epoch_model(client, args.epoch, args.recipe)
-    _check_aggregator(args.aggregator, pin, min(args.timeout, 10.0))
+    _check_aggregator(target, pin, min(args.timeout, 10.0))
     with pinned_channel(
-        args.aggregator, pin, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]
+        target, pin, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]
     ) as channel:
         size, note = pull_checkpoint(channel, want, out, timeout_s=args.timeout, max_bytes=args.max_bytes,
                                      model=model, model_source=where)
     print(
-        f"pulled epoch {want.epoch} round {want.round} from {args.aggregator} to {out} ({size:,} bytes)\n"
+        f"pulled epoch {want.epoch} round {want.round} from {target} (certificate from {found.source}) to "
+        f"{out} ({size:,} bytes)\n"
         f"sha256 {want.sha256.hex()} matches chain {want.chain_id} registry {want.registry}\n{note}"
     )
     return 0
@@ -222,13 +231,6 @@ def epoch_model(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any,
     if recipe_file is not None:
         return _recipe_model(recipe_file, epoch, client), f"--recipe {recipe_file}"
     return None, ""
-
-
-def _pin(path: Path) -> bytes:
-    try:
-        return load_certificate(path)
-    except TlsError as exc:
-        raise CliError(f"--tls-cert {exc}") from None
 
 
 def _check_aggregator(target: str, pin: bytes, timeout_s: float) -> None:

@@ -52,7 +52,7 @@ class HostConfig:
     cache_dir: Path | None = None
     log_level: str = "INFO"
     passphrase: str | None = None
-    aggregator_tls_cert: Path | None = None  # the pinned certificate; None: (later) the chain's announcement
+    aggregator_tls_cert: Path | None = None  # the pinned certificate; None: the one announced on chain
 
 
 def load_host_config(path: Path, environ: dict[str, str] | None = None) -> HostConfig:

@@ -9,6 +9,7 @@ server can be told to misbehave (serve another file, lie about it, cut the strea
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -56,6 +57,8 @@ class FileServer(cpb_grpc.CheckpointsServicer):
             path = self.files[other][0]
             if self.mode == "swap-honest":
                 content_sha = self.files[other][1]
+        if self.mode == "rewrite-config":  # the same tensors, another model config in the metadata
+            path = path.with_name(f"rewritten-{path.name}")
         data = path.read_bytes()
         meta = common.FileMeta(
             length=len(data), file_sha256=hashlib.sha256(data).digest(), content_sha256=content_sha,
@@ -91,7 +94,11 @@ class World:
 
 def _checkpoint(path: Path, seed: int, with_config: bool) -> str:
     metadata = {MODEL_CONFIG_KEY: json.dumps(TINY.to_dict())} if with_config else {}
-    return save_checkpoint(path, build_model(TINY, seed).state_dict(), metadata)
+    tensors = build_model(TINY, seed).state_dict()
+    # What a lying server could serve instead: the very tensors, a rewritten config (same hash).
+    lie = dataclasses.replace(TINY, rope_theta=500.0, norm_eps=1e-2)
+    save_checkpoint(path.with_name(f"rewritten-{path.name}"), tensors, {MODEL_CONFIG_KEY: json.dumps(lie.to_dict())})
+    return save_checkpoint(path, tensors, metadata)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +140,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     port = grpc_server.add_secure_port("127.0.0.1:0", server_credentials(identity))
     plain_port = grpc_server.add_insecure_port("127.0.0.1:0")
     grpc_server.start()
+    # What a running aggregator does at start: its endpoint and certificate, and the epoch's recipe.
+    aggregator.announce_aggregator(epoch, f"127.0.0.1:{port}", identity.cert_pem)
+    aggregator.publish_recipe(epoch, recipe.canonical_json())
     yield World(tmp / "deployment.json", f"127.0.0.1:{port}", servicer, files, shas, tmp / "recipe.json",
                 tmp / "cert.pem", identity.sha256.hex(), f"127.0.0.1:{plain_port}")
     grpc_server.stop(0)
@@ -254,6 +264,47 @@ def test_pull_trusts_only_the_pinned_certificate_over_tls(world: World, tmp_path
     code, _, err = run(capsys, *base, "--aggregator", "127.0.0.1:1", "--tls-cert", str(world.cert))
     assert code == 2 and "--aggregator 127.0.0.1:1: cannot connect" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.pem", "other.pem"]  # nothing pulled
+
+
+def test_pull_finds_the_aggregator_and_its_certificate_on_chain(world: World, server, tmp_path, capsys):
+    """No --aggregator, no --tls-cert: the endpoint and the pinned certificate are what the aggregator's
+    account announced on chain."""
+    out_file = tmp_path / "got.safetensors"
+    code, out, err = run(capsys, "pull", *world.chain_args(), "--epoch", "1", "--round", "2", "--out", str(out_file))
+    assert (code, err) == (0, "")
+    assert f"from {world.aggregator} (certificate from the chain (announced by 0x" in out
+    assert out_file.read_bytes() == world.files[2].read_bytes()
+    code, _, err = run(capsys, "pull", *world.chain_args(), "--aggregator", "127.0.0.1:9", "--epoch", "1",
+                       "--round", "2", "--out", str(out_file), "--force")
+    assert code == 2 and err.count("\n") == 1
+    assert f"127.0.0.1:9 is not an endpoint epoch 1's aggregators announced on chain (they announced: {world.aggregator}" in err
+
+
+def test_pull_refuses_a_model_config_the_hash_does_not_cover(world: World, server, tmp_path, capsys):
+    """The tensors are the chain's, the metadata says another model (RoPE theta, norm eps): the chain's
+    hash does not cover metadata, the epoch's recipe on chain does, and they disagree: nothing kept."""
+    server.mode = "rewrite-config"
+    out_file = tmp_path / "got.safetensors"
+    code, out, err = run(capsys, "pull", *world.pull_args(), "--epoch", "1", "--round", "2", "--out", str(out_file))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "the file's tensors match the chain but its metadata 'model_config'" in err
+    assert "rope_theta=500.0" in err and "is not epoch 1's recipe on chain's model" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pulled_metadata_nothing_vouches_for_is_stripped(world: World, tmp_path):
+    """Without a recipe on chain or --recipe, a file's model config is an unverified claim: the pull
+    removes it (the tensors, and so the hash, are untouched)."""
+    from gonka_node.cli.checkpoint import ChainCheckpoint, _settle_metadata
+    from training.checkpoint import load_checkpoint
+
+    path = tmp_path / "x.safetensors"
+    path.write_bytes((world.files[2].parent / f"rewritten-{world.files[2].name}").read_bytes())
+    want = ChainCheckpoint(1, 2, bytes.fromhex(world.shas[2]), 1, "0x")
+    note = _settle_metadata(path, want, None, "")
+    assert "'model_config' was removed: no recipe on chain or --recipe vouches for it" in note
+    loaded = load_checkpoint(path, expected_sha256=world.shas[2])
+    assert MODEL_CONFIG_KEY not in loaded.metadata
 
 
 # ---------------------------------------------------------------------------------------------- export

@@ -97,8 +97,9 @@ def state(server: ServerThread) -> tuple[object, ...]:
     e = server.engine
     r = e.current
     assert r is not None
+    # Evidence of signed garbage is kept on purpose (it is what slashes its signer): not round state.
     files = sorted(str(p.relative_to(e.store.root)) for p in e.store.root.rglob("*") if p.is_file()
-                   and not p.name.startswith("state.sqlite3"))
+                   and not p.name.startswith("state.sqlite3") and p.parent.name != "evidence")
     return (e.store.get_round(r.epoch, r.round), e.store.submissions(r.epoch, r.round), files, e.closing)
 
 

@@ -84,6 +84,7 @@ def world(tmp_path: Path) -> World:
         warmup_steps=3,
         n_rounds=2,
         codec="int8",
+        round_state="fresh",  # the epoch replays hosts (p = 1): its rounds must be replayable
     ).with_data_manifest()
     init_path = tmp_path / "init.safetensors"
     init_sha = initial_checkpoint(recipe, init_path)
@@ -309,6 +310,12 @@ def test_the_host_cli_checks_its_pin_before_anything_else(
         (tmp_path / "host.toml").write_text(config.read_text().replace('tls_cert = "other.pem"\n', ""))
         assert main(["rewards", "--config", str(config)]) == 2
         missing = capsys.readouterr().err
+        assert not (tmp_path / "state").exists()  # stopped before the node was built
+        # The aggregator's account announces its endpoint and certificate: the host needs no file.
+        world.client(AGG).announce_aggregator(world.epoch, target, TLS.cert_pem)
+        assert main(["rewards", "--config", str(config)]) == 0
+        found = capsys.readouterr()
     assert wrong.count("\n") == 1 and f"presents TLS certificate sha256 {TLS.sha256.hex()}" in wrong
-    assert missing.startswith("gonka-node rewards: error: [aggregator] tls_cert is not set")
-    assert not (tmp_path / "state").exists()  # stopped before the node was built
+    assert missing.startswith(f"gonka-node rewards: error: no aggregator of epoch {world.epoch} has announced")
+    assert "give the aggregator's certificate file" in missing and missing.count("\n") == 1
+    assert found.err == ""

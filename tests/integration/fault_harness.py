@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from eth_utils import function_signature_to_4byte_selector
 from stdlib_corpus import write_small_corpus
 
 from chain.backends import EmbeddedBackend
@@ -49,6 +50,11 @@ GNK = 10**9
 AGGREGATOR = 9  # dev account index; hosts are 1..N
 SIGNIN_WINDOW_S = 600
 REPO = Path(__file__).resolve().parents[2]
+# A finalize_round transaction on the wire: the JSON-RPC method and the function's selector in its data
+# (the aggregator also sends seed commitments, reveals and announcements).
+FINALIZE_TX = (b"eth_sendRawTransaction",
+               function_signature_to_4byte_selector("finalize_round(uint256,uint256,bytes32,bytes32,uint32,uint256)")
+               .hex().encode())
 
 
 class TcpProxy:
@@ -63,7 +69,7 @@ class TcpProxy:
         self._conns: list[socket.socket] = []
         self._down = threading.Event()
         self._stopped = False
-        self._trip: bytes | None = None
+        self._trip: tuple[bytes, ...] | None = None
         self.tripped_at: float | None = None
         self.rate: float | None = None  # bytes/s client → server; None: unthrottled
         self.uplink_bytes = 0
@@ -90,9 +96,9 @@ class TcpProxy:
     def restore(self) -> None:
         self._down.clear()
 
-    def cut_after(self, marker: bytes) -> None:
-        """Cut right after forwarding the first client bytes that contain `marker`."""
-        self._trip = marker
+    def cut_after(self, *markers: bytes) -> None:
+        """Cut right after forwarding the first client bytes that contain every one of `markers`."""
+        self._trip = markers
 
     def stop(self) -> None:
         self._stopped = True
@@ -126,7 +132,7 @@ class TcpProxy:
             while data := src.recv(self.chunk):
                 if self._down.is_set():
                     break
-                tripped = uplink and self._trip is not None and self._trip in data
+                tripped = uplink and self._trip is not None and all(m in data for m in self._trip)
                 if tripped:
                     self._down.set()  # before forwarding: the answer must not get back
                     self.tripped_at = time.monotonic()
@@ -344,9 +350,16 @@ class FaultNet:
         return int(row[0]), int(row[1])
 
     def finalize_txs_sent(self) -> int:
-        """Transactions ever mined from the aggregator's account: it sends nothing but finalize_round."""
+        """`finalize_round` transactions ever mined from the aggregator's account (it also commits and
+        reveals round seeds, announces itself and publishes the recipe: those are not counted)."""
+        registry = self.client(0).registry
+        sender = self.accounts[AGGREGATOR].address
         with self.backend.lock:
-            return int(self.backend.connect().eth.get_transaction_count(self.accounts[AGGREGATOR].address))
+            w3 = self.backend.connect()
+            txs = [tx for n in range(int(w3.eth.block_number) + 1)
+                   for tx in w3.eth.get_block(n, full_transactions=True)["transactions"]]
+        return sum(1 for tx in txs if tx["from"] == sender and tx["to"] == registry.address
+                   and registry.decode_function_input(tx.get("input", tx.get("data")))[0].fn_name == "finalize_round")
 
     def update_payload(self, seed: int) -> bytes:
         """A small valid encoded update (what a host would send, without training for it)."""

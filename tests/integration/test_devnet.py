@@ -55,6 +55,8 @@ def test_devnet_runs_an_epoch_and_pays_by_proof(tmp_path: Path) -> None:
     assert "aggregator serving epoch" in agg_log
     # Served over TLS with the identity it made: the log names the certificate, never the key.
     tls = out / "aggregator" / "tls"
-    assert f"TLS certificate sha256 {load_identity(tls).sha256.hex()} ({tls / 'cert.pem'};" in agg_log
+    assert f"TLS certificate sha256 {load_identity(tls).sha256.hex()} ({tls / 'cert.pem'})" in agg_log
+    # ... and announced it on chain, with its endpoint, and published the recipe there.
+    assert "announced 127.0.0.1:" in agg_log and "published epoch 1's recipe on chain" in agg_log
     assert stat.S_IMODE((tls / "key.pem").stat().st_mode) == 0o600 and "PRIVATE KEY" not in agg_log
     assert 'tls_cert = "aggregator/tls/cert.pem"' in (out / "host1.toml").read_text()

@@ -27,7 +27,6 @@ from safetensors.torch import load as load_safetensors
 
 from chain.client import ChainClient
 from gonka_node.devnet import (
-    GNK,
     GOVERNANCE,
     Children,
     DevnetOptions,
@@ -75,7 +74,8 @@ def test_a_killed_host_process_rejoins_and_finishes_the_epoch(tmp_path: Path) ->
         # round 1 then waits for host 2's upload, which only comes after host 1's restart.
         accounts = chain.backend.dev_accounts()
         host2 = ChainClient(chain.backend, accounts[2], sched.deployment).connect()
-        host2.join(sched.epoch, 10 * GNK, load_keys(out / "keys" / "host2", None).node_public_key)
+        stake = host2.get_epoch(sched.epoch).spec.min_stake  # what the stake rule asks of every host
+        host2.join(sched.epoch, stake, load_keys(out / "keys" / "host2", None).node_public_key)
         target = start_aggregator(out, children)
         start_host(out, 1, target, children)
         close_signin(chain, sched, 2, children, out)

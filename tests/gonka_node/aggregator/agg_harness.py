@@ -34,6 +34,7 @@ from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store
 from gonka_node.config import AggregationSettings, RoundSettings
+from gonka_node.slashing import EvidenceLog
 from gonka_node.tls import TlsIdentity, create_identity
 from training.codecs import CodecError, get_codec
 from training.data import Windows
@@ -222,6 +223,7 @@ class Harness:
             ChainView(chain),
             TrainingCheckpoints(),
             SigningKey(b"\x09" * 32),
+            evidence=EvidenceLog(self.tmp / "agg" / "evidence"),
         )
 
     def start_server(self) -> ServerThread:
