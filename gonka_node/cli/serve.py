@@ -1,0 +1,84 @@
+"""`gonka-node serve`: the OpenAI completions API over a chain-verified checkpoint (gonka_node/serve/).
+
+Pulls epoch E's round (or the latest, then follows the chain), verifies it as `checkpoint pull` does,
+and serves it until SIGTERM or Ctrl-C. `--rpc` abbreviates `--rpc-url`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from gonka_node.cli import CliError
+from gonka_node.cli.chain import add_connection_args, chain_errors
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("serve", help="serve a chain-verified checkpoint over the OpenAI completions API")
+    add_connection_args(p, need_key=False)
+    p.add_argument("--epoch", type=int, required=True)
+    p.add_argument("--round", default="latest",
+                   help="round number (0: the initial checkpoint) or 'latest' (default: follow the chain)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: the OS picks one)")
+    p.add_argument("--recipe", type=Path, help="the epoch's recipe file, when the chain publishes none")
+    p.add_argument("--aggregator", metavar="HOST:PORT", help="pull from this aggregator (default: from the chain)")
+    p.add_argument("--tls-cert", type=Path, metavar="FILE", help="trust this aggregator certificate file")
+    p.add_argument("--cache-dir", type=Path, help="keep verified checkpoints here (default: a temporary folder)")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (default 32)")
+    p.add_argument("--max-waiting", type=int, default=64, help="sequences queued beyond that; more get 429")
+    p.add_argument("--max-prompt-bytes", type=int, default=8192, help="longest prompt (default 8192)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a completion may take (default 120)")
+    p.add_argument("--keep-rounds", type=int, default=2, help="rounds served at once when following (default 2)")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between chain polls when following")
+    p.set_defaults(func=chain_errors(_serve))
+
+
+def _settings(args: argparse.Namespace) -> object:
+    from gonka_node.serve.protocol import Limits
+    from gonka_node.serve.server import ServeSettings
+
+    try:
+        limits = Limits(max_prompt_bytes=args.max_prompt_bytes, max_tokens=args.max_tokens)
+        return ServeSettings(
+            max_batch=args.max_batch, max_waiting=args.max_waiting, limits=limits,
+            request_timeout_s=args.timeout, keep_rounds=args.keep_rounds, poll_s=args.poll, device=args.device,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gonka_node.serve.server import ListenError, start_model_server
+
+    if args.round != "latest" and not args.round.isdigit():
+        raise CliError(f"--round {args.round!r}: give a round number or 'latest'")
+    settings = _settings(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        handle = start_model_server(
+            args.rpc_url, args.deployment, args.epoch, args.port, round_=args.round, host=args.host,
+            recipe=args.recipe, aggregator=args.aggregator, tls_cert=args.tls_cert, cache_dir=args.cache_dir,
+            settings=settings,  # type: ignore[arg-type]
+        )
+    except ListenError as exc:
+        raise CliError(f"--host/--port: {exc}") from None
+    for served in handle.served():
+        print(f"serving {served.id}: checkpoint sha256 {served.provenance.sha256} verified against chain "
+              f"{served.provenance.chain_id} registry {served.provenance.registry}")
+    following = " (following the chain's newest round)" if args.round == "latest" else ""
+    print(f"model: {handle.url}{following}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.stop()
+    return 0
