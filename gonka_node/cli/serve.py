@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors
+
+if TYPE_CHECKING:
+    from gonka_node.serve.server import ServeSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -29,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tls-cert", type=Path, metavar="FILE", help="trust this aggregator certificate file")
     p.add_argument("--cache-dir", type=Path, help="keep verified checkpoints here (default: a temporary folder)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is fastest for tiny models)")
     p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (default 32)")
     p.add_argument("--max-waiting", type=int, default=64, help="sequences queued beyond that; more get 429")
     p.add_argument("--max-prompt-bytes", type=int, default=8192, help="longest prompt (default 8192)")
@@ -39,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=chain_errors(_serve))
 
 
-def _settings(args: argparse.Namespace) -> object:
+def _settings(args: argparse.Namespace) -> ServeSettings:
     from gonka_node.serve.protocol import Limits
     from gonka_node.serve.server import ServeSettings
 
@@ -53,18 +59,42 @@ def _settings(args: argparse.Namespace) -> object:
         raise CliError(str(exc)) from None
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from gonka_node.serve.server import ListenError, start_model_server
+def _serve_log() -> logging.Handler:
+    """The server's own lines (a newly served round, a pull that failed and will be retried) on stderr,
+    while this verb runs."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logger = logging.getLogger("gonka_node.serve")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler
 
+
+def _serve(args: argparse.Namespace) -> int:
     if args.round != "latest" and not args.round.isdigit():
         raise CliError(f"--round {args.round!r}: give a round number or 'latest'")
     settings = _settings(args)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CliError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    handler = _serve_log()
+    try:
+        return _run(args, settings)
+    finally:
+        logging.getLogger("gonka_node.serve").removeHandler(handler)
+
+
+def _run(args: argparse.Namespace, settings: ServeSettings) -> int:
+    from gonka_node.serve.server import ListenError, start_model_server
+
     try:
         handle = start_model_server(
             args.rpc_url, args.deployment, args.epoch, args.port, round_=args.round, host=args.host,
             recipe=args.recipe, aggregator=args.aggregator, tls_cert=args.tls_cert, cache_dir=args.cache_dir,
-            settings=settings,  # type: ignore[arg-type]
+            settings=settings,
         )
     except ListenError as exc:
         raise CliError(f"--host/--port: {exc}") from None

@@ -148,23 +148,39 @@ def start_model_server(
     source = CheckpointSource(deployment, epoch, cache_dir or Path(temporary.name),  # type: ignore[union-attr]
                               rpc_url, recipe, aggregator, tls_cert)
     device = settings.resolved_device()
-    registry = ModelRegistry(settings.keep_rounds)
     try:
         client = open_chain(source)
-        serve_model(registry, load_round(client, source, round_, device), settings)
+        handle = serve_verified(load_round(client, source, round_, device), port, host=host, settings=settings)
+    except BaseException:
+        if temporary is not None:
+            temporary.cleanup()
+        raise
+    handle._cache = temporary
+    if round_ == ROUND_LATEST:
+        registry = handle.registry
+        handle._follower = ChainFollower(
+            client, source, registry, lambda m: _log_added(serve_model(registry, m, settings)), device=device,
+            poll_s=settings.poll_s,
+        ).start()
+    return handle
+
+
+def serve_verified(
+    loaded: VerifiedModel, port: int = 0, *, host: str = "127.0.0.1", settings: ServeSettings | None = None,
+) -> ModelServerHandle:
+    """Serve a model the caller has verified (its provenance is what responses will claim): the part of
+    `start_model_server` after the chain, for callers that load weights themselves (the benchmark)."""
+    settings = settings or ServeSettings()
+    registry = ModelRegistry(settings.keep_rounds)
+    try:
+        serve_model(registry, loaded, settings)
         http = HttpThread(registry, settings, host, port)
         bound = http.start()
     except BaseException:
         registry.stop()
-        if temporary is not None:
-            temporary.cleanup()
         raise
-    follower = None
-    if round_ == ROUND_LATEST:
-        follower = ChainFollower(client, source, registry, lambda m: _log_added(serve_model(registry, m, settings)),
-                                 device=device, poll_s=settings.poll_s).start()
     shown = f"[{host}]" if ":" in host else host
-    return ModelServerHandle(f"http://{shown}:{bound}/v1", bound, registry, http, follower, temporary)
+    return ModelServerHandle(f"http://{shown}:{bound}/v1", bound, registry, http, None, None)
 
 
 def _log_added(served: ServedModel) -> None:
