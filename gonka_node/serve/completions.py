@@ -200,6 +200,8 @@ async def _stream(request: web.Request, completion: Completion, timeout_s: float
     except ApiError as exc:  # the status line is sent: the error goes in the stream, as OpenAI does
         await _send(response, {**exc.body(), "gonka": completion.served.provenance.field()})
         return response
+    except ConnectionResetError:  # the client left; `respond` cancels its sequences
+        return response
     if completion.request.include_usage:
         await _send(response, {**completion.body([], usage=False), "usage": completion.usage()})
     await response.write(b"data: [DONE]\n\n")

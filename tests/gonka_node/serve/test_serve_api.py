@@ -26,7 +26,7 @@ from gonka_node.cli.checkpoint import terminal_safe
 from gonka_node.serve.server import ModelServerHandle
 
 MODEL = "gonka-epoch-1-round-2"
-LONG = {"prompt": "while True:", "temperature": 0, "max_tokens": 400}  # greedy: runs to max_tokens here
+LONG = {"prompt": "while True:", "temperature": 0, "max_tokens": 200}  # greedy: runs to max_tokens here
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +235,35 @@ def test_a_completion_past_the_timeout_is_cancelled(world: ServeWorld, tmp_path:
         while engine.load() != (0, 0) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.load() == (0, 0)  # its sequence left the batch at the engine's next step
+        assert engine.steps < LONG["max_tokens"]  # one token per step: it never finished
         steps = engine.steps
         time.sleep(0.1)
         assert engine.steps == steps  # and nothing runs any more
     finally:
         slow.stop()
+
+
+async def _leave_midway(url: str) -> None:
+    """Start a long stream, read its first chunk, hang up."""
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, **LONG, "stream": True}
+        async with session.post(url + "/completions", json=body) as response:
+            assert response.status == 200
+            first = await response.content.readuntil(b"\n\n")
+            assert first.startswith(b"data: {")
+
+
+def test_a_client_that_hangs_up_frees_its_slot(world: ServeWorld, tmp_path: Path):
+    handle = serve(world, tmp_path, round_="2", max_batch=1, max_waiting=1)
+    try:
+        engine = handle.served()[0].engine
+        asyncio.run(_leave_midway(handle.url))
+        deadline = time.monotonic() + 10.0
+        while engine.load() != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.load() == (0, 0)
+        assert engine.steps < LONG["max_tokens"]  # one token per step: it left before it could finish
+        client = openai.OpenAI(base_url=handle.url, api_key="unused", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="a", max_tokens=3).choices[0].finish_reason
+    finally:
+        handle.stop()
