@@ -111,7 +111,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server (and of transformers)")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--requests", type=int, default=4, help="requests per client per run (1 client: 4x this)")
+    parser.add_argument("--requests", type=int, default=8, help="requests per client per run (1 client: 4x this)")
     parser.add_argument("--max-batch", type=int, default=32)
     args = parser.parse_args()
 

@@ -9,6 +9,7 @@ its class, and is logged here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -67,7 +68,7 @@ async def _model(request: web.Request) -> web.Response:
 async def _completions(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     parsed = parse_completion(await _json_body(request), settings.limits)
-    completion = Completion(parsed, request.app[REGISTRY])
+    completion = Completion(parsed, asyncio.get_running_loop()).submit(request.app[REGISTRY])
     return await respond(request, completion, settings.request_timeout_s)
 
 

@@ -85,7 +85,9 @@ class _Rows:
         values up to the batch's span (B, kv_heads, span, head_dim)."""
         self.keys[self.slots, :, self.positions] = k[:, :, 0]
         self.values[self.slots, :, self.positions] = v[:, :, 0]
-        return self.keys[self.slots, :, : self.span], self.values[self.slots, :, : self.span]
+        # narrow, then gather whole slots: a copy of only the span, faster than one advanced index
+        return (self.keys.narrow(2, 0, self.span).index_select(0, self.slots),
+                self.values.narrow(2, 0, self.span).index_select(0, self.slots))
 
 
 def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: _Rows) -> torch.Tensor:

@@ -92,12 +92,11 @@ class ChoiceSink:
 
 
 class Completion:
-    """One request in flight: its sequences, on the model that answers it."""
+    """One request in flight: its sequences, and (once submitted) the model that answers it."""
 
-    def __init__(self, request: CompletionRequest, registry: ModelRegistry) -> None:
+    def __init__(self, request: CompletionRequest, loop: asyncio.AbstractEventLoop) -> None:
         self.request = request
         self.queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         self.sequences = [
             Sequence(
                 [DOCUMENT_SEPARATOR, *prompt], request.max_tokens,
@@ -107,9 +106,20 @@ class Completion:
             )
             for i, prompt in enumerate(request.prompts) for j in range(request.n)
         ]
-        self.served: ServedModel = registry.submit(request.model, self.sequences)
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._served: ServedModel | None = None
+
+    def submit(self, registry: ModelRegistry) -> Completion:
+        """Queue every choice on the model the request names (ModelNotFound, QueueFull)."""
+        self._served = registry.submit(self.request.model, self.sequences)
+        return self
+
+    @property
+    def served(self) -> ServedModel:
+        if self._served is None:
+            raise RuntimeError("the completion was not submitted")
+        return self._served
 
     async def events(self, timeout_s: float) -> AsyncIterator[ChoiceEvent]:
         """Every event until all choices have finished; GenerationTimeout past `timeout_s`."""

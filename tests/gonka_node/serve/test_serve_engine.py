@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
+from gonka_node.serve.batching import SlotCache, decode, prefill
 from gonka_node.serve.engine import BatchEngine, EngineStopped, Saturated, Sequence
 from gonka_node.serve.sampling import SamplingParams, nucleus, pick
-from training.generate import SamplingConfig, generate_tokens
+from training.generate import KVCache, SamplingConfig, forward_cached, generate_tokens
 from training.model import ModelConfig, build_model
 
 TINY = ModelConfig.preset("tiny")  # max_seq_len 64: longer sequences slide their window
@@ -156,3 +157,20 @@ def test_nucleus_keeps_the_smallest_set_reaching_p():
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, top_p=0.3)
     assert {pick(logits, params, params.config(), generator) for _ in range(20)} == {1}
+
+
+def test_one_sequence_decodes_bit_for_bit_as_the_unbatched_generator(model, one_thread):
+    """Alone, a decode step is `forward_cached`'s, to the bit; beside others of other lengths (a mask,
+    other rows in the products) it is equal up to float rounding."""
+    prompts = {0: [0, 1, 2, 3], 1: [0, *range(5, 25)], 2: [0, 4]}
+    cache, alone = SlotCache(model, 3), {}
+    for slot, tokens in prompts.items():
+        prefill(model, cache, [slot], [tokens])
+        unbatched = KVCache(TINY.n_layers)
+        forward_cached(model, torch.tensor([tokens]), unbatched)
+        alone[slot] = forward_cached(model, torch.tensor([[42]]), unbatched)[0, -1]
+    single = decode(model, cache, [1], [len(prompts[1])], [42])[0]
+    assert torch.equal(single, alone[1])
+    batched = decode(model, cache, [0, 1, 2], [len(p) for p in prompts.values()], [42, 42, 42])
+    for row, slot in enumerate(prompts):
+        torch.testing.assert_close(batched[row], alone[slot], rtol=0, atol=1e-5)
