@@ -1,7 +1,7 @@
 """`gonka-node serve`: the OpenAI completions API over a chain-verified checkpoint (gonka_node/serve/).
 
 Pulls epoch E's round (or the latest, then follows the chain), verifies it as `checkpoint pull` does,
-and serves it until SIGTERM or Ctrl-C. `--rpc` abbreviates `--rpc-url`.
+and serves it until SIGTERM or Ctrl-C. `--rpc` and `--rpc-url` are the same option.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gonka_node.cli import CliError
-from gonka_node.cli.chain import add_connection_args, chain_errors
+from gonka_node.cli.chain import DEFAULT_DEPLOYMENT, chain_errors
 
 if TYPE_CHECKING:
     from gonka_node.serve.server import ServeSettings
@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser("serve", help="serve a chain-verified checkpoint over the OpenAI completions API")
-    add_connection_args(p, need_key=False)
+    p.add_argument("--rpc", "--rpc-url", dest="rpc_url", metavar="URL",
+                   help="JSON-RPC URL of the chain (default: the one saved in the deployment file)")
+    p.add_argument("--deployment", type=Path, default=DEFAULT_DEPLOYMENT,
+                   help="deployment file (default deployment.json)")
     p.add_argument("--epoch", type=int, required=True)
     p.add_argument("--round", default="latest",
                    help="round number (0: the initial checkpoint) or 'latest' (default: follow the chain)")
@@ -88,6 +91,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, settings: ServeSettings) -> int:
+    stop = threading.Event()
+    # Before the URL is printed: whoever reads it may send SIGTERM at once.
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        return _serve_until(args, settings, stop)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve_until(args: argparse.Namespace, settings: ServeSettings, stop: threading.Event) -> int:
     from gonka_node.serve.server import ListenError, start_model_server
 
     try:
@@ -103,8 +116,6 @@ def _run(args: argparse.Namespace, settings: ServeSettings) -> int:
               f"{served.provenance.chain_id} registry {served.provenance.registry}")
     following = " (following the chain's newest round)" if args.round == "latest" else ""
     print(f"model: {handle.url}{following}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         stop.wait()
     except KeyboardInterrupt:

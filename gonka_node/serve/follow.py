@@ -106,6 +106,8 @@ def _pull(client: Any, source: CheckpointSource, want: ChainCheckpoint, out: Pat
         check_peer(found.target, found.tls_cert_pem, min(source.pull_timeout_s, 10.0))
     except TlsError as exc:
         raise CliError(str(exc)) from None
+    except ValueError as exc:  # an address that is not HOST:PORT
+        raise CliError(f"aggregator {exc}") from None
     except OSError as exc:
         raise CliError(f"aggregator: cannot connect ({exc.strerror or exc})") from None
     options = [("grpc.max_receive_message_length", MESSAGE_LIMIT)]

@@ -93,11 +93,15 @@ class HttpThread:
 
     async def _listen(self) -> int:
         # handler_cancellation: a client that hangs up cancels its handler, which frees its batch slots.
-        self._runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
-        return int(self._runner.addresses[0][1])
+        runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self._host, self._port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        return int(runner.addresses[0][1])
 
     def stop(self) -> None:
         if self._runner is not None and self._thread.is_alive():
