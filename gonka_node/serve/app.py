@@ -115,6 +115,8 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
 def _error_response(request: web.Request, exc: ApiError) -> web.Response:
     body = exc.body()
     newest = request.app[REGISTRY].newest()
-    if newest is not None:
-        body["gonka"] = newest.provenance.field()
-    return web.json_response(body, status=exc.status)
+    provenance = exc.provenance or (newest.provenance if newest is not None else None)
+    if provenance is None:
+        return web.json_response(body, status=exc.status)
+    body["gonka"] = provenance.field()
+    return web.json_response(body, status=exc.status, headers=provenance.headers())

@@ -181,6 +181,9 @@ async def respond(request: web.Request, completion: Completion, timeout_s: float
         if completion.request.stream:
             return await _stream(request, completion, timeout_s)
         return await _whole(completion, timeout_s)
+    except ApiError as exc:
+        exc.provenance = completion.served.provenance  # the error names the round that was answering
+        raise
     finally:
         completion.cancel()  # a client gone, a timeout: free the batch slots now
 

@@ -21,6 +21,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.provenance: Any = None  # models.Provenance of the round that was answering, if one was
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -228,8 +228,9 @@ def test_a_full_queue_answers_429(world: ServeWorld, client: openai.OpenAI, tmp_
 def test_a_completion_past_the_timeout_is_cancelled(world: ServeWorld, tmp_path: Path):
     slow = serve(world, tmp_path, round_="2", request_timeout_s=0.05)
     try:
-        status, answer, _ = post(slow.url + "/completions", json.dumps({"model": MODEL, **LONG}).encode())
+        status, answer, headers = post(slow.url + "/completions", json.dumps({"model": MODEL, **LONG}).encode())
         assert (status, answer["error"]["code"]) == (504, "timeout")
+        assert answer["gonka"]["round"] == 2 and headers["X-Gonka-Checkpoint-Sha256"] == world.shas[2]
         engine = slow.served()[0].engine
         deadline = time.monotonic() + 5.0
         while engine.load() != (0, 0) and time.monotonic() < deadline:
