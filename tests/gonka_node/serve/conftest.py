@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from serve_world import ServeWorld, build_world
+from serve_world import ServeWorld, build_world, serve
 
-from gonka_node.serve.server import ModelServerHandle, ServeSettings, start_model_server
+from gonka_node.serve.server import ModelServerHandle
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,14 +26,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeWorld]:
     world = build_world(tmp_path_factory.mktemp("serve-world"))
     yield world
     world.close()
-
-
-def serve(world: ServeWorld, cache: Path, round_: str = "latest", **settings: object) -> ModelServerHandle:
-    """A model server on 127.0.0.1 port 0 for `world`'s epoch, found through the chain."""
-    return start_model_server(
-        None, world.deployment, world.epoch, 0, round_=round_, cache_dir=cache,
-        settings=ServeSettings(device="cpu", **settings),  # type: ignore[arg-type]
-    )
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from chain.seed import new_secret, seed_commitment
 from chain.server import ChainServer
 from chain.types import EpochSpec
 from gonka_node.recipe import Recipe
+from gonka_node.serve.server import ModelServerHandle, ServeSettings, start_model_server
 from gonka_node.tls import create_identity, server_credentials
 from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
 from proto.gonka.v1 import common_pb2 as common
@@ -123,3 +124,11 @@ def build_world(root: Path, rounds: int = 2, n_rounds: int = 6) -> ServeWorld:
     for round_ in range(1, rounds + 1):
         world.finalize(round_)
     return world
+
+
+def serve(world: ServeWorld, cache: Path, round_: str = "latest", **settings: Any) -> ModelServerHandle:
+    """A model server on 127.0.0.1 port 0 for `world`'s epoch, found through the chain."""
+    return start_model_server(
+        None, world.deployment, world.epoch, 0, round_=round_, cache_dir=cache,
+        settings=ServeSettings(device="cpu", **settings),
+    )

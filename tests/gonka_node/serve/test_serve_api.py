@@ -14,9 +14,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from conftest import serve
 from eth_account import Account
-from serve_world import ServeWorld
+from serve_world import ServeWorld, serve
 
 from chain.backends import RpcBackend
 from chain.client import ChainClient

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import serve
-from serve_world import ServeWorld
+from serve_world import ServeWorld, serve
 
 
 @dataclass
