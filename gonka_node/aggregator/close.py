@@ -106,7 +106,7 @@ def departed(c: Closing) -> Mapping[bytes, str]:
 
 def mixtures(c: Closing) -> Mapping[bytes, str]:
     found = find_mixtures(c.submissions, c.public, c.aggregation.mix_residual)
-    return {h: why for h, why in found.items() if h not in c.excluded}
+    return {h: why for h, why in found.items() if h not in c.excluded and h not in c.replayed}
 
 
 def replays(c: Closing) -> Mapping[bytes, str]:
@@ -134,13 +134,15 @@ def replays(c: Closing) -> Mapping[bytes, str]:
 
 
 def dissent(c: Closing) -> Mapping[bytes, str]:
-    return find_dissenters(c.submissions, c.excluded, c.aggregation.consensus_fraction)
+    found = find_dissenters(c.submissions, c.excluded, c.aggregation.consensus_fraction)
+    return {h: why for h, why in found.items() if h not in c.replayed}
 
 
 # In this order: each later check sees only what the earlier ones left. A replay mismatch is proof
-# (slashable) while mixtures and dissent are statistics, so a picked host is judged by its replay first
-# (a mix or a reused aggregate that is picked is slashed, not merely excluded), and the dissent
-# reference is a median over updates already known to be the hosts' own work.
+# (slashable) while mixtures, dissent and the score are statistics, so a picked host is judged by its
+# replay first (a mix or a reused aggregate that is picked is slashed, not merely excluded), and a host
+# whose replay passed is not excluded by a statistic afterwards: it did exactly the training the recipe
+# prescribes. The dissent reference is a median over updates already known to be the hosts' own work.
 CHECKS: tuple[Check, ...] = (copies, resubmissions, departed, replays, mixtures, dissent)
 
 
@@ -172,7 +174,7 @@ def compute_outcome(
     scores = _scores(c)
     c.exclude({
         s.host: f"score {scores[s.host]:+.5f} at or below {aggregation.min_score}: not aggregated"
-        for s in c.live() if scores[s.host] <= aggregation.min_score
+        for s in c.live() if scores[s.host] <= aggregation.min_score and s.host not in c.replayed
     })
     eligible = c.live()
     rule = aggregation.rule_for(epoch)
