@@ -74,7 +74,7 @@ def bytes_chart(per_host: Mapping[str, int], allreduce: int | None) -> Markup:
     bars = [(short(h), n, "bar") for h, n in per_host.items()]
     if allreduce:
         bars.append(("all-reduce", allreduce, "bar baseline"))
-    top = math.log10(max(n for _, n, _ in bars) * 10)
+    top = math.log10(max(1, *(n for _, n, _ in bars)) * 10)
     row_h, label_w = 26, 110
     height = row_h * len(bars) + 8
 

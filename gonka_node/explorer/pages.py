@@ -337,5 +337,5 @@ def host_page(h: Mapping[str, Any]) -> Markup:
     ])
 
 
-def error_page(message: str) -> Markup:
-    return join([el("h1", "Not found"), el("p", message)])
+def error_page(title: str, message: str) -> Markup:
+    return join([el("h1", title), el("p", message)])

@@ -79,7 +79,8 @@ def _address(request: web.Request) -> str:
 def _error(request: web.Request, status: int, message: str) -> web.Response:
     if request.path.startswith("/api/"):
         return web.json_response({"error": message}, status=status)
-    return web.Response(text=str(pages.layout("Not found", pages.error_page(message), "", {})), status=status,
+    title = "Not found" if status == 404 else "Cannot show this"
+    return web.Response(text=str(pages.layout(title, pages.error_page(title, message), "", {})), status=status,
                         content_type="text/html")
 
 
