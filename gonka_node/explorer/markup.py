@@ -12,7 +12,6 @@ import html
 from collections.abc import Iterable
 
 VOID = frozenset({"br", "hr", "img", "link", "meta", "input", "circle", "line", "rect", "path", "polyline"})
-SAFE_SCHEMES = ("/", "#", "https://", "http://")
 
 
 class Markup(str):
@@ -37,12 +36,17 @@ def _children(children: Iterable[object]) -> Iterable[Markup]:
             yield from _children(child)  # type: ignore[arg-type]
 
 
+def _safe_url(url: str) -> bool:
+    """A path on this server or a fragment: the pages link nowhere else."""
+    return (url.startswith("/") and not url.startswith("//") and "\\" not in url) or url.startswith("#")
+
+
 def _attr(name: str, value: object) -> str:
     key = name.rstrip("_").replace("_", "-")
     if value is True:
         return f" {key}"
-    if key in ("href", "src") and not str(value).startswith(SAFE_SCHEMES):
-        value = "#"  # never a javascript: or data: URL built from untrusted input
+    if key in ("href", "src") and not _safe_url(str(value)):
+        value = "#"  # never a javascript:/data: URL, nor another host's, built from untrusted input
     return f' {key}="{escape(value)}"'
 
 
