@@ -39,6 +39,7 @@ from gonka_node.config import AggregationSettings
 from training.checkpoint import atomic_write, fsync_path
 from training.diloco import OuterOptimizer
 from training.hf_export import MODEL_CONFIG_KEY
+from training.inner import evaluate
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.rounds import CheckpointIO, EpochContext
@@ -55,6 +56,7 @@ class RoundOutcome:
     rule: str
     contributions: list[ContributionRow]
     aggregated: int
+    heldout: tuple[float, float] | None = None  # held-out loss before and after the outer step
 
 
 @dataclass
@@ -212,6 +214,7 @@ def compute_outcome(
         outer.state_dict()["momentum_buffer"],
         {"steps": str(outer.steps)},
     )
+    heldout = heldout_losses(c, params)
     rewards = equal_shares(ctx.reward_per_round, [s.host for s in eligible])
     rows = [
         ContributionRow(
@@ -220,7 +223,26 @@ def compute_outcome(
         for s in submissions
     ]
     root = _rewards_root(ctx, epoch, round_, rewards)
-    return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible))
+    return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible), heldout)
+
+
+def heldout_losses(c: Closing, params: Mapping[str, Tensor]) -> tuple[float, float] | None:
+    """The round's held-out loss (mean cross-entropy per token) of its base model and of its new
+    checkpoint, on the held-out windows the round was scored on: what clients chart as the loss curve.
+    Two forward passes over those windows, against the scoring's one per update. None when the epoch
+    is not scored (no model or data to measure with)."""
+    if c.ctx.model_factory is None or c.ctx.scoring is None:
+        return None
+    batch = c.ctx.scoring.heldout(c.round_row.round, c.round_row.base_sha256)
+    model = c.ctx.model_factory()
+    return _loss(model, c.base, batch), _loss(model, params, batch)
+
+
+@torch.no_grad()
+def _loss(model: torch.nn.Module, params: Mapping[str, Tensor], batch: tuple[Tensor, Tensor]) -> float:
+    for name, p in model.named_parameters():
+        p.copy_(params[name])
+    return evaluate(model, [batch], autocast="off")  # type: ignore[arg-type]
 
 
 def public_tensors(store: Store, epoch: int, round_: int, base: Mapping[str, Tensor]) -> list[Labelled]:
