@@ -89,10 +89,7 @@ class Score:
     def reasons(self) -> list[str]:
         if self.rule == "heldout_gain":
             gap = self.gain_assigned - self.gain_heldout
-            why = [
-                f"score {self.score:+.5f} = gain on held-out {self.gain_heldout:+.5f} − "
-                f"{CONFIDENCE_Z:g}×stderr {self.stderr:.5f}"
-            ]
+            why = [f"score {self.score:+.5f} = mean gain on held-out (stderr {self.stderr:.5f})"]
             if self.vetoed:
                 why.append(
                     f"fits held-out data better than its assignment (gap {gap:+.5f}, stderr "
@@ -150,9 +147,11 @@ class Scorer:
             p.copy_(base if delta is None else base - delta[name].to(base.dtype))
 
     def score(self, delta: Mapping[str, Tensor], assigned: Batch, veto: bool = True) -> Score:
-        """Per-window gains on both sets, and the rule's lower confidence bound (CONFIDENCE_Z standard
-        errors below the mean), so an apparent advantage within window-to-window variation scores ≤ 0.
-        `veto`: apply heldout_gain's veto (off once a replay has proved what the host trained on)."""
+        """Per-window gains on both sets. heldout_gain: the mean held-out gain (an update that makes unseen
+        text worse scores below zero), vetoed to at most 0 when the update fits held-out windows
+        significantly (CONFIDENCE_Z standard errors) better than its own assignment; `veto` False skips
+        that (a replay has proved what the host trained on). assignment_gap: the lower confidence bound
+        of gain(assignment) − gain(held-out)."""
         self._load(None)
         before_a = self._losses(assigned)
         self._load(delta)
@@ -163,7 +162,7 @@ class Scorer:
         if self.rule == "assignment_gap":
             return Score(mean_a - mean_h - CONFIDENCE_Z * gap_se, mean_a, mean_h, gap_se, self.rule, gap_se)
         se_h = math.sqrt(_var_of_mean(gain_h))
-        score = mean_h - CONFIDENCE_Z * se_h
+        score = mean_h  # a gate, not a weight (pay is equal): what the update does to unseen text
         vetoed = veto and mean_a - mean_h < -CONFIDENCE_Z * gap_se
         if vetoed:
             score = min(score, 0.0)
