@@ -51,6 +51,9 @@ class ServeSettings:
         for name in ("request_timeout_s", "poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_waiting < self.limits.max_choices:  # such a request could never be queued: 429 forever
+            raise ValueError(f"max_waiting ({self.max_waiting}) must be >= the completions one request may "
+                             f"ask for ({self.limits.max_choices})")
 
     def http(self) -> HttpSettings:
         return HttpSettings(self.limits, self.max_body_bytes, self.request_timeout_s)

@@ -22,6 +22,7 @@ from chain.client import ChainClient
 from chain.types import Deployment
 from gonka_node.cli import main
 from gonka_node.cli.checkpoint import terminal_safe
+from gonka_node.serve.protocol import Limits
 from gonka_node.serve.server import ModelServerHandle
 from training.generate import SamplingConfig, generate_tokens
 from training.model import build_model
@@ -215,7 +216,7 @@ async def _flood(url: str, count: int) -> list[tuple[int, dict[str, Any]]]:
 
 def test_a_full_queue_answers_429(world: ServeWorld, client: openai.OpenAI, tmp_path: Path):
     assert client.completions.create(model=MODEL, **LONG).choices[0].finish_reason == "length"
-    small = serve(world, tmp_path, round_="2", max_batch=1, max_waiting=1)
+    small = serve(world, tmp_path, round_="2", max_batch=1, max_waiting=1, limits=Limits(max_choices=1))
     try:
         results = asyncio.run(_flood(small.url, 8))
     finally:
@@ -258,7 +259,7 @@ async def _leave_midway(url: str) -> None:
 
 
 def test_a_client_that_hangs_up_frees_its_slot(world: ServeWorld, tmp_path: Path):
-    handle = serve(world, tmp_path, round_="2", max_batch=1, max_waiting=1)
+    handle = serve(world, tmp_path, round_="2", max_batch=1, max_waiting=1, limits=Limits(max_choices=1))
     try:
         engine = handle.served()[0].engine
         asyncio.run(_leave_midway(handle.url))
