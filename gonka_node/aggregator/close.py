@@ -30,6 +30,7 @@ from gonka_node.aggregator.checks import (
     find_dissenters,
     find_mixtures,
     find_resubmissions,
+    mixture_residuals,
 )
 from gonka_node.aggregator.replay import chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer
@@ -107,7 +108,11 @@ def departed(c: Closing) -> Mapping[bytes, str]:
 
 
 def mixtures(c: Closing) -> Mapping[bytes, str]:
-    found = find_mixtures(c.submissions, c.public, c.aggregation.mix_residual)
+    residuals = mixture_residuals(c.submissions, c.public)
+    found = find_mixtures(c.submissions, c.public, c.aggregation.mix_residual, residuals)
+    for host, (whole, _) in residuals.items():
+        if host not in found and host not in c.excluded:  # how far above the bar: the honest margin
+            c.reasons[host].append(f"mix check: sketch residual {whole:.4f} (bar {c.aggregation.mix_residual:g})")
     return {h: why for h, why in found.items() if h not in c.excluded and h not in c.replayed}
 
 
