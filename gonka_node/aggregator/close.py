@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PUBLIC_ROUNDS = 16  # earlier aggregates in the mixture check's public span
+MIN_SCORE_STEP = 0.05  # the smallest fraction of an update a held-out score applies (score_step)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Closing:
     reasons: dict[bytes, list[str]] = field(default_factory=dict)
     excluded: set[bytes] = field(default_factory=set)
     replayed: set[bytes] = field(default_factory=set)  # hosts whose round the replay reproduced
+    vetoed: set[bytes] = field(default_factory=set)  # hosts fitting held-out data better than their windows
 
     def __post_init__(self) -> None:
         self.reasons = {s.host: [] for s in self.submissions}
@@ -178,11 +180,9 @@ def compute_outcome(
     c = Closing(ctx, round_row, seed, submissions, earlier or [], slots, base, public, decode, aggregation)
     for check in CHECKS:
         c.exclude(check(c))
+    consensus_checked = len(c.live()) >= 4 and aggregation.consensus_fraction > 0  # dissent could run
     scores = _scores(c)
-    c.exclude({
-        s.host: f"score {scores[s.host]:+.5f} at or below {aggregation.min_score}: not aggregated"
-        for s in c.live() if scores[s.host] <= aggregation.min_score and s.host not in c.replayed
-    })
+    c.exclude(gate(c, scores, consensus_checked))
     eligible = c.live()
     rule = aggregation.rule_for(epoch)
     if not eligible:
@@ -269,8 +269,11 @@ def _sketch_path(store: Store, epoch: int, round_: int) -> Path:
 def _scores(c: Closing) -> dict[bytes, float]:
     """Each live update's score, taken on the update as the aggregate will use it: clipped to the round's
     median update norm (clip_median), so sending 3·Δ scores no better than Δ (and pay does not follow the
-    score anyway: `equal_shares`). A host whose round the replay reproduced is not vetoed for fitting
-    held-out data better than its assignment: the replay proved what it trained on."""
+    score anyway: `equal_shares`). The held-out rule takes it at the update's share of the outer step
+    (`score_step`): whether it points downhill on unseen text, not whether one host's local model, a
+    full step away, overshoots (honest fresh-round updates often do alone, and help in the average). A
+    host whose round the replay reproduced is not vetoed for fitting held-out data better than its
+    assignment: the replay proved what it trained on."""
     if c.ctx.model_factory is None or c.ctx.scoring is None:
         for s in c.submissions:
             c.reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
@@ -282,14 +285,42 @@ def _scores(c: Closing) -> dict[bytes, float]:
     heldout = c.ctx.scoring.heldout(c.round_row.round, c.round_row.base_sha256)
     scorer = Scorer(c.ctx.model_factory(), c.base, heldout, c.aggregation.score_rule)
     tau = float(statistics.median(s.norm for s in live))
+    step = score_step(c.ctx.outer_lr, len(live)) if c.aggregation.score_rule == "heldout_gain" else 1.0
     for s in live:
         assigned = c.ctx.scoring.assigned(c.round_row.round, c.slots[s.host])
-        factor = torch.tensor(min(1.0, tau / s.norm) if s.norm > 0 else 0.0, dtype=torch.float32)
+        clip = min(1.0, tau / s.norm) if s.norm > 0 else 0.0
+        factor = torch.tensor(clip * step, dtype=torch.float32)
         delta = {n: t * factor for n, t in c.decode(s).items()}
         result = scorer.score(delta, assigned, veto=s.host not in c.replayed)
         c.reasons[s.host].extend(result.reasons())
         out[s.host] = result.score
+        if result.vetoed:
+            c.vetoed.add(s.host)
     return out
+
+
+def gate(c: Closing, scores: Mapping[bytes, float], consensus_checked: bool) -> dict[bytes, str]:
+    """Who the score excludes. Never a host whose replay passed. A veto (fits held-out data
+    significantly better than its own assignment) always. A score at or below `min_score` only where the
+    dissent check could not run (fewer than four hosts): with four or more, an update that agrees with
+    the round's consensus stays in even when its own held-out sample says it alone points uphill, which
+    honest fresh-round updates measurably do (1 of 24 host-rounds, 8 hosts, devnet model) and which the
+    average of honest updates absorbs."""
+    out = {}
+    for s in c.live():
+        if s.host in c.replayed:
+            continue
+        if s.host in c.vetoed:
+            out[s.host] = "vetoed: fits held-out data better than its assignment; not aggregated"
+        elif scores[s.host] <= c.aggregation.min_score and not consensus_checked:
+            out[s.host] = f"score {scores[s.host]:+.5f} at or below {c.aggregation.min_score}: not aggregated"
+    return out
+
+
+def score_step(outer_lr: float, n_live: int) -> float:
+    """The fraction of an update a held-out score applies: its share of the outer step (outer lr / hosts),
+    at least MIN_SCORE_STEP so that the loss difference stays far above fp32 rounding with many hosts."""
+    return min(1.0, max(MIN_SCORE_STEP, outer_lr / max(1, n_live)))
 
 
 def equal_shares(pool: int, hosts: Sequence[bytes]) -> dict[bytes, int]:
