@@ -41,10 +41,11 @@ def exact_fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> list[float]:
 
 
 def near_ties(n: int, seed: int) -> Iterator[tuple[float, float, float]]:
-    """c + a·b within j²·2^-70 (relative) of the midpoint between c and its fp32 neighbour, either side."""
+    """c + a·b within j²·2^-70 (relative) of the midpoint between c and its fp32 neighbour, either side:
+    on the tie after rounding to fp64 (j < 362), or up to a few fp64 ulps off it."""
     rng = random.Random(seed)
     for _ in range(n):
-        k, j = rng.randrange(1 << 23), rng.randrange(1, 300)
+        k, j = rng.randrange(1 << 23), rng.randrange(1, 1500)
         scale = 2.0 ** rng.randrange(-60, 60)
         side = rng.choice((-1, 1))
         c = (1 + k * 2.0**-23) * scale * rng.choice((-1, 1))
@@ -240,3 +241,23 @@ def test_a_state_of_another_optimizer_is_refused(change: dict, message: str) -> 
     with pytest.raises(ValueError, match=rf"^OuterOptimizer\.load_state_dict: {message}$"):
         opt.load_state_dict(state)
     assert opt.steps == 0 and opt.buffers == {}
+
+
+def test_wider_inputs_are_rounded_to_fp32_first() -> None:
+    """A float64 pseudo-gradient is rounded to fp32 before it is summed or stepped (one rounding each)."""
+    g = torch.Generator().manual_seed(5)
+    wide = {"w": torch.randn(32, generator=g, dtype=torch.float64) / 3}
+    narrow = {"w": wide["w"].float()}
+    sums = []
+    for delta in (wide, narrow):
+        avg = StreamingAverager({"w": (32,)})
+        avg.add("a", {"w": torch.ones(32) / 3})
+        avg.add("b", delta, weight=0.3)
+        sums.append(avg.result()["w"])
+    assert torch.equal(sums[0], sums[1])
+    params = [{"w": torch.ones(32)}, {"w": torch.ones(32)}]
+    opts = [OuterOptimizer(), OuterOptimizer()]
+    for _ in range(2):
+        opts[0].step(params[0], wide)
+        opts[1].step(params[1], narrow)
+    assert torch.equal(params[0]["w"], params[1]["w"]) and opts[0].buffers["w"].dtype == torch.float32
