@@ -6,8 +6,8 @@ training/codecs.py documents (header, per-tensor numel, each codec's section), e
 numpy fp32 with the same single roundings: no code of the module under test is reused, not even its
 spec digest or its shared mask. The reference refuses exactly what the format forbids (bad header, wrong
 length or numel, negative or non-finite scales, code 0, non-zero padding bits, positions out of range
-or not increasing, non-finite values) and otherwise yields values that must equal the decoder's bit for
-bit. Lossless codecs must also round-trip: encoding what a payload decodes to gives the payload back.
+or not increasing, non-finite values), with the one-line message the decoder must give for the first
+check that fails, and otherwise yields values that must equal the decoder's bit for bit. Lossless codecs must also round-trip: encoding what a payload decodes to gives the payload back.
 
 Payloads are altered at every byte (one bit each, so every field and every bit position is hit), and at
 random by hypothesis (several bytes, cut short, extended, a header field rewritten).
@@ -46,6 +46,10 @@ class Format:
     k: int = 0  # topk: entries per chunk; mask: stride
     seed: int = 0  # mask: round seed
 
+    @property
+    def base(self) -> str:
+        return self.name.partition(":")[0]
+
 
 FORMATS = [
     Format("fp32", "fp32", 1, (0, 0, 0)),
@@ -60,6 +64,7 @@ FORMATS = [
     Format("mask:stride=1,bits=8,chunk=7", "mask", 6, (1, 8 << 24 | 7, 0), bits=8, block=7, k=1),
     Format("mask:stride=2,bits=4,chunk=3,seed=7", "mask", 6, (2, 4 << 24 | 3, 7), bits=4, block=3, k=2, seed=7),
 ]
+NAMES_BY_ID = {1: "fp32", 2: "bf16", 3: "int8", 4: "int4", 5: "topk", 6: "mask"}
 # A scalar, an empty tensor, sizes that leave partial blocks, chunks and code bytes.
 SPECS = [
     {"w": (5, 7), "b": (7,)},
@@ -120,13 +125,13 @@ def section_size(f: Format, numel: int, name: str) -> int:
     return 4 * ceil_div(sent, f.block) + ceil_div(sent * f.bits, 8)
 
 
-def codes(buf: bytes, count: int, width: int) -> list[int]:
+def codes(buf: bytes, count: int, width: int, where: str) -> list[int]:
     """`count` unsigned codes of `width` bits, least significant bit first; the padding must be zero."""
     if len(buf) != ceil_div(count * width, 8):
         raise AssertionError("reference: code bytes of the wrong length")
     bits = [(buf[i // 8] >> (i % 8)) & 1 for i in range(8 * len(buf))]
     if any(bits[count * width :]):
-        raise Refused("non-zero padding bits")
+        raise Refused(f"{where} has non-zero padding bits")
     return [sum(bits[i * width + j] << j for j in range(width)) for i in range(count)]
 
 
@@ -134,92 +139,109 @@ def floats(buf: bytes) -> list[np.float32]:
     return [F32(v) for v in struct.unpack(f"<{len(buf) // 4}f", buf)]
 
 
-def finite(values: list[np.float32]) -> list[np.float32]:
+def finite(values: list[np.float32], where: str) -> list[np.float32]:
     if not all(math.isfinite(float(v)) for v in values):
-        raise Refused("non-finite value")
+        raise Refused(f"{where} contains NaN or infinity")
     return values
 
 
 def section(f: Format, buf: bytes, numel: int, name: str) -> list[np.float32]:
+    where = f"{f.base} payload: tensor {name}"  # how every refusal of a section begins
     if f.kind == "fp32":
-        return finite(floats(buf))
+        return finite(floats(buf), where)
     if f.kind == "bf16":
-        return finite(floats(b"".join(b"\0\0" + buf[i : i + 2] for i in range(0, len(buf), 2))))
+        return finite(floats(b"".join(b"\0\0" + buf[i : i + 2] for i in range(0, len(buf), 2))), where)
     if f.kind == "quant":
-        return quant_section(f, buf, numel)
+        return quant_section(f, buf, numel, where)
     if f.kind == "topk":
-        return topk_section(f, buf, numel)
-    return mask_section(f, buf, numel, name)
+        return topk_section(f, buf, numel, where)
+    return mask_section(f, buf, numel, name, where)
 
 
-def quant_section(f: Format, buf: bytes, numel: int) -> list[np.float32]:
+def quant_section(f: Format, buf: bytes, numel: int, where: str) -> list[np.float32]:
     n_blocks = ceil_div(numel, f.block)
     scales = floats(buf[: 4 * n_blocks])
     if not all(math.isfinite(float(s)) and s >= 0 for s in scales):
-        raise Refused("negative or non-finite scale")
+        raise Refused(f"{where} has a negative or non-finite block scale")
     qmax = (1 << (f.bits - 1)) - 1
-    cs = codes(buf[4 * n_blocks :], numel, f.bits)
+    cs = codes(buf[4 * n_blocks :], numel, f.bits, where)
     if 0 in cs:
-        raise Refused("code 0")
-    return finite([F32(c - qmax - 1) * scales[i // f.block] for i, c in enumerate(cs)])
+        raise Refused(f"{where} has code 0, outside [-{qmax}, {qmax}]")
+    return finite([F32(c - qmax - 1) * scales[i // f.block] for i, c in enumerate(cs)], where)
 
 
-def topk_section(f: Format, buf: bytes, numel: int) -> list[np.float32]:
+def topk_section(f: Format, buf: bytes, numel: int, where: str) -> list[np.float32]:
     chunks, kept, per_chunk = topk_layout(f, numel)
     n_scales = 1 if f.bits == 1 else 2
     scales = floats(buf[: 4 * n_scales * chunks])
     lo, hi = scales[0::n_scales], scales[n_scales - 1 :: n_scales]
     if not all(math.isfinite(float(s)) for s in scales) or any(a < 0 or b < a for a, b in zip(lo, hi, strict=True)):
-        raise Refused("bad chunk scale")
+        raise Refused(f"{where} has a non-finite or inconsistent chunk scale (need 0 ≤ lo ≤ hi)")
     at = 4 * n_scales * chunks
     idx_len = ceil_div(kept * index_bits(f), 8)
-    positions = codes(buf[at : at + idx_len], kept, index_bits(f))
-    values = codes(buf[at + idx_len :], kept, f.bits)
-    out, entry = [F32(0.0)] * numel, 0
+    positions = codes(buf[at : at + idx_len], kept, index_bits(f), where)
+    values = codes(buf[at + idx_len :], kept, f.bits, where)
+    starts = [sum(per_chunk[:c]) for c in range(chunks)]
+    mine = [positions[s : s + n] for s, n in zip(starts, per_chunk, strict=True)]
+    if any(p >= min(f.block, numel - c * f.block) for c, ps in enumerate(mine) for p in ps):
+        raise Refused(f"{where} has a position out of range of its chunk")
+    if any(b <= a for ps in mine for a, b in pairwise(ps)):
+        raise Refused(f"{where} has positions not strictly increasing within a chunk")
+    out = [F32(0.0)] * numel
     levels = (1 << (f.bits - 1)) - 1
-    for c, count in enumerate(per_chunk):
-        length = min(f.block, numel - c * f.block)
-        mine = positions[entry : entry + count]
-        if any(p >= length for p in mine) or any(b <= a for a, b in pairwise(mine)):
-            raise Refused("position out of range or not increasing")
+    for c, ps in enumerate(mine):
         step = F32(hi[c] - lo[c]) / F32(levels) if levels else F32(0.0)
-        for p, code in zip(mine, values[entry : entry + count], strict=True):
+        for p, code in zip(ps, values[starts[c] : starts[c] + len(ps)], strict=True):
             mag = lo[c] if f.bits == 1 else F32(lo[c] + F32(F32(code & levels) * step))
             out[c * f.block + p] = -mag if code >> (f.bits - 1) == 1 else mag
-        entry += count
-    return finite(out)
+    return finite(out, where)
 
 
-def mask_section(f: Format, buf: bytes, numel: int, name: str) -> list[np.float32]:
+def mask_section(f: Format, buf: bytes, numel: int, name: str, where: str) -> list[np.float32]:
     positions = mask_positions(f, numel, name)
     n_steps = ceil_div(len(positions), f.block)
     steps = floats(buf[: 4 * n_steps])
     if not all(math.isfinite(float(s)) and s >= 0 for s in steps):
-        raise Refused("negative or non-finite step")
+        raise Refused(f"{where} has a negative or non-finite step")
     offset = F32(((1 << f.bits) - 1) / 2)
-    cs = codes(buf[4 * n_steps :], len(positions), f.bits)
+    cs = codes(buf[4 * n_steps :], len(positions), f.bits, where)
+    values = [F32(F32(c) - offset) * steps[j // f.block] for j, c in enumerate(cs)]
+    finite(values, where)
     out = [F32(0.0)] * numel
-    for j, (p, c) in enumerate(zip(positions, cs, strict=True)):
-        out[p] = F32(F32(c) - offset) * steps[j // f.block]
-    return finite(out)
+    for p, v in zip(positions, values, strict=True):
+        out[p] = v
+    return out
 
 
 def reference(f: Format, data: bytes, spec: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """What `data` says under format `f` for `spec`; raises Refused where the format forbids it."""
+    """What `data` says under format `f` for `spec`; raises Refused, with the message the decoder must
+    give, where the format forbids it (checks in the documented order: header, length, then tensors)."""
     if len(data) < 32:
-        raise Refused("shorter than the header")
+        raise Refused(f"payload is {len(data)} bytes, shorter than the 32-byte codec header")
     magic, version, codec_id, reserved, p1, p2, p3, count, dig = struct.unpack_from("<4sBBHIIII8s", data)
-    if (magic, version, codec_id, reserved, (p1, p2, p3)) != (b"GNKC", 1, f.codec_id, 0, f.params):
-        raise Refused("header")
+    if magic != b"GNKC":
+        raise Refused(f"bad magic {magic!r}: not a gonka codec payload (expected b'GNKC')")
+    if version != 1:
+        raise Refused(f"unsupported codec payload version {version} (this build reads 1)")
+    if codec_id != f.codec_id:
+        sent = NAMES_BY_ID.get(codec_id, f"unknown id {codec_id}")
+        raise Refused(f"payload was encoded with codec {sent!r}, this decoder is {f.base!r}")
+    if reserved != 0:
+        raise Refused(f"reserved header field is {reserved}, must be 0")
+    if (p1, p2, p3) != f.params:
+        raise Refused(f"{f.base} payload parameters {(p1, p2, p3)} differ from the expected {f.params}")
     if count != len(spec) or dig != digest(spec):
-        raise Refused("another tensor spec")
+        raise Refused(f"{f.base} payload was encoded for a different tensor spec ({count} tensors, digest {dig.hex()})")
     numels = {n: math.prod(s) for n, s in spec.items()}
-    if len(data) != 32 + sum(8 + section_size(f, numels[n], n) for n in spec):
-        raise Refused("length")
+    expected = 32 + sum(8 + section_size(f, numels[n], n) for n in spec)
+    if len(data) != expected:
+        kind = "truncated" if len(data) < expected else "trailing bytes"
+        raise Refused(f"{f.base} payload is {len(data)} bytes, expected {expected} for this spec ({kind})")
     out, at = {}, 32
     for name in sorted(spec):
-        if struct.unpack_from("<Q", data, at)[0] != numels[name]:
-            raise Refused("numel")
+        claimed = struct.unpack_from("<Q", data, at)[0]
+        if claimed != numels[name]:
+            raise Refused(f"{f.base} payload: tensor {name} claims {claimed} elements, spec has {numels[name]}")
         size = section_size(f, numels[name], name)
         values = section(f, data[at + 8 : at + 8 + size], numels[name], name)
         out[name] = np.array(values, dtype=np.float32).reshape(spec[name])
@@ -238,9 +260,9 @@ def check(f: Format, spec: dict[str, tuple[int, ...]], data: bytes) -> bool:
         with np.errstate(over="ignore"):  # an overflow to infinity is refused below
             want = reference(f, data, spec)
     except Refused as why:
-        with pytest.raises(CodecError):
+        with pytest.raises(CodecError) as refused:
             get_codec(f.name).decode(data, spec)
-        assert str(why)
+        assert str(refused.value) == str(why)  # the same refusal, named the same way
         return False
     got = get_codec(f.name).decode(data, spec)
     assert list(got) == sorted(spec)

@@ -172,3 +172,64 @@ def test_block_scales_and_codes_are_what_the_format_says() -> None:
     scales = np.frombuffer(data[at : at + 8], dtype="<f4")
     assert scales.tolist() == [np.float32(np.float32(1.27) / np.float32(127)), np.float32(np.float32(2.0) / np.float32(127))]
     assert list(data[at + 8 :]) == [255, 128 - 64, 128, 128, 255]  # −63.5 → −64 and 0.5 → 0: halves go to even
+
+
+def test_more_option_edges_and_defaults() -> None:
+    assert TopKCodec(chunk=8, k=1).params() == (8, 1, 2) and TopKCodec(chunk=2, k=1).index_bits == 1
+    assert TopKCodec().params() == (4096, 64, 2) and SharedMaskCodec().params() == (4, 2 << 24 | 256, 0)
+    assert SharedMaskCodec(chunk=1).params()[1] == 2 << 24 | 1
+    assert SharedMaskCodec(seed=(1 << 32) + 5).params()[2] == 5  # the header holds the seed mod 2^32
+    assert get_codec("int8").name == "int8" and get_codec("int4").name == "int4"
+
+
+def test_an_empty_spec_is_a_header_alone() -> None:
+    for name in ("fp32", "int4", "topk", "mask"):
+        data = get_codec(name).encode({})
+        assert len(data) == HEADER_SIZE and get_codec(name).decode(data, {}) == {}
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4:block=3", "topk:chunk=4,k=2,bits=2", "mask:stride=2,bits=4,chunk=3"])
+def test_wider_tensors_are_encoded_as_their_fp32_rounding(name: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(11, generator=g, dtype=torch.float64) / 3
+    assert get_codec(name).encode({"w": wide}) == get_codec(name).encode({"w": wide.float()})
+
+
+def test_error_feedback_holds_its_residual_in_fp32() -> None:
+    wide = torch.tensor([1.0, 1 / 3, -0.1, 0.7], dtype=torch.float64)
+    a, b = ErrorFeedback(get_codec("int4:block=2")), ErrorFeedback(get_codec("int4:block=2"))
+    assert a.compress({"w": wide}) == b.compress({"w": wide.float()})
+    assert a.residual["w"].dtype == torch.float32 and torch.equal(a.residual["w"], b.residual["w"])
+
+
+def test_topk_signs_and_grid_of_what_it_keeps() -> None:
+    one = get_codec("topk:chunk=4,k=2,bits=1")
+    out = one.decode(one.encode({"w": torch.tensor([3.0, 0.0, 0.0, 0.0])}), {"w": (4,)})["w"]
+    assert out[0] == 1.5 and sorted(out.tolist()) == [0.0, 0.0, 1.5, 1.5]  # a kept zero is not negative: +mean
+    four = get_codec("topk:chunk=4,k=4,bits=4")  # span 0.3 < 1: seven steps of 0.3/7
+    x = torch.tensor([0.1, -0.2, 0.3, 0.4])
+    got = four.decode(four.encode({"w": x}), {"w": (4,)})["w"]
+    step = (torch.tensor(0.4) - torch.tensor(0.1)) / 7.0
+    grid = [torch.tensor(0.1) + m * step for m in (0.0, 2.0, 5.0, 7.0)]
+    assert got.tolist() == [grid[0].item(), -grid[1].item(), grid[2].item(), grid[3].item()]
+    two = get_codec("topk:chunk=4,k=4,bits=2")
+    zero = two.decode(two.encode({"w": torch.tensor([0.0, 0.5, -0.5, 0.25])}), {"w": (4,)})["w"]
+    assert zero[0].view(torch.int32).item() == 0  # +0.0, not −0.0
+
+
+def test_a_mask_payload_of_zeros_decodes_to_positive_zeros() -> None:
+    mask = get_codec("mask:stride=1,bits=2,chunk=4")
+    out = mask.decode(mask.encode({"w": torch.zeros(6)}), {"w": (6,)})["w"]
+    assert out.view(torch.int32).tolist() == [0] * 6
+
+
+def test_decoded_tensors_are_fp32_whatever_torchs_default_dtype() -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for name in ("topk:chunk=4,k=2,bits=2", "mask:stride=2,bits=2,chunk=4"):
+            x = torch.tensor([0.5, -1.0, 0.25, 2.0, -0.125], dtype=torch.float32)
+            out = get_codec(name).decode(get_codec(name).encode({"w": x}), SPEC)["w"]
+            assert out.dtype == torch.float32
+    finally:
+        torch.set_default_dtype(previous)
