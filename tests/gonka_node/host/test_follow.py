@@ -195,3 +195,12 @@ def test_refresh_hash_rehashes_the_held_params() -> None:
     model = fresh_model()
     model.params["b"][0] = 7.0
     assert model.refresh_hash() == sha(model.params) == model.sha256 != sha(tensors(0))
+
+
+def test_after_an_unreadable_update_and_a_refused_checkpoint_the_momentum_is_given_up() -> None:
+    agg, model = two_rounds(), fresh_model()
+    agg.updates[1] = b"not a safetensors file"
+    agg.checkpoints[2] = save(tampered(agg.params[2]))
+    with pytest.raises(FollowError, match="checkpoint of round 2 hashes to"):
+        agg.follow(model, 2)
+    assert model.outer is None and model.round_done == 0 and bits_equal(model.params, tensors(0))
