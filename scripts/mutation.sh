@@ -63,7 +63,8 @@ prepare_run() {  # name module tests
     for t in $3; do echo "    $t"; done
     # grpc and torch are not fork-safe once used: fork each mutant from a server that only imported them.
     echo "process_isolation = forkserver"
-    echo "pytest_add_cli_args = --hypothesis-profile=mutation"
+    # A mutant that hangs a test (a server that never answers) fails it after 30 s instead of 300 s.
+    printf 'pytest_add_cli_args =\n    --hypothesis-profile=mutation\n    --timeout=30\n'
     echo "timeout_multiplier = 5.0"
   } >"$dir/setup.cfg"
   # (pyproject.toml has no [tool.mutmut] section, so mutmut reads setup.cfg.) In the scratch copy only:
