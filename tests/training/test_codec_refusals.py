@@ -19,6 +19,7 @@ from training.codecs import (
     SharedMaskCodec,
     TopKCodec,
     get_codec,
+    round_seed,
     spec_digest,
 )
 
@@ -68,6 +69,7 @@ def test_section_refusals() -> None:
     first = HEADER_SIZE + 8
     refused("fp32", patched(payload("fp32"), first + 4, struct.pack("<f", math.inf)),
             "fp32 payload: tensor w contains NaN or infinity")
+    refused("bf16", patched(payload("bf16"), first + 2, b"\x80\xff"), "bf16 payload: tensor w contains NaN or infinity")
     for name, bad in (("int8", -1.0), ("int4", math.nan)):
         refused(name, patched(payload(name), first, struct.pack("<f", bad)),
                 f"{name} payload: tensor w has a negative or non-finite block scale")
@@ -117,6 +119,7 @@ def test_encoding_a_non_finite_tensor_is_refused() -> None:
         (lambda: get_codec("zip"), "unknown codec 'zip'; choose one of fp32, bf16, int8, int4, topk, mask"),
         (lambda: get_codec("int8:block"), "codec option 'block' in 'int8:block' must be key=integer"),
         (lambda: get_codec("int8:block=x"), "codec option 'block=x' in 'int8:block=x' must be key=integer"),
+        (lambda: get_codec("int8:block=1=2"), "codec option 'block=1=2' in 'int8:block=1=2' must be key=integer"),
         (lambda: get_codec("fp32:block=3"), "codec 'fp32' does not take options ['block']"),
         (lambda: get_codec("fp32").encoded_size({"w": (2, -1)}), "spec: w has an invalid shape (2, -1)"),
         (lambda: get_codec("fp32").encoded_size({"w": (2.0,)}), "spec: w has an invalid shape (2.0,)"),
@@ -233,3 +236,9 @@ def test_decoded_tensors_are_fp32_whatever_torchs_default_dtype() -> None:
             assert out.dtype == torch.float32
     finally:
         torch.set_default_dtype(previous)
+
+
+def test_round_seeds_are_the_documented_function_of_epoch_seed_and_round() -> None:
+    """Hosts and the aggregator derive the shared mask from it: a changed formula splits the network."""
+    assert [round_seed(0, r) for r in (0, 1, 7)] == [0, 1, 7]
+    assert round_seed(3, 5) == 3 * 1_000_003 + 5 and round_seed(1, 0) != round_seed(0, 1_000_002)
