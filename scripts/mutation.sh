@@ -67,8 +67,8 @@ prepare_run() {  # name module tests
     for t in $3; do echo "    $t"; done
     # grpc and torch are not fork-safe once used: fork each mutant from a server that only imported them.
     echo "process_isolation = forkserver"
-    # A mutant that hangs a test (a server that never answers) fails it after 30 s instead of 300 s.
-    printf 'pytest_add_cli_args =\n    --hypothesis-profile=mutation\n    --timeout=30\n'
+    # A mutant that hangs a test (a server that never answers) fails it after 60 s instead of 300 s.
+    printf 'pytest_add_cli_args =\n    --hypothesis-profile=mutation\n    --timeout=60\n'
     echo "timeout_multiplier = 5.0"
   } >"$dir/setup.cfg"
   # (pyproject.toml has no [tool.mutmut] section, so mutmut reads setup.cfg.) In the scratch copy only:
@@ -115,7 +115,8 @@ for m, s in rows:
         print(f"SURVIVOR {s}: {m}")
 PY
   head -1 "$out"
-  grep '^SURVIVOR' "$out" | while read -r _ _ mutant; do
+  # Diffs of the survivors only (a module's "no tests" mutants are listed by name above).
+  grep '^SURVIVOR survived' "$out" | while read -r _ _ mutant; do
     (cd "$dir" && "$WORK/venv/bin/mutmut" show "$mutant") >>"$out" 2>&1 || true
   done
 }
