@@ -347,7 +347,7 @@ class TopKCodec(Codec):
         values = torch.where((c >> (self.bits - 1)) == 1, -mag, mag)
         out = torch.zeros(numel, dtype=torch.float32)
         out[torch.from_numpy(owner * self.chunk + idx)] = values
-        return out
+        return _finite(out, self.name, name)  # lo + 127·step can round past fp32's max when hi is near it
 
 
 class SharedMaskCodec(Codec):

@@ -153,9 +153,25 @@ class OuterOptimizer:
         self.steps = 0
         self.buffers: dict[str, Tensor] = {}
 
-    @torch.no_grad()
     def step(self, params: Mapping[str, Tensor], avg_delta: Mapping[str, Tensor]) -> None:
         """Update `params` in place (fp32 tensors) with the averaged pseudo-gradient, in sorted name order."""
+        self._check_step(params, avg_delta)
+        mu = torch.tensor(self.momentum, dtype=torch.float32)
+        with torch.no_grad():  # params may be a model's leaf parameters, updated in place
+            for name in sorted(params):
+                p, g = params[name], avg_delta[name].to(device=params[name].device, dtype=torch.float32)
+                update = g
+                if self.momentum != 0.0:
+                    buf = self.buffers.get(name)
+                    # torch: buf = g first, then buf.mul_(μ).add_(g): two roundings (alpha=1 fuses nothing).
+                    buf = g.clone() if buf is None else buf * mu.to(buf.device) + g
+                    self.buffers[name] = buf
+                    update = fma32(buf, self.momentum, g) if self.nesterov else buf
+                p.copy_(fma32(update, -self.lr, p))
+        self.steps += 1
+
+    def _check_step(self, params: Mapping[str, Tensor], avg_delta: Mapping[str, Tensor]) -> None:
+        """Everything `step` needs, checked before any tensor or buffer changes."""
         _check_same_keys(params, avg_delta, "avg_delta")
         for name in sorted(params):
             p, g = params[name], avg_delta[name]
@@ -168,18 +184,6 @@ class OuterOptimizer:
                 raise ValueError(
                     f"OuterOptimizer.step: the averaged pseudo-gradient of {name} has NaN or infinity"
                 )
-        mu = torch.tensor(self.momentum, dtype=torch.float32)
-        for name in sorted(params):
-            p, g = params[name], avg_delta[name].to(device=params[name].device, dtype=torch.float32)
-            update = g
-            if self.momentum != 0.0:
-                buf = self.buffers.get(name)
-                # torch: buf = g first, then buf.mul_(μ).add_(g): two roundings (alpha=1 fuses nothing).
-                buf = g.clone() if buf is None else buf * mu.to(buf.device) + g
-                self.buffers[name] = buf
-                update = fma32(buf, self.momentum, g) if self.nesterov else buf
-            p.copy_(fma32(update, -self.lr, p))
-        self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {

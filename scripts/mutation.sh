@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Mutation testing (mutmut) of the modules where a silent bug costs money or trust, each against its
+# fast unit tests. Not part of CI: about half an hour on two cores. Results: docs/benchmarks.md.
+#
+#   bash scripts/mutation.sh                 # every module below
+#   bash scripts/mutation.sh codecs follow   # some of them
+#
+# mutmut lives in its own throwaway venv (.mutation/venv, pinned below), so the project's pinned tree
+# is untouched; that venv sees the project's packages (torch, web3, ...) through a .pth file, but not
+# the project's editable install, so the tests import the mutated copy that mutmut writes. Each module
+# runs in its own scratch copy of the tree (.mutation/runs/NAME), one worker process, one torch
+# thread. Per module it prints the score (killed, timeouts counted as killed, over all mutants) and the
+# wall time, and writes .mutation/report/NAME.txt: the summary and the diff of every surviving mutant.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WORK=${MUTATION_DIR:-$ROOT/.mutation}
+MUTMUT=mutmut==3.8.1
+
+# name | module | its fast unit tests | mutants to run (fnmatch globs of mutmut's names; empty: all)
+MODULES=(
+  "diloco|training/diloco.py|tests/training/test_diloco.py tests/training/test_diloco_edges.py|"
+  "codecs|training/codecs.py|tests/training/test_codecs.py tests/training/test_fuzz_codecs.py tests/training/test_codec_contract.py tests/training/test_codec_refusals.py|"
+  "envelope|gonka_node/envelope.py|tests/gonka_node/test_envelope.py tests/gonka_node/test_fuzz_envelope.py tests/gonka_node/test_envelope_edges.py|"
+  "merkle|chain/merkle.py|tests/chain/test_merkle.py tests/chain/test_merkle_refusals.py|"
+  "follow|gonka_node/host/follow.py|tests/gonka_node/host/test_follow.py|"
+  # The round engine: its close rule (tick: deadline, quorum, extension), against the deadline tests.
+  # Each mutant there boots a real aggregator on the embedded chain (~13 s a mutant on the shared
+  # machine), so the acceptance checks (authenticate, 117 mutants) and submit/close (139) would add over
+  # an hour at one worker: add their globs (*RoundEngineǁauthenticate__mutmut_*) for a longer run.
+  # close.py: its pure parts (copies, the pool split); compute_outcome needs a closing round per mutant.
+  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_deadline_edges.py|*RoundEngineǁtick__mutmut_*"
+  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_units.py|"
+  "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_units.py|"
+)
+
+setup_venv() {
+  bash scripts/bootstrap.sh
+  local venv=$WORK/venv
+  if [ ! -x "$venv/bin/mutmut" ]; then
+    rm -rf "$venv"
+    .venv/bin/python -m venv "$venv"
+    # -c: the packages both trees share (pytest, rich, ...) stay at the project's pinned versions.
+    "$venv/bin/python" -m pip install --quiet -c constraints.txt "$MUTMUT" 2> >(grep -v '^WARNING: Location' >&2)
+  fi
+  local site project_site
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  project_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # A plain path line: the project's site-packages come after mutmut's own, and its .pth files (the
+  # editable install's import hook among them) are not run.
+  echo "$project_site" >"$site/gonka-project.pth"
+}
+
+prepare_run() {  # name module tests
+  local dir=$WORK/runs/$1
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  tar -C "$ROOT" --exclude=__pycache__ --exclude=.hypothesis -cf - training chain gonka_node proto tests pyproject.toml \
+    | tar -C "$dir" -xf -
+  {
+    echo "[mutmut]"
+    # Every package is copied into mutants/ (the tests import across them); only `only_mutate` changes.
+    echo "source_paths ="
+    for p in training chain gonka_node proto; do echo "    $p"; done
+    echo "only_mutate = $2"
+    echo "pytest_add_cli_args_test_selection ="
+    for t in $3; do echo "    $t"; done
+    # grpc and torch are not fork-safe once used: fork each mutant from a server that only imported them.
+    echo "process_isolation = forkserver"
+    # A mutant that hangs a test (a server that never answers) fails it after 60 s instead of 300 s.
+    printf 'pytest_add_cli_args =\n    --hypothesis-profile=mutation\n    --timeout=60\n'
+    echo "timeout_multiplier = 5.0"
+  } >"$dir/setup.cfg"
+  # (pyproject.toml has no [tool.mutmut] section, so mutmut reads setup.cfg.) In the scratch copy only:
+  # a hypothesis profile without shrinking, since the first failing example already kills the mutant.
+  cat >>"$dir/tests/conftest.py" <<'PY'
+
+
+from hypothesis import Phase, settings as _mutation_settings  # noqa: E402  (added by scripts/mutation.sh)
+
+_mutation_settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+PY
+  echo "$dir"
+}
+
+run_module() {  # name module tests globs
+  local name=$1 module=$2 tests=$3 globs=$4 dir start end
+  dir=$(prepare_run "$name" "$module" "$tests")
+  echo "== $name: $module against $tests"
+  start=$(date +%s)
+  # shellcheck disable=SC2086  # globs are mutmut name patterns, passed as words
+  (cd "$dir" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$WORK/venv/bin/mutmut" run --max-children 1 $globs \
+    >"$WORK/report/$name.log" 2>&1) || { tail -c 4000 "$WORK/report/$name.log"; return 1; }
+  end=$(date +%s)
+  report "$name" "$module" "$dir" "$globs" $((end - start))
+}
+
+report() {  # name module dir globs seconds
+  local name=$1 module=$2 dir=$3 globs=$4 secs=$5 out=$WORK/report/$1.txt
+  (cd "$dir" && "$WORK/venv/bin/mutmut" results --all true) >"$WORK/report/$name.results"
+  "$WORK/venv/bin/python" - "$WORK/report/$name.results" "$name" "$module" "$secs" "$globs" >"$out" <<'PY'
+import fnmatch, sys
+from collections import Counter
+path, name, module, secs, globs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split()
+rows = [line.strip().rsplit(": ", 1) for line in open(path, encoding="utf-8") if ": " in line]
+rows = [(m, s) for m, s in rows if not globs or any(fnmatch.fnmatch(m, g) for g in globs)]
+count = Counter(s for _, s in rows)
+detected = count["killed"] + count["timeout"]
+score = 100.0 * detected / len(rows) if rows else 0.0
+print(f"{name}: {module}: {len(rows)} mutants, {count['killed']} killed, {count['timeout']} timeouts, "
+      f"{len(rows) - detected} not detected ({dict((k, v) for k, v in count.items() if k not in ('killed', 'timeout'))}); "
+      f"score {score:.1f}%; {secs // 60} min {secs % 60} s")
+for m, s in rows:
+    if s not in ("killed", "timeout"):
+        print(f"SURVIVOR {s}: {m}")
+PY
+  head -1 "$out"
+  # Diffs of the survivors only (a module's "no tests" mutants are listed by name above).
+  grep '^SURVIVOR survived' "$out" | while read -r _ _ mutant; do
+    (cd "$dir" && "$WORK/venv/bin/mutmut" show "$mutant") >>"$out" 2>&1 || true
+  done
+}
+
+main() {
+  mkdir -p "$WORK/report" "$WORK/runs"
+  setup_venv
+  local want=("$@") line name
+  for line in "${MODULES[@]}"; do
+    IFS='|' read -r name module tests globs <<<"$line"
+    if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " =~ " $name " ]]; then continue; fi
+    run_module "$name" "$module" "$tests" "$globs"
+  done
+  echo "== summary"
+  for line in "${MODULES[@]}"; do
+    name=${line%%|*}
+    [ -f "$WORK/report/$name.txt" ] && head -1 "$WORK/report/$name.txt"
+  done
+  echo "(reports with the surviving mutants' diffs: $WORK/report/)"
+}
+
+main "$@"
