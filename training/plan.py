@@ -163,3 +163,29 @@ def choose_sharding(cfg: ModelConfig, gpus: int, gpu_mem_bytes: int | None, micr
         return False
     replicated = _plan(cfg, "", gpus, gpu_mem_bytes / 1e9, micro_batch, seq_len, False, False, "cuda")
     return not replicated.fits
+
+
+def measure_activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, checkpoint: bool) -> int:
+    """What autograd really keeps for backward over one micro-batch on this machine (CPU, fp32): the
+    bytes of the distinct storages packed by `saved_tensors_hooks`, parameters excluded. The check of
+    `activation_bytes` (tests/training/test_plan.py, scripts/bench_rig.py)."""
+    import torch
+
+    from training.model import build_model
+
+    model = build_model(cfg, 0)
+    model.checkpoint_layers = checkpoint
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model.loss(tokens, tokens)
+    loss.backward()
+    return sum(kept.values())

@@ -210,6 +210,20 @@ class RigRounds:
             # Its own session: the daemon stops the agent and its workers together (close()).
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def wait_ready(self, timeout_s: float = 600.0) -> float:
+        """Block until every process has built its model and waits for orders; returns the seconds waited.
+        (The daemon need not: an order posted earlier is taken as soon as the rig is up.)"""
+        if self.proc is None or self.mailbox is None:
+            raise RigError("the rig is not started")
+        started = time.monotonic()
+        while any(self.mailbox.pid(rank) is None for rank in range(self.options.procs)):
+            if self.proc.poll() is not None:
+                raise RigError(f"the rig stopped while starting (exit code {self.proc.returncode}):\n{self.log_tail()}")
+            if time.monotonic() - started > timeout_s:
+                raise RigError(f"the rig did not start within {timeout_s:.0f} s:\n{self.log_tail()}")
+            time.sleep(self.poll_s)
+        return time.monotonic() - started
+
     def train_round(
         self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
     ) -> WorkerRound:

@@ -13,13 +13,21 @@ from __future__ import annotations
 import os
 import signal
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from stdlib_corpus import write_small_corpus
+from test_host_node import World
 
+from chain.backends import EmbeddedBackend
+from chain.client import ChainClient
+from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
+from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.host.rig_round import (
     LocalRounds,
     RigError,
@@ -28,6 +36,7 @@ from gonka_node.host.rig_round import (
     check_rig_size,
     make_worker,
 )
+from gonka_node.host.store import HostStore, Progress
 from gonka_node.recipe import Recipe
 from training.codecs import get_codec, round_seed
 from training.model import ModelConfig, build_model
@@ -147,3 +156,57 @@ def test_local_rounds_count_steps_within_the_round(tmp_path: Path) -> None:
     for r in (1, 2):
         rounds.train_round(r, params, lambda: tmp_path, lambda s, loss: seen.append(s))
     assert seen == [1, 2, 3, 1, 2, 3] and worker.trainer.step == 6
+
+
+def rig_world(tmp: Path) -> World:
+    """test_host_node's world with a 3-round recipe whose step takes 2 micro-batches (one per process)."""
+    from test_host_node import AGG, GNK, World, host_keys
+
+    tmp.mkdir(parents=True)
+    backend = EmbeddedBackend()
+    accounts = backend.dev_accounts()
+    gov = ChainClient(backend, accounts[0]).connect()
+    deployment = gov.deploy_all(initial_mint={a.address: 1_000 * GNK for a in accounts})
+    gov = ChainClient(backend, accounts[0], deployment).connect()
+    recipe = replace(tiny_recipe(tmp), corpus=str(write_small_corpus(tmp)), inner_steps=6, micro_batch=2,
+                     grad_accum=2, warmup_steps=2, round_state="fresh").with_data_manifest()
+    init_path = tmp / "init.safetensors"
+    terms = EpochTerms(aggregators=[accounts[AGG].address], round_length_s=120, signin_window_s=30,
+                       min_stake=100 * GNK, max_hosts=4, reward_per_round=100 * GNK)
+    epoch = gov.create_epoch(epoch_spec(recipe, initial_checkpoint(recipe, init_path), terms, "file:recipe.json"))
+    gov.fund_epoch(epoch, 300 * GNK)
+    world = World(backend, accounts, deployment, recipe, epoch, init_path)
+    for i in (1, 2):
+        world.client(i).join(epoch, 100 * GNK, host_keys(i, world).node_public_key)
+    backend.increase_time(31)
+    return world
+
+
+def run_epoch(world: World, tmp: Path, host1: HostSettings) -> list[Progress]:
+    from test_host_node import TLS, AggregatorThread, host_keys
+
+    with AggregatorThread(world, tmp / "agg") as target:
+        nodes = []
+        for i, settings in ((1, host1), (2, HostSettings(world.epoch, 5 * 10**9, tmp / "host2", poll_s=0.05))):
+            agg = AggregatorClient(target, TLS.cert_pem, 60.0)
+            nodes.append(HostNode(settings, world.recipe, world.client(i), agg, host_keys(i, world)))
+        with ThreadPoolExecutor(2) as pool:
+            return [f.result(timeout=600) for f in [pool.submit(n.run) for n in nodes]]
+
+
+@pytest.mark.slow  # two 3-round epochs with a real aggregator, one with a torchrun rig: ~1-2 min
+@pytest.mark.multiprocess
+def test_a_host_on_a_sharded_two_process_rig_submits_the_one_process_hosts_payloads(tmp_path: Path) -> None:
+    single, on_rig = tmp_path / "single", tmp_path / "rig"
+    world = rig_world(single)
+    alone = run_epoch(world, single, HostSettings(world.epoch, 5 * 10**9, single / "host1", poll_s=0.05))
+    world = rig_world(on_rig)
+    rigged = run_epoch(world, on_rig, HostSettings(world.epoch, 5 * 10**9, on_rig / "host1", poll_s=0.05,
+                                                   procs=2, sharding="sharded"))
+    assert set(alone[0].submitted) == {"1", "2", "3"}
+    assert rigged[0].submitted == alone[0].submitted  # the payloads' sha256, round by round
+    assert rigged[1].submitted == alone[1].submitted  # so the other host saw the same global models
+    assert rigged[0].model_sha256 == alone[0].model_sha256 == world.client(0).round_result(
+        world.epoch, 3).checkpoint_sha256.hex()
+    assert HostStore(on_rig / "host1").load().worker_state == {"rig": {"base": 3, "procs": 2}}  # type: ignore[union-attr]
+    assert sorted(p.name for p in (on_rig / "host1" / "rig" / "state").iterdir()) == ["after-2", "after-3"]
