@@ -96,6 +96,7 @@ def _rig_round(rig: RigRounds, r: int, params: Any, path: Path, run: Run) -> Non
     """Train round r; records what the daemon waited beyond the inner loop's own seconds."""
     started = time.perf_counter()
     result = rig.train_round(r, params, lambda: path, lambda s, loss: run.losses.append(loss))
+    assert rig.last_report is not None
     run.overheads.append(time.perf_counter() - started - rig.last_report.seconds)
     run.payloads.append(result.payload)
     run.reports.append(rig.last_report)

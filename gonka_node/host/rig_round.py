@@ -188,6 +188,7 @@ class RigRounds:
         self.proc: subprocess.Popen[bytes] | None = None
         self.mailbox: Mailbox | None = None
         self.log_path: Path | None = None
+        self.last_report: RoundReport | None = None  # the rig's figures of the last round (benchmarks)
 
     def start(self) -> None:
         """Launch the rig (it builds its model and loads its data while the daemon waits for a round)."""
