@@ -32,7 +32,7 @@ from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import canonical_sha256
 from training.diloco import OuterOptimizer
 from training.model import build_model
-from training.worker import Assignment
+from training.worker import Assignment, DiLoCoWorker
 
 T = TypeVar("T")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -238,7 +238,7 @@ class HostNode:
                 )
             submitted_at = time.monotonic()
             if str(info.round) not in progress.submitted:
-                self._train_and_submit(gm, info, progress)
+                self._train_and_submit(self._local_worker(), gm, info, progress)
                 submitted_at = time.monotonic()
             self._wait_finalized(info.round)
             how = self._follow(gm, info.round, hashes)
@@ -274,7 +274,15 @@ class HostNode:
             if mine is not None and str(r) not in progress.submitted:
                 progress.bytes_sent += int(mine.payload_length)
 
-    def _train_and_submit(self, gm: GlobalModel, info: pb.RoundInfo, progress: Progress) -> None:
+    def _local_worker(self) -> DiLoCoWorker | None:
+        return self.rounds.worker if isinstance(self.rounds, LocalRounds) else None
+
+    def _train_and_submit(
+        self, worker: DiLoCoWorker | None, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
+    ) -> None:
+        """Train the round and upload it. `worker`: the one-process worker (None on a rig), what a
+        subclass that replaces the honest round works with (`gonka_node.adversary`); this one goes
+        through `self.rounds`, which holds the same worker."""
         before = copy.deepcopy(self.rounds.state_dict())
         total = self.recipe.inner_steps
 
