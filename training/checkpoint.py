@@ -12,10 +12,12 @@ reload and continue gives bit-identical parameters and losses to an uninterrupte
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +141,65 @@ def save_checkpoint(
     metadata |= {META_FORMAT: HASH_FORMAT.decode().strip(), META_SHA256: sha256}
     atomic_write(Path(path), lambda tmp: save_file(cpu, tmp, metadata=metadata))
     return sha256
+
+
+def tensors_view(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in memory, as read-only views of `data` (no copy: what
+    keeps the host's outer step within its model, momentum and one update, `gonka_node.host.follow`).
+    Raises CheckpointError unless the header is well formed and the tensors tile the data exactly."""
+    view = memoryview(data).cast("B")
+    if len(view) < 8:
+        raise CheckpointError(f"safetensors data is {len(view)} bytes, shorter than its 8-byte header length")
+    (length,) = struct.unpack_from("<Q", view, 0)
+    if length > len(view) - 8:
+        raise CheckpointError(f"safetensors header claims {length} bytes, the data has {len(view) - 8}")
+    try:
+        header = json.loads(bytes(view[8 : 8 + length]))
+    except ValueError as exc:
+        raise CheckpointError(f"safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError("safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    body = view[8 + length :]
+    entries = sorted((_entry(name, info), name) for name, info in header.items())
+    end = 0
+    out = {}
+    for (begin, stop, dtype, shape), name in entries:
+        if begin != end:
+            raise CheckpointError(f"safetensors tensor {name!r} starts at byte {begin}, expected {end}")
+        out[name] = _frombuffer(body, begin, stop, dtype).reshape(shape)
+        end = stop
+    if end != len(body):
+        raise CheckpointError(f"safetensors data has {len(body) - end} trailing bytes")
+    return out
+
+
+_DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def _entry(name: str, info: Any) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
+    try:
+        dtype = _DTYPES_BY_NAME[info["dtype"]]
+        shape = tuple(int(d) for d in info["shape"])
+        begin, stop = (int(x) for x in info["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"safetensors entry {name!r} is malformed: {info!r}") from None
+    numel = 1
+    for d in shape:
+        numel *= d
+    if min(shape, default=0) < 0 or stop - begin != numel * dtype.itemsize:
+        raise CheckpointError(f"safetensors tensor {name!r}: {stop - begin} bytes for shape {shape} {dtype}")
+    return begin, stop, dtype, shape
+
+
+def _frombuffer(body: memoryview, begin: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    if stop == begin:
+        return torch.empty(0, dtype=dtype)
+    if begin % dtype.itemsize:  # misaligned for its type: the one case that copies
+        return torch.frombuffer(bytearray(body[begin:stop]), dtype=dtype)
+    with warnings.catch_warnings():  # read-only data: the views are only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(body, dtype=dtype, count=(stop - begin) // dtype.itemsize, offset=begin)
 
 
 @dataclass(frozen=True)

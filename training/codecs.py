@@ -86,18 +86,36 @@ class Codec(ABC):
         return HEADER_SIZE + sum(_NUMEL.size + self.section_size(_numel(spec[n], n), n) for n in spec)
 
     def encode(self, tensors: Mapping[str, Tensor]) -> bytes:
-        spec = spec_of(tensors)
-        out = [_HEADER.pack(MAGIC, VERSION, self.codec_id, 0, *self.params(), len(spec), spec_digest(spec))]
-        for name in sorted(tensors):
-            flat = tensors[name].detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
-            if not bool(torch.isfinite(flat).all()):
-                raise ValueError(f"{self.name}.encode: {name} contains NaN or infinity")
-            section = self._encode_flat(flat, name)
-            assert len(section) == self.section_size(flat.numel(), name), (
-                "codec wrote a section of the wrong size"
-            )
-            out += [_NUMEL.pack(flat.numel()), section]
+        out = [self.header(spec_of(tensors))]
+        out += [self.encode_tensor(name, tensors[name]) for name in sorted(tensors)]
         return b"".join(out)
+
+    def header(self, spec: Spec) -> bytes:
+        """The payload's first `HEADER_SIZE` bytes for tensors of `spec`."""
+        return _HEADER.pack(MAGIC, VERSION, self.codec_id, 0, *self.params(), len(spec), spec_digest(spec))
+
+    def encode_tensor(self, name: str, tensor: Tensor) -> bytes:
+        """One tensor's part of the payload (numel, then its section). A payload is the header and the
+        parts in sorted name order: parts depend on nothing else, so a rig's processes can each encode
+        the tensors they own and the concatenation is byte for byte `encode`'s."""
+        flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError(f"{self.name}.encode: {name} contains NaN or infinity")
+        section = self._encode_flat(flat, name)
+        assert len(section) == self.section_size(flat.numel(), name), "codec wrote a section of the wrong size"
+        return _NUMEL.pack(flat.numel()) + section
+
+    def decode_tensor(self, name: str, part: bytes | memoryview, shape: tuple[int, ...]) -> Tensor:
+        """Inverse of `encode_tensor` for a part already known to come from this codec's payload."""
+        view = memoryview(part).cast("B")
+        numel = _numel(shape, name)
+        if len(view) != _NUMEL.size + self.section_size(numel, name):
+            raise CodecError(f"{self.name} part of {name} is {len(view)} bytes, expected "
+                             f"{_NUMEL.size + self.section_size(numel, name)}")
+        (claimed,) = _NUMEL.unpack_from(view, 0)
+        if claimed != numel:
+            raise CodecError(f"{self.name} payload: tensor {name} claims {claimed} elements, spec has {numel}")
+        return self._decode_flat(view[_NUMEL.size :], numel, name).reshape(shape)
 
     def decode(self, data: bytes | bytearray | memoryview, spec: Spec) -> dict[str, Tensor]:
         view = memoryview(data).cast("B")
@@ -111,15 +129,8 @@ class Codec(ABC):
         out: dict[str, Tensor] = {}
         pos = HEADER_SIZE
         for name in sorted(spec):
-            numel = _numel(spec[name], name)
-            (claimed,) = _NUMEL.unpack_from(view, pos)
-            if claimed != numel:
-                raise CodecError(
-                    f"{self.name} payload: tensor {name} claims {claimed} elements, spec has {numel}"
-                )
-            pos += _NUMEL.size
-            size = self.section_size(numel, name)
-            out[name] = self._decode_flat(view[pos : pos + size], numel, name).reshape(spec[name])
+            size = _NUMEL.size + self.section_size(_numel(spec[name], name), name)
+            out[name] = self.decode_tensor(name, view[pos : pos + size], tuple(spec[name]))
             pos += size
         return out
 
@@ -455,19 +466,28 @@ class ErrorFeedback:
         codec = codec or self.codec
         if self.residual and set(self.residual) != set(delta):
             raise ValueError("ErrorFeedback.compress: tensor names differ from the previous round's")
-        decay = torch.tensor(self.decay, dtype=torch.float32)
-        target = {}
-        for name, d in delta.items():
-            d = d.detach().to(device="cpu", dtype=torch.float32)
-            prev = self.residual.get(name)
-            if prev is None:
-                target[name] = d.clone()
-            else:
-                target[name] = (prev if self.decay == 1.0 else prev * decay) + d
-        payload = codec.encode(target)
-        decoded = codec.decode(payload, spec_of(target))
-        self.residual = {name: target[name] - decoded[name] for name in target}
-        return payload
+        before = dict(self.residual)  # compress_tensor replaces tensors, never mutates them
+        try:
+            parts = [self.compress_tensor(name, delta[name], codec) for name in sorted(delta)]
+        except ValueError:
+            self.residual = before  # a Δ with NaN or infinity changes nothing
+            raise
+        return codec.header(spec_of(delta)) + b"".join(parts)
+
+    def compress_tensor(self, name: str, delta: Tensor, codec: Codec | None = None) -> bytes:
+        """One tensor's payload part (`Codec.encode_tensor`) of Δ plus its residual; updates that residual.
+        Elementwise per tensor, so a rig whose processes each own some tensors (and their residuals)
+        sends the bytes one process would (`training.sharded`)."""
+        codec = codec or self.codec
+        d = delta.detach().to(device="cpu", dtype=torch.float32)
+        prev = self.residual.get(name)
+        if prev is None:
+            target = d.clone()
+        else:
+            target = (prev if self.decay == 1.0 else prev * torch.tensor(self.decay, dtype=torch.float32)) + d
+        part = codec.encode_tensor(name, target)
+        self.residual[name] = target - codec.decode_tensor(name, part, tuple(target.shape))
+        return part
 
     def state_dict(self) -> dict[str, Any]:
         return {

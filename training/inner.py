@@ -110,13 +110,19 @@ class InnerConfig:
 
 
 class GradSync(Protocol):
-    """How a rig of several processes sums gradients; `training.rig.Rig` implements it."""
+    """How a rig of several processes sums gradients: `training.rig.Rig` (every process holds whole
+    gradients, summed by all-reduce) or `training.sharded.ShardedSync` (FSDP2 reduce-scatters them:
+    each process holds a shard)."""
 
     world_size: int
 
     def all_reduce_grads(self, params: list[nn.Parameter]) -> None: ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def grad_sq_total(self, local: torch.Tensor) -> torch.Tensor:
+        """The rig's sum of squared gradients given this process's (fp64) sum over what it holds."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -221,7 +227,7 @@ class InnerTrainer:
             self.sync.all_reduce_grads(self._params)
             totals = self.sync.all_reduce_sum(totals)
         if self.config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self._params, self.config.grad_clip)
+            clip_grad_norm(self._params, self.config.grad_clip, self.sync)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -267,6 +273,36 @@ class InnerTrainer:
             raise ValueError(f"inner trainer state lacks {sorted(missing)}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly sharded: FSDP2's DTensor) tensor this process holds."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, sync: GradSync | None = None) -> torch.Tensor:
+    """Scale gradients so that their global L2 norm is at most `max_norm`; returns the norm (fp32).
+
+    torch's `clip_grad_norm_` formula (coefficient max_norm / (norm + 1e-6), clamped to 1, in fp32),
+    with the norm summed in fp64 and rounded to fp32 once: the sum's rounding then depends on how the
+    gradients are split over the rig only with probability ~1e-8 per step, so a sharded rig scales by
+    the very coefficient one process does (fp32 sums of shard norms would differ in the last bits).
+    """
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        for chunk in grad.reshape(-1).split(1 << 24):  # bounds the fp64 temporary
+            wide = chunk.double()
+            local += torch.dot(wide, wide)
+    total = sync.grad_sq_total(local) if sync is not None else local
+    norm = total.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef)
+    return norm
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 INIT_STD = 0.02
 Device = torch.device | str | None
@@ -117,9 +118,21 @@ PRESETS: dict[str, ModelConfig] = {
     "devnet": ModelConfig(dim=128, n_layers=5, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=128),
     # ~9.6M parameters: the aggregator benchmark.
     "10m": ModelConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=512),
-    # ~1.0B parameters (Llama-3.2-1B's body with the byte vocabulary): a GPU run.
+    # ~12.8M parameters: the smallest rig benchmark (scripts/bench_rig.py) and the planner's CPU check.
+    "12m": ModelConfig(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=256),
+    # The sizes a rig of 1-8 GPUs trains (Llama 3 shapes with the byte vocabulary; scripts/plan_rig.py).
+    # ~1.0B parameters (Llama-3.2-1B's body): one GPU, replicated or sharded.
     "1b": ModelConfig(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=2048, rope_theta=500000.0
+    ),
+    # ~7.0B parameters (Llama-3-8B's body; its 128k vocabulary is most of the other billion).
+    "8b": ModelConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=2048, rope_theta=500000.0
+    ),
+    # ~30.2B parameters: Llama 3 proportions (head_dim 128, 8 kv heads, ffn ≈ 3.7 × dim) at 60 layers;
+    # needs its state sharded over 8 × 80 GB.
+    "30b": ModelConfig(
+        dim=6144, n_layers=60, n_heads=48, n_kv_heads=8, ffn_dim=22528, max_seq_len=2048, rope_theta=500000.0
     ),
 }
 
@@ -229,6 +242,9 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig, device: Device = None) -> None:
         super().__init__()
         self.config = cfg
+        # Activation checkpointing: keep only each layer's input for backward and recompute the rest
+        # (a third more compute for ~1/20 of the activation memory; what lets 30B train on 80 GB GPUs).
+        self.checkpoint_layers = False
         self.model = LlamaBody(cfg, device)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_embeddings:
@@ -244,7 +260,10 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(seq, self.config.head_dim, self.config.rope_theta, tokens.device)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.lm_head(self.model.norm(x))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,14 @@ class Rig:
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every process's `obj` (small, picklable) as a list on rank 0; None on the others."""
+        if not self.distributed:
+            return [obj]
+        box: list[Any] | None = [None] * self.world_size if self.is_rank0 else None
+        dist.gather_object(obj, box, dst=0)
+        return box
+
     def all_reduce_grads(self, params: list[nn.Parameter]) -> None:
         """Sum gradients over the rig. One async collective per tensor: NCCL and gloo pipeline them."""
         if not self.distributed:
@@ -113,6 +121,9 @@ class Rig:
         summed = tensor.clone()
         dist.all_reduce(summed)
         return summed
+
+    def grad_sq_total(self, local: torch.Tensor) -> torch.Tensor:
+        return local  # after `all_reduce_grads` every process holds the whole gradients
 
     def shard(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """This process's share of the rig's micro-batch stream: micro-batches rank, rank + N, ..."""

@@ -8,7 +8,7 @@ one process), so what a simulated host sends is byte for byte what a real one wo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import Tensor
 from training.codecs import Codec, ErrorFeedback, get_codec, round_seed
 from training.data import Windows
 from training.diloco import pseudo_gradient
-from training.inner import InnerConfig, InnerResult, InnerTrainer
+from training.inner import Batch, InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
 from training.rig import Rig
 
@@ -39,6 +39,18 @@ class WorkerRound:
     round: int
     payload: bytes
     delta_norm: float  # of the uncompressed pseudo-gradient; a quick sanity figure for logs
+    mean_loss: float
+    last_loss: float
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RoundFigures:
+    """A round's figures without its payload (a rig writes the payload to a file)."""
+
+    round: int
+    delta_norm: float
     mean_loss: float
     last_loss: float
     tokens: int
@@ -104,25 +116,14 @@ class DiLoCoWorker:
                 p.copy_(global_params[name])
         if self.trainer.config.round_state == "fresh":
             self.trainer.restart(self.round_start_step(round_index))
-        ids = self.windows.assignment(
-            epoch_seed=self.assignment.epoch_seed,
-            round_index=round_index,
-            slot=self.assignment.slot,
-            max_slots=self.assignment.max_slots,
-            windows_per_host=self.trainer.config.windows_per_round,
-        )
-        batches = self.windows.batches(ids, self.micro_batch)
+        batches = round_batches(self.windows, self.assignment, round_index, self.trainer.config, self.micro_batch)
         if self.rig is not None:
             batches = self.rig.shard(batches)
         result = self.trainer.run(batches, on_step=on_step)
         return pseudo_gradient(global_params, dict(self.model.named_parameters())), result
 
     def round_start_step(self, round_index: int) -> int:
-        """Where a `fresh` round starts on the epoch's schedule: H steps per round since the first, so
-        a late joiner or a restarted host trains at the same learning rates as everyone else."""
-        if round_index < self.first_round:
-            raise ValueError(f"round {round_index} precedes the first round {self.first_round}")
-        return (round_index - self.first_round) * self.trainer.config.steps
+        return round_start_step(round_index, self.first_round, self.trainer.config.steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.trainer.state_dict(), "feedback": self.feedback.state_dict()}
@@ -130,6 +131,28 @@ class DiLoCoWorker:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.load_state_dict(dict(state["inner"]))
         self.feedback.load_state_dict(state["feedback"])
+
+
+def round_start_step(round_index: int, first_round: int, steps: int) -> int:
+    """Where a `fresh` round starts on the epoch's schedule: H steps per round since the first, so
+    a late joiner or a restarted host trains at the same learning rates as everyone else."""
+    if round_index < first_round:
+        raise ValueError(f"round {round_index} precedes the first round {first_round}")
+    return (round_index - first_round) * steps
+
+
+def round_batches(
+    windows: Windows, assignment: Assignment, round_index: int, inner: InnerConfig, micro_batch: int
+) -> Iterator[Batch]:
+    """The whole rig's micro-batches of one host slot in one round, in training order."""
+    ids = windows.assignment(
+        epoch_seed=assignment.epoch_seed,
+        round_index=round_index,
+        slot=assignment.slot,
+        max_slots=assignment.max_slots,
+        windows_per_host=inner.windows_per_round,
+    )
+    return iter(windows.batches(ids, micro_batch))
 
 
 def replay_round(

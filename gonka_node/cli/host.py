@@ -20,6 +20,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="processes of this host's rig (one per GPU; gloo processes on CPU): each round's inner steps "
         "run across them with the recipe's global batch (default 1)",
     )
+    run.add_argument(
+        "--shard", choices=("auto", "replicated", "sharded"), default="auto",
+        help="the rig's model, gradients and AdamW state: whole in every process, or split over them "
+        "(FSDP2); auto shards when one GPU cannot hold them (scripts/plan_rig.py shows the numbers)",
+    )
+    run.add_argument("--activation-checkpointing", action="store_true",
+                     help="recompute each layer in backward instead of keeping its activations")
+    run.add_argument("--compile", action="store_true", help="torch.compile the model in the rig's processes")
     run.set_defaults(func=_run)
     rewards = subparsers.add_parser("rewards", help="list this host's rewards per round; --claim claims them")
     rewards.add_argument("--config", type=Path, required=True, help="host TOML file")
@@ -85,6 +93,9 @@ def _run(args: argparse.Namespace) -> int:
         cache_dir=cfg.cache_dir,
         stop_after_rounds=args.rounds,
         procs=args.gpus,
+        sharding=args.shard,
+        checkpoint_activations=args.activation_checkpointing,
+        compile=args.compile,
     )
     node = HostNode(settings, parts.recipe, parts.chain, parts.aggregator, parts.keys, MultiEvents(sinks))
     try:

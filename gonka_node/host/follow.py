@@ -16,7 +16,7 @@ from typing import Protocol
 from safetensors.torch import load as load_safetensors
 from torch import Tensor
 
-from training.checkpoint import canonical_sha256
+from training.checkpoint import canonical_sha256, tensors_view
 from training.diloco import OuterOptimizer
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,16 @@ def follow_to(
             model.round_done = r
             continue
         try:
-            update = load_safetensors(fetch_update(r))
-            trial = {n: t.clone() for n, t in model.params.items()}
-            model.outer.step(trial, update)
+            # In place, tensor by tensor, the update a view of the downloaded bytes: the step needs the
+            # model, the momentum and one update, nothing more (a 30B model: 360 GB, not 600).
+            update = tensors_view(fetch_update(r))
+            model.sha256 = b""  # from here until the hash matches, the held model is no verified state
+            model.outer.step(model.params, update)
         except Exception as exc:  # any failure here falls back to the verified pull below
             log.warning("round %d: cannot apply the aggregated update (%s); pulling the checkpoint", r, exc)
             model.outer = None
             break
-        got = bytes.fromhex(canonical_sha256(trial))
+        got = bytes.fromhex(canonical_sha256(model.params))
         if got != want:
             log.warning(
                 "round %d: applying the update gave %s, the chain records %s; pulling the checkpoint",
@@ -85,7 +87,7 @@ def follow_to(
             )
             model.outer = None
             break
-        model.params, model.sha256, model.round_done = trial, got, r
+        model.sha256, model.round_done = got, r
     if model.round_done == target_round:
         return how
     want = chain.checkpoint_sha256(target_round)

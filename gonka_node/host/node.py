@@ -18,18 +18,18 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
+import torch
 
 from chain.client import ChainClient
 from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
 from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import GlobalModel, follow_to
-from gonka_node.host.rig_round import RigError, RigRound
+from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRounds, Rounds, make_worker
 from gonka_node.host.store import HostStore, Progress
 from gonka_node.keys import NodeKeys
 from gonka_node.recipe import Recipe
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import canonical_sha256
-from training.codecs import get_codec
 from training.diloco import OuterOptimizer
 from training.model import build_model
 from training.worker import Assignment, DiLoCoWorker
@@ -76,6 +76,16 @@ class HostSettings:
     backoff_s: float = 0.5
     stop_after_rounds: int | None = None  # leave the loop after this many applied rounds (tests)
     procs: int = 1  # processes of this host's rig (`--gpus N`): the inner steps run across them
+    sharding: str = "auto"  # the rig's state: "replicated", "sharded" (FSDP2) or "auto" (training.plan)
+    checkpoint_activations: bool = False
+    compile: bool = False  # torch.compile in the rig's processes
+
+    def rig_options(self) -> RigOptions:
+        return RigOptions(self.procs, self.sharding, self.checkpoint_activations, self.compile)
+
+    def uses_rig(self) -> bool:
+        """A rig of processes (torchrun) unless this is one process on a CPU: one GPU trains there too."""
+        return self.procs > 1 or torch.cuda.is_available()
 
 
 class ChainHashes:
@@ -132,28 +142,23 @@ class HostNode:
     def _outer(self) -> OuterOptimizer:
         return OuterOptimizer(self.recipe.outer_lr, self.recipe.outer_momentum)
 
-    def _prepare(self) -> tuple[DiLoCoWorker, GlobalModel, Progress]:
+    def _rounds(self, assignment: Assignment) -> Rounds:
+        """A rig (`RigRounds`, started last in `_prepare`) or the daemon's own process (`LocalRounds`)."""
+        if not self.settings.uses_rig():
+            return LocalRounds(make_worker(self.recipe, assignment, self.settings.cache_dir))
+        try:
+            return RigRounds(self.settings.rig_options(), self.recipe, assignment, self.settings.cache_dir,
+                             self.settings.state_dir / "rig")
+        except RigError as exc:
+            raise HostError(str(exc)) from exc
+
+    def _prepare(self) -> tuple[GlobalModel, Progress]:
         epoch = self.chain.get_epoch(self.settings.epoch)
         spec = epoch.spec
         self.recipe.check_against_chain(spec)
         self.n_rounds = spec.n_rounds
         slot = self.ensure_joined()
-        model = build_model(self.recipe.model, self.recipe.init_seed)
-        worker = DiLoCoWorker(
-            model,
-            self.recipe.inner_config(),
-            get_codec(self.recipe.codec),
-            self.recipe.windows(self.settings.cache_dir),
-            Assignment(self.recipe.epoch_seed, slot, spec.max_hosts),
-            self.recipe.ef_decay,
-        )
-        self.rig_round: RigRound | None = None
-        if self.settings.procs > 1:
-            try:
-                self.rig_round = RigRound(self.settings.procs, self.recipe, worker.assignment,
-                                          self.settings.cache_dir, self.settings.state_dir / "rig")
-            except RigError as exc:
-                raise HostError(str(exc)) from exc
+        self.rounds = self._rounds(Assignment(self.recipe.epoch_seed, slot, spec.max_hosts))
         snap = self.store.load()
         if snap is not None and snap.progress.epoch == self.settings.epoch:
             progress = snap.progress
@@ -164,11 +169,17 @@ class HostNode:
                 state.update(steps=progress.outer_steps, momentum_buffer=snap.outer_buffers or {})
                 outer.load_state_dict(state)
             if snap.worker_state is not None:
-                worker.load_state_dict(snap.worker_state)
+                try:
+                    self.rounds.load_state_dict(snap.worker_state)
+                except RigError as exc:
+                    raise HostError(f"{self.store.root}: {exc}") from exc
             gm = GlobalModel(snap.global_params, bytes.fromhex(progress.model_sha256), progress.round_done, outer)
             self.events.note(f"resumed at round {progress.round_done} from {self.store.root}")
-            return worker, gm, progress
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            self.rounds.start()
+            return gm, progress
+        # The daemon's copy of the global model: a model of its own (a rig trains in other processes).
+        model = build_model(self.recipe.model, self.recipe.init_seed)
+        params = {n: p.detach() for n, p in model.named_parameters()}
         sha = bytes.fromhex(canonical_sha256(params))
         if sha != spec.init_checkpoint_hash:
             raise HostError(
@@ -176,25 +187,40 @@ class HostNode:
                 f"{spec.init_checkpoint_hash.hex()}"
             )
         progress = Progress(self.settings.epoch, slot, 0, sha.hex())
-        return worker, GlobalModel(params, sha, 0, self._outer()), progress
+        self.rounds.start()
+        return GlobalModel(params, sha, 0, self._outer()), progress
 
-    def _save(self, worker: DiLoCoWorker, gm: GlobalModel, progress: Progress) -> None:
+    def _save(self, gm: GlobalModel, progress: Progress) -> None:
         progress.round_done, progress.model_sha256 = gm.round_done, gm.sha256.hex()
         progress.outer_steps = gm.outer.steps if gm.outer is not None else -1
         buffers = gm.outer.buffers if gm.outer is not None else None
-        self.store.save(progress, gm.params, buffers, worker.state_dict())
+        self.store.save(progress, gm.params, buffers, self.rounds.state_dict())
+
+    def _global_file(self, gm: GlobalModel, progress: Progress) -> Path:
+        """The held global model as a file (what a rig's processes read): the store's snapshot, saved
+        first if the model moved on since (a catch-up over several rounds saves only at the end)."""
+        path = self.store.global_path(gm.round_done)
+        if (progress.round_done, progress.model_sha256) != (gm.round_done, gm.sha256.hex()) or not path.exists():
+            self._save(gm, progress)
+        return path
 
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self) -> Progress:
-        worker, gm, progress = self._prepare()
+        gm, progress = self._prepare()
+        try:
+            return self._loop(gm, progress)
+        finally:
+            self.rounds.close()
+
+    def _loop(self, gm: GlobalModel, progress: Progress) -> Progress:
         hashes = ChainHashes(self.chain, self.settings.epoch)
         applied = 0
         while True:
             latest = self.chain.latest_round(self.settings.epoch)
             if latest >= self.n_rounds:
                 self._catch_up(gm, latest, hashes, progress)
-                self._save(worker, gm, progress)
+                self._save(gm, progress)
                 self.events.note(f"epoch {self.settings.epoch} finished after {latest} rounds")
                 return progress
             info = self._open_round()
@@ -212,13 +238,13 @@ class HostNode:
                 )
             submitted_at = time.monotonic()
             if str(info.round) not in progress.submitted:
-                self._train_and_submit(worker, gm, info, progress)
+                self._train_and_submit(self._local_worker(), gm, info, progress)
                 submitted_at = time.monotonic()
             self._wait_finalized(info.round)
             how = self._follow(gm, info.round, hashes)
             reward = self._reward(info.round)
             progress.rewards[str(info.round)] = reward
-            self._save(worker, gm, progress)
+            self._save(gm, progress)
             self.events.round_applied(info.round, how, gm.sha256, reward, time.monotonic() - submitted_at)
             applied += 1
             if self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds:
@@ -248,20 +274,25 @@ class HostNode:
             if mine is not None and str(r) not in progress.submitted:
                 progress.bytes_sent += int(mine.payload_length)
 
+    def _local_worker(self) -> DiLoCoWorker | None:
+        return self.rounds.worker if isinstance(self.rounds, LocalRounds) else None
+
     def _train_and_submit(
-        self, worker: DiLoCoWorker, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
+        self, worker: DiLoCoWorker | None, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
     ) -> None:
-        before = copy.deepcopy(worker.state_dict())
-        total = worker.trainer.config.steps
-        first = worker.trainer.step
+        """Train the round and upload it. `worker`: the one-process worker (None on a rig), what a
+        subclass that replaces the honest round works with (`gonka_node.adversary`); this one goes
+        through `self.rounds`, which holds the same worker."""
+        before = copy.deepcopy(self.rounds.state_dict())
+        total = self.recipe.inner_steps
 
         def on_step(step: int, loss: float) -> None:
-            self.events.inner_step(info.round, step - first, total, loss)
+            self.events.inner_step(info.round, step, total, loss)
 
-        if self.rig_round is not None:
-            result = self.rig_round.train_round(worker, info.round, gm.params, on_step)
-        else:
-            result = worker.train_round(info.round, gm.params, on_step)
+        try:
+            result = self.rounds.train_round(info.round, gm.params, lambda: self._global_file(gm, progress), on_step)
+        except RigError as exc:
+            raise HostError(str(exc)) from exc
         self.events.round_trained(info.round, result.last_loss, result.tokens, result.seconds, len(result.payload))
         started = time.monotonic()
         accepted, reason = self._submit(info, result.payload, result.tokens)
@@ -270,7 +301,7 @@ class HostNode:
             progress.submitted[str(info.round)] = hashlib.sha256(result.payload).hexdigest()
             progress.bytes_sent += len(result.payload)
         else:
-            worker.load_state_dict(before)
+            self.rounds.load_state_dict(before)
 
     def _submit(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
         delay = self.settings.backoff_s

@@ -1,54 +1,83 @@
-"""A host's inner steps across the N processes of its rig (`gonka-node run --gpus N`).
+"""How a host trains its rounds: in the daemon's own process, or on a rig that lives for the epoch.
 
-The daemon stays one process that talks to the network; for each round it launches the rig: N
-processes joined through a fresh FileStore rendezvous (no ports; NCCL on GPUs, gloo on CPU), each
-holding a full model copy and taking every N-th micro-batch, gradients summed before every step
-(`training.rig`). The global batch is the recipe's whatever N is, so the payload is the one a single
-process sends (bit for bit when grad_accum == N; see tests/gonka_node/test_host_rig.py).
+`LocalRounds` runs the round in the daemon (`gonka-node run` on a CPU, one process). `RigRounds`
+starts one torchrun job (`torch.distributed.run --standalone`, its elastic agent restarting the whole
+rig if a process dies) whose processes keep the model, the AdamW state and any compiled graph on
+their devices for the epoch and take the daemon's rounds through a mailbox folder
+(`training.rig_service`). Each process loads only what it trains on from the daemon's global-model
+file; rank 0 writes the payload. With `--shard sharded` the rig's state is split over its processes
+by FSDP2 (`training.sharded`); replicated, every process holds it all and gradients are all-reduced.
 
-The daemon's `DiLoCoWorker` stays the owner of what survives between rounds: its state (inner AdamW,
-error-feedback residual) goes to the rig in a file and comes back from rank 0 after the round. The
-processes are started per round, which costs a few seconds of start-up per round; a round is minutes
-of training on a real rig.
+The daemon's `state_dict()` of a rig is only the *version* of the rig's state to start the next round
+from (`{"rig": {"base": r, ...}}`, saved in the host's progress): the state itself stays in the rig's
+files, so a refused round rolls back by naming the previous version, as the one-process worker's
+state does. Either way the payload is the one a one-process host sends, byte for byte on CPU with
+`grad_accum` equal to the number of processes (docs/ARCHITECTURE.md, "Rigs", for the tolerance
+elsewhere).
+
+`python -m gonka_node.host.rig_round --setup FILE` is what torchrun runs in every process.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gonka_node.recipe import Recipe
 from training.codecs import get_codec
-from training.model import build_model
+from training.model import Llama, build_model
+from training.plan import choose_sharding
 from training.rig import Rig
+from training.rig_service import (
+    Mailbox,
+    ReplicatedWorker,
+    RigService,
+    RoundOrder,
+    RoundReport,
+    RoundWorker,
+    StateVersions,
+)
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
+
+SHARDINGS = ("auto", "replicated", "sharded")
+StepHook = Callable[[int, float], None]  # (step within the round, from 1; loss)
 
 
 class RigError(RuntimeError):
     pass
 
 
-def make_worker(recipe: Recipe, assignment: Assignment, cache_dir: Path | None, rig: Rig | None = None) -> DiLoCoWorker:
-    """The host's worker for this recipe and slot (on `rig`'s device, sharing its batches when given)."""
-    device = rig.device if rig is not None else "cpu"
-    return DiLoCoWorker(
-        build_model(recipe.model, recipe.init_seed, device),
-        recipe.inner_config(),
-        get_codec(recipe.codec),
-        recipe.windows(cache_dir),
-        assignment,
-        recipe.ef_decay,
-        rig=rig,
-    )
+@dataclass(frozen=True)
+class RigOptions:
+    """`gonka-node run --gpus N --shard … --activation-checkpointing --compile`: host-local choices
+    that change how fast a round trains, not what it sends."""
+
+    procs: int = 1
+    sharding: str = "auto"  # auto: sharded when one GPU cannot hold the training state (training.plan)
+    checkpoint_activations: bool = False
+    compile: bool = False
+    max_restarts: int = 3  # times torchrun's agent restarts a rig whose process died, per rig start
+
+    def __post_init__(self) -> None:
+        if self.procs < 1:
+            raise RigError(f"--gpus {self.procs}: a rig has at least one process")
+        if self.sharding not in SHARDINGS:
+            raise RigError(f"--shard {self.sharding!r}: choose one of {', '.join(SHARDINGS)}")
+        if self.max_restarts < 0:
+            raise RigError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
 
 def check_rig_size(recipe: Recipe, procs: int) -> None:
@@ -61,76 +90,271 @@ def check_rig_size(recipe: Recipe, procs: int) -> None:
         )
 
 
-@dataclass(frozen=True)
-class RoundJob:
-    """What every process of the rig needs for one round (picklable: it crosses the spawn)."""
-
-    recipe: Recipe
-    assignment: Assignment
-    cache_dir: Path | None
-    round: int
-    global_path: Path
-    state_path: Path
-    result_path: Path
-    rendezvous: Path
+def make_worker(recipe: Recipe, assignment: Assignment, cache_dir: Path | None, model: Llama | None = None) -> DiLoCoWorker:
+    """The host's one-process worker for this recipe and slot (on the recipe's initial model unless given)."""
+    return DiLoCoWorker(
+        model if model is not None else build_model(recipe.model, recipe.init_seed),
+        recipe.inner_config(),
+        get_codec(recipe.codec),
+        recipe.windows(cache_dir),
+        assignment,
+        recipe.ef_decay,
+    )
 
 
-def _rig_process(rank: int, world_size: int, job: RoundJob) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    rig = Rig.from_store(dist.FileStore(str(job.rendezvous), world_size), rank, world_size)
-    try:
-        worker = make_worker(job.recipe, job.assignment, job.cache_dir, rig)
-        worker.load_state_dict(torch.load(job.state_path, weights_only=True, map_location=rig.device))
-        global_params = {n: t.to(rig.device) for n, t in load_file(str(job.global_path)).items()}
-        steps: list[tuple[int, float]] = []
-        result = worker.train_round(job.round, global_params, lambda s, loss: steps.append((s, loss)))
-        if rig.is_rank0:  # every process holds the same model and residual; rank 0 hands them back
-            staged = job.result_path.with_suffix(".tmp")
-            torch.save({"round": asdict(result), "state": worker.state_dict(), "steps": steps}, staged)
-            os.replace(staged, job.result_path)
-        rig.barrier()
-    finally:
-        rig.close()
+class Rounds(Protocol):
+    """What the host daemon trains its rounds with (`LocalRounds` or `RigRounds`)."""
 
-
-class RigRound:
-    """Trains a `DiLoCoWorker`'s round on `procs` local processes; the worker's state follows."""
-
-    def __init__(self, procs: int, recipe: Recipe, assignment: Assignment, cache_dir: Path | None, work_dir: Path):
-        check_rig_size(recipe, procs)
-        self.procs, self.recipe, self.assignment, self.cache_dir, self.work_dir = (
-            procs, recipe, assignment, cache_dir, work_dir,
-        )
+    def start(self) -> None: ...
 
     def train_round(
-        self,
-        worker: DiLoCoWorker,
-        round_index: int,
-        global_params: Mapping[str, Tensor],
-        on_step: Callable[[int, float], None] | None = None,
+        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
     ) -> WorkerRound:
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        tag = f"round-{round_index}-{uuid.uuid4().hex[:8]}"
-        job = RoundJob(
-            self.recipe, self.assignment, self.cache_dir, round_index,
-            self.work_dir / f"{tag}-global.safetensors", self.work_dir / f"{tag}-state.pt",
-            self.work_dir / f"{tag}-result.pt", self.work_dir / f"{tag}-rendezvous",
+        """Train `round_index` from the global model (`params`, or the same in the file `params_file()`
+        returns); the state moves on to after this round (`load_state_dict` takes it back)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalRounds:
+    """Rounds in the daemon's process: its `DiLoCoWorker` holds the whole state."""
+
+    def __init__(self, worker: DiLoCoWorker) -> None:
+        self.worker = worker
+
+    def start(self) -> None:
+        return None
+
+    def train_round(
+        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
+    ) -> WorkerRound:
+        count = iter(range(1, sys.maxsize))
+        return self.worker.train_round(round_index, params, lambda _step, loss: on_step(next(count), loss))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.worker.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "rig" in state:
+            raise RigError(f"this host's saved state belongs to a rig of {state['rig']['procs']} processes; "
+                           f"run with --gpus {state['rig']['procs']}")
+        self.worker.load_state_dict(state)
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class RigSetup:
+    """What every rig process reads at start (JSON next to the mailbox)."""
+
+    recipe: dict[str, Any]
+    epoch_seed: int
+    slot: int
+    max_slots: int
+    cache_dir: str | None
+    sharding: str
+    checkpoint_activations: bool
+    compile: bool
+    mailbox: str
+    state_dir: str
+    parent_pid: int
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> RigSetup:
+        return cls(**json.loads(path.read_text()))
+
+
+class RigRounds:
+    """Rounds on a torchrun job of `options.procs` processes that lives from `start()` to `close()`."""
+
+    def __init__(
+        self, options: RigOptions, recipe: Recipe, assignment: Assignment, cache_dir: Path | None, work_dir: Path,
+        poll_s: float = 0.05,
+    ) -> None:
+        check_rig_size(recipe, options.procs)
+        self.options, self.recipe, self.assignment, self.cache_dir = options, recipe, assignment, cache_dir
+        self.work_dir, self.poll_s = work_dir, poll_s
+        self.base = 0  # the rig-state version the next round starts from
+        self.seq = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.mailbox: Mailbox | None = None
+        self.log_path: Path | None = None
+        self.last_report: RoundReport | None = None  # the rig's figures of the last round (benchmarks)
+
+    def start(self) -> None:
+        """Launch the rig (it builds its model and loads its data while the daemon waits for a round)."""
+        run = self.work_dir / f"run-{uuid.uuid4().hex[:8]}"
+        run.mkdir(parents=True)
+        self.mailbox, self.log_path = Mailbox(run / "mailbox"), run / "rig.log"
+        setup = RigSetup(
+            self.recipe.to_dict(), self.assignment.epoch_seed, self.assignment.slot, self.assignment.max_slots,
+            str(self.cache_dir) if self.cache_dir is not None else None, self.options.sharding,
+            self.options.checkpoint_activations, self.options.compile, str(self.mailbox.root),
+            str(self.work_dir / "state"), os.getpid(),
         )
-        try:
-            save_file({n: t.detach().contiguous().cpu() for n, t in global_params.items()}, str(job.global_path))
-            torch.save(worker.state_dict(), job.state_path)
-            try:
-                mp.spawn(_rig_process, args=(self.procs, job), nprocs=self.procs, join=True)
-            except mp.ProcessRaisedException as exc:
-                raise RigError(f"round {round_index}: a rig process failed:\n{exc}") from exc
-            except mp.ProcessExitedException as exc:
-                raise RigError(f"round {round_index}: a rig process died ({exc})") from exc
-            back = torch.load(job.result_path, weights_only=True, map_location="cpu")
-        finally:
-            for path in (job.global_path, job.state_path, job.result_path, job.rendezvous):
-                path.unlink(missing_ok=True)
-        worker.load_state_dict(back["state"])
-        if on_step is not None:  # replayed after the fact: the steps ran in the rig's processes
-            for step, loss in back["steps"]:
+        setup.save(run / "setup.json")
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.options.procs}",
+            f"--max-restarts={self.options.max_restarts}", "--monitor-interval=0.5",
+            "-m", "gonka_node.host.rig_round", "--setup", str(run / "setup.json"),
+        ]
+        with self.log_path.open("wb") as log:
+            # Its own session: the daemon stops the agent and its workers together (close()).
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> float:
+        """Block until every process has built its model and waits for orders; returns the seconds waited.
+        (The daemon need not: an order posted earlier is taken as soon as the rig is up.)"""
+        if self.proc is None or self.mailbox is None:
+            raise RigError("the rig is not started")
+        started = time.monotonic()
+        while any(self.mailbox.pid(rank) is None for rank in range(self.options.procs)):
+            if self.proc.poll() is not None:
+                raise RigError(f"the rig stopped while starting (exit code {self.proc.returncode}):\n{self.log_tail()}")
+            if time.monotonic() - started > timeout_s:
+                raise RigError(f"the rig did not start within {timeout_s:.0f} s:\n{self.log_tail()}")
+            time.sleep(self.poll_s)
+        return time.monotonic() - started
+
+    def train_round(
+        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
+    ) -> WorkerRound:
+        if self.proc is None or self.mailbox is None:
+            raise RigError("the rig is not started")
+        self.seq += 1
+        order = RoundOrder(self.seq, round_index, str(params_file()), self.base)
+        self.mailbox.post(order)
+        report = self._await(order, on_step)
+        payload_path = self.mailbox.payload_path(order.seq)
+        payload = payload_path.read_bytes()
+        for path in (payload_path, self.mailbox.progress_path(order.seq)):
+            path.unlink(missing_ok=True)
+        self.base = round_index
+        self.last_report = report
+        return WorkerRound(round_index, payload, report.delta_norm, report.mean_loss, report.last_loss,
+                           report.tokens, report.seconds)
+
+    def _await(self, order: RoundOrder, on_step: StepHook) -> RoundReport:
+        assert self.proc is not None and self.mailbox is not None
+        offset = 0
+        while True:
+            report = self.mailbox.report(order.seq)
+            steps, offset = self.mailbox.progress(order.seq, offset)
+            for step, loss in steps:
                 on_step(step, loss)
-        return WorkerRound(**back["round"])
+            if report is not None:
+                return report
+            if self.proc.poll() is not None:
+                raise RigError(f"round {order.round}: the rig stopped (exit code {self.proc.returncode}) after "
+                               f"{self.options.max_restarts} restarts; the end of {self.log_path}:\n{self.log_tail()}")
+            time.sleep(self.poll_s)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path is not None else ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rig": {"base": self.base, "procs": self.options.procs}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        rig = state.get("rig")
+        if not isinstance(rig, Mapping):
+            raise RigError("this host's saved state belongs to a one-process host (its AdamW state and residual "
+                           "are in its state folder, not a rig's); run with --gpus 1")
+        if rig["procs"] != self.options.procs:
+            raise RigError(f"this host's saved state belongs to a rig of {rig['procs']} processes; "
+                           f"run with --gpus {rig['procs']}")
+        self.base = int(rig["base"])
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the rig: a stop order, then the session's processes if they linger."""
+        if self.proc is None or self.mailbox is None:
+            return
+        if self.proc.poll() is None:
+            self.mailbox.post(RoundOrder(self.seq + 1, stop=True))
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+
+# ---- the rig's processes ---------------------------------------------------------------------------
+
+
+def _parent_alive(pid: int) -> Callable[[], bool]:
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    return alive
+
+
+def _sharded(setup: RigSetup, recipe: Recipe, rig: Rig) -> bool:
+    if setup.sharding != "auto":
+        return setup.sharding == "sharded"
+    memory = torch.cuda.get_device_properties(rig.device).total_memory if rig.device.type == "cuda" else None
+    choice = choose_sharding(recipe.model, rig.world_size, memory, recipe.micro_batch, recipe.seq_len)
+    return bool(rig.broadcast_object(choice))  # one decision for the whole rig
+
+
+def build_rig_worker(setup: RigSetup, rig: Rig) -> tuple[RoundWorker, str]:
+    """The worker of this rig process, on meta tensors first: nothing is initialised (every round
+    loads the global model), and a sharded model is only ever allocated shard by shard."""
+    recipe = Recipe.from_dict(setup.recipe)
+    assignment = Assignment(setup.epoch_seed, setup.slot, setup.max_slots)
+    cache = Path(setup.cache_dir) if setup.cache_dir is not None else None
+    model = Llama(recipe.model, device="meta")
+    if not _sharded(setup, recipe, rig):
+        model.checkpoint_layers = setup.checkpoint_activations
+        inner = replace(recipe.inner_config(), compile=setup.compile)
+        worker = DiLoCoWorker(model.to_empty(device=rig.device), inner, get_codec(recipe.codec),
+                              recipe.windows(cache), assignment, recipe.ef_decay, rig=rig)
+        return ReplicatedWorker(worker, rig), "replicated"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from training.sharded import ShardedWorker, ShardOptions, shard_model
+
+    mesh = init_device_mesh(rig.device.type, (rig.world_size,))
+    shard_model(model, mesh, ShardOptions(checkpoint_activations=setup.checkpoint_activations, compile=setup.compile))
+    model.to_empty(device=rig.device)
+    worker = ShardedWorker(model, recipe.inner_config(), get_codec(recipe.codec), recipe.windows(cache), assignment,
+                           rig, recipe.ef_decay)
+    return worker, "sharded"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gonka_node.host.rig_round")
+    parser.add_argument("--setup", type=Path, required=True)
+    args = parser.parse_args(argv)
+    setup = RigSetup.load(args.setup)
+    rig = Rig.from_torchrun()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // rig.world_size))
+    try:
+        worker, mode = build_rig_worker(setup, rig)
+        if rig.is_rank0:
+            print(f"rig of {rig.world_size} processes on {rig.device.type}, {mode}", flush=True)
+        service = RigService(rig, Mailbox(Path(setup.mailbox)), StateVersions(Path(setup.state_dir)), worker,
+                             _parent_alive(setup.parent_pid))
+        service.serve()
+    finally:
+        rig.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -61,6 +61,10 @@ class HostStore:
     def _snap(self, round_done: int) -> Path:
         return self.root / f"snap-{round_done:06d}"
 
+    def global_path(self, round_done: int) -> Path:
+        """The saved global model after `round_done` (present once `save` recorded that round)."""
+        return self._snap(round_done) / "global.safetensors"
+
     def load(self) -> Snapshot | None:
         path = self.root / PROGRESS
         if not path.exists():

@@ -1,57 +1,120 @@
-"""`gonka-node run --gpus N`: a round's inner steps across N local processes (gloo on CPU here).
+"""`gonka-node run --gpus N`: a rig that lives for the epoch (torchrun, gloo on CPU here).
 
-The daemon's worker hands its state (inner AdamW, error-feedback residual) to a rig of 2 processes
-that rendezvous through a FileStore; rank 0 hands back the trained state and the payload. With
-grad_accum == processes each process backpropagates one micro-batch per step and the all-reduce sums
-the same two gradients a single process accumulates, so the payload is byte for byte the one-process
-payload, and so is the next round's (the state came back intact).
+`RigRounds` starts one torchrun job whose 2 processes keep the model and the state between rounds;
+with grad_accum == processes each process backpropagates one micro-batch per step and the reductions
+add the same two gradients a single process accumulates, so every payload is byte for byte the
+one-process payload — sharded (FSDP2) or replicated — and so is the aggregator's replay of it. A rig
+process killed mid-round is restarted by torchrun's agent; the rig reloads the round's base state
+from disk and sends the same payload. A refused round rolls back to the previous state version.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from stdlib_corpus import write_small_corpus
+from test_host_node import World
 
-from gonka_node.host.rig_round import RigError, RigRound, check_rig_size, make_worker
+from chain.backends import EmbeddedBackend
+from chain.client import ChainClient
+from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
+from gonka_node.host.node import HostNode, HostSettings
+from gonka_node.host.rig_round import (
+    LocalRounds,
+    RigError,
+    RigOptions,
+    RigRounds,
+    check_rig_size,
+    make_worker,
+)
+from gonka_node.host.store import HostStore, Progress
 from gonka_node.recipe import Recipe
+from training.codecs import get_codec, round_seed
 from training.model import ModelConfig, build_model
-from training.worker import Assignment
+from training.worker import Assignment, replay_round
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_recipe(tmp: Path, grad_accum: int = 2) -> Recipe:
+def tiny_recipe(tmp: Path, grad_accum: int = 2, **fields: object) -> Recipe:
     corpus = tmp / "corpus.txt"
     corpus.write_bytes((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_bytes())
-    return Recipe(
+    settings: dict[str, object] = dict(
         model=ModelConfig.preset("tiny"), corpus=str(corpus), seq_len=32, micro_batch=2, grad_accum=grad_accum,
-        inner_steps=4, inner_lr=3e-3, warmup_steps=1, n_rounds=2, codec="int8",
-    ).with_data_manifest()
+        inner_steps=4, inner_lr=3e-3, warmup_steps=1, n_rounds=3, codec="int8",
+    )
+    return Recipe(**{**settings, **fields}).with_data_manifest()  # type: ignore[arg-type]
 
 
-@pytest.mark.slow  # starts two Python processes per round
+def global_models(recipe: Recipe, tmp: Path) -> list[tuple[dict[str, torch.Tensor], Path]]:
+    """A different global model for each of rounds 1-3, in memory and as the daemon's file."""
+    out = []
+    for r in (1, 2, 3):
+        params = {n: p.detach().clone() for n, p in build_model(recipe.model, recipe.init_seed + r).named_parameters()}
+        save_file(params, str(tmp / f"global-{r}.safetensors"))
+        out.append((params, tmp / f"global-{r}.safetensors"))
+    return out
+
+
+@pytest.mark.slow  # two rig starts (one a restart after a kill): ~40 s on a loaded 2-core machine
 @pytest.mark.multiprocess
-def test_two_process_rig_rounds_send_the_one_process_payloads(tmp_path: Path) -> None:
-    torch.set_num_threads(1)
-    recipe = tiny_recipe(tmp_path)
+def test_a_sharded_rig_sends_one_process_payloads_and_survives_a_killed_process(tmp_path: Path) -> None:
+    recipe = tiny_recipe(tmp_path, inner_steps=30, round_state="fresh")  # fresh: the replay check applies
     assignment = Assignment(recipe.epoch_seed, slot=1, max_slots=4)
     cache = tmp_path / "cache"
-    init = {n: p.detach().clone() for n, p in build_model(recipe.model, recipe.init_seed).named_parameters()}
-    alone = make_worker(recipe, assignment, cache)
-    on_rig = make_worker(recipe, assignment, cache)
-    rig = RigRound(2, recipe, assignment, cache, tmp_path / "rig")
-    steps: list[int] = []
-    for r in (1, 2):
-        want = alone.train_round(r, init)
-        got = rig.train_round(on_rig, r, init, lambda step, loss: steps.append(step))
-        assert got.payload == want.payload, f"round {r}"
-        assert got.last_loss == pytest.approx(want.last_loss, abs=1e-6)
-    assert steps == list(range(1, 9))  # the rig's steps, replayed to the daemon's progress events
-    assert on_rig.trainer.step == alone.trainer.step == 8
-    for name, t in alone.feedback.residual.items():  # the residual came back from the rig intact
-        assert torch.equal(on_rig.feedback.residual[name], t), name
-    assert sorted(p.name for p in (tmp_path / "rig").iterdir()) == []  # nothing left behind
+    models = global_models(recipe, tmp_path)
+    alone = LocalRounds(make_worker(recipe, assignment, cache))
+    rig = RigRounds(RigOptions(2, "sharded"), recipe, assignment, cache, tmp_path / "rig")
+    rig.start()
+    try:
+        steps: list[int] = []
+        killed: list[int] = []
+
+        def kill_rank1_at_step_2(step: int, loss: float) -> None:
+            steps.append(step)
+            if step == 2 and not killed:
+                assert rig.mailbox is not None
+                pid = rig.mailbox.pid(1)
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+        payloads = []
+        for r, (params, path) in enumerate(models, start=1):
+            want = alone.train_round(r, params, lambda p=path: p, lambda s, loss: None)
+            hook = kill_rank1_at_step_2 if r == 2 else (lambda s, loss: None)
+            got = rig.train_round(r, params, lambda p=path: p, hook)
+            assert got.payload == want.payload, f"round {r}"
+            assert got.last_loss == want.last_loss and got.tokens == want.tokens
+            payloads.append(got.payload)
+            if r == 2:  # rank 1 died after step 2; the restarted rig trained the round again from step 1
+                assert steps[:2] == [1, 2] and steps[-30:] == list(range(1, 31)) and len(steps) >= 32
+                assert rig.mailbox is not None and rig.mailbox.pid(1) not in (None, killed[0])
+        # The sharded rig's round is the one the aggregator replays in one process, bit for bit.
+        replayed = replay_round(build_model(recipe.model, 0), recipe.inner_config(), recipe.windows(cache),
+                                assignment, 1, models[0][0])
+        codec = get_codec(recipe.codec).for_round(round_seed(recipe.epoch_seed, 1))
+        assert codec.encode(replayed) == payloads[0]  # round 1 has no error-feedback residual yet
+
+        # A refused round 3 leaves no trace: the rig goes back to the state after round 2 (from disk,
+        # its memory holds round 3's) and trains round 3 into the very same payload again.
+        rig.load_state_dict({"rig": {"base": 2, "procs": 2}})
+        params, path = models[2]
+        again = rig.train_round(3, params, lambda: path, lambda s, loss: None)
+        assert again.payload == payloads[2]
+        assert sorted(p.name for p in (tmp_path / "rig" / "state").iterdir()) == ["after-2", "after-3"]
+    finally:
+        rig.close()
+    assert rig.proc is None
 
 
 def test_rig_size_must_split_the_recipes_batch(tmp_path: Path) -> None:
@@ -61,4 +124,89 @@ def test_rig_size_must_split_the_recipes_batch(tmp_path: Path) -> None:
     with pytest.raises(RigError, match=r"--gpus 3: .* 2 micro-batches per step, .* divisor of 2"):
         check_rig_size(recipe, 3)
     with pytest.raises(RigError, match="at least one process"):
-        check_rig_size(recipe, 0)
+        RigOptions(0)
+    with pytest.raises(RigError, match=r"--shard 'zero': choose one of auto, replicated, sharded"):
+        RigOptions(2, "zero")
+
+
+def test_saved_state_of_another_rig_size_is_refused_with_the_fix(tmp_path: Path) -> None:
+    recipe = tiny_recipe(tmp_path)
+    assignment = Assignment(recipe.epoch_seed, slot=0, max_slots=2)
+    rig = RigRounds(RigOptions(2), recipe, assignment, None, tmp_path / "rig")  # never started
+    with pytest.raises(RigError, match="belongs to a rig of 4 processes; run with --gpus 4"):
+        rig.load_state_dict({"rig": {"base": 3, "procs": 4}})
+    with pytest.raises(RigError, match=r"belongs to a one-process host .* run with --gpus 1"):
+        rig.load_state_dict(make_worker(recipe, assignment, None).state_dict())
+    rig.load_state_dict({"rig": {"base": 3, "procs": 2}})
+    assert rig.state_dict() == {"rig": {"base": 3, "procs": 2}}
+    local = LocalRounds(make_worker(recipe, assignment, None))
+    with pytest.raises(RigError, match="run with --gpus 2"):
+        local.load_state_dict(rig.state_dict())
+    with pytest.raises(RigError, match="not started"):
+        rig.train_round(1, {}, lambda: tmp_path, lambda s, loss: None)
+    assert not (tmp_path / "rig").exists()  # nothing launched, nothing written
+
+
+def test_local_rounds_count_steps_within_the_round(tmp_path: Path) -> None:
+    recipe = replace(tiny_recipe(tmp_path), inner_steps=3)
+    worker = make_worker(recipe, Assignment(recipe.epoch_seed, 0, 2), None)
+    params = {n: p.detach().clone() for n, p in build_model(recipe.model, 0).named_parameters()}
+    rounds = LocalRounds(worker)
+    seen: list[int] = []
+    for r in (1, 2):
+        rounds.train_round(r, params, lambda: tmp_path, lambda s, loss: seen.append(s))
+    assert seen == [1, 2, 3, 1, 2, 3] and worker.trainer.step == 6
+
+
+def rig_world(tmp: Path) -> World:
+    """test_host_node's world with a 3-round recipe whose step takes 2 micro-batches (one per process)."""
+    from test_host_node import AGG, GNK, World, host_keys
+
+    tmp.mkdir(parents=True)
+    backend = EmbeddedBackend()
+    accounts = backend.dev_accounts()
+    gov = ChainClient(backend, accounts[0]).connect()
+    deployment = gov.deploy_all(initial_mint={a.address: 1_000 * GNK for a in accounts})
+    gov = ChainClient(backend, accounts[0], deployment).connect()
+    recipe = replace(tiny_recipe(tmp), corpus=str(write_small_corpus(tmp)), inner_steps=6, micro_batch=2,
+                     grad_accum=2, warmup_steps=2, round_state="fresh").with_data_manifest()
+    init_path = tmp / "init.safetensors"
+    terms = EpochTerms(aggregators=[accounts[AGG].address], round_length_s=120, signin_window_s=30,
+                       min_stake=100 * GNK, max_hosts=4, reward_per_round=100 * GNK)
+    epoch = gov.create_epoch(epoch_spec(recipe, initial_checkpoint(recipe, init_path), terms, "file:recipe.json"))
+    gov.fund_epoch(epoch, 300 * GNK)
+    world = World(backend, accounts, deployment, recipe, epoch, init_path)
+    for i in (1, 2):
+        world.client(i).join(epoch, 100 * GNK, host_keys(i, world).node_public_key)
+    backend.increase_time(31)
+    return world
+
+
+def run_epoch(world: World, tmp: Path, host1: HostSettings) -> list[Progress]:
+    from test_host_node import TLS, AggregatorThread, host_keys
+
+    with AggregatorThread(world, tmp / "agg") as target:
+        nodes = []
+        for i, settings in ((1, host1), (2, HostSettings(world.epoch, 5 * 10**9, tmp / "host2", poll_s=0.05))):
+            agg = AggregatorClient(target, TLS.cert_pem, 60.0)
+            nodes.append(HostNode(settings, world.recipe, world.client(i), agg, host_keys(i, world)))
+        with ThreadPoolExecutor(2) as pool:
+            return [f.result(timeout=600) for f in [pool.submit(n.run) for n in nodes]]
+
+
+@pytest.mark.slow  # two 3-round epochs with a real aggregator, one with a torchrun rig: ~1-2 min
+@pytest.mark.multiprocess
+def test_a_host_on_a_sharded_two_process_rig_submits_the_one_process_hosts_payloads(tmp_path: Path) -> None:
+    single, on_rig = tmp_path / "single", tmp_path / "rig"
+    world = rig_world(single)
+    alone = run_epoch(world, single, HostSettings(world.epoch, 5 * 10**9, single / "host1", poll_s=0.05))
+    world = rig_world(on_rig)
+    rigged = run_epoch(world, on_rig, HostSettings(world.epoch, 5 * 10**9, on_rig / "host1", poll_s=0.05,
+                                                   procs=2, sharding="sharded"))
+    assert set(alone[0].submitted) == {"1", "2", "3"}
+    assert rigged[0].submitted == alone[0].submitted  # the payloads' sha256, round by round
+    assert rigged[1].submitted == alone[1].submitted  # so the other host saw the same global models
+    assert rigged[0].model_sha256 == alone[0].model_sha256 == world.client(0).round_result(
+        world.epoch, 3).checkpoint_sha256.hex()
+    assert HostStore(on_rig / "host1").load().worker_state == {"rig": {"base": 3, "procs": 2}}  # type: ignore[union-attr]
+    assert sorted(p.name for p in (on_rig / "host1" / "rig" / "state").iterdir()) == ["after-2", "after-3"]

@@ -217,3 +217,24 @@ def test_damaged_training_state_is_an_error(tmp_path: Path) -> None:
         load_training_state(path, model=model, trainer=trainer)
     with pytest.raises(CheckpointError, match="no training state file"):
         load_training_state(tmp_path / "none.pt", model=model, trainer=trainer)
+
+
+def test_tensors_view_reads_safetensors_bytes_without_copying_and_refuses_garbage() -> None:
+    from safetensors.torch import save
+
+    from training.checkpoint import tensors_view
+
+    tensors = {"a": torch.randn(3, 4), "h": torch.randn(3).half(), "i": torch.arange(5), "e": torch.zeros(0, 2)}
+    data = save(tensors, metadata={"k": "v"})
+    view = tensors_view(data)
+    assert set(view) == set(tensors) and all(torch.equal(view[n], tensors[n]) for n in tensors)
+    assert view["a"].dtype == torch.float32 and view["i"].dtype == torch.int64
+    header = int.from_bytes(data[:8], "little")
+    with pytest.raises(CheckpointError, match="trailing bytes"):
+        tensors_view(data + b"\0\0\0\0")
+    with pytest.raises(CheckpointError, match="header claims"):
+        tensors_view(data[:8] + data[8:20])
+    with pytest.raises(CheckpointError, match="not JSON"):
+        tensors_view(data[:8] + b"x" * header + data[8 + header :])
+    with pytest.raises(CheckpointError, match="shorter than"):
+        tensors_view(b"\1\2")

@@ -282,3 +282,35 @@ def test_error_feedback_with_a_shared_mask_delivers_everything_each_cycle() -> N
     # one Δ, then nothing: within one cycle each entry was sent once and carried its share (4-bit error)
     assert ((total - delta).norm() / delta.norm()).item() < 0.15
     assert torch.allclose(total + ef.residual["w"], delta, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_a_payload_is_its_header_and_independent_per_tensor_parts(name: str) -> None:
+    # What lets a rig's processes encode the tensors they own and rank 0 just concatenate.
+    codec = get_codec(name).for_round(12)
+    tensors = _tensors(3)
+    parts = {n: codec.encode_tensor(n, tensors[n]) for n in reversed(sorted(tensors))}  # any order
+    assert codec.header(spec_of(tensors)) + b"".join(parts[n] for n in sorted(parts)) == codec.encode(tensors)
+    for n, part in parts.items():
+        assert torch.equal(codec.decode_tensor(n, part, tuple(tensors[n].shape)), codec.decode(
+            codec.encode(tensors), spec_of(tensors))[n])
+    with pytest.raises(CodecError, match=r"part of model.norm.weight is \d+ bytes, expected"):
+        codec.decode_tensor("model.norm.weight", parts["model.norm.weight"][:-1], (7,))
+
+
+def test_error_feedback_per_tensor_parts_equal_the_whole_payload_and_nan_changes_nothing() -> None:
+    codec = get_codec("int4")
+    whole, parted = ErrorFeedback(codec, 0.9), ErrorFeedback(codec, 0.9)
+    for seed in (1, 2):
+        delta = _tensors(seed)
+        payload = whole.compress(delta)
+        parts = b"".join(parted.compress_tensor(n, delta[n]) for n in sorted(delta))
+        assert codec.header(spec_of(delta)) + parts == payload
+        for n in delta:
+            assert torch.equal(parted.residual[n], whole.residual[n])
+    before = {n: t.clone() for n, t in whole.residual.items()}
+    bad = _tensors(4)
+    bad["zeros"][5] = float("nan")  # sorted after the first two names: they were compressed already
+    with pytest.raises(ValueError, match="zeros contains NaN"):
+        whole.compress(bad)
+    assert all(torch.equal(whole.residual[n], before[n]) for n in before)

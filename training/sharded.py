@@ -1,0 +1,348 @@
+"""Sharded state inside a rig (FSDP2): parameters, gradients and AdamW state split over its processes.
+
+`shard_model` applies `torch.distributed.fsdp.fully_shard` to every decoder layer and to the model:
+each process keeps rows [r·c, (r+1)·c) of every parameter (c = ceil(rows / N), FSDP2's dim-0 split),
+the layer being computed is all-gathered and freed again, and gradients are reduce-scattered. On CUDA
+the gathered copies are bf16 while the shards (the master weights, the optimizer's) and the gradient
+reductions stay fp32 (`MixedPrecisionPolicy`); on CPU everything is fp32. Gradients are *summed* over
+the rig (not averaged): the inner loop already divides by the global micro-batch count, as the
+replicated rig's all-reduce does.
+
+`ShardedWorker` is the rig's side of one host's DiLoCo round when its state is sharded. The
+pseudo-gradient Δ = θ_global − θ_local is elementwise, so each process computes it for its rows; each
+tensor then goes to one *owner* process, which adds its error-feedback residual, encodes the tensor's
+payload part and keeps the new residual (`ErrorFeedback.compress_tensor`). Owners are a balanced
+split of the tensors: no process ever holds the whole model, its whole Δ or its whole residual, only
+one tensor at a time beyond its share. Payload parts are independent per tensor, so rank 0 writes the
+codec header and concatenates the owners' parts in name order: the payload is byte for byte the one
+a single process sends from the same Δ (tests/training/test_sharded.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from training.codecs import Codec, ErrorFeedback, round_seed
+from training.data import Windows
+from training.inner import InnerConfig, InnerResult, InnerTrainer
+from training.model import Llama
+from training.rig import Rig
+from training.worker import Assignment, RoundFigures, round_batches, round_start_step
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """How a sharded rig computes (host-local choices: the round's result does not depend on them
+    beyond floating-point rounding)."""
+
+    bf16: bool | None = None  # None: bf16 compute on CUDA, fp32 on CPU
+    checkpoint_activations: bool = False
+    compile: bool = False  # torch.compile each decoder layer (CUDA; on CPU it needs a C++ compiler)
+
+
+def shard_model(model: Llama, mesh: DeviceMesh, options: ShardOptions = ShardOptions()) -> Llama:
+    """FSDP2 over `mesh`, one unit per decoder layer plus the root (embeddings, final norm, head)."""
+    bf16 = options.bf16 if options.bf16 is not None else mesh.device_type == "cuda"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else (
+        MixedPrecisionPolicy()
+    )
+    model.checkpoint_layers = options.checkpoint_activations
+    for layer in model.model.layers:
+        if options.compile:
+            layer.compile()
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    # The root is needed again right at the start of backward: keeping it gathered saves one all-gather.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum, like the replicated rig's all-reduce
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no PREMUL_SUM
+    return model
+
+
+class ShardedSync:
+    """`GradSync` for an FSDP2 model: FSDP has reduce-scattered the gradients during backward, so each
+    process holds its rows of the summed gradient; the norm adds the processes' partial sums."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        self.world_size = rig.world_size
+
+    def all_reduce_grads(self, params: list[nn.Parameter]) -> None:
+        return None
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        return self.rig.all_reduce_sum(tensor)
+
+    def grad_sq_total(self, local: Tensor) -> Tensor:
+        return self.rig.all_reduce_sum(local)
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    shape: tuple[int, ...]
+    start: int  # this process's first row
+    stop: int
+    chunk: int  # rows per process (the last ones may hold fewer, or none)
+    owner: int  # the process that encodes this tensor and keeps its residual
+
+
+class ShardLayout:
+    """Which rows of every parameter each process holds (FSDP2's split) and who owns each tensor."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        owners = balanced_owners(shapes, world_size)
+        self.tensors: dict[str, TensorShard] = {}
+        for name in sorted(shapes):
+            shape = tuple(shapes[name])
+            chunk = math.ceil(shape[0] / world_size)
+            start, stop = min(rank * chunk, shape[0]), min((rank + 1) * chunk, shape[0])
+            self.tensors[name] = TensorShard(shape, start, stop, chunk, owners[name])
+
+    @classmethod
+    def of(cls, model: nn.Module, rank: int, world_size: int) -> ShardLayout:
+        """The layout of a `shard_model` model, checked against the shards FSDP2 actually made."""
+        params = dict(model.named_parameters())
+        layout = cls({n: tuple(p.shape) for n, p in params.items()}, rank, world_size)
+        for name, shard in layout.tensors.items():
+            local = tuple(_local(params[name]).shape)
+            if local != (shard.stop - shard.start, *shard.shape[1:]):
+                raise RuntimeError(f"{name}: FSDP holds a {local} shard here, the layout expects rows "
+                                   f"{shard.start}:{shard.stop} of {shard.shape}; torch changed its split")
+        return layout
+
+    def owned(self) -> list[str]:
+        return [n for n, t in self.tensors.items() if t.owner == self.rank]
+
+    def spec(self) -> dict[str, tuple[int, ...]]:
+        return {n: t.shape for n, t in self.tensors.items()}
+
+    def describe(self) -> dict[str, Any]:
+        """What a saved state depends on: it loads only into the same split."""
+        return {"world_size": self.world_size, "rank": self.rank, "spec": {n: list(s) for n, s in self.spec().items()}}
+
+    def gather_to_owner(self, name: str, rows: Tensor) -> Tensor | None:
+        """The whole tensor on its owner (None elsewhere), from every process's rows."""
+        shard = self.tensors[name]
+        padded = rows.new_zeros((shard.chunk, *shard.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        if self.rank != shard.owner:
+            dist.gather(padded, None, dst=shard.owner)
+            return None
+        pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.gather(padded, pieces, dst=shard.owner)
+        return torch.cat(pieces)[: shard.shape[0]]
+
+
+def balanced_owners(shapes: Mapping[str, tuple[int, ...]], world_size: int) -> dict[str, int]:
+    """Largest tensors first, each to the least-loaded process (ties: lowest rank): a deterministic
+    split whose largest share is at most the mean plus one tensor."""
+    load = [0] * world_size
+    owners = {}
+    for name in sorted(shapes, key=lambda n: (-math.prod(shapes[n]), n)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += math.prod(shapes[name])
+    return owners
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class GlobalRows:
+    """This process's rows of every tensor of a global-model safetensors file, read on demand (the file
+    is memory-mapped: nothing beyond the rows asked for is read)."""
+
+    def __init__(self, path: Path, layout: ShardLayout, device: torch.device) -> None:
+        self.path, self.layout, self.device = path, layout, device
+
+    def __enter__(self) -> GlobalRows:
+        self._file = safe_open(str(self.path), "pt").__enter__()
+        missing = sorted(set(self.layout.tensors) - set(self._file.keys()))
+        if missing:
+            raise ValueError(f"{self.path} lacks {missing[:3]}: not this model's checkpoint")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.__exit__(*exc)
+
+    def __getitem__(self, name: str) -> Tensor:
+        shard = self.layout.tensors[name]
+        view = self._file.get_slice(name)
+        if tuple(view.get_shape()) != shard.shape:
+            raise ValueError(f"{self.path}: {name} has shape {tuple(view.get_shape())}, the model {shard.shape}")
+        return view[shard.start : shard.stop].to(self.device)
+
+
+class ShardedWorker:
+    """A host slot's rounds on an FSDP2 rig. Call every method in every process of the rig."""
+
+    def __init__(
+        self,
+        model: Llama,
+        inner: InnerConfig,
+        codec: Codec,
+        windows: Windows,
+        assignment: Assignment,
+        rig: Rig,
+        ef_decay: float = 1.0,
+        first_round: int = 1,
+    ) -> None:
+        self.model, self.rig, self.windows, self.assignment = model, rig, windows, assignment
+        self.first_round = first_round
+        self.layout = ShardLayout.of(model, rig.rank, rig.world_size)
+        self.trainer = InnerTrainer(model, inner, sync=ShardedSync(rig))
+        self.feedback = ErrorFeedback(codec, ef_decay)  # residuals of the tensors this process owns
+
+    def run_round(
+        self, round_index: int, global_path: Path, payload_path: Path, on_step: Callable[[int, float], None] | None = None
+    ) -> RoundFigures:
+        """Train `round_index` from the global model in `global_path`; rank 0 writes the payload."""
+        with GlobalRows(global_path, self.layout, self.rig.device) as rows:
+            self._load(rows)
+            if self.trainer.config.round_state == "fresh":
+                self.trainer.restart(round_start_step(round_index, self.first_round, self.trainer.config.steps))
+            config = self.trainer.config
+            batches = round_batches(self.windows, self.assignment, round_index, config, config.micro_batch)
+            result = self.trainer.run(self.rig.shard(batches), on_step=on_step)
+            codec = self.feedback.codec.for_round(round_seed(self.assignment.epoch_seed, round_index))
+            parts = part_path(payload_path, self.rig.rank)
+            index, squares = self._encode_parts(rows, codec, parts)
+        return self._finish(round_index, result, codec, parts, index, squares, payload_path)
+
+    @torch.no_grad()
+    def _load(self, rows: GlobalRows) -> None:
+        for name, param in self.model.named_parameters():
+            _local(param).copy_(rows[name])
+
+    @torch.no_grad()
+    def _encode_parts(self, rows: GlobalRows, codec: Codec, path: Path) -> tuple[dict[str, int], dict[str, float]]:
+        """Δ's rows here, each tensor gathered on its owner, which appends its payload part to `path`.
+        Returns {name: part length} and {name: Σ Δ²} for the tensors this process owns."""
+        params = dict(self.model.named_parameters())
+        index, squares = {}, {}
+        with path.open("wb") as out:
+            for name in sorted(params):  # every process takes part in every gather, in one order
+                delta = rows[name].float() - _local(params[name]).detach().float()
+                whole = self.layout.gather_to_owner(name, delta)
+                if whole is None:
+                    continue
+                whole = whole.cpu()
+                squares[name] = float(whole.double().square().sum())  # as DiLoCoWorker's delta_norm
+                part = self.feedback.compress_tensor(name, whole, codec)
+                out.write(part)
+                index[name] = len(part)
+        return index, squares
+
+    def _finish(
+        self, round_index: int, result: InnerResult, codec: Codec, parts: Path,
+        index: dict[str, int], squares: dict[str, float], payload_path: Path,
+    ) -> RoundFigures:
+        indexes = self.rig.gather_object((index, squares))
+        norm = math.nan
+        if self.rig.is_rank0:
+            assert indexes is not None
+            norm = assemble_payload(codec.header(self.layout.spec()), indexes, payload_path)
+        self.rig.barrier()  # the parts are read before anyone deletes theirs
+        parts.unlink(missing_ok=True)
+        return RoundFigures(round_index, norm, result.mean_loss, result.last_loss, result.tokens, result.seconds)
+
+    def reset(self) -> None:
+        """The state before the epoch's first round: fresh AdamW, schedule at 0, no residual."""
+        self.trainer.restart(0)
+        self.feedback.residual = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This process's share: its optimizer rows, its tensors' residuals, the layout they fit."""
+        optimizer = self.trainer.optimizer.state_dict()
+        optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
+        return {
+            "layout": self.layout.describe(),
+            "inner": {"optimizer": optimizer, "step": self.trainer.step},
+            "feedback": self.feedback.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("layout") != self.layout.describe():
+            saved = state.get("layout", {})
+            raise ValueError(
+                f"this rig state was saved by rank {saved.get('rank')} of {saved.get('world_size')} processes "
+                f"for another split; this is rank {self.rig.rank} of {self.rig.world_size}"
+            )
+        optimizer = dict(state["inner"]["optimizer"])
+        params = [p for group in self.trainer.optimizer.param_groups for p in group["params"]]
+        optimizer["state"] = {
+            i: {k: _like(params[int(i)], v) for k, v in s.items()} for i, s in optimizer["state"].items()
+        }
+        self.trainer.load_state_dict({"optimizer": optimizer, "step": state["inner"]["step"]})
+        self.feedback.load_state_dict(state["feedback"])
+
+    def held_bytes(self) -> dict[str, int]:
+        return held_bytes(self.model, self.trainer.optimizer)
+
+
+def _like(param: Tensor, value: Tensor) -> Tensor:
+    """A saved local optimizer tensor back as a shard of `param` (scalars such as `step` stay plain)."""
+    if isinstance(param, DTensor) and value.dim() > 0:
+        return DTensor.from_local(
+            value.to(param.device), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+    return value
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this process holds of parameters, gradients (fp32, shaped like the parameters from backward
+    to the optimizer step) and optimizer state: the "state" a rig splits."""
+    params = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    opt = sum(
+        _local(v).numel() * _local(v).element_size()
+        for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0
+    )
+    return {"parameters": params, "gradients": params, "optimizer": opt}
+
+
+def part_path(payload_path: Path, rank: int) -> Path:
+    """Where process `rank` writes the payload parts of the tensors it owns."""
+    return payload_path.with_name(f"{payload_path.name}.part{rank}")
+
+
+def assemble_payload(header: bytes, indexes: list[tuple[dict[str, int], dict[str, float]]], out: Path) -> float:
+    """Write the payload (header, then every tensor's part in name order) from the processes' part
+    files into `out` (atomically); returns the norm of Δ summed as one process sums it."""
+    where: dict[str, tuple[Path, int, int]] = {}
+    squares: dict[str, float] = {}
+    for rank, (index, sq) in enumerate(indexes):
+        offset = 0
+        source = part_path(out, rank)
+        for name in sorted(index):
+            where[name] = (source, offset, index[name])
+            offset += index[name]
+        squares.update(sq)
+    staged = out.with_name(out.name + ".tmp")
+    with staged.open("wb") as sink:
+        sink.write(header)
+        for name in sorted(where):
+            sink.write(_read_range(*where[name]))
+    os.replace(staged, out)
+    return math.sqrt(sum(squares[name] for name in sorted(squares)))
+
+
+def _read_range(path: Path, offset: int, length: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read(length)
