@@ -123,12 +123,16 @@ class TxSender:
         if "gas" not in full:
             estimate = translate_call(lambda: self.w3.eth.estimate_gas(full))  # type: ignore[arg-type]
             full["gas"] = int(estimate * GAS_MARGIN)
-        base_fee = int(self.w3.eth.get_block("latest").get("baseFeePerGas", 0) or 0)
         full.setdefault("maxPriorityFeePerGas", self.priority_fee)
-        full.setdefault("maxFeePerGas", 2 * base_fee + full["maxPriorityFeePerGas"])
+        full.setdefault("maxFeePerGas", self.max_fee_per_gas(full["maxPriorityFeePerGas"]))
         full["type"] = 2
         full.pop("from")
         return self.account.sign_transaction(full)
+
+    def max_fee_per_gas(self, priority_fee: int | None = None) -> int:
+        """The fee cap this sender signs with: twice the latest base fee plus the priority fee."""
+        base_fee = int(self.w3.eth.get_block("latest").get("baseFeePerGas", 0) or 0)
+        return 2 * base_fee + (self.priority_fee if priority_fee is None else priority_fee)
 
     def send_raw(self, raw: bytes) -> TxReceipt:
         """Send bytes signed elsewhere (e.g. to prove a node refuses them) and wait for the receipt."""
