@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from chain.seed import new_secret
 from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import RoundOutcome, compute_outcome
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
+from gonka_node.aggregator.metrics import RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
@@ -156,6 +158,8 @@ class RoundEngine:
         self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
         self._opening_failed = 0  # failed attempts to open the next round (its seed commitment): retried
+        self.metrics = RoundMetrics()  # what it reports (aggregator/metrics.py); set by whoever serves them
+        self._closing_since: float | None = None  # monotonic time the open round's close began
 
     @property
     def aggregator_key(self) -> bytes:
@@ -444,11 +448,13 @@ class RoundEngine:
         # this line, since the check and the store's insert run on this event loop without a pause.
         self.closing = True
         self.closed_for_submissions.set()
+        self._closing_since = self._closing_since or time.monotonic()
         try:
             row = await asyncio.to_thread(self._close_sync, r, skip)
         except Exception as exc:  # the chain (or a disk) failed: keep refusing, retry at the next tick
             self._note_close_failure(r, skip, exc)
             return
+        self._report_closed(row)
         if self._close_failed is not None:
             log.warning(
                 "round %d/%d: closing completed after %d failed attempts over %.1f s (state %s)",
@@ -461,6 +467,11 @@ class RoundEngine:
         self.round_closed.set()
         self.round_closed = asyncio.Event()
         await self._open_next()
+
+    def _report_closed(self, row: RoundRow) -> None:
+        seconds, self._closing_since = time.monotonic() - (self._closing_since or time.monotonic()), None
+        wanted = self.metrics.wants_contributions
+        self.metrics.round_closed(row, seconds, self.store.contributions(row.epoch, row.round) if wanted else [])
 
     async def _open_next(self) -> None:
         """Open the next round (its seed committed on chain first); on failure, again at the next tick,
@@ -650,7 +661,8 @@ class RoundEngine:
 
 
 def _tx_bytes(result: Any) -> bytes:
-    value = getattr(result, "tx_hash", result)
+    """The transaction hash in what a finalize call returned (a receipt, or an object with tx_hash)."""
+    value = result.get("transactionHash") if isinstance(result, Mapping) else getattr(result, "tx_hash", result)
     if isinstance(value, bytes | bytearray):
         return bytes(value)
     if isinstance(value, str) and value.startswith("0x"):
