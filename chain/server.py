@@ -69,7 +69,7 @@ class ChainServer:
         self.port = port
         self.follow_clock = follow_clock
         self._clock = clock
-        self._anchor: tuple[float, int] | None = None  # (wall seconds, chain timestamp) time runs on from
+        self._lead = 0.0  # seconds the chain's clock runs ahead of the wall clock (follow_clock)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._request: Callable[[str, Any], Any] | None = None
@@ -149,17 +149,20 @@ class ChainServer:
     def _advance_clock(self) -> None:
         """Mine one empty block stamped with the chain time the wall clock says it is now (under the lock).
 
-        Chain time runs at the wall clock's rate from an anchor: the last time it was caught moving on its
-        own (a transaction mined later than due, `evm_increaseTime`), so a lead is kept, never undone."""
+        Chain time = wall time + the chain's lead, where the lead is the most the chain was ever seen ahead
+        of the wall clock (`evm_increaseTime`, blocks mined faster than one a second): kept, never undone,
+        and never negative, so a chain left idle catches up with the wall clock at the next read."""
         tester = self.backend.tester
         latest = int(tester.get_block_by_number("latest")["timestamp"])
         now = self._clock()
-        if self._anchor is None or latest > self._anchor[1] + int(now - self._anchor[0]):
-            self._anchor = (now, latest)
+        self._lead = max(self._lead, latest - now)
+        due = int(now + self._lead)
+        if due <= latest:
             return
-        due = self._anchor[1] + int(now - self._anchor[0])
-        if due > latest:
-            tester.time_travel(due + 1)  # eth-tester mines a block stamped due; the pending one is due + 1
+        if int(tester.get_block_by_number("pending")["timestamp"]) > due:
+            tester.mine_blocks(1)  # the pending block, stamped when the last one was mined, is late enough
+        else:
+            tester.time_travel(due + 1)  # eth-tester mines a block stamped `due`; the pending one gets due + 1
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         server = self

@@ -115,3 +115,24 @@ def test_without_follow_clock_the_chain_waits_for_a_transaction() -> None:
     clock = FakeClock(latest + 1000)
     with ChainServer(backend, clock=clock) as srv:
         assert int(RpcBackend(srv.url).connect().eth.get_block("latest")["timestamp"]) == latest
+
+
+def test_follow_clock_never_turns_the_pending_block_back() -> None:
+    """The node stamps a pending block with the real time its parent was mined; a chain clock that runs
+    from an earlier anchor can be behind that stamp. The read then mines the pending block as it is,
+    instead of asking eth-tester to travel back in time (which it refuses, failing every request)."""
+    import time
+
+    backend = EmbeddedBackend()
+    latest = int(backend.connect().eth.get_block("latest")["timestamp"])
+    clock = FakeClock(latest)
+    with ChainServer(backend, follow_clock=True, clock=clock) as srv:
+        time.sleep(4)  # an idle node: real time moves on, so the block after the next is stamped ~4 s later
+        rpc = RpcBackend(srv.url)
+        client = ChainClient(rpc, rpc.dev_accounts()[0]).connect()
+        client.transfer_eth(rpc.dev_accounts()[1].address, 1)
+        for _ in range(4):
+            clock.now += 1
+            before = client.chain_time()
+            assert rpc.client_version().startswith("EthereumTester")  # answers: no "travelling backwards"
+            assert client.chain_time() >= before
