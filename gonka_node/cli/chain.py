@@ -58,6 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--mint-dev", default="1000000", metavar="GNK", help="GNK minted to each dev account")
     serve.add_argument("--voting-period", type=int, default=3600, help="the Governor's voting period in "
                        "seconds (default 3600)")
+    serve.add_argument("--quorum-bps", type=int, default=2000, help="the Governor's quorum in basis points of "
+                       "the GNK supply (default 2000)")
     serve.add_argument("--frozen-clock", action="store_true",
                        help="move the chain's time only when a transaction is mined (default: follow the "
                        "wall clock, so deadlines pass on their own)")
@@ -198,7 +200,8 @@ def _serve(args: argparse.Namespace) -> int:
         accounts = backend.dev_accounts()
         client = ChainClient(backend, accounts[0]).connect()
         deployment = client.deploy_all(initial_mint={a.address: mint for a in accounts},
-                                       use_governor=args.governor, voting_period_s=args.voting_period)
+                                       use_governor=args.governor, voting_period_s=args.voting_period,
+                                       quorum_bps=args.quorum_bps)
         deployment.extra["rpc_url"] = server.url
         deployment.save(args.deployment)
         print(f"deployed; wrote {args.deployment}", flush=True)

@@ -13,7 +13,7 @@ from typing import Any
 # The node's words for a transaction its sender cannot pay for (geth and anvil; eth-tester), with the fix.
 _NO_GAS = ("the account has too little ETH for gas: send it some, e.g. `gonka-node transfer --to ADDRESS --eth 1` "
            "from a funded account")
-_REFUSAL_HINTS = {"insufficient funds": _NO_GAS, "cannot afford txn gas": _NO_GAS}
+_REFUSAL_HINTS = {"insufficient funds": _NO_GAS, "cannot afford txn gas": _NO_GAS, "not have enough balance": _NO_GAS}
 
 
 def _hinted(text: str) -> str:
