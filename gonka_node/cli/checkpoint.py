@@ -203,28 +203,24 @@ def _list(args: argparse.Namespace) -> int:
     # Hashes must print whole even into a pipe (where rich assumes 80 columns).
     console = Console(file=sys.stdout, width=max(Console(file=sys.stdout).width, 120))
     console.print(table)
-    console.print(_sources(client, epochs))
+    print("\n".join(_sources(epochs, client)))
     if epochs:
         print(f"next: gonka-node checkpoint pull --epoch {epochs[-1]} --round latest")
     return 0
 
 
-def _sources(client: Any, epochs: list[int]) -> Any:
-    """Where each epoch's checkpoints can be pulled: the endpoints its aggregators announced on chain."""
-    from rich.table import Table
-
-    table = Table(title="where to pull (announced on chain; `checkpoint pull` finds them itself)")
-    table.add_column("epoch", justify="right")
-    table.add_column("endpoint", no_wrap=True)
-    table.add_column("aggregator", no_wrap=True, min_width=42)
-    table.add_column("TLS certificate sha256", no_wrap=True)
+def _sources(epochs: list[int], client: Any) -> list[str]:
+    """Where each epoch's checkpoints can be pulled: the endpoints its aggregators announced on chain (one
+    line each, never cut: they are copied from here)."""
+    lines = ["where to pull (announced on chain; `checkpoint pull` finds them itself):"]
     for epoch in epochs:
         announced = client.aggregator_endpoints(epoch)
         if not announced:
-            table.add_row(str(epoch), "(none announced yet)", "-", "-")
+            lines.append(f"  epoch {epoch}: no aggregator has announced an endpoint yet")
         for a in announced:
-            table.add_row(str(epoch), a.endpoint, a.address, a.tls_cert_sha256.hex())
-    return table
+            lines.append(f"  epoch {epoch}: {a.endpoint} (aggregator {a.address}, TLS certificate sha256 "
+                         f"{a.tls_cert_sha256.hex()})")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------- pull

@@ -301,7 +301,8 @@ class HostNode:
             if code == grpc.StatusCode.NOT_FOUND:
                 return None  # between rounds: the last one is closing
             if code in RETRYABLE:  # a daemon outlives an aggregator outage: keep polling, say so
-                self.events.note(f"aggregator unreachable ({code.name}); still waiting for a round")
+                self.events.note(f"aggregator {self.aggregator.target} unreachable ({code.name}); still waiting "
+                                 "for a round")
                 return None
             raise
 
