@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -177,8 +178,8 @@ class RoundEngine:
         row = self._resume_or_open()
         if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(
-                "resumed open round %d/%d with %d accepted submissions (deadline %d)",
-                ctx.epoch, row.round, len(self.store.submissions(ctx.epoch, row.round)), row.deadline_ms,
+                "resumed open round %d/%d with %d accepted submissions (deadline %s)",
+                ctx.epoch, row.round, len(self.store.submissions(ctx.epoch, row.round)), clock_text(row.deadline_ms),
             )
         self._activate(row)
 
@@ -212,7 +213,7 @@ class RoundEngine:
         assert base is not None
         deadline = self.clock() + int(ctx.round_length_s * 1000)
         row = self._commit(self.store.open_round(ctx.epoch, round_, base, deadline, new_secret()))
-        log.info("round %d/%d open until %d", ctx.epoch, round_, deadline)
+        log.info("round %d/%d open until %s", ctx.epoch, round_, clock_text(deadline))
         return row
 
     def _commit(self, row: RoundRow) -> RoundRow:
@@ -252,7 +253,7 @@ class RoundEngine:
             )
         if self.closing or self.clock() > r.deadline_ms:
             raise Rejected(
-                Reason.LATE, f"round {r.epoch}/{r.round} closed for submissions at {r.deadline_ms} ms"
+                Reason.LATE, f"round {r.epoch}/{r.round} closed for submissions at {clock_text(r.deadline_ms)}"
             )
         if sub.base_checkpoint_sha256 != r.base_sha256:
             raise Rejected(
@@ -411,7 +412,7 @@ class RoundEngine:
             self.store.extend_round(r.epoch, r.round, deadline)
             self.current = self.store.get_round(r.epoch, r.round)
             log.info(
-                "round %d/%d below quorum (%d): extended to %d", r.epoch, r.round, len(accepted), deadline
+                "round %d/%d below quorum (%d): extended to %s", r.epoch, r.round, len(accepted), clock_text(deadline)
             )
         elif self.clock() > r.deadline_ms:
             await self.close(skip=True)
@@ -658,6 +659,11 @@ class RoundEngine:
                 log.exception("round tick failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
+
+
+def clock_text(ms: int) -> str:
+    """A millisecond Unix time as a log line shows it: 2025-06-01 14:03:12.345 UTC."""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
 
 
 def _tx_bytes(result: Any) -> bytes:
