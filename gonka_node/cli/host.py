@@ -154,7 +154,7 @@ def preflight(session: HostSession) -> list[str]:
     except TlsError as exc:
         problems.append(str(exc))
     else:
-        problem = checks.check_aggregator(found.target, found.tls_cert_pem, found.source)
+        problem = checks.check_aggregator(found.target, found.tls_cert_pem, found.source, must_answer=not joined)
         problems += [problem] if problem else []
     return problems
 

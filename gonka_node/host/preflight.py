@@ -6,7 +6,8 @@ the epoch exists and is open to sign-in with a free slot, the stake meets the ep
 account holds the GNK to stake and the ETH to pay for its transactions, the recipe is the epoch's
 (model spec hash and every hyperparameter the chain records), this machine's corpus is the epoch's
 data (its manifest), and the aggregator answers with the certificate announced on chain.
-A host already signed in (a restart) skips the sign-in checks.
+A host already signed in (a restart) skips the sign-in checks, and waits for an aggregator that does
+not answer (an outage) rather than refusing to start; a wrong certificate stops it either way.
 """
 
 from __future__ import annotations
@@ -105,12 +106,16 @@ def check_recipe(plan: HostPlan) -> list[str]:
     return []
 
 
-def check_aggregator(target: str, pin: bytes, source: str) -> str | None:
+def check_aggregator(target: str, pin: bytes, source: str, must_answer: bool = True) -> str | None:
+    """A wrong certificate is always a problem; silence only when `must_answer` (before staking: a host
+    already signed in waits out an aggregator outage instead, saying so)."""
     try:
         check_peer(target, pin, PEER_CHECK_S)
     except TlsError as exc:
         return f"aggregator {target}: {exc}"
     except (OSError, ValueError) as exc:
+        if not must_answer:
+            return None
         return (f"aggregator {target} (from {source}) does not answer ({exc}): is it running and reachable from "
                 "here? set [host] aggregator if it serves elsewhere")
     return None
