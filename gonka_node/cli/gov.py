@@ -181,27 +181,13 @@ def _propose_or_send(args: argparse.Namespace, client: Any, actions: list[Any], 
 
 def _build_spec(args: argparse.Namespace) -> int:
     from chain.spec_file import format_epoch_spec
-    from gonka_node.epoch_setup import EpochTerms
     from gonka_node.recipe import Recipe
     from gonka_node.spec_builder import build_spec
 
     recipe_out = args.recipe_out or args.out.with_name("recipe.json")
     _refuse_overwrite(args.out, args.force)
-    reward = parse_amount("--reward-per-round", args.reward_per_round)
-    p = args.replay_probability
-    if not 0.0 <= p <= 1.0:
-        raise CliError(f"--replay-probability {p}: must be in [0, 1]")
-    common = dict(
-        aggregators=args.aggregator, round_length_s=args.round_length, signin_window_s=args.signin_window,
-        max_hosts=args.max_hosts, aggregator_quorum=args.aggregator_quorum, challenge_window_s=args.challenge_window,
-        challenge_bond=parse_amount("--challenge-bond", args.challenge_bond),
-    )
-    if args.min_stake is None:
-        terms = EpochTerms.staked_for(reward, p, **common)
-    else:
-        terms = EpochTerms(min_stake=parse_amount("--min-stake", args.min_stake), reward_per_round=reward,
-                           replay_probability=p, **common)
-    built = build_spec(Recipe.load(args.recipe), terms, args.model_uri or f"file:{recipe_out.name}", args.cache_dir)
+    built = build_spec(Recipe.load(args.recipe), _terms(args), args.model_uri or f"file:{recipe_out.name}",
+                       args.cache_dir)
     _write_recipe(recipe_out, built.recipe.canonical_json() + b"\n", args.force)
     header = (f"Epoch spec built by `gonka-node gov build-spec` from {args.recipe}.\n"
               f"Its recipe (completed, canonical JSON): {recipe_out}; hosts and aggregators load that file.\n"
@@ -214,6 +200,25 @@ def _build_spec(args: argparse.Namespace) -> int:
     print(f"next: gonka-node gov create-epoch --spec {args.out} --fund {_gnk(s.n_rounds * s.reward_per_round)} "
           "--propose \"why\"")
     return 0
+
+
+def _terms(args: argparse.Namespace) -> Any:
+    """The epoch's terms from build-spec's flags; min_stake by default the least the stake rule allows."""
+    from gonka_node.epoch_setup import EpochTerms
+
+    reward = parse_amount("--reward-per-round", args.reward_per_round)
+    p = args.replay_probability
+    if not 0.0 <= p <= 1.0:
+        raise CliError(f"--replay-probability {p}: must be in [0, 1]")
+    common = dict(
+        aggregators=args.aggregator, round_length_s=args.round_length, signin_window_s=args.signin_window,
+        max_hosts=args.max_hosts, aggregator_quorum=args.aggregator_quorum, challenge_window_s=args.challenge_window,
+        challenge_bond=parse_amount("--challenge-bond", args.challenge_bond),
+    )
+    if args.min_stake is None:
+        return EpochTerms.staked_for(reward, p, **common)
+    return EpochTerms(min_stake=parse_amount("--min-stake", args.min_stake), reward_per_round=reward,
+                      replay_probability=p, **common)
 
 
 _SPEC_COMMENTS = {

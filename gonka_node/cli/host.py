@@ -251,10 +251,20 @@ def _ledger(session: HostSession, say: Callable[[str], None]) -> list[Any]:
     return rewards(session.chain, None, session.epoch, local)
 
 
-def _rewards(args: argparse.Namespace) -> int:
+def _print_rewards(rows: list[Any], args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    table = Table()
+    for column in ("round", "reward", "claimed", "from"):
+        table.add_column(column, justify="right" if column != "from" else "left")
+    for row in rows:
+        claimed = row.claimed or (args.claim and row.claimable)
+        table.add_row(str(row.round), amount(row.amount, args), "yes" if claimed else "no", row.source)
+    Console(width=120).print(table)
+
+
+def _rewards(args: argparse.Namespace) -> int:
     from gonka_node.host.ledger import LedgerError, claim
 
     session = HostSession(args)
@@ -273,13 +283,7 @@ def _rewards(args: argparse.Namespace) -> int:
     finally:
         session.close()
     print(f"rewards of {session.chain.address} in epoch {session.epoch}")
-    table = Table()
-    for column in ("round", "reward", "claimed", "from"):
-        table.add_column(column, justify="right" if column != "from" else "left")
-    for row in rows:
-        claimed = row.claimed or (args.claim and row.claimable)
-        table.add_row(str(row.round), amount(row.amount, args), "yes" if claimed else "no", row.source)
-    Console(width=120).print(table)
+    _print_rewards(rows, args)
     total = sum(r.amount for r in rows)
     unclaimed = sum(r.amount for r in rows if not r.claimed) - claimed_now
     print(f"earned {amount(total, args)}; unclaimed {amount(unclaimed, args)}")
