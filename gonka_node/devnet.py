@@ -106,8 +106,23 @@ class ExtraService:
     ready: Callable[[ServeContext], bool] = lambda ctx: True
 
 
+def printed_url(ctx: ServeContext, name: str, prefix: str) -> str | None:
+    """The URL a child printed on its line starting with `prefix` (its log is logs/<name>.log), or None yet."""
+    log = ctx.out / "logs" / f"{name}.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((line.removeprefix(prefix).strip() for line in lines if line.startswith(prefix)), None)
+
+
+EXPLORER = ExtraService(
+    "explorer",
+    args=lambda ctx: ["explorer", "--deployment", str(ctx.deployment), "--rpc", ctx.chain_url, "--port", "0",
+                      "--db", str(ctx.out / "explorer.sqlite3")],
+    address=lambda ctx: printed_url(ctx, "explorer", "explorer:") or "?",
+    ready=lambda ctx: printed_url(ctx, "explorer", "explorer:") is not None,
+)
+
 # The hook: services started beside the chain and the aggregator under `devnet --serve`, in this order.
-SERVICES: list[ExtraService] = []
+SERVICES: list[ExtraService] = [EXPLORER]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs the Python tree and the anvil node (npm),
-# then runs every test, the chain tests a second time against a real anvil node.
+# and Debian's chromium + chromium-driver when missing (the explorer's browser test), then runs every
+# test, the chain tests a second time against a real anvil node.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -9,6 +10,17 @@ if [ ! -x node_modules/.bin/anvil ]; then
   npm install --no-audit --no-fund --ignore-scripts --silent
 fi
 export PATH="$PWD/node_modules/.bin:$PATH"
+# The explorer's browser test drives Debian's headless Chromium through its WebDriver; install both
+# when missing (as root: CI and fresh machines), quietly, and only then.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+  else
+    echo "scripts/test.sh: chromium and chromium-driver are missing and this is not root: the explorer's browser test skips" >&2
+  fi
+fi
 .venv/bin/ruff check .
 .venv/bin/python scripts/gen_proto.py --check
 .venv/bin/python scripts/build_contracts.py --check

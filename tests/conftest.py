@@ -13,3 +13,10 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--explorer-screenshot", metavar="PNG", default=None,
+        help="also write the explorer browser test's screenshot of the epoch page here (docs/explorer-epoch.png)",
+    )

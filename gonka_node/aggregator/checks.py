@@ -11,7 +11,7 @@ Each check returns `{host: reason}` for the hosts it excludes; reasons are what 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -109,8 +109,22 @@ def span_residuals(vectors: Sequence[Tensor]) -> list[float]:
     return out
 
 
+def mixture_residuals(
+    subs: Sequence[SubmissionRow], public: Sequence[Labelled]
+) -> dict[bytes, tuple[float, float]]:
+    """host → (relative residual of its sketch against the public tensors and the submissions whose
+    headers arrived before it, against the public tensors alone)."""
+    order = arrival_order(subs)
+    public_sketches = [t for _, t in public]
+    mine = [sketch_of(s) for s in order]
+    against_all = span_residuals(public_sketches + mine)[len(public_sketches):]
+    against_public = [span_residuals([*public_sketches, m])[-1] for m in mine] if public else [1.0] * len(mine)
+    return {s.host: (whole, pub) for s, whole, pub in zip(order, against_all, against_public, strict=True)}
+
+
 def find_mixtures(
-    subs: Sequence[SubmissionRow], public: Sequence[Labelled], bar: float
+    subs: Sequence[SubmissionRow], public: Sequence[Labelled], bar: float,
+    residuals: Mapping[bytes, tuple[float, float]] | None = None,
 ) -> dict[bytes, str]:
     """Updates that bring no direction of their own: within `bar` (relative residual) of the span of the
     public tensors (the round's base model, earlier rounds' aggregated updates) and the submissions whose
@@ -118,15 +132,12 @@ def find_mixtures(
     update, a zero update, and any weighted mix of other hosts' updates (which the copy check misses:
     a 50/50 mix has cosine ~0.9 with each source). Honest updates of one round share a direction but
     each carries its own data's part, far above the bar (docs/benchmarks.md); arrival order decides who
-    mixed whom: the sources came first."""
-    order = arrival_order(subs)
-    public_sketches = [t for _, t in public]
-    mine = [sketch_of(s) for s in order]
-    against_all = span_residuals(public_sketches + mine)[len(public_sketches):]
-    against_public = [span_residuals([*public_sketches, m])[-1] for m in mine] if public else [1.0] * len(mine)
+    mixed whom: the sources came first. `residuals`: `mixture_residuals(subs, public)`, if at hand."""
     found: dict[bytes, str] = {}
     names = ", ".join(label for label, _ in public) or "none"
-    for s, whole, pub in zip(order, against_all, against_public, strict=True):
+    residuals = mixture_residuals(subs, public) if residuals is None else residuals
+    for s in arrival_order(subs):
+        whole, pub = residuals[s.host]
         if float(sketch_of(s).norm()) == 0.0:
             found[s.host] = "mix: a zero update: no training of its own"
         elif pub <= bar:

@@ -30,6 +30,7 @@ from gonka_node.aggregator.checks import (
     find_dissenters,
     find_mixtures,
     find_resubmissions,
+    mixture_residuals,
 )
 from gonka_node.aggregator.replay import chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer
@@ -39,6 +40,7 @@ from gonka_node.config import AggregationSettings
 from training.checkpoint import atomic_write, fsync_path
 from training.diloco import OuterOptimizer
 from training.hf_export import MODEL_CONFIG_KEY
+from training.inner import evaluate
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.rounds import CheckpointIO, EpochContext
@@ -55,6 +57,7 @@ class RoundOutcome:
     rule: str
     contributions: list[ContributionRow]
     aggregated: int
+    heldout: tuple[float, float] | None = None  # held-out loss before and after the outer step
 
 
 @dataclass
@@ -105,8 +108,12 @@ def departed(c: Closing) -> Mapping[bytes, str]:
 
 
 def mixtures(c: Closing) -> Mapping[bytes, str]:
-    found = find_mixtures(c.submissions, c.public, c.aggregation.mix_residual)
-    return {h: why for h, why in found.items() if h not in c.excluded}
+    residuals = mixture_residuals(c.submissions, c.public)
+    found = find_mixtures(c.submissions, c.public, c.aggregation.mix_residual, residuals)
+    for host, (whole, _) in residuals.items():
+        if host not in found and host not in c.excluded:  # how far above the bar: the honest margin
+            c.reasons[host].append(f"mix check: sketch residual {whole:.4f} (bar {c.aggregation.mix_residual:g})")
+    return {h: why for h, why in found.items() if h not in c.excluded and h not in c.replayed}
 
 
 def replays(c: Closing) -> Mapping[bytes, str]:
@@ -134,13 +141,15 @@ def replays(c: Closing) -> Mapping[bytes, str]:
 
 
 def dissent(c: Closing) -> Mapping[bytes, str]:
-    return find_dissenters(c.submissions, c.excluded, c.aggregation.consensus_fraction)
+    found = find_dissenters(c.submissions, c.excluded, c.aggregation.consensus_fraction)
+    return {h: why for h, why in found.items() if h not in c.replayed}
 
 
 # In this order: each later check sees only what the earlier ones left. A replay mismatch is proof
-# (slashable) while mixtures and dissent are statistics, so a picked host is judged by its replay first
-# (a mix or a reused aggregate that is picked is slashed, not merely excluded), and the dissent
-# reference is a median over updates already known to be the hosts' own work.
+# (slashable) while mixtures, dissent and the score are statistics, so a picked host is judged by its
+# replay first (a mix or a reused aggregate that is picked is slashed, not merely excluded), and a host
+# whose replay passed is not excluded by a statistic afterwards: it did exactly the training the recipe
+# prescribes. The dissent reference is a median over updates already known to be the hosts' own work.
 CHECKS: tuple[Check, ...] = (copies, resubmissions, departed, replays, mixtures, dissent)
 
 
@@ -172,7 +181,7 @@ def compute_outcome(
     scores = _scores(c)
     c.exclude({
         s.host: f"score {scores[s.host]:+.5f} at or below {aggregation.min_score}: not aggregated"
-        for s in c.live() if scores[s.host] <= aggregation.min_score
+        for s in c.live() if scores[s.host] <= aggregation.min_score and s.host not in c.replayed
     })
     eligible = c.live()
     rule = aggregation.rule_for(epoch)
@@ -210,6 +219,7 @@ def compute_outcome(
         outer.state_dict()["momentum_buffer"],
         {"steps": str(outer.steps)},
     )
+    heldout = heldout_losses(c, params)
     rewards = equal_shares(ctx.reward_per_round, [s.host for s in eligible])
     rows = [
         ContributionRow(
@@ -218,7 +228,26 @@ def compute_outcome(
         for s in submissions
     ]
     root = _rewards_root(ctx, epoch, round_, rewards)
-    return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible))
+    return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible), heldout)
+
+
+def heldout_losses(c: Closing, params: Mapping[str, Tensor]) -> tuple[float, float] | None:
+    """The round's held-out loss (mean cross-entropy per token) of its base model and of its new
+    checkpoint, on the held-out windows the round was scored on: what clients chart as the loss curve.
+    Two forward passes over those windows, against the scoring's one per update. None when the epoch
+    is not scored (no model or data to measure with)."""
+    if c.ctx.model_factory is None or c.ctx.scoring is None:
+        return None
+    batch = c.ctx.scoring.heldout(c.round_row.round, c.round_row.base_sha256)
+    model = c.ctx.model_factory()
+    return _loss(model, c.base, batch), _loss(model, params, batch)
+
+
+@torch.no_grad()
+def _loss(model: torch.nn.Module, params: Mapping[str, Tensor], batch: tuple[Tensor, Tensor]) -> float:
+    for name, p in model.named_parameters():
+        p.copy_(params[name])
+    return evaluate(model, [batch], autocast="off")  # type: ignore[arg-type]
 
 
 def public_tensors(store: Store, epoch: int, round_: int, base: Mapping[str, Tensor]) -> list[Labelled]:

@@ -527,6 +527,7 @@ class RoundEngine:
                     outcome.total_reward,
                     outcome.rule,
                     outcome.contributions,
+                    outcome.heldout,
                 )
         row = self.store.get_round(r.epoch, r.round)
         assert row is not None

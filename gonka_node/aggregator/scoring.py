@@ -1,16 +1,12 @@
-"""Score one contribution: does applying its update alone help on *its* data more than on anyone's?
+"""Score one contribution: does applying its update alone help on unseen text (and on its own data)?
 
 gain(D) = L(θ; D) − L(θ − Δ; D): the loss drop on batch D when the host's own update Δ (DiLoCo's
 pseudo-gradient, θ_global − θ_local) is applied alone to the round's base model θ, i.e. the host's
-local model is reconstructed. The score is
-
-    score = mean gain(assigned windows of the host's slot) − mean gain(random held-out windows)
-            − 2 · (standard error of that difference, from the per-window gains)
-
-A host that trained on its assignment fits those windows better than unseen text: score > 0. A host
-that trained on other data improves both alike (score ≈ 0), and noise hurts both alike (≈ 0) or
-hurts its assignment (< 0). The held-out sample is drawn per round from a seed the hosts cannot know
-in advance (it includes the base checkpoint hash), so it cannot be trained on.
+local model is reconstructed. The default rule's score is the mean gain on random held-out windows: a
+gate (pay is equal among the hosts that pass, gonka_node/aggregator/close.py), so an update that makes
+unseen text worse is not aggregated. The held-out sample is drawn per round from a seed the hosts
+cannot know in advance (it includes the base checkpoint hash). The stricter rule compares the gain on
+the host's assigned windows with the held-out gain (see `Scorer`).
 """
 
 from __future__ import annotations
@@ -89,10 +85,7 @@ class Score:
     def reasons(self) -> list[str]:
         if self.rule == "heldout_gain":
             gap = self.gain_assigned - self.gain_heldout
-            why = [
-                f"score {self.score:+.5f} = gain on held-out {self.gain_heldout:+.5f} − "
-                f"{CONFIDENCE_Z:g}×stderr {self.stderr:.5f}"
-            ]
+            why = [f"score {self.score:+.5f} = mean gain on held-out (stderr {self.stderr:.5f})"]
             if self.vetoed:
                 why.append(
                     f"fits held-out data better than its assignment (gap {gap:+.5f}, stderr "
@@ -110,11 +103,11 @@ class Scorer:
 
     Two rules (chosen per aggregator, `[aggregation] score_rule`):
 
-    - "heldout_gain" (default): the score is how much the update alone improves unseen text (a lower
-      confidence bound of the mean held-out gain), vetoed to 0 when the update fits held-out windows
-      *significantly better* than the host's own assignment. Pays useful work from the first round,
-      when single-pass training improves everything alike; cannot tell an update trained on other
-      good data from an honest one (docs/SECURITY-relevant limitation, noted in PROTOCOL.md).
+    - "heldout_gain" (default): the score is how much the update alone improves unseen text (the mean
+      held-out gain), vetoed to 0 when the update fits held-out windows *significantly better* than the
+      host's own assignment (unless a replay proved its training). Passes useful work from the first
+      round, when single-pass training improves everything alike; cannot tell an update trained on
+      other good data from an honest one (the replay check can: docs/SECURITY.md).
     - "assignment_gap": the score is a lower confidence bound of gain(assignment) − gain(held-out):
       proof that the host trained on *its* windows. Sound once memorisation is measurable (many inner
       steps over few windows); in early single-pass rounds honest updates score ≈ 0 and are dropped.
@@ -150,9 +143,11 @@ class Scorer:
             p.copy_(base if delta is None else base - delta[name].to(base.dtype))
 
     def score(self, delta: Mapping[str, Tensor], assigned: Batch, veto: bool = True) -> Score:
-        """Per-window gains on both sets, and the rule's lower confidence bound (CONFIDENCE_Z standard
-        errors below the mean), so an apparent advantage within window-to-window variation scores ≤ 0.
-        `veto`: apply heldout_gain's veto (off once a replay has proved what the host trained on)."""
+        """Per-window gains on both sets. heldout_gain: the mean held-out gain (an update that makes unseen
+        text worse scores below zero), vetoed to at most 0 when the update fits held-out windows
+        significantly (CONFIDENCE_Z standard errors) better than its own assignment; `veto` False skips
+        that (a replay has proved what the host trained on). assignment_gap: the lower confidence bound
+        of gain(assignment) − gain(held-out)."""
         self._load(None)
         before_a = self._losses(assigned)
         self._load(delta)
@@ -163,7 +158,7 @@ class Scorer:
         if self.rule == "assignment_gap":
             return Score(mean_a - mean_h - CONFIDENCE_Z * gap_se, mean_a, mean_h, gap_se, self.rule, gap_se)
         se_h = math.sqrt(_var_of_mean(gain_h))
-        score = mean_h - CONFIDENCE_Z * se_h
+        score = mean_h  # a gate, not a weight (pay is equal): what the update does to unseen text
         vetoed = veto and mean_a - mean_h < -CONFIDENCE_Z * gap_se
         if vetoed:
             score = min(score, 0.0)

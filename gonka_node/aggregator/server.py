@@ -201,6 +201,8 @@ class AggregatorService(pb_grpc.AggregatorServicer):
                 for c in contributions
             ],
             finalize_tx=row.finalize_tx or b"",
+            heldout_loss_base=row.heldout_loss_base,
+            heldout_loss=row.heldout_loss,
         )
 
     async def GetRoundUpdate(

@@ -35,6 +35,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     finalize_tx BLOB,
     closed_ms INTEGER,
     seed_secret BLOB,                  -- committed on chain when the round opened, revealed at close
+    heldout_loss_base REAL,            -- the base model's loss on the round's held-out windows
+    heldout_loss REAL,                 -- the new checkpoint's, on the same windows
     PRIMARY KEY (epoch, round)
 );
 CREATE TABLE IF NOT EXISTS submissions (
@@ -82,6 +84,8 @@ class RoundRow:
     finalize_tx: bytes | None = None
     closed_ms: int | None = None
     seed_secret: bytes | None = None  # this aggregator's round-seed secret (chain.seed)
+    heldout_loss_base: float | None = None
+    heldout_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -235,8 +239,10 @@ class Store:
         total_reward: int,
         aggregation: str,
         contributions: list[ContributionRow],
+        heldout: tuple[float, float] | None = None,
     ) -> None:
-        """Everything the chain transaction will say, committed before it is sent."""
+        """Everything the chain transaction will say, committed before it is sent (and the round's held-out
+        loss before and after its outer step, reported with the result)."""
         if state not in ("finalizing", "skipping"):
             raise ValueError(f"record_finalize_intent: state must be finalizing or skipping, got {state!r}")
         with self._tx() as db:
@@ -248,10 +254,11 @@ class Store:
                     for c in contributions
                 ],
             )
+            base_loss, loss = heldout if heldout is not None else (None, None)
             db.execute(
-                "UPDATE rounds SET state=?, checkpoint_sha256=?, rewards_root=?, total_reward=?, aggregation=?, closed_ms=? "
-                "WHERE epoch=? AND round=?",
-                (state, checkpoint_sha256, rewards_root, total_reward, aggregation, now_ms(), epoch, round_),
+                "UPDATE rounds SET state=?, checkpoint_sha256=?, rewards_root=?, total_reward=?, aggregation=?, closed_ms=?, "
+                "heldout_loss_base=?, heldout_loss=? WHERE epoch=? AND round=?",
+                (state, checkpoint_sha256, rewards_root, total_reward, aggregation, now_ms(), base_loss, loss, epoch, round_),
             )
 
     def mark_finalized(self, epoch: int, round_: int, finalize_tx: bytes, skipped: bool = False) -> None:
@@ -340,6 +347,7 @@ class Store:
 def _add_missing_columns(db: sqlite3.Connection) -> None:
     """Bring a store written by an older version up to the schema (columns added since, with defaults)."""
     for table, column, decl in (("submissions", "started_ms", "INTEGER NOT NULL DEFAULT 0"),
-                                ("rounds", "seed_secret", "BLOB")):
+                                ("rounds", "seed_secret", "BLOB"), ("rounds", "heldout_loss_base", "REAL"),
+                                ("rounds", "heldout_loss", "REAL")):
         if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")

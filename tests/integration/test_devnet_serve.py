@@ -1,12 +1,13 @@
 """`gonka-node devnet --serve`: after the epoch the chain (now following the wall clock), the aggregator
-and any extra service (the `SERVICES` hook; here a second `gonka-node chain serve` stands in for the
-explorer) keep running, their addresses printed, so a client lists and pulls against them; everything
-stops when asked."""
+and the extra services (the `SERVICES` hook: the explorer, and here a second `gonka-node chain serve`
+added as any other service would be) keep running, their addresses printed, so a client lists and
+pulls against them; everything stops when asked."""
 
 from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from chain.backends import RpcBackend
 from chain.client import ChainClient
 from chain.types import Deployment
 from gonka_node.cli import main
-from gonka_node.devnet import DevnetOptions, ExtraService, ServeContext, run_devnet
+from gonka_node.devnet import SERVICES, DevnetOptions, ExtraService, ServeContext, run_devnet
 
 
 def second_chain(ctx: ServeContext) -> list[str]:
@@ -29,7 +30,7 @@ def test_devnet_serve_keeps_the_network_up_until_stopped(tmp_path: Path, capsys:
     extra = ExtraService("second-chain", second_chain, lambda ctx: (ctx.out / "second.url").read_text().strip(),
                          ready=lambda ctx: (ctx.out / "second.url").exists())
     opts = DevnetOptions(out=out, hosts=1, rounds=1, inner_steps=4, preset="tiny", timeout_s=400, serve=True,
-                         services=(extra,))
+                         services=(*SERVICES, extra))
     said: list[str] = []
     stop = threading.Event()
     failure: list[BaseException] = []
@@ -54,6 +55,9 @@ def test_devnet_serve_keeps_the_network_up_until_stopped(tmp_path: Path, capsys:
         aggregator_line = next(line for line in said if line.startswith("  aggregator "))
         second = (out / "second.url").read_text().strip()
         assert f"  second-chain {second}" in said and RpcBackend(second).client_version()
+        explorer = next(line for line in said if line.startswith("  explorer ")).split()[1]
+        with urllib.request.urlopen(explorer, timeout=30) as page:  # the explorer's front page answers
+            assert page.status == 200 and "epoch" in page.read().decode().lower()
 
         # A client after the epoch: list (with where to pull) and pull, the aggregator found on chain.
         capsys.readouterr()

@@ -139,7 +139,7 @@ class Contribution(_message.Message):
     def __init__(self, host: _Optional[bytes] = ..., score: _Optional[float] = ..., reward: _Optional[int] = ..., aggregated: bool = ..., reasons: _Optional[_Iterable[str]] = ..., payload_length: _Optional[int] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("epoch", "round", "state", "base_checkpoint_sha256", "checkpoint_sha256", "rewards_root", "total_reward", "aggregation", "contributions", "finalize_tx")
+    __slots__ = ("epoch", "round", "state", "base_checkpoint_sha256", "checkpoint_sha256", "rewards_root", "total_reward", "aggregation", "contributions", "finalize_tx", "heldout_loss_base", "heldout_loss")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,8 @@ class RoundResult(_message.Message):
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     FINALIZE_TX_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_LOSS_BASE_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_LOSS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     state: str
@@ -160,7 +162,9 @@ class RoundResult(_message.Message):
     aggregation: str
     contributions: _containers.RepeatedCompositeFieldContainer[Contribution]
     finalize_tx: bytes
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., base_checkpoint_sha256: _Optional[bytes] = ..., checkpoint_sha256: _Optional[bytes] = ..., rewards_root: _Optional[bytes] = ..., total_reward: _Optional[int] = ..., aggregation: _Optional[str] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., finalize_tx: _Optional[bytes] = ...) -> None: ...
+    heldout_loss_base: float
+    heldout_loss: float
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., base_checkpoint_sha256: _Optional[bytes] = ..., checkpoint_sha256: _Optional[bytes] = ..., rewards_root: _Optional[bytes] = ..., total_reward: _Optional[int] = ..., aggregation: _Optional[str] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., finalize_tx: _Optional[bytes] = ..., heldout_loss_base: _Optional[float] = ..., heldout_loss: _Optional[float] = ...) -> None: ...
 
 class GetRewardProofRequest(_message.Message):
     __slots__ = ("epoch", "round", "host")

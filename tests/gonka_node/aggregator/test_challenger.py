@@ -23,19 +23,20 @@ from gonka_node.aggregator.client import SubmitRejected
 
 def test_garbage_is_challenged_and_slashed_after_the_round(harness: Harness) -> None:
     h = harness
-    h.round_length_s = 3.0  # the cheat never gets in: the round closes at its deadline with the other two
+    h.round_length_s = 5.0  # the cheat never gets in: the round closes at its deadline with the other two
     h.schedule(3)
-    server = h.start_server()
     cheat, *honest = h.hosts
+    payloads = {host.index: h.payload(h.honest_update(host, 1)) for host in honest}  # before the clock runs
     nan = bytearray(good_payload(h))
     nan[40:44] = struct.pack("<f", float("nan"))
+    server = h.start_server()
     with server.client() as client:
         info = client.open_round()
         with pytest.raises(SubmitRejected) as refused:
             client.submit_raw(stream(envelope(info, cheat, bytes(nan)), cheat.key, bytes(nan)))
         assert refused.value.reason == "NON_FINITE"
         for host in honest:
-            client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key)
+            client.submit(info, host.address, payloads[host.index], host.key)
     assert wait_state(server, h.epoch, 1, ("finalized",)) == "finalized"
 
     chain = h.world.client(0)

@@ -6,6 +6,7 @@ import sqlite3
 import time
 
 import grpc
+import pytest
 import torch
 from agg_harness import AGGREGATOR, Harness, ServerThread
 from eth_utils import to_checksum_address
@@ -18,6 +19,7 @@ from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.config import AggregationSettings
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.diloco import OuterOptimizer
+from training.inner import evaluate
 
 
 def wait_open(client: AggregatorClient, round_: int, timeout: float = 60.0) -> pb.RoundInfo:
@@ -76,6 +78,17 @@ def test_three_honest_hosts_finalize_on_chain_and_hosts_recompute_the_hash(harne
         assert TrainingCheckpoints().sha256(params) == on_chain.checkpoint_sha256
         served = client.checkpoint(h.epoch, 1)
         assert served.meta.content_sha256 == on_chain.checkpoint_sha256
+
+        # The held-out loss it reports is the base's and the new checkpoint's on the round's scoring windows.
+        ctx = h.context()
+        assert ctx.model_factory is not None and ctx.scoring is not None
+        batch = ctx.scoring.heldout(1, h.init_sha)
+        model = ctx.model_factory()
+        model.load_state_dict(h.base)
+        assert result.heldout_loss_base == pytest.approx(evaluate(model, [batch], autocast="off"), rel=1e-9)
+        model.load_state_dict(load_safetensors(served.data))
+        assert result.heldout_loss == pytest.approx(evaluate(model, [batch], autocast="off"), rel=1e-9)
+        assert result.heldout_loss < result.heldout_loss_base  # three honest updates help
 
         # Rewards: every host's proof verifies against the root on chain; the pool split sums up.
         total = 0

@@ -1,0 +1,134 @@
+"""A tiny real world for the model server's tests: the embedded chain served over JSON-RPC on
+127.0.0.1, epoch 1 with its recipe published, rounds 0..2 finalized, and a TLS gRPC Checkpoints
+service on 127.0.0.1:0 that the aggregator's account announced on chain, serving real checkpoint
+files of the tiny model (round r: `build_model(tiny, seed=r)`). `finalize(r)` writes and finalizes a
+further round while servers run, as an aggregator does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from chain.backends import EmbeddedBackend
+from chain.client import ChainClient
+from chain.seed import new_secret, seed_commitment
+from chain.server import ChainServer
+from chain.types import EpochSpec
+from gonka_node.recipe import Recipe
+from gonka_node.serve.server import ModelServerHandle, ServeSettings, start_model_server
+from gonka_node.tls import create_identity, server_credentials
+from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
+from proto.gonka.v1 import common_pb2 as common
+from training.checkpoint import save_checkpoint
+from training.hf_export import MODEL_CONFIG_KEY
+from training.model import ModelConfig, build_model
+
+GNK = 10**9
+TINY = ModelConfig.preset("tiny")
+CHUNK = 64 << 10
+
+
+@dataclass
+class FileServer(cpb_grpc.CheckpointsServicer):
+    """Serves checkpoint files by (epoch, round), honestly."""
+
+    files: dict[tuple[int, int], tuple[Path, bytes]] = field(default_factory=dict)  # -> (path, content sha)
+
+    def StreamCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Iterator[common.FileChunk]:
+        key = (request.epoch, request.round)
+        if key not in self.files:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint for {key}")
+        path, content_sha = self.files[key]
+        data = path.read_bytes()
+        yield common.FileChunk(meta=common.FileMeta(
+            length=len(data), file_sha256=hashlib.sha256(data).digest(), content_sha256=content_sha,
+            epoch=request.epoch, round=request.round, format="safetensors"))
+        for start in range(0, len(data), CHUNK):
+            yield common.FileChunk(data=data[start : start + CHUNK])
+
+
+@dataclass
+class ServeWorld:
+    root: Path
+    deployment: Path
+    rpc_url: str
+    epoch: int
+    files: dict[int, Path]
+    shas: dict[int, str]
+    servicer: FileServer
+    aggregator: ChainClient  # the aggregator's account: finalizes rounds
+    stops: list[Any]
+
+    def write_round(self, round_: int) -> str:
+        path = self.root / f"served-{round_}.safetensors"
+        tensors = build_model(TINY, seed=round_).state_dict()
+        sha = save_checkpoint(path, tensors, {MODEL_CONFIG_KEY: json.dumps(TINY.to_dict())})
+        self.files[round_], self.shas[round_] = path, sha
+        self.servicer.files[(self.epoch, round_)] = (path, bytes.fromhex(sha))
+        return sha
+
+    def finalize(self, round_: int) -> str:
+        """Write round `round_`'s checkpoint where the aggregator serves it, then finalize it on chain."""
+        sha = self.write_round(round_)
+        secret = new_secret()  # the round seed's commit-reveal, which finalize_round requires
+        self.aggregator.commit_round_seed(self.epoch, round_, seed_commitment(secret))
+        self.aggregator.reveal_round_seed(self.epoch, round_, secret)
+        self.aggregator.finalize_round(self.epoch, round_, sha, bytes([round_]) * 32, 2, 1000 * GNK)
+        return sha
+
+    def close(self) -> None:
+        for stop in reversed(self.stops):
+            stop()
+
+
+def build_world(root: Path, rounds: int = 2, n_rounds: int = 6) -> ServeWorld:
+    recipe = Recipe(model=TINY)
+    backend = EmbeddedBackend()
+    chain_server = ChainServer(backend).start()
+    accounts = backend.dev_accounts()
+    gov = ChainClient(backend, accounts[0]).connect()
+    deployment = gov.deploy_all(initial_mint={accounts[0].address: 10_000 * GNK})
+    deployment.extra["rpc_url"] = chain_server.url
+    deployment.save(root / "deployment.json")
+    servicer = FileServer()
+    world = ServeWorld(root, root / "deployment.json", chain_server.url, 0, {}, {}, servicer,
+                       gov.with_account(accounts[1]), [chain_server.stop])
+    init_sha = world.write_round(0)
+    spec = EpochSpec(
+        model_spec_hash=recipe.sha256(), model_uri="file:recipe.json", data_manifest_hash=bytes(range(32)),
+        init_checkpoint_hash=bytes.fromhex(init_sha), inner_steps=20, inner_lr=2e-3, batch_size=8,
+        outer_lr=0.7, outer_momentum=0.9, codec="int8", n_rounds=n_rounds, round_length=600, signin_window=60,
+        min_stake=1500 * GNK, max_hosts=4, aggregators=(accounts[1].address,), reward_per_round=1500 * GNK,
+    )
+    world.epoch = gov.create_epoch(spec)
+    servicer.files = {(world.epoch, 0): servicer.files.pop((0, 0))}
+    gov.fund_epoch(world.epoch, 5000 * GNK)
+    backend.increase_time(61)
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    cpb_grpc.add_CheckpointsServicer_to_server(servicer, grpc_server)
+    identity = create_identity()
+    port = grpc_server.add_secure_port("127.0.0.1:0", server_credentials(identity))
+    grpc_server.start()
+    world.stops.append(lambda: grpc_server.stop(0))
+    # What a running aggregator does at start: its endpoint and certificate, and the epoch's recipe.
+    world.aggregator.announce_aggregator(world.epoch, f"127.0.0.1:{port}", identity.cert_pem)
+    world.aggregator.publish_recipe(world.epoch, recipe.canonical_json())
+    for round_ in range(1, rounds + 1):
+        world.finalize(round_)
+    return world
+
+
+def serve(world: ServeWorld, cache: Path, round_: str = "latest", **settings: Any) -> ModelServerHandle:
+    """A model server on 127.0.0.1 port 0 for `world`'s epoch, found through the chain."""
+    return start_model_server(
+        None, world.deployment, world.epoch, 0, round_=round_, cache_dir=cache,
+        settings=ServeSettings(device="cpu", **settings),
+    )
