@@ -199,8 +199,20 @@ class ChainClient:
     def transfer(self, receiver: str, amount: int) -> TxReceipt:
         return self.transact(self.gnk, "transfer", to_checksum_address(receiver), amount)
 
+    def transfer_eth(self, receiver: str, wei: int) -> TxReceipt:
+        """Send native currency (what pays for gas) to `receiver`."""
+        return self.sender.send({"to": to_checksum_address(receiver), "value": wei})
+
     def gnk_balance(self, owner: str | None = None) -> int:
         return int(self.read(self.gnk, "balanceOf", to_checksum_address(owner or self.address)))
+
+    def eth_balance(self, owner: str | None = None) -> int:
+        """The account's native balance in wei: what pays for gas."""
+        return int(self.w3.eth.get_balance(to_checksum_address(owner or self.address)))
+
+    def max_fee_per_gas(self) -> int:
+        """The most a transaction of this client pays per gas now (wei): what a balance must cover."""
+        return self.sender.max_fee_per_gas()
 
     def allowance(self, owner: str, spender: str) -> int:
         return int(self.read(self.gnk, "allowance", to_checksum_address(owner), to_checksum_address(spender)))
@@ -271,6 +283,11 @@ class ChainClient:
     def host_info(self, epoch: int, host: str) -> HostInfo:
         return HostInfo.from_abi(self.read(self.registry, "host_info", epoch, to_checksum_address(host)))
 
+    def key_owner(self, epoch: int, node_key: bytes | str) -> str | None:
+        """The host that registered `node_key` in `epoch`, or None (a node key signs in once per epoch)."""
+        owner = self.read(self.registry, "key_owner", epoch, _bytes32("node_key", node_key))
+        return None if int(owner, 16) == 0 else to_checksum_address(owner)
+
     def hosts(self, epoch: int) -> list[str]:
         """Hosts of `epoch` in slot order (slot i is element i), including those that left."""
         n = self.get_epoch(epoch).n_hosts
@@ -316,6 +333,11 @@ class ChainClient:
 
     def claim(self, epoch: int, round_: int, amount: int, proof: Sequence[bytes]) -> TxReceipt:
         return self.transact(self.registry, "claim", epoch, round_, amount, [bytes(p) for p in proof])
+
+    def claims(self, epoch: int, host: str | None = None) -> dict[int, int]:
+        """What `host` (default: this account) has claimed in `epoch`: round -> ngonka (RewardClaimed events)."""
+        events = self._logs("RewardClaimed", {"epoch": epoch, "host": to_checksum_address(host or self.address)})
+        return {int(e["args"]["round"]): int(e["args"]["amount"]) for e in events}
 
     def claimed(self, epoch: int, round_: int, host: str | None = None) -> bool:
         return bool(self.read(self.registry, "claimed", epoch, round_, to_checksum_address(host or self.address)))
@@ -461,6 +483,25 @@ class ChainClient:
         return self.transact(
             self.governor, "execute", proposal_id, [a.target for a in actions], [a.calldata for a in actions]
         )
+
+    def proposal_count(self) -> int:
+        return int(self.read(self.governor, "proposal_count"))
+
+    def proposal_description(self, proposal_id: int) -> str:
+        """The description a proposal was made with (from its ProposalCreated event; "" if the log is gone)."""
+        start = self.deployment.block if self.deployment else 0
+        logs = self.governor.events.ProposalCreated().get_logs(
+            from_block=start, argument_filters={"proposal_id": proposal_id}
+        )
+        return str(logs[0]["args"]["description"]) if logs else ""
+
+    def escrow(self, voter: str | None = None) -> int:
+        """GNK `voter` (default: this account) has escrowed in the Governor to vote with."""
+        return int(self.read(self.governor, "escrow", to_checksum_address(voter or self.address)))
+
+    def treasury(self) -> int:
+        """The Governor's GNK beyond the voters' escrow: what executed proposals may spend."""
+        return self.gnk_balance(self.governor.address) - int(self.read(self.governor, "total_escrow"))
 
     def proposal(self, proposal_id: int) -> Proposal:
         t = self.read(self.governor, "proposals", proposal_id)

@@ -4,12 +4,19 @@
 standard Ethereum JSON-RPC (hex quantities, revert errors with the ABI-encoded reason in `data`, like
 geth/anvil) plus anvil's development methods evm_snapshot / evm_revert / evm_increaseTime / evm_mine, so
 `RpcBackend` treats it exactly like an anvil node.
+
+The embedded EVM stamps a block when it is mined, so left alone its clock stands still between
+transactions: a view or a transaction after a deadline would still see the time of the last transaction
+("voting still open"). With `follow_clock` the server moves the chain's time along with the wall clock
+before answering a request (one empty block when at least a second has passed), never backwards: after
+`evm_increaseTime` it keeps the lead and runs on from there.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -44,11 +51,25 @@ def _revert_error(message: str) -> dict[str, Any]:
     return {"code": 3, "message": f"execution reverted: {reason}", "data": "0x" + data.hex()}
 
 
+_DEV_METHODS = ("evm_increaseTime", "evm_snapshot", "evm_revert", "evm_mine")
+
+
 class ChainServer:
-    def __init__(self, backend: EmbeddedBackend, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        backend: EmbeddedBackend,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        follow_clock: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.backend = backend
         self.host = host
         self.port = port
+        self.follow_clock = follow_clock
+        self._clock = clock
+        self._lead = 0.0  # seconds the chain's clock runs ahead of the wall clock (follow_clock)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._request: Callable[[str, Any], Any] | None = None
@@ -105,6 +126,8 @@ class ChainServer:
     def _dispatch(self, method: str, params: list[Any]) -> Any:
         tester = self.backend.tester
         with self.backend.lock:
+            if self.follow_clock and method not in _DEV_METHODS:
+                self._advance_clock()
             if method == "evm_increaseTime":
                 pending = tester.get_block_by_number("pending")["timestamp"]
                 tester.time_travel(pending + int(str(params[0]), 0))
@@ -122,6 +145,24 @@ class ChainServer:
         if "error" in response:
             raise _RpcError(dict(response["error"]))
         return response.get("result")
+
+    def _advance_clock(self) -> None:
+        """Mine one empty block stamped with the chain time the wall clock says it is now (under the lock).
+
+        Chain time = wall time + the chain's lead, where the lead is the most the chain was ever seen ahead
+        of the wall clock (`evm_increaseTime`, blocks mined faster than one a second): kept, never undone,
+        and never negative, so a chain left idle catches up with the wall clock at the next read."""
+        tester = self.backend.tester
+        latest = int(tester.get_block_by_number("latest")["timestamp"])
+        now = self._clock()
+        self._lead = max(self._lead, latest - now)
+        due = int(now + self._lead)
+        if due <= latest:
+            return
+        if int(tester.get_block_by_number("pending")["timestamp"]) > due:
+            tester.mine_blocks(1)  # the pending block, stamped when the last one was mined, is late enough
+        else:
+            tester.time_travel(due + 1)  # eth-tester mines a block stamped `due`; the pending one gets due + 1
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         server = self

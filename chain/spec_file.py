@@ -13,11 +13,13 @@
 
 Keys for EpochSpec fields with a default (aggregator_quorum, reward_per_round_gnk, replay_probability,
 challenge_window, challenge_bond_gnk) may be left out. Every mistake raises SpecError naming the file
-and the field.
+and the field. `format_epoch_spec` writes a spec back in this form, each key with an optional comment,
+so that `parse_epoch_spec(tomllib.loads(format_epoch_spec(spec)))` equals `spec`.
 """
 
 from __future__ import annotations
 
+import json
 import tomllib
 from collections.abc import Callable
 from dataclasses import MISSING, fields
@@ -26,7 +28,7 @@ from typing import Any
 
 from chain.errors import SpecError
 from chain.types import EpochSpec
-from chain.units import parse_gnk
+from chain.units import gnk_decimal, parse_gnk
 
 _HASHES = ("model_spec_hash", "data_manifest_hash", "init_checkpoint_hash")
 _INTS = (
@@ -129,3 +131,29 @@ def load_epoch_spec(path: str | Path) -> EpochSpec:
     except tomllib.TOMLDecodeError as exc:
         raise SpecError("-", f"not valid TOML ({exc})", str(path)) from None
     return parse_epoch_spec(data, str(path))
+
+
+def _toml_value(key: str, spec: EpochSpec) -> str:
+    name = _GNK.get(key, key)
+    value = getattr(spec, name)
+    if key in _HASHES:
+        return f'"0x{value.hex()}"'
+    if key in _GNK:
+        return f'"{gnk_decimal(value)}"'
+    if key in _FLOATS:
+        return repr(float(value))
+    if key == "aggregators":
+        return "[" + ", ".join(f'"{a}"' for a in value) + "]"
+    if key in _INTS:
+        return str(value)
+    return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+
+
+def format_epoch_spec(spec: EpochSpec, comments: dict[str, str] | None = None, header: str = "") -> str:
+    """`spec` as the TOML this module reads: one key per line, `comments[key]` after it, `header` on top."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    for key in spec_keys():
+        line = f"{key} = {_toml_value(key, spec)}"
+        note = (comments or {}).get(key)
+        lines.append(f"{line}  # {note}" if note else line)
+    return "\n".join(lines) + "\n"

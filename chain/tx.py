@@ -121,14 +121,27 @@ class TxSender:
         full["chainId"] = self.chain_id
         full["nonce"] = self.w3.eth.get_transaction_count(self.account.address, "pending")
         if "gas" not in full:
-            estimate = translate_call(lambda: self.w3.eth.estimate_gas(full))  # type: ignore[arg-type]
-            full["gas"] = int(estimate * GAS_MARGIN)
-        base_fee = int(self.w3.eth.get_block("latest").get("baseFeePerGas", 0) or 0)
+            full["gas"] = int(self._estimate(full) * GAS_MARGIN)
         full.setdefault("maxPriorityFeePerGas", self.priority_fee)
-        full.setdefault("maxFeePerGas", 2 * base_fee + full["maxPriorityFeePerGas"])
+        full.setdefault("maxFeePerGas", self.max_fee_per_gas(full["maxPriorityFeePerGas"]))
         full["type"] = 2
         full.pop("from")
         return self.account.sign_transaction(full)
+
+    def _estimate(self, tx: dict[str, Any]) -> int:
+        """The node's gas estimate; a revert is ChainRevert, any other refusal (the sender cannot pay for
+        the transaction's value and gas, …) ChainRejected, whatever the backend."""
+        try:
+            return int(translate_call(lambda: self.w3.eth.estimate_gas(tx)))  # type: ignore[arg-type]
+        except (Web3RPCError, EthValidationError) as exc:
+            error = (getattr(exc, "rpc_response", None) or {}).get("error")
+            message = error.get("message") if isinstance(error, dict) else str(exc)
+            raise ChainRejected(f"node refused to estimate the transaction: {message}") from None
+
+    def max_fee_per_gas(self, priority_fee: int | None = None) -> int:
+        """The fee cap this sender signs with: twice the latest base fee plus the priority fee."""
+        base_fee = int(self.w3.eth.get_block("latest").get("baseFeePerGas", 0) or 0)
+        return 2 * base_fee + (self.priority_fee if priority_fee is None else priority_fee)
 
     def send_raw(self, raw: bytes) -> TxReceipt:
         """Send bytes signed elsewhere (e.g. to prove a node refuses them) and wait for the receipt."""

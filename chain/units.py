@@ -21,6 +21,12 @@ def parse_gnk(text: str | int | float) -> int:
     return int(scaled)
 
 
-def format_gnk(ngonka: int) -> str:
+def gnk_decimal(ngonka: int) -> str:
+    """1_500_000_000 → '1.5': the exact decimal `parse_gnk` reads back."""
+    sign, ngonka = ("-", -ngonka) if ngonka < 0 else ("", ngonka)
     whole, frac = divmod(ngonka, NGONKA_PER_GNK)
-    return f"{whole}.{frac:09d}".rstrip("0").rstrip(".") + " GNK"
+    return sign + f"{whole}.{frac:09d}".rstrip("0").rstrip(".")
+
+
+def format_gnk(ngonka: int) -> str:
+    return gnk_decimal(ngonka) + " GNK"

@@ -38,7 +38,7 @@ from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store, now_ms
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
-from gonka_node.host.events import HostEvents
+from gonka_node.host.events import LogEvents
 from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.keys import NodeKeys, NodeSigningKey
 from gonka_node.recipe import Recipe
@@ -123,7 +123,7 @@ class EpochReport:
         return statistics.median([self.round_rewards.get(h, {}).get(round_, 0) for h in self.honest()] or [0])
 
 
-class Attempts(HostEvents):
+class Attempts(LogEvents):
     """Records the rounds in which a host has made its submission attempt (accepted or not)."""
 
     def __init__(self) -> None:

@@ -178,6 +178,7 @@ class AggregatorConfig:
     epoch: int = 0  # 0: the latest epoch on chain
     initial_checkpoint: Path | None = None  # round-0 weights; made from the recipe when absent
     scoring: bool = True
+    metrics_port: int = 0  # Prometheus (gonka_aggregator_*) on 127.0.0.1:PORT; 0: off
     chain: ChainSettings = field(default_factory=ChainSettings)
     round: RoundSettings = field(default_factory=RoundSettings)
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
@@ -231,10 +232,14 @@ def _build(
             "epoch",
             "initial_checkpoint",
             "scoring",
+            "metrics_port",
         },
     )
     if not isinstance(agg.get("epoch", 0), int) or agg.get("epoch", 0) < 0:
         raise ConfigError(f"[aggregator] epoch must be an integer >= 0, got {agg.get('epoch')!r}")
+    port = agg.get("metrics_port", 0)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"[aggregator] metrics_port must be a port number (0: off), got {port!r}")
     if not isinstance(agg.get("scoring", True), bool):
         raise ConfigError(f"[aggregator] scoring must be true or false, got {agg.get('scoring')!r}")
     base = Path(env.get("GONKA_HOME", path.parent))
@@ -257,6 +262,7 @@ def _build(
         epoch=int(agg.get("epoch", 0)),
         initial_checkpoint=_resolve(base, agg["initial_checkpoint"]) if "initial_checkpoint" in agg else None,
         scoring=bool(agg.get("scoring", True)),
+        metrics_port=port,
         chain=_section(ChainSettings, "[chain]", chain),
         round=_section(RoundSettings, "[round]", dict(raw.get("round", {}))),
         aggregation=_section(AggregationSettings, "[aggregation]", aggregation),

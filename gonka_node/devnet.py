@@ -10,6 +10,13 @@ epoch's last round is finalized it claims every host's rewards with Merkle proof
 checkpoint and checks it against the hash on chain, and writes `report.json` and `loss.png`.
 The aggregator serves TLS only: it writes its certificate at start (`aggregator_cert(out)`), which the
 hosts' configs and this process's own pulls pin.
+
+With `serve` the chain (now following the wall clock) and the aggregator keep running after the report
+until Ctrl-C or SIGTERM, and their addresses are printed, so clients can list, pull and export against
+them. Other long-running services start beside them then: each `ExtraService` in `SERVICES` (the hook
+for `gonka-node explorer`, `gonka-node serve` and the like) is a `gonka-node` verb whose arguments are
+built from a `ServeContext` (chain URL, deployment file, epoch, aggregator), started as a child like
+the others, and announced with the address it reports once ready.
 Every child process is stopped on the way out, whatever happened.
 """
 
@@ -20,8 +27,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +77,52 @@ class DevnetOptions:
     heldout_windows: int = 64
     chain_url: str | None = None  # an external dev node (anvil); None: the embedded chain, served here
     replay_fraction: float = 1.0  # the epoch's replay probability p; > 0: fresh rounds; 0: no replays, no pay
+    serve: bool = False  # keep the chain, the aggregator and the extra services running until stopped
+    services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)
+
+
+@dataclass(frozen=True)
+class ServeContext:
+    """What a service started beside a serving devnet knows about the network it joins."""
+
+    out: Path  # the devnet folder; a service may write its files (logs, port files) here
+    chain_url: str
+    deployment: Path
+    epoch: int
+    aggregator: str  # HOST:PORT of the aggregator's gRPC (TLS) service
+    aggregator_cert: Path  # the certificate clients pin (also announced on chain)
+
+
+@dataclass(frozen=True)
+class ExtraService:
+    """A long-running `gonka-node` verb started beside the chain and the aggregator by `devnet --serve`.
+
+    `args(ctx)` is the verb and its flags; `ready(ctx)` says when it is up (e.g. its port file exists);
+    `address(ctx)`, read once ready, is what the devnet prints for it (e.g. "http://127.0.0.1:PORT")."""
+
+    name: str
+    args: Callable[[ServeContext], list[str]]
+    address: Callable[[ServeContext], str]
+    ready: Callable[[ServeContext], bool] = lambda ctx: True
+
+
+def printed_url(ctx: ServeContext, name: str, prefix: str) -> str | None:
+    """The URL a child printed on its line starting with `prefix` (its log is logs/<name>.log), or None yet."""
+    log = ctx.out / "logs" / f"{name}.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((line.removeprefix(prefix).strip() for line in lines if line.startswith(prefix)), None)
+
+
+EXPLORER = ExtraService(
+    "explorer",
+    args=lambda ctx: ["explorer", "--deployment", str(ctx.deployment), "--rpc", ctx.chain_url, "--port", "0",
+                      "--db", str(ctx.out / "explorer.sqlite3")],
+    address=lambda ctx: printed_url(ctx, "explorer", "explorer:") or "?",
+    ready=lambda ctx: printed_url(ctx, "explorer", "explorer:") is not None,
+)
+
+# The hook: services started beside the chain and the aggregator under `devnet --serve`, in this order.
+SERVICES: list[ExtraService] = [EXPLORER]
 
 
 @dataclass
@@ -289,7 +343,14 @@ def close_signin(chain: DevnetChain, sched: ScheduledEpoch, hosts: int, children
     chain.backend.increase_time(SIGNIN_WINDOW_S + 1)
 
 
-def run_devnet(opts: DevnetOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
+def run_devnet(
+    opts: DevnetOptions,
+    say: Callable[[str], None] = print,
+    on_report: Callable[[dict[str, Any]], None] | None = None,
+    stop: threading.Event | None = None,
+) -> dict[str, Any]:
+    """Run the epoch and return its report (also given to `on_report` as soon as it is written); with
+    `opts.serve`, then keep serving until `stop` is set, SIGTERM or Ctrl-C."""
     out = opts.out
     if opts.hosts < 1 or opts.hosts > 8:
         raise DevnetError("--hosts must be between 1 and 8 (dev accounts 1..8)")
@@ -325,10 +386,54 @@ def run_devnet(opts: DevnetOptions, say: Callable[[str], None] = print) -> dict[
         report = make_report(opts, chain.backend, sched.deployment, sched.recipe, epoch, target, sched.init_sha)
         report["seconds"] = round(time.monotonic() - started, 1)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        if on_report is not None:
+            on_report(report)
+        if opts.serve:
+            ctx = ServeContext(out, chain.url, out / "deployment.json", epoch, target, aggregator_cert(out))
+            keep_serving(ctx, chain, children, SERVICES if opts.services is None else opts.services, say, stop)
         return report
     finally:
         children.stop()
         chain.stop()
+
+
+def keep_serving(
+    ctx: ServeContext, chain: DevnetChain, children: Children, services: Sequence[ExtraService],
+    say: Callable[[str], None], stop: threading.Event | None = None,
+) -> None:
+    """Start `services`, print every address, and wait for `stop`, SIGTERM or Ctrl-C (then return)."""
+    if chain.server is not None:
+        chain.server.follow_clock = True  # deadlines now pass with the wall clock, from the devnet's lead
+    logs = ctx.out / "logs"
+    for service in services:
+        children.start(service.name, service.args(ctx), logs / f"{service.name}.log", child_env())
+        _wait(f"{service.name} to start", lambda s=service: s.ready(ctx), 120, children, logs)  # type: ignore[misc]
+    say(f"serving until Ctrl-C: chain {ctx.chain_url} (deployment {ctx.deployment}, epoch {ctx.epoch})")
+    say(f"  aggregator {ctx.aggregator} (TLS certificate {ctx.aggregator_cert}, also announced on chain)")
+    for service in services:
+        say(f"  {service.name} {service.address(ctx)}")
+    say(f"  try: gonka-node checkpoint list --deployment {ctx.deployment}")
+    stop = stop or threading.Event()
+    _stop_on_sigterm(stop)
+    try:
+        while not stop.wait(0.5):
+            _check_serving(children, logs)
+    except KeyboardInterrupt:
+        pass
+    say("stopping the devnet")
+
+
+def _check_serving(children: Children, logs: Path) -> None:
+    """While serving, hosts have left; every other child must still run."""
+    for name, proc in children.procs.items():
+        if not name.startswith("host") and proc.poll() is not None:
+            tail = (logs / f"{name}.log").read_text(errors="replace")[-2000:]
+            raise DevnetError(f"{name} exited with status {proc.returncode} while serving; its log ends:\n{tail}")
+
+
+def _stop_on_sigterm(stop: threading.Event) -> None:
+    if threading.current_thread() is threading.main_thread():  # signals can only be set from there
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
 
 def make_report(

@@ -6,9 +6,12 @@ is a copy: `config.json` from the `ModelConfig`, `model.safetensors` with the sa
 folder with `LlamaForCausalLM.from_pretrained` gives the same logits as `Llama` (checked in
 tests/training/test_hf_export.py).
 
-The vocabulary is the 256 UTF-8 bytes (`ByteTokenizer`): token id = byte value, no tokenizer files
-are needed. Documents are separated by NUL (id 0) in training, so 0 is the end-of-sequence token and
-prompting after a 0 means "start of a document". There is no BOS token.
+The vocabulary is the 256 UTF-8 bytes (`ByteTokenizer`): token id = byte value. The folder carries
+that tokenizer in the `tokenizers` library's format (`tokenizer.json`: a byte-level BPE with no merges,
+each byte one token, the id its value; `tokenizer_config.json`), so `AutoTokenizer` and
+`pipeline("text-generation")` load the folder as it is. Documents are separated by NUL (id 0) in
+training, so 0 is the end-of-sequence token and prompting after a 0 means "start of a document". There
+is no BOS token.
 
 Checkpoints carry their `ModelConfig` as JSON under the metadata key `MODEL_CONFIG_KEY` when their
 writer stored it; otherwise the caller names the config (a preset). Either way every tensor's name
@@ -137,6 +140,48 @@ def generation_config() -> dict[str, Any]:
     return {"bos_token_id": None, "eos_token_id": DOCUMENT_SEPARATOR, "pad_token_id": None}
 
 
+def byte_symbols() -> list[str]:
+    """The printable character standing for each byte value in a byte-level tokenizer (GPT-2's table:
+    printable Latin-1 bytes stand for themselves, the others for U+0100 onwards, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols: dict[int, str] = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in symbols]
+    symbols |= {b: chr(256 + i) for i, b in enumerate(others)}
+    return [symbols[b] for b in range(256)]
+
+
+def tokenizer_files(cfg: ModelConfig) -> dict[str, dict[str, Any]]:
+    """`tokenizer.json` and `tokenizer_config.json` for the byte vocabulary: token id = byte value."""
+    symbols = byte_symbols()
+    byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", **byte_level},  # bytes → symbols, never split further
+        "post_processor": None,  # no BOS/EOS added to a prompt
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": {symbol: byte for byte, symbol in enumerate(symbols)},
+            "merges": [],
+        },
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": symbols[DOCUMENT_SEPARATOR],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": cfg.max_seq_len,
+    }
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config,
+            "special_tokens_map.json": {"eos_token": symbols[DOCUMENT_SEPARATOR]}}
+
+
 def model_card(cfg: ModelConfig, source_sha256: str, source: Mapping[str, str]) -> str:
     provenance = "".join(f"- {key}: `{value}`\n" for key, value in sorted(source.items()))
     return f"""---
@@ -156,18 +201,16 @@ Parameters: {cfg.num_params():,}; layers {cfg.n_layers}, hidden size {cfg.dim}, 
 
 ## Tokens
 
-The vocabulary is the 256 UTF-8 bytes ({ByteTokenizer.name}): a token id is a byte value, so no
-tokenizer files are needed. Token {DOCUMENT_SEPARATOR} (NUL) separates documents; start a prompt with it
-to begin a new document. Generation stops when the model emits it.
+The vocabulary is the 256 UTF-8 bytes ({ByteTokenizer.name}): a token id is a byte value. The
+folder's tokenizer files say so, so `AutoTokenizer` and the `text-generation` pipeline load it. Token
+{DOCUMENT_SEPARATOR} (NUL) separates documents; start a prompt with it to begin a new document.
+Generation stops when the model emits it.
 
 ```python
-import torch
-from transformers import LlamaForCausalLM
+from transformers import pipeline
 
-model = LlamaForCausalLM.from_pretrained("path/to/this/folder")
-ids = torch.tensor([[{DOCUMENT_SEPARATOR}, *"def main(".encode()]])
-out = model.generate(ids, max_new_tokens=64, do_sample=False)
-print(bytes(out[0, ids.shape[1]:].tolist()).decode("utf-8", errors="replace"))
+generate = pipeline("text-generation", model="path/to/this/folder")
+print(generate("def main(", max_new_tokens=64, do_sample=False)[0]["generated_text"])
 ```
 """
 
@@ -199,6 +242,8 @@ def export_hf(
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
         _write_json(staging / "config.json", hf_config(cfg, out_dtype))
         _write_json(staging / "generation_config.json", generation_config())
+        for name, content in tokenizer_files(cfg).items():
+            _write_json(staging / name, content)
         (staging / "README.md").write_text(model_card(cfg, source_sha256, source or {}), encoding="utf-8")
         if out.exists():
             out.rmdir()  # empty (checked above); os.replace cannot replace a folder with a folder
@@ -230,4 +275,5 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    # ensure_ascii: the byte symbols (U+0100…) travel as escapes, whatever the reader's locale
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

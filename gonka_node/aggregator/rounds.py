@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +41,7 @@ from chain.seed import new_secret
 from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import RoundOutcome, compute_outcome
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
+from gonka_node.aggregator.metrics import RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
@@ -156,6 +159,8 @@ class RoundEngine:
         self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
         self._opening_failed = 0  # failed attempts to open the next round (its seed commitment): retried
+        self.metrics = RoundMetrics()  # what it reports (aggregator/metrics.py); set by whoever serves them
+        self._closing_since: float | None = None  # monotonic time the open round's close began
 
     @property
     def aggregator_key(self) -> bytes:
@@ -173,8 +178,8 @@ class RoundEngine:
         row = self._resume_or_open()
         if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(
-                "resumed open round %d/%d with %d accepted submissions (deadline %d)",
-                ctx.epoch, row.round, len(self.store.submissions(ctx.epoch, row.round)), row.deadline_ms,
+                "resumed open round %d/%d with %d accepted submissions (deadline %s)",
+                ctx.epoch, row.round, len(self.store.submissions(ctx.epoch, row.round)), clock_text(row.deadline_ms),
             )
         self._activate(row)
 
@@ -208,7 +213,7 @@ class RoundEngine:
         assert base is not None
         deadline = self.clock() + int(ctx.round_length_s * 1000)
         row = self._commit(self.store.open_round(ctx.epoch, round_, base, deadline, new_secret()))
-        log.info("round %d/%d open until %d", ctx.epoch, round_, deadline)
+        log.info("round %d/%d open until %s", ctx.epoch, round_, clock_text(deadline))
         return row
 
     def _commit(self, row: RoundRow) -> RoundRow:
@@ -248,7 +253,7 @@ class RoundEngine:
             )
         if self.closing or self.clock() > r.deadline_ms:
             raise Rejected(
-                Reason.LATE, f"round {r.epoch}/{r.round} closed for submissions at {r.deadline_ms} ms"
+                Reason.LATE, f"round {r.epoch}/{r.round} closed for submissions at {clock_text(r.deadline_ms)}"
             )
         if sub.base_checkpoint_sha256 != r.base_sha256:
             raise Rejected(
@@ -407,7 +412,7 @@ class RoundEngine:
             self.store.extend_round(r.epoch, r.round, deadline)
             self.current = self.store.get_round(r.epoch, r.round)
             log.info(
-                "round %d/%d below quorum (%d): extended to %d", r.epoch, r.round, len(accepted), deadline
+                "round %d/%d below quorum (%d): extended to %s", r.epoch, r.round, len(accepted), clock_text(deadline)
             )
         elif self.clock() > r.deadline_ms:
             await self.close(skip=True)
@@ -444,11 +449,13 @@ class RoundEngine:
         # this line, since the check and the store's insert run on this event loop without a pause.
         self.closing = True
         self.closed_for_submissions.set()
+        self._closing_since = self._closing_since or time.monotonic()
         try:
             row = await asyncio.to_thread(self._close_sync, r, skip)
         except Exception as exc:  # the chain (or a disk) failed: keep refusing, retry at the next tick
             self._note_close_failure(r, skip, exc)
             return
+        self._report_closed(row)
         if self._close_failed is not None:
             log.warning(
                 "round %d/%d: closing completed after %d failed attempts over %.1f s (state %s)",
@@ -461,6 +468,11 @@ class RoundEngine:
         self.round_closed.set()
         self.round_closed = asyncio.Event()
         await self._open_next()
+
+    def _report_closed(self, row: RoundRow) -> None:
+        seconds, self._closing_since = time.monotonic() - (self._closing_since or time.monotonic()), None
+        wanted = self.metrics.wants_contributions
+        self.metrics.round_closed(row, seconds, self.store.contributions(row.epoch, row.round) if wanted else [])
 
     async def _open_next(self) -> None:
         """Open the next round (its seed committed on chain first); on failure, again at the next tick,
@@ -650,8 +662,14 @@ class RoundEngine:
                 await asyncio.wait_for(stop.wait(), interval_s)
 
 
+def clock_text(ms: int) -> str:
+    """A millisecond Unix time as a log line shows it: 2025-06-01 14:03:12.345 UTC."""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+
+
 def _tx_bytes(result: Any) -> bytes:
-    value = getattr(result, "tx_hash", result)
+    """The transaction hash in what a finalize call returned (a receipt, or an object with tx_hash)."""
+    value = result.get("transactionHash") if isinstance(result, Mapping) else getattr(result, "tx_hash", result)
     if isinstance(value, bytes | bytearray):
         return bytes(value)
     if isinstance(value, str) and value.startswith("0x"):

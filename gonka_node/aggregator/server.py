@@ -153,6 +153,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             sub = submission_from_pb(first.header)
             guard.what = f"upload of 0x{sub.host.hex()}"
             receipt = await self.engine.submit(sub, first.header.signature, _chunks(requests), guard)
+            self.engine.metrics.submission("accepted", sub.payload_length)
             return receipt_pb(receipt)
         except asyncio.CancelledError as exc:
             refusal = guard.refused(exc)
@@ -171,6 +172,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
 
     async def _refuse(self, sub: Submission | None, exc: Rejected, context: grpc.aio.ServicerContext) -> None:
         log.info("rejected %s: %s", f"0x{sub.host.hex()}" if sub else "?", exc)
+        self.engine.metrics.submission(exc.reason.name)
         signed = self.engine.receipt(sub, accepted=False, reason=exc.reason.value)
         trailing = (
             ("gonka-reason", exc.reason.name),

@@ -13,8 +13,10 @@ import signal
 from pathlib import Path
 
 from gonka_node.aggregator.challenger import Challenger
+from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.cli import CliError
+from gonka_node.cli.verbs import add_verb
 from gonka_node.config import AggregatorConfig, ConfigError, load_aggregator_config, read_env
 from gonka_node.slashing import EvidenceLog
 from gonka_node.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_identity
@@ -23,25 +25,33 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "aggregator", help="run an aggregator: collect, check, combine and finalize rounds"
+    p = add_verb(
+        subparsers, "aggregator", help="run an aggregator: collect, check, combine and finalize rounds",
+        examples=["gonka-node aggregator --config aggregator.toml --passphrase-file agg.pass"],
+        next="hosts find it on chain: gonka-node run --config host.toml --check; clients: gonka-node checkpoint list",
     )
-    p.add_argument("--config", type=Path, required=True, help="aggregator TOML file (docs/PROTOCOL.md)")
+    p.add_argument("--config", type=Path, required=True,
+                   help="aggregator TOML file (gonka-node init aggregator writes a commented one)")
     p.add_argument("--listen", help="host:port to serve on (overrides [aggregator] listen)")
     p.add_argument("--data-dir", type=Path, help="state folder (overrides [aggregator] data_dir)")
     p.add_argument("--port-file", type=Path, help="write the port here once listening (for listen = …:0)")
+    p.add_argument("--passphrase-file", type=Path,
+                   help="file whose first line unlocks encrypted keys (mode 0600; else GONKA_KEY_PASSPHRASE)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from gonka_node.cli.keys import read_passphrase_file
+
     try:
         cfg = load_aggregator_config(
             args.config, overrides={"listen": args.listen, "data_dir": args.data_dir}
         )
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
+    passphrase = read_passphrase_file(args.passphrase_file) if args.passphrase_file else None
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(cfg, args.config, args.port_file))
+    asyncio.run(_serve(cfg, args.config, args.port_file, passphrase))
     return 0
 
 
@@ -52,10 +62,15 @@ def _require(cfg: AggregatorConfig, where: Path, name: str) -> Path:
     return value
 
 
-async def _serve(cfg: AggregatorConfig, where: Path, port_file: Path | None = None) -> None:
+async def _serve(
+    cfg: AggregatorConfig, where: Path, port_file: Path | None = None, passphrase: str | None = None
+) -> None:
     identity = _identity(cfg)
-    engine = _build(cfg, where)
+    engine = _build(cfg, where, passphrase)
     from gonka_node.aggregator.server import AggregatorServer
+
+    if cfg.metrics_port:
+        engine.metrics = _metrics(cfg.metrics_port)
 
     server = AggregatorServer(engine, identity, cfg.listen)
     port = await server.start()
@@ -77,6 +92,16 @@ async def _serve(cfg: AggregatorConfig, where: Path, port_file: Path | None = No
         await challenger
     await server.stop(2.0)
     engine.store.close()
+
+
+def _metrics(port: int) -> PrometheusMetrics:
+    metrics = PrometheusMetrics()
+    try:
+        bound = metrics.serve(port)
+    except OSError as exc:
+        raise CliError(f"[aggregator] metrics_port = {port}: cannot serve metrics there ({exc.strerror})") from None
+    log.info("metrics on http://127.0.0.1:%d/metrics", bound)
+    return metrics
 
 
 def _identity(cfg: AggregatorConfig) -> TlsIdentity:
@@ -126,7 +151,7 @@ def public_endpoint(cfg: AggregatorConfig, port: int) -> str:
     return f"{host}:{port}"
 
 
-def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:
+def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) -> RoundEngine:
     from chain.backends import RpcBackend
     from chain.client import ChainClient
     from chain.errors import ChainError
@@ -143,7 +168,7 @@ def _build(cfg: AggregatorConfig, where: Path) -> RoundEngine:
         raise CliError(
             f"{where}: [chain] backend must be 'rpc' (an aggregator process reaches the chain over JSON-RPC)"
         )
-    passphrase = read_env().get("GONKA_KEY_PASSPHRASE")
+    passphrase = passphrase if passphrase is not None else read_env().get("GONKA_KEY_PASSPHRASE")
     try:
         node_key = load_node_key(_require(cfg, where, "node_key"), passphrase)
         account = load_evm_account(_require(cfg, where, "evm_key"), passphrase)

@@ -21,34 +21,44 @@ from typing import Any
 
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
+from gonka_node.cli.fmt import amount
+from gonka_node.cli.verbs import add_group, add_verb
 
 MAX_EVIDENCE_BYTES = 1 << 20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser(
-        "challenge", help="challenge a host's stake with evidence and a bond; list, vote on, resolve challenges"
+    actions = add_group(
+        subparsers, "challenge", help="challenge a host's stake with evidence and a bond; list, vote on, resolve challenges"
     )
-    actions = parser.add_subparsers(dest="challenge_action", metavar="ACTION", required=True)
-
-    file = actions.add_parser(
-        "file", help="file a challenge from an evidence record (the epoch's challenge bond is escrowed)",
-        epilog="example: gonka-node challenge file --evidence aggregator/evidence/<sha256>.json "
-        "--uri https://example.org/evidence/<sha256>.json\nnext: gonka-node challenge list --epoch E",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    file = add_verb(
+        actions, "file", help="file a challenge from an evidence record (the epoch's challenge bond is escrowed)",
+        amounts=True,
+        examples=["gonka-node challenge file --evidence aggregator/evidence/<sha256>.json "
+                  "--uri https://example.org/evidence/<sha256>.json"],
+        next="gonka-node challenge list --epoch E",
     )
     add_connection_args(file)
     file.add_argument("--evidence", type=Path, required=True, help="evidence record (<sha256>.json)")
     file.add_argument("--uri", default="", help="where voters can fetch the record (stored in the event)")
     file.set_defaults(func=chain_errors(_file))
 
-    listing = actions.add_parser("list", help="the challenges filed in an epoch, with their state")
+    listing = add_verb(
+        actions, "list", help="the challenges filed in an epoch, with their state", amounts=True,
+        examples=["gonka-node challenge list --epoch 1"],
+        next="gonka-node challenge vote --id N --uphold (an aggregator) or gonka-node challenge resolve (governance)",
+    )
     add_connection_args(listing, need_key=False)
-    listing.add_argument("--epoch", type=int, required=True)
+    listing.add_argument("--epoch", type=int, required=True, help="epoch number")
     listing.set_defaults(func=chain_errors(_list))
 
     for name, who in (("vote", "an aggregator of the challenge's epoch"), ("resolve", "governance")):
-        p = actions.add_parser(name, help=f"uphold or reject a challenge, as {who}")
+        p = add_verb(
+            actions, name, help=f"uphold or reject a challenge, as {who}",
+            examples=[f"gonka-node challenge {name} --id 1 --uphold" + (" --propose \"copied payloads\""
+                                                                       if name == "resolve" else "")],
+            next="gonka-node challenge list --epoch E",
+        )
         add_connection_args(p)
         p.add_argument("--id", type=int, required=True, help="challenge id (from `file` or `list`)")
         ruling = p.add_mutually_exclusive_group(required=True)
@@ -75,7 +85,6 @@ def load_evidence(path: Path) -> Any:
 
 
 def _file(args: argparse.Namespace) -> int:
-    from chain.units import format_gnk
     from gonka_node.slashing import SLASHABLE, verify_evidence
 
     ev = load_evidence(args.evidence)
@@ -97,7 +106,7 @@ def _file(args: argparse.Namespace) -> int:
     bond = client.get_epoch(ev.epoch).spec.challenge_bond
     challenge_id = client.challenge(ev.epoch, ev.host, ev.hash, args.uri)
     print(f"challenge {challenge_id}: {ev.host}'s stake in epoch {ev.epoch} frozen on {ev.kind} evidence "
-          f"{ev.hash.hex()} ({format_gnk(bond)} bond escrowed)")
+          f"{ev.hash.hex()} ({amount(bond, args)} bond escrowed)")
     if ev.kind == "replay_mismatch":
         print("checked: the host's signature; the mismatch itself is checked by re-running the host's round")
     print(f"next: the epoch's aggregators vote (`gonka-node challenge vote --id {challenge_id} --uphold`) "
@@ -109,15 +118,13 @@ def _list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from chain.units import format_gnk
-
     client = open_client(args)
     table = Table(title=f"challenges of epoch {args.epoch}")
     for column in ("id", "host", "status", "uphold/reject", "bond", "slashed", "evidence sha256", "uri"):
         table.add_column(column, no_wrap=column in ("host", "evidence sha256"))
     for c in client.challenges(args.epoch):
         table.add_row(str(c.challenge_id), c.host, c.status, f"{c.uphold_votes}/{c.reject_votes}",
-                      format_gnk(c.bond), format_gnk(c.slashed), c.evidence_hash.hex(), c.evidence_uri)
+                      amount(c.bond, args), amount(c.slashed, args), c.evidence_hash.hex(), c.evidence_uri)
     Console(width=200).print(table)
     return 0
 

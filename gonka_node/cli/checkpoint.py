@@ -36,6 +36,7 @@ import grpc
 
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
+from gonka_node.cli.verbs import add_group, add_verb
 from gonka_node.tls import TlsError, check_peer, pinned_channel
 
 # A chunk is at most 1 MiB; the default 4 MiB receive limit leaves room for the protobuf framing.
@@ -45,15 +46,25 @@ ROUND_LATEST = "latest"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("checkpoint", help="list, pull, export and sample trained checkpoints")
-    actions = parser.add_subparsers(dest="checkpoint_action", metavar="ACTION", required=True)
+    from gonka_node.cli.names import PRESET_NAMES as PRESETS
 
-    listing = actions.add_parser("list", help="epochs and rounds with their on-chain checkpoint sha256")
+    actions = add_group(subparsers, "checkpoint", help="list, pull, export and sample trained checkpoints")
+
+    listing = add_verb(
+        actions, "list", help="epochs and rounds with their on-chain sha256, and where to pull them", amounts=True,
+        examples=["gonka-node checkpoint list --deployment deployment.json", "gonka-node checkpoint list --epoch 1"],
+        next="gonka-node checkpoint pull --epoch E --round latest",
+    )
     add_connection_args(listing, need_key=False)
     listing.add_argument("--epoch", type=int, help="only this epoch")
     listing.set_defaults(func=chain_errors(_list))
 
-    pull = actions.add_parser("pull", help="download a checkpoint from an aggregator, verified against the chain")
+    pull = add_verb(
+        actions, "pull", help="download a checkpoint from an aggregator, verified against the chain",
+        examples=["gonka-node checkpoint pull --epoch 1 --round latest --out model.safetensors",
+                  "gonka-node checkpoint pull --epoch 1 --round 3 --aggregator HOST:PORT --tls-cert cert.pem"],
+        next="gonka-node checkpoint export --checkpoint FILE --out hf-model (or generate --checkpoint FILE)",
+    )
     add_connection_args(pull, need_key=False)
     pull.add_argument("--aggregator", metavar="HOST:PORT",
                       help="aggregator gRPC address (default: the first one the epoch's aggregators announced on chain)")
@@ -62,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="trust this certificate file (an aggregator's <data_dir>/tls/cert.pem) instead of the one the "
         "aggregator announced on chain",
     )
-    pull.add_argument("--epoch", type=int, required=True)
+    pull.add_argument("--epoch", type=int, required=True, help="epoch number")
     pull.add_argument("--round", required=True, help="round number (0: the initial checkpoint) or 'latest'")
     pull.add_argument("--out", type=Path, help="file to write (default: epoch-E-round-R.safetensors)")
     pull.add_argument("--force", action="store_true", help="replace an existing --out file")
@@ -72,31 +83,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the epoch's recipe file, to verify the file's model config when the chain has none")
     pull.set_defaults(func=chain_errors(_pull))
 
-    export = actions.add_parser("export", help="write a Hugging Face Llama folder (transformers loads it)")
-    _add_checkpoint_args(export)
+    export = add_verb(
+        actions, "export", help="write a Hugging Face Llama folder (transformers, AutoTokenizer and "
+        "pipeline load it)",
+        examples=["gonka-node checkpoint export --checkpoint epoch-1-round-3.safetensors --out hf-model",
+                  "gonka-node checkpoint export --checkpoint FILE --epoch 1 --round 3 --out hf-model"],
+        next="python -c \"from transformers import pipeline; print(pipeline('text-generation', "
+        "model='hf-model')('def '))\"",
+    )
+    _add_checkpoint_args(export, PRESETS)
     export.add_argument("--format", choices=("hf",), default="hf", help="output format (default hf)")
     export.add_argument("--out", type=Path, required=True, help="output folder (must not exist or be empty)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights")
     export.set_defaults(func=chain_errors(_export))
 
-    generate = actions.add_parser("generate", help="sample text from a checkpoint")
-    _add_checkpoint_args(generate)
+    generate = add_verb(
+        actions, "generate", help="sample text from a checkpoint",
+        examples=["gonka-node checkpoint generate --checkpoint model.safetensors --prompt \"def \" --greedy"],
+        next="gonka-node checkpoint export --checkpoint FILE --out hf-model to use it with transformers",
+    )
+    _add_checkpoint_args(generate, PRESETS)
     generate.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     generate.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate (default 200)")
     generate.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     generate.add_argument("--top-k", type=int, help="sample among the k most likely bytes only")
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     generate.add_argument("--greedy", action="store_true", help="always take the most likely byte")
     generate.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     generate.set_defaults(func=chain_errors(_generate))
 
 
-def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+def _add_checkpoint_args(parser: argparse.ArgumentParser, presets: Any) -> None:
     add_connection_args(parser, need_key=False)
     parser.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file (safetensors)")
     parser.add_argument("--epoch", type=int, help="with --round: verify the file against the chain")
     parser.add_argument("--round", help="round number (0: initial) or 'latest'; needs --epoch")
-    parser.add_argument("--preset", help="model preset, when the checkpoint records no model config")
+    parser.add_argument("--preset", choices=sorted(presets),
+                        help="model preset, when the checkpoint records no model config")
     parser.add_argument("--recipe", type=Path, help="epoch recipe file, when the checkpoint records no config")
 
 
@@ -156,7 +179,7 @@ def _list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from chain.units import format_gnk
+    from gonka_node.cli.fmt import amount
 
     client = open_client(args)
     epochs = [args.epoch] if args.epoch is not None else list(range(1, client.epoch_count() + 1))
@@ -175,12 +198,29 @@ def _list(args: argparse.Namespace) -> int:
             result = client.round_result(epoch, round_)
             table.add_row(
                 str(epoch), str(round_), result.checkpoint_sha256.hex(),
-                str(result.n_contributors), format_gnk(result.total_reward),
+                str(result.n_contributors), amount(result.total_reward, args),
             )
     # Hashes must print whole even into a pipe (where rich assumes 80 columns).
     console = Console(file=sys.stdout, width=max(Console(file=sys.stdout).width, 120))
     console.print(table)
+    print("\n".join(_sources(epochs, client)))
+    if epochs:
+        print(f"next: gonka-node checkpoint pull --epoch {epochs[-1]} --round latest")
     return 0
+
+
+def _sources(epochs: list[int], client: Any) -> list[str]:
+    """Where each epoch's checkpoints can be pulled: the endpoints its aggregators announced on chain (one
+    line each, never cut: they are copied from here)."""
+    lines = ["where to pull (announced on chain; `checkpoint pull` finds them itself):"]
+    for epoch in epochs:
+        announced = client.aggregator_endpoints(epoch)
+        if not announced:
+            lines.append(f"  epoch {epoch}: no aggregator has announced an endpoint yet")
+        for a in announced:
+            lines.append(f"  epoch {epoch}: {a.endpoint} (aggregator {a.address}, TLS certificate sha256 "
+                         f"{a.tls_cert_sha256.hex()})")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------- pull

@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from gonka_node.cli import CliError
+from gonka_node.cli.verbs import add_verb
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "devnet", help="run the whole network locally (chain, governance, aggregator, hosts) and report"
+    from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES, codec_name
+
+    p = add_verb(
+        subparsers, "devnet", help="run the whole network locally (chain, governance, aggregator, hosts) and report",
+        amounts=True,
+        examples=["gonka-node devnet", "gonka-node devnet --hosts 2 --rounds 3 --preset tiny --serve"],
+        next="with --serve: gonka-node checkpoint list --deployment devnet-out/deployment.json (README \"After the "
+        "devnet\")",
     )
     p.add_argument("--out", type=Path, default=Path("devnet-out"), help="report folder (default devnet-out)")
     p.add_argument("--hosts", type=int, default=3, help="host processes (default 3, at most 8)")
     p.add_argument("--rounds", type=int, default=8, help="outer rounds (default 8)")
     p.add_argument("--inner-steps", type=int, default=20, help="H, AdamW steps per round (default 20)")
-    p.add_argument("--preset", default="devnet", help="model preset (default devnet, ~1M parameters)")
-    p.add_argument("--codec", default="int8", help="pseudo-gradient codec (default int8)")
+    p.add_argument("--preset", default="devnet", choices=PRESET_NAMES,
+                   help="model preset (default devnet, ~1M parameters)")
+    p.add_argument("--codec", default="int8", type=codec_name, metavar="CODEC",
+                   help=f"pseudo-gradient codec: one of {', '.join(CODEC_NAMES)} (default int8)")
+    p.add_argument("--serve", action="store_true",
+                   help="after the epoch keep the chain and the aggregator running (and print their addresses) "
+                   "until Ctrl-C, so the README's after-devnet commands work")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the rounds")
     p.add_argument(
         "--replay-fraction", type=float, default=1.0,
@@ -34,7 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def _devnet(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from chain.errors import ChainError
     from gonka_node.devnet import DevnetError, DevnetOptions, run_devnet
@@ -45,18 +57,28 @@ def _devnet(args: argparse.Namespace) -> int:
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, rounds=args.rounds, inner_steps=args.inner_steps,
         preset=args.preset, codec=args.codec, timeout_s=args.timeout, chain_url=args.rpc_url,
-        replay_fraction=args.replay_fraction,
+        replay_fraction=args.replay_fraction, serve=args.serve,
     )
     try:
-        report = run_devnet(opts, say=lambda line: console.print(line))
+        run_devnet(opts, say=lambda line: console.print(line), on_report=lambda r: _print_report(args, r))
     except (DevnetError, ChainError) as exc:
         raise CliError(str(exc)) from exc
-    table = Table(title=f"epoch {report['epoch']}: rewards read back from the chain (GNK)")
+    return 0
+
+
+def _print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gonka_node.cli.fmt import amount
+
+    console = Console()
+    table = Table(title=f"epoch {report['epoch']}: rewards read back from the chain")
     for column in ("host", "earned", "claimed", "bytes sent", "all-reduce bytes"):
         table.add_column(column, justify="right")
     for host, r in report["rewards"].items():
         table.add_row(
-            host, f"{r['earned_ngonka'] / 1e9:,.3f}", f"{r['claimed_ngonka'] / 1e9:,.3f}",
+            host, amount(r["earned_ngonka"], args), amount(r["claimed_ngonka"], args),
             f"{report['bytes_per_host'][host]:,}", f"{report['allreduce_bytes_per_host']:,}",
         )
     console.print(table)
@@ -65,4 +87,6 @@ def _devnet(args: argparse.Namespace) -> int:
     for r, h in enumerate(report["checkpoint_hashes"]):
         console.print(f"round {r} checkpoint sha256 (on chain, verified): {h}")
     console.print(f"report: {args.out / 'report.json'} and {args.out / 'loss.png'} ({report['seconds']} s)")
-    return 0
+    if not args.serve:
+        console.print("next: gonka-node devnet --serve keeps the chain and the aggregator running for "
+                      "`gonka-node checkpoint list/pull` (README \"After the devnet\")")

@@ -11,11 +11,14 @@ from typing import Any
 
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import DEFAULT_DEPLOYMENT
+from gonka_node.cli.verbs import add_verb
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "explorer", help="follow the chain into a local index and serve the network's pages and JSON API"
+    p = add_verb(
+        subparsers, "explorer", help="follow the chain into a local index and serve the network's pages and JSON API",
+        examples=["gonka-node explorer --deployment devnet-out/deployment.json --port 8080"],
+        next="open the printed URL; docs/EXPLORER.md describes the pages and the JSON API",
     )
     p.add_argument("--rpc", metavar="URL", help="JSON-RPC URL (default: the one saved in the deployment file)")
     p.add_argument("--deployment", type=Path, default=DEFAULT_DEPLOYMENT,

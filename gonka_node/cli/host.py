@@ -1,18 +1,34 @@
-"""`gonka-node run --config host.toml` (the host daemon) and `gonka-node rewards` (list and claim)."""
+"""`gonka-node run` (the host daemon), `rewards` (list and claim), `status` and `stake withdraw`.
+
+`run` checks everything before it stakes (gonka_node/host/preflight.py): a problem is one line naming
+the fix, and nothing is sent. `rewards` and `status` read the chain and the aggregator, so a host that
+lost its state folder still sees and claims all it earned (gonka_node/host/ledger.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gonka_node.cli import CliError
+from gonka_node.cli.fmt import amount, eth, when
+from gonka_node.cli.verbs import add_group, add_verb
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    run = subparsers.add_parser("run", help="run a host: sign in, train every round, submit, get paid")
-    run.add_argument("--config", type=Path, required=True, help="host TOML file (gonka_node/host/config.py)")
+    run = add_verb(
+        subparsers, "run", help="run a host: check, sign in, train every round, submit, get paid",
+        examples=["gonka-node run --config host.toml --check   # preflight only: nothing is staked",
+                  "gonka-node run --config host.toml --gpus 8"],
+        next="gonka-node status --config host.toml; after the epoch gonka-node rewards --config host.toml --claim",
+    )
+    _add_host_args(run)
+    run.add_argument("--check", action="store_true", help="run the preflight checks and stop (stakes nothing)")
     run.add_argument("--rounds", type=int, help="leave after this many rounds (default: the whole epoch)")
     run.add_argument("--quiet", action="store_true", help="log lines only, no progress bar")
     run.add_argument(
@@ -29,65 +45,160 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                      help="recompute each layer in backward instead of keeping its activations")
     run.add_argument("--compile", action="store_true", help="torch.compile the model in the rig's processes")
     run.set_defaults(func=_run)
-    rewards = subparsers.add_parser("rewards", help="list this host's rewards per round; --claim claims them")
-    rewards.add_argument("--config", type=Path, required=True, help="host TOML file")
+
+    rewards = add_verb(
+        subparsers, "rewards", help="this host's reward per round, from the chain and the aggregator",
+        amounts=True, examples=["gonka-node rewards --config host.toml", "gonka-node rewards --config host.toml --claim"],
+        next="gonka-node stake withdraw --config host.toml once the stake unlocks (gonka-node status says when)",
+    )
+    _add_host_args(rewards)
     rewards.add_argument("--claim", action="store_true", help="claim every unclaimed reward with its proof")
     rewards.set_defaults(func=_rewards)
 
+    status = add_verb(
+        subparsers, "status", help="this host in its epoch: slot, rounds, stake, earned, claimable, next deadline",
+        amounts=True, examples=["gonka-node status --config host.toml"],
+        next="gonka-node rewards --config host.toml --claim",
+    )
+    _add_host_args(status)
+    status.set_defaults(func=_status)
 
-class _Parts:
-    """What both verbs open from a host config: keys, chain client, aggregator client, recipe."""
+    stake = add_group(subparsers, "stake", help="a host's stake: take it back after the epoch")
+    withdraw = add_verb(
+        stake, "withdraw", help="take the stake back once the epoch's challenge window is over", amounts=True,
+        examples=["gonka-node stake withdraw --config host.toml"], next="gonka-node keys show --config host.toml",
+    )
+    _add_host_args(withdraw)
+    withdraw.set_defaults(func=_withdraw)
 
-    def __init__(self, config_path: Path) -> None:
+
+def _add_host_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, required=True,
+                        help="host TOML file (gonka-node init host writes a commented one)")
+    parser.add_argument("--passphrase-file", type=Path,
+                        help="file whose first line unlocks encrypted keys (mode 0600; else GONKA_KEY_PASSPHRASE)")
+
+
+class HostSession:
+    """What the host verbs open from a host config: keys, recipe, chain client, epoch; the aggregator
+    is found (from the chain unless configured) and dialled only when asked for."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
         from chain.backends import RpcBackend
         from chain.client import ChainClient
-        from chain.errors import ChainError
         from chain.types import Deployment
-        from gonka_node.aggregator.client import AggregatorClient
-        from gonka_node.config import ConfigError
+        from gonka_node.cli.keys import read_passphrase_file
         from gonka_node.host.config import load_host_config
-        from gonka_node.host.pin import aggregator_pin
-        from gonka_node.keys import KeyStoreError, load_keys
-        from gonka_node.recipe import Recipe, RecipeError
-        from gonka_node.tls import TlsError
+        from gonka_node.keys import load_keys
 
-        try:
-            self.cfg = load_host_config(config_path)
-            self.keys = load_keys(self.cfg.key_dir, self.cfg.passphrase)
-            self.recipe = Recipe.load(self.cfg.recipe)
-            deployment = Deployment.load(self.cfg.deployment)
-            self.chain = ChainClient(RpcBackend(self.cfg.rpc_url), self.keys.evm_account, deployment).connect()
-            self.epoch = self.cfg.epoch or self.chain.epoch_count()
-            pin = aggregator_pin(self.cfg, self.chain, self.epoch)
-        except (ConfigError, KeyStoreError, RecipeError, ChainError, TlsError, ValueError, OSError) as exc:
-            raise CliError(str(exc)) from exc
-        self.aggregator = AggregatorClient(self.cfg.aggregator, pin)
-        try:
-            self.aggregator.check_peer()  # a wrong pin stops here, before any stake is escrowed
-        except TlsError as exc:
-            self.aggregator.close()
-            raise CliError(str(exc)) from None
+        passphrase = read_passphrase_file(args.passphrase_file) if args.passphrase_file else None
+        self.cfg = load_host_config(args.config, passphrase=passphrase)
+        self.keys = load_keys(self.cfg.key_dir, self.cfg.passphrase)
+        deployment = Deployment.load(self.cfg.deployment)
+        self.chain = ChainClient(RpcBackend(self.cfg.rpc_url), self.keys.evm_account, deployment).connect()
+        self.epoch = self.cfg.epoch or self.chain.epoch_count()
+        self._aggregator: Any = None
+        self._recipe: Any = None
+
+    @property
+    def recipe(self) -> Any:
+        """The recipe file (loaded on first use: reading it imports the training engine)."""
+        from gonka_node.recipe import Recipe
+
+        if self._recipe is None:
+            self._recipe = Recipe.load(self.cfg.recipe)
+        return self._recipe
+
+    def plan(self) -> Any:
+        from gonka_node.host.preflight import HostPlan
+
+        return HostPlan(self.chain, self.epoch, self.cfg.stake, self.recipe, self.cfg.recipe,
+                        self.keys.node_public_key, self.cfg.cache_dir)
+
+    def address(self) -> Any:
+        """Where the aggregator is and its certificate (AggregatorAddress); raises TlsError if unknown."""
+        from gonka_node.host.pin import aggregator_pin
+
+        return aggregator_pin(self.cfg, self.chain, self.epoch)
+
+    def aggregator(self) -> Any:
+        from gonka_node.aggregator.client import AggregatorClient
+
+        if self._aggregator is None:
+            found = self.address()
+            self._aggregator = AggregatorClient(found.target, found.tls_cert_pem)
+        return self._aggregator
+
+    def close(self) -> None:
+        if self._aggregator is not None:
+            self._aggregator.close()
+
+
+def _check_epoch_exists(session: HostSession) -> None:
+    from gonka_node.host.preflight import check_epoch
+
+    problem = check_epoch(session.chain, session.epoch)
+    if problem is not None:
+        raise CliError(problem)
+
+
+def preflight(session: HostSession) -> list[str]:
+    """Every reason this host should not stake now, one line each (see gonka_node/host/preflight.py)."""
+    from gonka_node.host import preflight as checks
+    from gonka_node.tls import TlsError
+
+    _check_epoch_exists(session)
+    plan = session.plan()
+    me = session.chain.host_info(session.epoch, session.chain.address)
+    joined = me.joined and not me.left
+    problems = [] if joined else checks.check_signin(plan, when)
+    if joined and me.node_key != plan.node_key:
+        problems.append(f"{session.chain.address} signed in to epoch {session.epoch} with another node key "
+                        f"({me.node_key.hex()[:16]}…): use the key directory it signed in with")
+    problems += [p for p in [checks.check_funds(plan, joined)] if p]
+    problems += checks.check_recipe(plan)
+    try:
+        found = session.address()
+    except TlsError as exc:
+        problems.append(str(exc))
+    else:
+        problem = checks.check_aggregator(found.target, found.tls_cert_pem, found.source, must_answer=not joined)
+        problems += [problem] if problem else []
+    return problems
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
-    from gonka_node.host.node import HostError, HostNode, HostSettings
-    from gonka_node.recipe import RecipeError
-    from gonka_node.tls import TlsError
-
     if args.gpus < 1:
         raise CliError(f"--gpus {args.gpus}: a rig has at least one process")
-    parts = _Parts(args.config)
-    cfg = parts.cfg
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sinks: list[HostEvents] = [HostEvents()]
+    session = HostSession(args)
+    try:
+        problems = preflight(session)
+        if problems:
+            raise CliError("\n".join([*problems, f"preflight: {len(problems)} problem(s); nothing was staked"]))
+        if args.check:
+            print(f"preflight passed: {session.chain.address} can sign in to epoch {session.epoch} with "
+                  f"{amount(session.cfg.stake)} stake; aggregator {session.address().target} answers")
+            print(f"next: gonka-node run --config {args.config}")
+            return 0
+        return _train(args, session)
+    finally:
+        session.close()
+
+
+def _train(args: argparse.Namespace, session: HostSession) -> int:
+    from gonka_node.host.events import HostEvents, LogEvents, MetricsEvents
+    from gonka_node.host.node import HostError, HostNode, HostSettings
+
+    cfg = session.cfg
+    logging.basicConfig(level=cfg.log_level, format=LOG_FORMAT)
+    sinks: list[HostEvents] = [LogEvents()]
     if cfg.metrics_port:
         metrics = MetricsEvents()
         port = metrics.serve(cfg.metrics_port)
         logging.getLogger("gonka_node.host").info("metrics on http://127.0.0.1:%d/metrics", port)
         sinks.append(metrics)
     settings = HostSettings(
-        epoch=parts.epoch,
+        epoch=session.epoch,
         stake=cfg.stake,
         state_dir=cfg.state_dir,
         cache_dir=cfg.cache_dir,
@@ -97,21 +208,25 @@ def _run(args: argparse.Namespace) -> int:
         checkpoint_activations=args.activation_checkpointing,
         compile=args.compile,
     )
-    node = HostNode(settings, parts.recipe, parts.chain, parts.aggregator, parts.keys, MultiEvents(sinks))
+    aggregator = session.aggregator()
+    node = HostNode(settings, session.recipe, session.chain, aggregator, session.keys, sinks[0])
     try:
-        progress = node.run() if args.quiet else _run_with_bar(node, sinks)
-    except (HostError, RecipeError, TlsError) as exc:  # TlsError: the aggregator is not the pinned one
+        progress = _run_node(node, sinks, bar=not args.quiet)
+    except HostError as exc:
         raise CliError(str(exc)) from exc
-    finally:
-        parts.aggregator.close()
     print(f"epoch {progress.epoch}: {progress.round_done} rounds, model {progress.model_sha256}")
+    print(f"next: gonka-node rewards --config {args.config} --claim")
     return 0
 
 
-def _run_with_bar(node: Any, sinks: list[Any]) -> Any:
+def _run_node(node: Any, sinks: list[Any], bar: bool) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from gonka_node.host.events import HostEvents, MultiEvents
+
+    if not bar:
+        node.events = MultiEvents(sinks)
+        return node.run()
 
     class Bars(HostEvents):
         def __init__(self, progress: Progress) -> None:
@@ -127,41 +242,163 @@ def _run_with_bar(node: Any, sinks: list[Any]) -> Any:
             state = "accepted" if accepted else f"refused ({reason})"
             self.progress.update(self.task, description=f"round {round_} upload {state}; waiting for the result")
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), transient=True) as bar:
-        node.events = MultiEvents([*sinks, Bars(bar)])
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), transient=True) as progress:
+        node.events = MultiEvents([*sinks, Bars(progress)])
         return node.run()
 
 
-def _rewards(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+# ---------------------------------------------------------------------------------------------- rewards
 
-    from chain.errors import ChainError
+
+def _ledger(session: HostSession, say: Callable[[str], None]) -> list[Any]:
+    """The rewards per round; from the local state folder only for what the aggregator cannot tell."""
+    import grpc
+
+    from gonka_node.host.ledger import rewards
     from gonka_node.host.store import HostStore
     from gonka_node.tls import TlsError
 
-    parts = _Parts(args.config)
-    snap = HostStore(parts.cfg.state_dir).load()
-    earned = snap.progress.rewards if snap is not None else {}
-    table = Table(title=f"rewards of {parts.keys.evm_address} in epoch {parts.epoch} (ngonka)")
-    for column in ("round", "reward", "claimed"):
-        table.add_column(column, justify="right")
-    total_claimed = 0
     try:
-        for round_str, amount in sorted(earned.items(), key=lambda kv: int(kv[0])):
-            r = int(round_str)
-            claimed = parts.chain.claimed(parts.epoch, r)
-            if args.claim and amount > 0 and not claimed:
-                proof = parts.aggregator.reward_proof(parts.epoch, r, bytes.fromhex(parts.keys.evm_address[2:]))
-                parts.chain.claim(parts.epoch, r, int(proof.amount), list(proof.proof))
-                claimed = True
-                total_claimed += int(proof.amount)
-            table.add_row(str(r), f"{amount:,}", "yes" if claimed else "no")
-    except (ChainError, TlsError) as exc:
-        raise CliError(f"claiming: {exc}") from exc
+        return rewards(session.chain, session.aggregator(), session.epoch)
+    except (TlsError, grpc.RpcError) as exc:
+        why = f"{exc.code().name}" if isinstance(exc, grpc.RpcError) else str(exc)  # type: ignore[attr-defined]
+        say(f"note: the aggregator cannot be asked ({why}); unclaimed rewards come from the local state folder")
+    snap = HostStore(session.cfg.state_dir).load()
+    local = snap.progress.rewards if snap is not None and snap.progress.epoch == session.epoch else {}
+    return rewards(session.chain, None, session.epoch, local)
+
+
+def _print_rewards(rows: list[Any], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    for column in ("round", "reward", "claimed", "from"):
+        table.add_column(column, justify="right" if column != "from" else "left")
+    for row in rows:
+        claimed = row.claimed or (args.claim and row.claimable)
+        table.add_row(str(row.round), amount(row.amount, args), "yes" if claimed else "no", row.source)
+    Console(width=120).print(table)
+
+
+def _rewards(args: argparse.Namespace) -> int:
+    from gonka_node.host.ledger import LedgerError, claim
+
+    session = HostSession(args)
+    try:
+        _check_epoch_exists(session)
+        try:
+            rows = _ledger(session, print)
+            claimed_now = 0
+            if args.claim:
+                for row in rows:
+                    if row.claimable:
+                        claim(session.chain, session.epoch, row)
+                        claimed_now += row.amount
+        except LedgerError as exc:
+            raise CliError(str(exc)) from None
     finally:
-        parts.aggregator.close()
-    Console().print(table)
+        session.close()
+    print(f"rewards of {session.chain.address} in epoch {session.epoch}")
+    _print_rewards(rows, args)
+    total = sum(r.amount for r in rows)
+    unclaimed = sum(r.amount for r in rows if not r.claimed) - claimed_now
+    print(f"earned {amount(total, args)}; unclaimed {amount(unclaimed, args)}")
     if args.claim:
-        print(f"claimed {total_claimed:,} ngonka; balance {parts.chain.gnk_balance():,} ngonka")
+        print(f"claimed {amount(claimed_now, args)}; balance {amount(session.chain.gnk_balance(), args)}")
+    elif unclaimed:
+        print(f"next: gonka-node rewards --config {args.config} --claim")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+def _status(args: argparse.Namespace) -> int:
+    session = HostSession(args)
+    try:
+        _check_epoch_exists(session)
+        lines = _status_lines(args, session)
+    finally:
+        session.close()
+    for label, value in lines:
+        print(f"{label + ':':<15} {value}")
+    return 0
+
+
+def _status_lines(args: argparse.Namespace, session: HostSession) -> list[tuple[str, str]]:
+    chain, epoch = session.chain, session.epoch
+    info, me, now = chain.get_epoch(epoch), chain.host_info(epoch, chain.address), chain.chain_time()
+    lines = [("host", chain.address), ("epoch", f"{epoch} on chain {chain.chain_id}"),
+             ("balance", f"{amount(chain.gnk_balance(), args)}, {eth(chain.eth_balance())}")]
+    if not me.joined:
+        lines.append(("slot", "not signed in"))
+    else:
+        left = " (left)" if me.left else ""
+        lines.append(("slot", f"{me.slot}{left}"))
+        lines.append(("stake", _stake_text(args, me)))
+    lines.append(("rounds", f"{info.latest_round} of {info.spec.n_rounds} finalized"))
+    if me.joined:
+        rows = _ledger(session, lambda line: lines.append(("note", line.removeprefix("note: "))))
+        earned = sum(r.amount for r in rows)
+        claimable = sum(r.amount for r in rows if not r.claimed)
+        paid = sum(1 for r in rows if r.amount > 0)
+        lines.append(("earned", f"{amount(earned, args)} in {paid} round(s)"))
+        lines.append(("claimable", amount(claimable, args)))
+    lines.append(("next deadline", _next_deadline(session, info, now)))
+    return lines
+
+
+def _stake_text(args: argparse.Namespace, me: Any) -> str:
+    text = amount(me.stake - me.slashed, args)
+    if me.slashed:
+        text += f" ({amount(me.slashed, args)} slashed)"
+    if me.withdrawn:
+        text += " (withdrawn)"
+    if me.open_challenges:
+        text += f" (frozen by {me.open_challenges} open challenge(s))"
+    return text
+
+
+def _next_deadline(session: HostSession, info: Any, now: int) -> str:
+    import grpc
+
+    from gonka_node.tls import TlsError
+
+    chain, epoch = session.chain, session.epoch
+    if now < info.signin_end and info.latest_round == 0:
+        return f"sign-in closes {when(info.signin_end, now)}"
+    if info.latest_round < info.spec.n_rounds and not info.ended:
+        try:
+            open_round = session.aggregator().open_round()
+            return f"round {open_round.round} closes {when(open_round.deadline_unix_ms // 1000)}"
+        except (TlsError, grpc.RpcError):  # the aggregator is down or between rounds: the chain's deadline holds
+            return f"the epoch's last round is due {when(chain.epoch_end(epoch), now)}"
+    return f"stake unlocks {when(chain.stake_unlock_time(epoch), now)}"
+
+
+# ---------------------------------------------------------------------------------------------- stake
+
+
+def _withdraw(args: argparse.Namespace) -> int:
+    session = HostSession(args)
+    try:
+        _check_epoch_exists(session)
+        chain, epoch = session.chain, session.epoch
+        me, now = chain.host_info(epoch, chain.address), chain.chain_time()
+        unlock = chain.stake_unlock_time(epoch)
+        if not me.joined:
+            raise CliError(f"{chain.address} is not a host of epoch {epoch}: no stake to withdraw")
+        if me.withdrawn:
+            raise CliError(f"the stake of {chain.address} in epoch {epoch} was already withdrawn")
+        if me.open_challenges:
+            raise CliError(f"the stake is frozen by {me.open_challenges} open challenge(s) until they are resolved "
+                           f"(gonka-node challenge list --epoch {epoch}); it unlocks {when(unlock, now)} at the earliest")
+        if not chain.get_epoch(epoch).ended or now < unlock:
+            raise CliError(f"the stake is locked until the epoch's challenge window closes: it unlocks "
+                           f"{when(unlock, now)}; withdraw after that")
+        got = chain.withdraw_stake(epoch)
+    finally:
+        session.close()
+    print(f"withdrew {amount(got, args)} from epoch {epoch}; balance {amount(chain.gnk_balance(), args)}")
     return 0

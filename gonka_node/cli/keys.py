@@ -18,6 +18,7 @@ from typing import Any
 
 from gonka_node import config, keys
 from gonka_node.cli import CliError
+from gonka_node.cli.verbs import add_group, add_verb
 
 PASSPHRASE_ENV = "GONKA_KEY_PASSPHRASE"
 _MAX_SECRET_FILE_BYTES = 4096
@@ -25,21 +26,36 @@ _KDF = {"standard": keys.STANDARD_KDF, "interactive": keys.INTERACTIVE_KDF}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("keys", help="create, show or import the node key and EVM account")
-    actions = parser.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
+    actions = add_group(subparsers, "keys", help="create, show or import the node key and EVM account")
 
-    init = actions.add_parser("init", help="create a fresh node key and EVM account")
+    init = add_verb(
+        actions, "init", help="create a fresh node key and EVM account",
+        examples=["gonka-node keys init --key-dir keys --passphrase-file keys.pass",
+                  "gonka-node keys init --key-dir keys --insecure-plaintext   # devnets only"],
+        next="fund the EVM address (gonka-node transfer --to ADDRESS …), then gonka-node run --config host.toml --check",
+    )
     _add_common(init)
     _add_protection(init)
     init.set_defaults(func=_init)
 
-    show = actions.add_parser("show", help="print the node public key, EVM address and gonka1 address")
+    show = add_verb(
+        actions, "show", help="print the node public key, EVM and gonka1 addresses, and the balances", amounts=True,
+        examples=["gonka-node keys show --key-dir keys --deployment deployment.json",
+                  "gonka-node keys show --config host.toml --passphrase-file keys.pass"],
+        next="gonka-node status --config host.toml",
+    )
     _add_common(show)
     show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.add_argument("--config", type=Path, help="a host config: its key_dir, deployment and chain (for balances)")
+    show.add_argument("--deployment", type=Path, help="deployment file: show the GNK and ETH balances on its chain")
+    show.add_argument("--rpc-url", help="with --deployment: the node to ask (default: the file's)")
     show.set_defaults(func=_show)
 
-    imp = actions.add_parser(
-        "import", help="import existing key(s) from files or stdin; a missing partner key is generated"
+    imp = add_verb(
+        actions, "import", help="import existing key(s) from files or stdin; a missing partner key is generated",
+        examples=["gonka-node keys import --key-dir keys --evm-key evm.hex --passphrase-file keys.pass",
+                  "cat node.hex | gonka-node keys import --key-dir keys --node-key -"],
+        next="gonka-node keys show --key-dir keys --deployment deployment.json",
     )
     _add_common(imp)
     _add_protection(imp)
@@ -120,17 +136,48 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    key_dir, deployment, rpc_url = args.key_dir, args.deployment, args.rpc_url
+    if args.config is not None:
+        from gonka_node.host.config import load_host_config
+
+        cfg = load_host_config(args.config)
+        key_dir, deployment, rpc_url = cfg.key_dir, deployment or cfg.deployment, rpc_url or cfg.rpc_url
     try:
-        encrypted = keys.keys_encrypted(args.key_dir)
+        encrypted = keys.keys_encrypted(key_dir)
         passphrase = _passphrase(args, confirm=False) if encrypted else None
-        node_keys = keys.load_keys(args.key_dir, passphrase)
+        node_keys = keys.load_keys(key_dir, passphrase)
     except keys.KeyStoreError as exc:
         raise CliError(str(exc)) from None
+    identity = _identity(key_dir, node_keys, encrypted)
+    if deployment is not None:
+        identity |= _balances(node_keys.evm_address, deployment, rpc_url)
     if args.json:
-        print(json.dumps(_identity(args.key_dir, node_keys, encrypted)))
-    else:
-        _print_identity(args.key_dir, node_keys, encrypted)
+        print(json.dumps(identity))
+        return 0
+    _print_identity(key_dir, node_keys, encrypted)
+    if deployment is None:
+        print("balances:         give --deployment FILE (or --config host.toml) to read them from the chain")
+        return 0
+    from gonka_node.cli.fmt import amount, eth
+
+    print(f"GNK balance:      {amount(identity['gnk_ngonka'], args)}")
+    print(f"ETH balance:      {eth(identity['eth_wei'])} (pays for gas)")
     return 0
+
+
+def _balances(address: str, deployment: Path, rpc_url: str | None) -> dict[str, Any]:
+    from eth_account import Account
+
+    from chain.backends import RpcBackend
+    from chain.client import ChainClient
+    from chain.types import Deployment
+
+    dep = Deployment.load(deployment)
+    url = rpc_url or dep.extra.get("rpc_url")
+    if not url:
+        raise CliError(f"{deployment} records no rpc_url: give --rpc-url")
+    reader = ChainClient(RpcBackend(url), Account.create(), dep).connect()  # reads only: this key never signs
+    return {"chain_id": dep.chain_id, "gnk_ngonka": reader.gnk_balance(address), "eth_wei": reader.eth_balance(address)}
 
 
 def _identity(key_dir: Path, node_keys: keys.NodeKeys, encrypted: bool) -> dict[str, Any]:
@@ -158,11 +205,19 @@ def _print_identity(key_dir: Path, node_keys: keys.NodeKeys, encrypted: bool) ->
 # ---------------------------------------------------------------------------------------------- secrets
 
 
+def read_passphrase_file(path: Path) -> str:
+    """The first line of a passphrase file, which must be private to its owner (0600)."""
+    text = _read_secret_file(path, "passphrase file", check_private=True)
+    passphrase = text.splitlines()[0] if text else ""
+    if not passphrase:
+        raise CliError(f"{path}: the passphrase file is empty")
+    return passphrase
+
+
 def _passphrase(args: argparse.Namespace, *, confirm: bool) -> str:
     """From --passphrase-file, else GONKA_KEY_PASSPHRASE, else a prompt on the terminal."""
     if args.passphrase_file is not None:
-        text = _read_secret_file(args.passphrase_file, "passphrase file", check_private=True)
-        passphrase = text.splitlines()[0] if text else ""
+        passphrase = read_passphrase_file(args.passphrase_file)
     else:
         try:
             env = config.read_env()

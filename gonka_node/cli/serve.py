@@ -16,18 +16,23 @@ from typing import TYPE_CHECKING
 
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import DEFAULT_DEPLOYMENT, chain_errors
+from gonka_node.cli.verbs import add_verb
 
 if TYPE_CHECKING:
     from gonka_node.serve.server import ServeSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("serve", help="serve a chain-verified checkpoint over the OpenAI completions API")
+    p = add_verb(
+        subparsers, "serve", help="serve a chain-verified checkpoint over the OpenAI completions API",
+        examples=["gonka-node serve --deployment deployment.json --epoch 1 --port 8000"],
+        next="curl http://127.0.0.1:8000/v1/models, then POST /v1/completions (any OpenAI client)",
+    )
     p.add_argument("--rpc", "--rpc-url", dest="rpc_url", metavar="URL",
                    help="JSON-RPC URL of the chain (default: the one saved in the deployment file)")
     p.add_argument("--deployment", type=Path, default=DEFAULT_DEPLOYMENT,
                    help="deployment file (default deployment.json)")
-    p.add_argument("--epoch", type=int, required=True)
+    p.add_argument("--epoch", type=int, required=True, help="epoch whose checkpoints to serve")
     p.add_argument("--round", default="latest",
                    help="round number (0: the initial checkpoint) or 'latest' (default: follow the chain)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from gonka_node.cli import CliError
+from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES, codec_name
+from gonka_node.cli.verbs import add_verb
 from gonka_node.recipe import BUILTIN_CORPUS, Recipe
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from training.codecs import Codec, get_codec, round_seed, spec_of
@@ -223,15 +225,20 @@ def load_windows(corpus: Path | None, seq_len: int) -> Windows:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "train",
+    parser = add_verb(
+        subparsers, "train",
         help="a short local DiLoCo run: K simulated hosts, compressed pseudo-gradients, outer Nesterov",
+        examples=["gonka-node train --preset tiny --rounds 4 --out run1",
+                  "gonka-node train --init run1/model.safetensors --first-round 4 --rounds 4 --out run2"],
+        next="gonka-node checkpoint generate --checkpoint run1/model.safetensors --prompt \"def \"",
     )
-    parser.add_argument("--preset", default="devnet", help="model preset (default: devnet, ~1M parameters)")
+    parser.add_argument("--preset", default="devnet", choices=PRESET_NAMES,
+                        help="model preset (default: devnet, ~1M parameters)")
     parser.add_argument("--workers", type=int, default=2, help="simulated hosts (default: 2)")
     parser.add_argument("--rounds", type=int, default=6, help="outer rounds (default: 6)")
     parser.add_argument("--inner-steps", type=int, default=40, help="H, AdamW steps per round (default: 40)")
-    parser.add_argument("--codec", default="int8", help="fp32, bf16, int8, int4, topk[:chunk=,k=,bits=]")
+    parser.add_argument("--codec", default="int8", type=codec_name, metavar="CODEC",
+                        help=f"one of {', '.join(CODEC_NAMES)}, options as NAME:key=value (default int8)")
     parser.add_argument("--corpus", type=Path, help="text file or folder (default: Python's stdlib sources)")
     parser.add_argument("--seed", type=int, default=0, help="model init and data assignment seed")
     parser.add_argument("--micro-batch", type=int, default=8, help="windows per host per step (default: 8)")

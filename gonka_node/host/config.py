@@ -4,7 +4,7 @@
 [host]
 key_dir = "keys"              # gonka-node keys init --key-dir keys
 state_dir = "host-state"      # progress, so a killed node resumes
-aggregator = "127.0.0.1:50051"
+aggregator = "127.0.0.1:50051"  # optional: default, the endpoint the epoch's aggregator announced on chain
 recipe = "recipe.json"        # checked against the epoch's model_spec_hash on chain
 deployment = "deployment.json"
 epoch = 0                     # 0: the latest epoch on chain
@@ -42,7 +42,7 @@ _HOST_KEYS = {
 class HostConfig:
     key_dir: Path
     state_dir: Path
-    aggregator: str
+    aggregator: str  # HOST:PORT; "": the endpoint the epoch's aggregator announced on chain
     recipe: Path
     deployment: Path
     rpc_url: str
@@ -55,16 +55,19 @@ class HostConfig:
     aggregator_tls_cert: Path | None = None  # the pinned certificate; None: the one announced on chain
 
 
-def load_host_config(path: Path, environ: dict[str, str] | None = None) -> HostConfig:
+def load_host_config(
+    path: Path, environ: dict[str, str] | None = None, passphrase: str | None = None
+) -> HostConfig:
+    """Read `path`; `passphrase` (from --passphrase-file) takes precedence over GONKA_KEY_PASSPHRASE."""
     env = read_env(environ)
     raw = read_toml(path)
     try:
-        return _build(raw, Path(env.get("GONKA_HOME", path.parent)), env)
+        return _build(raw, Path(env.get("GONKA_HOME", path.parent)), env, passphrase)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
 
 
-def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
+def _build(raw: dict[str, Any], base: Path, env: dict[str, str], passphrase: str | None) -> HostConfig:
     unknown = sorted(set(raw) - {"host", "aggregator", "chain"})
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown}; known: [host], [aggregator], [chain]")
@@ -83,9 +86,11 @@ def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
     tls_cert = aggregator.get("tls_cert")
     if tls_cert is not None and (not isinstance(tls_cert, str) or not tls_cert):
         raise ConfigError(f"[aggregator] tls_cert must be a file path, got {tls_cert!r}")
-    for name in ("aggregator", "recipe", "deployment"):
+    for name in ("recipe", "deployment"):
         if not isinstance(host.get(name), str) or not host[name]:
             raise ConfigError(f"[host] {name} is required (a string)")
+    if not isinstance(host.get("aggregator", ""), str):
+        raise ConfigError(f"[host] aggregator must be HOST:PORT (a string), got {host['aggregator']!r}")
     rpc_url = env.get("GONKA_RPC_URL") or chain.get("rpc_url")
     if not isinstance(rpc_url, str) or not rpc_url.startswith(("http://", "https://")):
         raise ConfigError(f"[chain] rpc_url must be an http(s) URL, got {rpc_url!r}")
@@ -107,7 +112,7 @@ def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
     return HostConfig(
         key_dir=resolve(host.get("key_dir", "keys")),
         state_dir=resolve(host.get("state_dir", "host-state")),
-        aggregator=host["aggregator"],
+        aggregator=host.get("aggregator", ""),
         aggregator_tls_cert=resolve(tls_cert) if tls_cert is not None else None,
         recipe=resolve(host["recipe"]),
         deployment=resolve(host["deployment"]),
@@ -117,5 +122,5 @@ def _build(raw: dict[str, Any], base: Path, env: dict[str, str]) -> HostConfig:
         metrics_port=host.get("metrics_port", 0),
         cache_dir=resolve(host["cache_dir"]) if "cache_dir" in host else None,
         log_level=str(host.get("log_level", "INFO")),
-        passphrase=env.get("GONKA_KEY_PASSPHRASE"),
+        passphrase=passphrase if passphrase is not None else env.get("GONKA_KEY_PASSPHRASE"),
     )

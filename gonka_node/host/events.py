@@ -1,7 +1,9 @@
 """What a host reports while it works: progress bars, log lines, Prometheus metrics.
 
 The node calls one `HostEvents` object; the CLI composes the ones it wants, so the loop knows nothing
-of rich or Prometheus.
+of rich or Prometheus. `HostEvents` itself does nothing: exactly one sink, `LogEvents`, writes log lines,
+so a composition of sinks logs each event once (bars and metrics used to inherit the log lines, and a
+host printed each one two or three times).
 """
 
 from __future__ import annotations
@@ -9,14 +11,32 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from chain.units import format_gnk
+
 log = logging.getLogger("gonka_node.host")
 
 
 class HostEvents:
-    """Structured log lines; subclasses add bars or metrics."""
+    """What a host reports; every method does nothing here (sinks override what they show)."""
 
     def inner_step(self, round_: int, step: int, total: int, loss: float) -> None:
         pass
+
+    def round_trained(self, round_: int, loss: float, tokens: int, seconds: float, payload_bytes: int) -> None:
+        pass
+
+    def submitted(self, round_: int, accepted: bool, reason: str, seconds: float) -> None:
+        pass
+
+    def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+
+class LogEvents(HostEvents):
+    """Structured log lines: one per event."""
 
     def round_trained(self, round_: int, loss: float, tokens: int, seconds: float, payload_bytes: int) -> None:
         log.info(
@@ -34,8 +54,8 @@ class HostEvents:
 
     def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
         log.info(
-            "round %d: global model %s… (%s), reward %d ngonka, %.1f s after submitting",
-            round_, sha256.hex()[:16], how, reward, latency_s,
+            "round %d: global model %s… (%s), reward %s, %.1f s after submitting",
+            round_, sha256.hex()[:16], how, format_gnk(reward), latency_s,
         )
 
     def note(self, message: str) -> None:

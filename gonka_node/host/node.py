@@ -21,8 +21,9 @@ import grpc
 import torch
 
 from chain.client import ChainClient
+from chain.units import format_gnk
 from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
-from gonka_node.host.events import HostEvents
+from gonka_node.host.events import HostEvents, LogEvents
 from gonka_node.host.follow import GlobalModel, follow_to
 from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRounds, Rounds, make_worker
 from gonka_node.host.store import HostStore, Progress
@@ -115,7 +116,7 @@ class HostNode:
         self.settings, self.recipe, self.chain, self.aggregator, self.keys = (
             settings, recipe, chain, aggregator, keys,
         )
-        self.events = events or HostEvents()
+        self.events = events or LogEvents()
         self.sleep = sleep
         self.store = HostStore(settings.state_dir)
         self.host_bytes = bytes.fromhex(keys.evm_address[2:])
@@ -134,7 +135,7 @@ class HostNode:
                 )
             return info.slot
         slot = self.chain.join(epoch, self.settings.stake, self.keys.node_public_key)
-        self.events.note(f"signed in to epoch {epoch} with {self.settings.stake} ngonka stake, slot {slot}")
+        self.events.note(f"signed in to epoch {epoch} with {format_gnk(self.settings.stake)} stake, slot {slot}")
         return slot
 
     # ---- start / resume ---------------------------------------------------------------------------
@@ -331,7 +332,8 @@ class HostNode:
             if code == grpc.StatusCode.NOT_FOUND:
                 return None  # between rounds: the last one is closing
             if code in RETRYABLE:  # a daemon outlives an aggregator outage: keep polling, say so
-                self.events.note(f"aggregator unreachable ({code.name}); still waiting for a round")
+                self.events.note(f"aggregator {self.aggregator.target} unreachable ({code.name}); still waiting "
+                                 "for a round")
                 return None
             raise
 

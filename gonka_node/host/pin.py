@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from chain.client import ChainClient
-from gonka_node.discovery import MissingPinError, resolve_aggregator
+from gonka_node.discovery import AggregatorAddress, MissingPinError, resolve_aggregator
 from gonka_node.host.config import HostConfig
 
-__all__ = ["MissingPinError", "aggregator_pin"]
+__all__ = ["AggregatorAddress", "MissingPinError", "aggregator_pin"]
 
 
-def aggregator_pin(cfg: HostConfig, chain: ChainClient, epoch: int) -> bytes:
-    """The PEM certificate the host's aggregator client trusts, and nothing else (gonka_node/tls.py): the
-    file `[aggregator] tls_cert` names, else the certificate the aggregator announced on chain for the
-    configured endpoint."""
-    return resolve_aggregator(chain, epoch, cfg.aggregator, cfg.aggregator_tls_cert).tls_cert_pem
+def aggregator_pin(cfg: HostConfig, chain: ChainClient, epoch: int) -> AggregatorAddress:
+    """The aggregator the host dials and the PEM certificate its client trusts, and nothing else
+    (gonka_node/tls.py): the file `[aggregator] tls_cert` names, else the certificate the aggregator
+    announced on chain for the configured endpoint (`[host] aggregator`; empty: the one it announced)."""
+    return resolve_aggregator(chain, epoch, cfg.aggregator or None, cfg.aggregator_tls_cert)

@@ -182,3 +182,20 @@ def test_constructors_store_and_connect_dials() -> None:
     assert client.deployment is None  # nothing dialled yet
     with pytest.raises(ChainError, match="no JSON-RPC node answers"):
         client.connect()
+
+
+def test_an_account_holding_little_eth_can_transact_and_an_empty_one_cannot(world: World) -> None:
+    """Gas estimates are capped at what the sender can pay for (geth and anvil do; the embedded chain
+    too): 0.002 ETH pays for a token transfer, while nothing at all is refused by the node."""
+    from eth_account import Account
+
+    funder = world.client(0)
+    small = Account.create()
+    funder.transfer_eth(small.address, 2 * 10**15)
+    funder.transfer(small.address, 5 * GNK)
+    client = funder.with_account(small)
+    client.transfer(world.address(3), GNK)
+    assert client.gnk_balance() == 4 * GNK and 0 < client.eth_balance() < 2 * 10**15
+    empty = funder.with_account(Account.create())
+    with pytest.raises(ChainRejected, match=r"(?i)node refused .*(enough balance|insufficient funds)"):
+        empty.transfer_eth(world.address(3), 1)  # refused at the estimate (embedded) or the send (anvil)

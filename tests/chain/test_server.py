@@ -68,3 +68,71 @@ def test_clients_in_other_processes_get_the_same_behaviour(server: ChainServer) 
     ).raw_transaction
     with pytest.raises(ChainRejected, match="chain id"):
         host.sender.send_raw(bytes(raw))
+
+
+class FakeClock:
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_follow_clock_passes_deadlines_without_a_transaction() -> None:
+    backend = EmbeddedBackend()
+    latest = int(backend.connect().eth.get_block("latest")["timestamp"])
+    clock = FakeClock(latest + 0.5)
+    with ChainServer(backend, follow_clock=True, clock=clock) as srv:
+        rpc = RpcBackend(srv.url)
+        accounts = rpc.dev_accounts()
+        gov = ChainClient(rpc, accounts[0]).connect()
+        deployment = gov.deploy_all(use_governor=True, voting_period_s=600, quorum_bps=1000,
+                                    initial_mint={a.address: 1000 * GNK for a in accounts[:2]})
+        voter = ChainClient(rpc, accounts[1], deployment).connect()
+        voter.gov_deposit(500 * GNK)
+        pid = voter.propose([voter.action_mint(accounts[3].address, GNK)], "mint one")
+        voter.vote(pid, True)
+        end = voter.proposal(pid).vote_end
+        clock.now += 100
+        assert voter.proposal(pid).state == "voting"
+        before = voter.chain_time()
+        clock.now += 30
+        assert voter.chain_time() == before + 30  # time moves on a read, at the wall clock's rate
+        clock.now += end - voter.chain_time() + 1  # the wall clock passes the vote's end; nothing is mined
+        assert voter.proposal(pid).state == "passed"
+        voter.execute(pid)  # first try: the execution sees the clock past the deadline too
+        assert voter.gnk_balance(accounts[3].address) == GNK
+        # A jump ahead (evm_increaseTime) is kept, and time runs on from there.
+        rpc.increase_time(3600)
+        ahead = voter.chain_time()
+        clock.now += 10
+        assert voter.chain_time() == ahead + 10
+
+
+def test_without_follow_clock_the_chain_waits_for_a_transaction() -> None:
+    backend = EmbeddedBackend()
+    latest = int(backend.connect().eth.get_block("latest")["timestamp"])
+    clock = FakeClock(latest + 1000)
+    with ChainServer(backend, clock=clock) as srv:
+        assert int(RpcBackend(srv.url).connect().eth.get_block("latest")["timestamp"]) == latest
+
+
+def test_follow_clock_never_turns_the_pending_block_back() -> None:
+    """The node stamps a pending block with the real time its parent was mined; a chain clock that runs
+    from an earlier anchor can be behind that stamp. The read then mines the pending block as it is,
+    instead of asking eth-tester to travel back in time (which it refuses, failing every request)."""
+    import time
+
+    backend = EmbeddedBackend()
+    latest = int(backend.connect().eth.get_block("latest")["timestamp"])
+    clock = FakeClock(latest)
+    with ChainServer(backend, follow_clock=True, clock=clock) as srv:
+        time.sleep(4)  # an idle node: real time moves on, so the block after the next is stamped ~4 s later
+        rpc = RpcBackend(srv.url)
+        client = ChainClient(rpc, rpc.dev_accounts()[0]).connect()
+        client.transfer_eth(rpc.dev_accounts()[1].address, 1)
+        for _ in range(4):
+            clock.now += 1
+            before = client.chain_time()
+            assert rpc.client_version().startswith("EthereumTester")  # answers: no "travelling backwards"
+            assert client.chain_time() >= before

@@ -287,8 +287,10 @@ def rpc_url(world: World) -> Iterator[str]:
 
 
 def host_cli_files(world: World, tmp_path: Path, target: str, tls_cert: str, rpc_url: str) -> Path:
-    """What `gonka-node run` reads: keys of dev account 3 (not signed in), recipe, deployment, host.toml."""
-    init_keys(tmp_path / "keys", None, insecure_plaintext=True, evm_private_key=bytes(world.accounts[3].key))
+    """What `gonka-node run` reads: keys of host 1 (signed in: preflight finds nothing else to refuse),
+    recipe, deployment, host.toml."""
+    init_keys(tmp_path / "keys", None, insecure_plaintext=True, node_seed=bytes([1]) * 32,
+              evm_private_key=bytes(world.accounts[1].key))
     world.recipe.save(tmp_path / "recipe.json")
     world.deployment.save(tmp_path / "deployment.json")
     (tmp_path / "host.toml").write_text(
@@ -308,14 +310,16 @@ def test_the_host_cli_checks_its_pin_before_anything_else(
         assert main(["run", "--config", str(config), "--quiet"]) == 2
         wrong = capsys.readouterr().err
         (tmp_path / "host.toml").write_text(config.read_text().replace('tls_cert = "other.pem"\n', ""))
-        assert main(["rewards", "--config", str(config)]) == 2
+        assert main(["run", "--config", str(config), "--quiet"]) == 2
         missing = capsys.readouterr().err
         assert not (tmp_path / "state").exists()  # stopped before the node was built
         # The aggregator's account announces its endpoint and certificate: the host needs no file.
         world.client(AGG).announce_aggregator(world.epoch, target, TLS.cert_pem)
         assert main(["rewards", "--config", str(config)]) == 0
         found = capsys.readouterr()
-    assert wrong.count("\n") == 1 and f"presents TLS certificate sha256 {TLS.sha256.hex()}" in wrong
-    assert missing.startswith(f"gonka-node rewards: error: no aggregator of epoch {world.epoch} has announced")
-    assert "give the aggregator's certificate file" in missing and missing.count("\n") == 1
+    # One line for the problem, one saying nothing was staked (the preflight runs before any transaction).
+    assert wrong.count("\n") == 2 and f"presents TLS certificate sha256 {TLS.sha256.hex()}" in wrong
+    assert wrong.endswith("gonka-node run: error: preflight: 1 problem(s); nothing was staked\n")
+    assert missing.startswith(f"gonka-node run: error: no aggregator of epoch {world.epoch} has announced")
+    assert "give the aggregator's certificate file" in missing and missing.count("\n") == 2
     assert found.err == ""

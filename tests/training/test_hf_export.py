@@ -14,7 +14,7 @@ import pytest
 import torch
 from model_helpers import sharp_model
 from safetensors import safe_open
-from transformers import LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM, pipeline
 
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.generate import SamplingConfig, generate_tokens
@@ -79,6 +79,29 @@ def test_greedy_generation_equals_transformers(tmp_path, one_thread):
     assert ours == theirs.tolist()
 
 
+def test_auto_tokenizer_maps_each_byte_to_its_value(tmp_path):
+    cfg = CONFIGS["gqa-tied"]
+    out = export_hf(build_model(cfg, 0).state_dict(), cfg, tmp_path / "hf", source_sha256=SHA)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = "\x00def f(x):\n\treturn 'héllo' + \"🎉\"  \x7f"
+    ids = tokenizer(text)["input_ids"]
+    assert ids == list(text.encode("utf-8"))  # no BOS, no merges, no prefix space: the bytes themselves
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == 0 and len(tokenizer) == 256
+    every_byte = bytes(range(256))
+    assert tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(list(every_byte))) == list(every_byte)
+
+
+def test_text_generation_pipeline_runs_on_the_folder(tmp_path, one_thread):
+    cfg = CONFIGS["gqa-untied"]
+    model = sharp_model(cfg, seed=3)
+    out = export_hf(model.state_dict(), cfg, tmp_path / "hf", source_sha256=SHA)
+    generate = pipeline("text-generation", model=str(out), device="cpu")
+    text = generate("def main():", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    ours = generate_tokens(model, list(b"def main():"), SamplingConfig(max_new_tokens=12, temperature=0.0, stop_token=0))
+    assert text == "def main():" + bytes(ours).decode("utf-8", errors="replace")
+
+
 def test_folder_contents(tmp_path):
     cfg = CONFIGS["gqa-tied"]
     model = build_model(cfg, 0)
@@ -86,7 +109,8 @@ def test_folder_contents(tmp_path):
         model.state_dict(), cfg, tmp_path / "hf", source_sha256=SHA, source={"epoch": "3", "round": "7"}
     )
     assert sorted(p.name for p in out.iterdir()) == [
-        "README.md", "config.json", "generation_config.json", "model.safetensors"
+        "README.md", "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json",
     ]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]

@@ -1,0 +1,20 @@
+"""Names the CLI offers as choices, without importing torch at parse time (tests/gonka_node/test_cli_help.py
+checks them against `training.model.PRESETS` and `training.codecs.CODEC_NAMES`)."""
+
+from __future__ import annotations
+
+import argparse
+
+PRESET_NAMES = ("10m", "1b", "devnet", "tiny")
+CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "topk", "mask")
+
+
+def codec_name(text: str) -> str:
+    """An argparse type: a codec name with options that `get_codec` accepts (the error names the choices)."""
+    from training.codecs import get_codec
+
+    try:
+        get_codec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
