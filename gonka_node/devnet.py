@@ -121,8 +121,22 @@ EXPLORER = ExtraService(
     ready=lambda ctx: printed_url(ctx, "explorer", "explorer:") is not None,
 )
 
+def _model_url(ctx: ServeContext) -> str | None:
+    line = printed_url(ctx, "model", "model:")
+    return line.split()[0] if line else None
+
+
+MODEL = ExtraService(
+    "model",
+    args=lambda ctx: ["serve", "--deployment", str(ctx.deployment), "--rpc", ctx.chain_url, "--epoch",
+                      str(ctx.epoch), "--round", "latest", "--port", "0", "--threads", "1",
+                      "--cache-dir", str(ctx.out / "serve-cache")],
+    address=lambda ctx: _model_url(ctx) or "?",
+    ready=lambda ctx: _model_url(ctx) is not None,
+)
+
 # The hook: services started beside the chain and the aggregator under `devnet --serve`, in this order.
-SERVICES: list[ExtraService] = [EXPLORER]
+SERVICES: list[ExtraService] = [EXPLORER, MODEL]
 
 
 @dataclass
@@ -409,10 +423,10 @@ def keep_serving(
         children.start(service.name, service.args(ctx), logs / f"{service.name}.log", child_env())
         _wait(f"{service.name} to start", lambda s=service: s.ready(ctx), 120, children, logs)  # type: ignore[misc]
     say(f"serving until Ctrl-C: chain {ctx.chain_url} (deployment {ctx.deployment}, epoch {ctx.epoch})")
-    say(f"  aggregator {ctx.aggregator} (TLS certificate {ctx.aggregator_cert}, also announced on chain)")
+    say(f"aggregator: {ctx.aggregator} (TLS certificate {ctx.aggregator_cert}, also announced on chain)")
     for service in services:
-        say(f"  {service.name} {service.address(ctx)}")
-    say(f"  try: gonka-node checkpoint list --deployment {ctx.deployment}")
+        say(f"{service.name}: {service.address(ctx)}")
+    say(f"try: gonka-node checkpoint list --deployment {ctx.deployment}")
     stop = stop or threading.Event()
     _stop_on_sigterm(stop)
     try:

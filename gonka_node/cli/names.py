@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-PRESET_NAMES = ("10m", "1b", "devnet", "tiny")
+PRESET_NAMES = ("tiny", "devnet", "10m", "12m", "1b", "8b", "30b")
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "topk", "mask")
 
 

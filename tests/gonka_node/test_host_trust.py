@@ -21,10 +21,12 @@ import torch
 from safetensors.torch import save
 from test_host_node import AGG, GNK, World, host_keys, world
 
+from chain.seed import new_secret, seed_commitment
 from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import FollowError
 from gonka_node.host.node import HostError, HostNode, HostSettings
+from gonka_node.tls import create_identity, server_credentials
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import common_pb2 as common
@@ -70,6 +72,9 @@ class Offering(pb_grpc.AggregatorServicer):
         yield common.FileChunk(data=data)
 
 
+TLS = create_identity()  # the test aggregator's certificate, which the host pins
+
+
 @pytest.fixture
 def serve() -> Iterator:
     servers: list[grpc.Server] = []
@@ -77,7 +82,7 @@ def serve() -> Iterator:
     def start(servicer: Offering) -> str:
         server = grpc.server(ThreadPoolExecutor(max_workers=4))
         pb_grpc.add_AggregatorServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(TLS))
         server.start()
         servers.append(server)
         return f"127.0.0.1:{port}"
@@ -113,9 +118,9 @@ def round_info(w: World, round_: int, base: bytes) -> pb.RoundInfo:
 
 def run_host(w: World, target: str, state: Path) -> tuple[HostNode, Recorder]:
     events = Recorder()
-    settings = HostSettings(epoch=w.epoch, stake=5 * GNK, state_dir=state, poll_s=0.01)
-    node = HostNode(settings, w.recipe, w.client(1), AggregatorClient(target, 30.0), host_keys(1, w), events,
-                    sleep=never_wait)
+    settings = HostSettings(epoch=w.epoch, stake=100 * GNK, state_dir=state, poll_s=0.01)
+    node = HostNode(settings, w.recipe, w.client(1), AggregatorClient(target, TLS.cert_pem, 30.0), host_keys(1, w),
+                    events, sleep=never_wait)
     return node, events
 
 
@@ -152,7 +157,11 @@ def test_a_checkpoint_the_chain_does_not_vouch_for_is_never_trained_on(
     OuterOptimizer(world.recipe.outer_lr, world.recipe.outer_momentum).step(
         honest, {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in honest.items()}
     )
-    world.client(AGG).finalize_round(world.epoch, 1, sha(honest), bytes(32), 0, 0)
+    aggregator = world.client(AGG)
+    secret = new_secret()  # the round seed's commit–reveal, which finalize_round requires (p > 0)
+    aggregator.commit_round_seed(world.epoch, 1, seed_commitment(secret))
+    aggregator.reveal_round_seed(world.epoch, 1, secret)
+    aggregator.finalize_round(world.epoch, 1, sha(honest), bytes(32), 0, 0)
     # The aggregator withholds the update (so the host must pull the checkpoint), serves another
     # model as round 1's checkpoint and offers round 2 on that model's hash.
     other = {n: t.clone() for n, t in honest.items()}

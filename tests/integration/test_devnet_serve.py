@@ -5,6 +5,7 @@ pulls against them; everything stops when asked."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -52,12 +53,16 @@ def test_devnet_serve_keeps_the_network_up_until_stopped(tmp_path: Path, capsys:
         deployment = Deployment.load(out / "deployment.json")
         url = deployment.extra["rpc_url"]
         assert f"serving until Ctrl-C: chain {url} (deployment {out / 'deployment.json'}, epoch 1)" in said
-        aggregator_line = next(line for line in said if line.startswith("  aggregator "))
+        aggregator_line = next(line for line in said if line.startswith("aggregator: "))
         second = (out / "second.url").read_text().strip()
-        assert f"  second-chain {second}" in said and RpcBackend(second).client_version()
-        explorer = next(line for line in said if line.startswith("  explorer ")).split()[1]
+        assert f"second-chain: {second}" in said and RpcBackend(second).client_version()
+        explorer = next(line for line in said if line.startswith("explorer: ")).split()[1]
         with urllib.request.urlopen(explorer, timeout=30) as page:  # the explorer's front page answers
             assert page.status == 200 and "epoch" in page.read().decode().lower()
+        model = next(line for line in said if line.startswith("model: ")).split()[1]
+        assert model.startswith("http://127.0.0.1:") and model.endswith("/v1")
+        with urllib.request.urlopen(f"{model}/models", timeout=30) as models:  # the served, verified model
+            assert json.loads(models.read())["data"][0]["id"] == "gonka-epoch-1-round-1"
 
         # A client after the epoch: list (with where to pull) and pull, the aggregator found on chain.
         capsys.readouterr()

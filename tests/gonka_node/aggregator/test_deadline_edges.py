@@ -16,8 +16,8 @@ from nacl.signing import SigningKey
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
-from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.client import SubmitRejected
+from gonka_node.aggregator.rounds import RoundEngine, clock_text
 from gonka_node.aggregator.store import RoundRow, Store, now_ms
 from gonka_node.config import RoundSettings
 
@@ -39,7 +39,7 @@ def start_with_clock(h: Harness, clock: HeldClock) -> ServerThread:
             ChainView(h.world.client(AGGREGATOR)), TrainingCheckpoints(), SigningKey(b"\x09" * 32), clock=clock,
         )
 
-    server = ServerThread(build).start()
+    server = ServerThread(build, h.identity).start()
     h.servers.append(server)
     return server
 
@@ -62,7 +62,7 @@ def test_a_submission_at_the_deadline_is_accepted_one_ms_later_is_late(held: tup
     h, clock = held
     server = start_with_clock(h, clock)
     on_time, late = h.hosts[0], h.hosts[1]
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         assert info.deadline_unix_ms == clock.ms + 1000
         clock.ms = info.deadline_unix_ms
@@ -72,7 +72,7 @@ def test_a_submission_at_the_deadline_is_accepted_one_ms_later_is_late(held: tup
         with pytest.raises(SubmitRejected) as refused:
             client.submit(info, late.address, h.payload(small_update(h, 2)), late.key)
     assert refused.value.reason == "LATE"
-    assert f"closed for submissions at {info.deadline_unix_ms} ms" in refused.value.message
+    assert f"closed for submissions at {clock_text(info.deadline_unix_ms)}" in refused.value.message
     assert [s.host for s in server.engine.store.submissions(h.epoch, 1)] == [on_time.address]
 
 
@@ -87,7 +87,7 @@ def wait_row(server: ServerThread, epoch: int, done: Callable[[RoundRow], bool])
 
 
 def submit_all(server: ServerThread, hosts: list[Host], payloads: list[bytes]) -> int:
-    with AggregatorClient(server.target) as client:
+    with server.client() as client:
         info = client.open_round()
         for host, payload in zip(hosts, payloads, strict=True):
             assert client.submit(info, host.address, payload, host.key).accepted

@@ -168,9 +168,12 @@ def test_a_tampered_checkpoint_is_refused_and_the_model_keeps_its_verified_state
         agg.follow(model, 2)
     got, want = sha(tampered(agg.params[2])), agg.chain.hashes[2]
     assert str(refused.value) == f"checkpoint of round 2 hashes to {got.hex()}, the chain records {want.hex()}"
-    # Round 1 was verified and kept; nothing of round 2's files reached the held model.
-    assert model.round_done == 1 and model.sha256 == agg.chain.hashes[1]
-    assert bits_equal(model.params, agg.params[1])
+    # The tampered update was applied in place (bounded memory: no second copy of the model) and did not
+    # hash to the chain's: from then on the held model claims no verified state, so no base the
+    # aggregator offers can match it and nothing is trained on it (the node stops on FollowError and
+    # resumes from its last saved, verified round).
+    assert model.round_done == 1 and model.sha256 == b""
+    assert not bits_equal(model.params, agg.params[1])
     assert model.outer is None  # its momentum no longer mirrors the aggregator's: later rounds pull checkpoints
 
 
