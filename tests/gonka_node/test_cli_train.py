@@ -115,7 +115,7 @@ def test_local_run_is_a_pure_function_of_its_config(corpus: Path) -> None:
     ("flags", "message"),
     [
         (["--codec", "zip"], "unknown codec"),
-        (["--preset", "huge"], "invalid choice: 'huge' (choose from '10m', '1b', 'devnet', 'tiny')"),
+        (["--preset", "huge"], "invalid choice: 'huge' (choose from 'tiny', 'devnet', '10m', '12m', '1b', '8b', '30b')"),
         (["--workers", "0"], "workers must be positive"),
         (["--seq-len", "4096"], "max_seq_len"),
         (["--corpus", "/nonexistent/corpus"], "--corpus"),
