@@ -149,4 +149,5 @@ def aggregator_context(
         else None,
         replay_probability=spec.replay_probability if scoring else 0.0,
         recipe_json=recipe.canonical_json(),
+        overlap=recipe.overlap,
     )

@@ -22,6 +22,7 @@ from typing import Any
 from training.data import TokenCorpus, Windows
 from training.inner import InnerConfig
 from training.model import ModelConfig
+from training.overlap import OVERLAP_MODES
 
 RECIPE_FORMAT = "gonka-recipe-v1"
 BUILTIN_CORPUS = "builtin"
@@ -55,6 +56,10 @@ class Recipe:
     # replay a host's round from public data (the aggregator's replay check, docs/SECURITY.md); costs
     # some loss against "carry" (docs/benchmarks.md).
     round_state: str = "carry"
+    # "off": round r trains from round r − 1's model; "delayed": from round r − 2's, so a host trains the
+    # next round while this one uploads and closes (training/overlap.py). Left out of the canonical JSON
+    # when "off", so the recipes (and model spec hashes) of epochs before this field stay what they were.
+    overlap: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "grad_accum", "inner_steps", "n_rounds"):
@@ -65,6 +70,8 @@ class Recipe:
             raise RecipeError(f"seq_len: {self.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
         if self.data_manifest_sha256 and len(bytes.fromhex(self.data_manifest_sha256)) != 32:
             raise RecipeError("data_manifest_sha256: must be 64 hex digits")
+        if self.overlap not in OVERLAP_MODES:
+            raise RecipeError(f"overlap: must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
         self.inner_config()  # validates the schedule fields with InnerConfig's own messages
 
     # ---- derived settings ------------------------------------------------------------------------
@@ -121,6 +128,8 @@ class Recipe:
         out = dataclasses.asdict(self)
         out["model"] = self.model.to_dict()
         out["format"] = RECIPE_FORMAT
+        if self.overlap == "off":
+            del out["overlap"]
         return out
 
     def canonical_json(self) -> bytes:

@@ -163,6 +163,7 @@ def compute_outcome(
     submissions: list[SubmissionRow],
     slots: Mapping[bytes, int],
     base_path: Path,
+    step_base: tuple[Path, bytes] | None = None,
     earlier: list[SubmissionRow] | None = None,
     prev_outer_state: Path | None,
     store: Store,
@@ -196,8 +197,11 @@ def compute_outcome(
     agg = robust.aggregate(
         rule, source, {s.host.hex(): s.norm for s in eligible}, ctx.spec, aggregation.centered_clip_iters
     )
-    params = {name: t.float().clone() for name, t in base.items()}
-    del base
+    # The outer step applies to the latest global model, which is the round's training base unless the
+    # recipe overlaps rounds (then the base is one round older: training/overlap.py).
+    step_from = base if step_base is None else checkpoints.load(*step_base)
+    params = {name: t.float().clone() for name, t in step_from.items()}
+    del base, step_from
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
     if prev_outer_state is not None:
         outer.load_state_dict(_load_outer(prev_outer_state, outer))
@@ -219,7 +223,7 @@ def compute_outcome(
         outer.state_dict()["momentum_buffer"],
         {"steps": str(outer.steps)},
     )
-    heldout = heldout_losses(c, params)
+    heldout = heldout_losses(c, params, step_base)
     rewards = equal_shares(ctx.reward_per_round, [s.host for s in eligible])
     rows = [
         ContributionRow(
@@ -231,7 +235,9 @@ def compute_outcome(
     return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible), heldout)
 
 
-def heldout_losses(c: Closing, params: Mapping[str, Tensor]) -> tuple[float, float] | None:
+def heldout_losses(
+    c: Closing, params: Mapping[str, Tensor], step_base: tuple[Path, bytes] | None = None
+) -> tuple[float, float] | None:
     """The round's held-out loss (mean cross-entropy per token) of its base model and of its new
     checkpoint, on the held-out windows the round was scored on: what clients chart as the loss curve.
     Two forward passes over those windows, against the scoring's one per update. None when the epoch
@@ -240,7 +246,12 @@ def heldout_losses(c: Closing, params: Mapping[str, Tensor]) -> tuple[float, flo
         return None
     batch = c.ctx.scoring.heldout(c.round_row.round, c.round_row.base_sha256)
     model = c.ctx.model_factory()
-    return _loss(model, c.base, batch), _loss(model, params, batch)
+    before = c.base if step_base is None else _load_plain(step_base[0])  # the model the step started from
+    return _loss(model, before, batch), _loss(model, params, batch)
+
+
+def _load_plain(path: Path) -> dict[str, Tensor]:
+    return {name: t.float() for name, t in load_file(str(path)).items()}
 
 
 @torch.no_grad()

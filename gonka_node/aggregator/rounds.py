@@ -50,6 +50,7 @@ from gonka_node.aggregator.validate import Codec, check_update, decode_update
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.envelope import ReceiptBody, Submission
 from training.codecs import round_seed
+from training.overlap import base_round
 
 log = logging.getLogger(__name__)
 ZERO32 = bytes(32)
@@ -91,6 +92,7 @@ class EpochContext:
     replay: ReplayData | None = None
     replay_probability: float = 0.0  # the epoch's p (chain): each host's round is replayed with it
     recipe_json: bytes | None = None  # the recipe's canonical JSON (sha256 = the epoch's model_spec_hash)
+    overlap: str = "off"  # the recipe's overlap rule: which global model a round trains from (training/overlap.py)
 
     def codec_for(self, round_: int) -> Codec:
         """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
@@ -192,11 +194,25 @@ class RoundEngine:
         return self._open_after(rows[-1] if rows else None)
 
     def base_path(self, round_: int) -> Path:
-        """Checkpoint a round starts from: the epoch's initial one, or the last finalized round's."""
+        """Checkpoint a round trains from: the global model after its base round (the overlap rule)."""
+        return self.global_path(base_round(round_, self.ctx.overlap))
+
+    def global_path(self, after: int) -> Path:
+        """The global model after round `after`: the last finalized round's checkpoint up to it (a
+        skipped round leaves the model as it was), or the epoch's initial one."""
         for row in reversed(self.store.rounds(self.ctx.epoch)):
-            if row.round < round_ and row.state == "finalized":
+            if row.round <= after and row.state == "finalized":
                 return self.store.checkpoint_path(self.ctx.epoch, row.round)
         return self.ctx.initial_checkpoint
+
+    def global_sha256(self, after: int) -> bytes:
+        """The hash of the global model after round `after` (closed; 0: the initial model). A skipped
+        round records the model it left unchanged, so every closed row names it."""
+        if after < 1:
+            return self.ctx.initial_sha256
+        row = self.store.get_round(self.ctx.epoch, after)
+        assert row is not None and row.checkpoint_sha256 is not None, f"round {after} is not closed"
+        return row.checkpoint_sha256
 
     def _open_after(self, last: RoundRow | None) -> RoundRow | None:
         """Open the round after `last` (None: the first; returns None when the epoch is over): its seed
@@ -207,10 +223,7 @@ class RoundEngine:
         if last is not None and last.round >= ctx.n_rounds:
             return None
         round_ = 1 if last is None else last.round + 1
-        base = ctx.initial_sha256 if last is None else (
-            last.checkpoint_sha256 if last.state == "finalized" else last.base_sha256
-        )
-        assert base is not None
+        base = self.global_sha256(base_round(round_, ctx.overlap))
         deadline = self.clock() + int(ctx.round_length_s * 1000)
         row = self._commit(self.store.open_round(ctx.epoch, round_, base, deadline, new_secret()))
         log.info("round %d/%d open until %s", ctx.epoch, round_, clock_text(deadline))
@@ -509,13 +522,14 @@ class RoundEngine:
         seed = self._revealed_seed(r)
         if skip:
             self.store.record_finalize_intent(
-                r.epoch, r.round, "skipping", r.base_sha256, ZERO32, 0, "skipped", []
+                r.epoch, r.round, "skipping", self.global_sha256(r.round - 1), ZERO32, 0, "skipped", []
             )
         else:
             outcome = self._compute(r, seed)
             if outcome.aggregated == 0:  # nothing worth aggregating: same as a skip, but scores are kept
                 self.store.record_finalize_intent(
-                    r.epoch, r.round, "skipping", r.base_sha256, ZERO32, 0, "skipped", outcome.contributions
+                    r.epoch, r.round, "skipping", self.global_sha256(r.round - 1), ZERO32, 0, "skipped",
+                    outcome.contributions,
                 )
             else:
                 self.store.record_finalize_intent(
@@ -556,6 +570,7 @@ class RoundEngine:
                      for s in self.store.submissions(r.epoch, row.round)],
             slots={m.address: m.slot for m in self.chain.members(r.epoch)},
             base_path=self.base_path(r.round),
+            step_base=(self.global_path(r.round - 1), self.global_sha256(r.round - 1)),
             prev_outer_state=self._prev_outer_state(r.round),
             store=self.store,
             checkpoints=self.checkpoints,

@@ -31,6 +31,10 @@ class HostEvents:
     def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
         pass
 
+    def utilisation(self, round_: int, busy_s: float, wall_s: float) -> None:
+        """A round's seconds in inner steps against the wall seconds since the previous round's
+        training ended (what a host computes of the time it is up)."""
+
     def note(self, message: str) -> None:
         pass
 
@@ -58,6 +62,10 @@ class LogEvents(HostEvents):
             round_, sha256.hex()[:16], how, format_gnk(reward), latency_s,
         )
 
+    def utilisation(self, round_: int, busy_s: float, wall_s: float) -> None:
+        log.info("round %d: utilisation %.3f (%.1f s of inner steps in %.1f s)", round_,
+                 busy_s / wall_s if wall_s > 0 else 0.0, busy_s, wall_s)
+
     def note(self, message: str) -> None:
         log.info("%s", message)
 
@@ -81,6 +89,10 @@ class MultiEvents(HostEvents):
     def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
         for s in self.sinks:
             s.round_applied(round_, how, sha256, reward, latency_s)
+
+    def utilisation(self, round_: int, busy_s: float, wall_s: float) -> None:
+        for s in self.sinks:
+            s.utilisation(round_, busy_s, wall_s)
 
     def note(self, message: str) -> None:
         for s in self.sinks:
@@ -106,6 +118,15 @@ class MetricsEvents(HostEvents):
         self.submissions = Counter(
             "gonka_host_submissions", "uploads by outcome", ["result"], registry=self.registry
         )
+        self.utilisation_ratio = Gauge(
+            "gonka_host_utilisation", "last round's share of wall time in inner steps", registry=self.registry
+        )
+        self.inner_seconds = Counter(
+            "gonka_host_inner_seconds", "wall seconds spent in inner steps", registry=self.registry
+        )
+        self.wall_seconds = Counter(
+            "gonka_host_wall_seconds", "wall seconds the rounds took, inner steps included", registry=self.registry
+        )
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         from prometheus_client import start_http_server
@@ -128,3 +149,8 @@ class MetricsEvents(HostEvents):
         self.round.set(round_)
         self.rewards.inc(reward)
         self.round_latency.set(latency_s)
+
+    def utilisation(self, round_: int, busy_s: float, wall_s: float) -> None:
+        self.utilisation_ratio.set(busy_s / wall_s if wall_s > 0 else 0.0)
+        self.inner_seconds.inc(busy_s)
+        self.wall_seconds.inc(wall_s)

@@ -27,13 +27,15 @@ from gonka_node.host.events import HostEvents, LogEvents
 from gonka_node.host.follow import GlobalModel, follow_to
 from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRounds, Rounds, make_worker
 from gonka_node.host.store import HostStore, Progress
+from gonka_node.host.upload import PendingUpload
 from gonka_node.keys import NodeKeys
 from gonka_node.recipe import Recipe
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import canonical_sha256
 from training.diloco import OuterOptimizer
 from training.model import build_model
-from training.worker import Assignment, DiLoCoWorker
+from training.overlap import base_round
+from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 T = TypeVar("T")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -209,7 +211,10 @@ class HostNode:
 
     def run(self) -> Progress:
         gm, progress = self._prepare()
+        self._busy_until = time.monotonic()  # when the host last finished training (utilisation)
         try:
+            if self.recipe.overlap == "delayed":
+                return self._loop_overlapped(gm, progress)
             return self._loop(gm, progress)
         finally:
             self.rounds.close()
@@ -242,7 +247,7 @@ class HostNode:
                 self._train_and_submit(self._local_worker(), gm, info, progress)
                 submitted_at = time.monotonic()
             self._wait_finalized(info.round)
-            how = self._follow(gm, info.round, hashes)
+            how = self._follow(gm, info.round, hashes, progress)
             reward = self._reward(info.round)
             progress.rewards[str(info.round)] = reward
             self._save(gm, progress)
@@ -251,22 +256,29 @@ class HostNode:
             if self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds:
                 return progress
 
-    def _follow(self, gm: GlobalModel, target: int, hashes: ChainHashes) -> str:
+    def _follow(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress | None = None) -> str:
         epoch = self.settings.epoch
+
+        def fetch(what: str, call: Callable[[], bytes]) -> bytes:
+            data = self._patiently(what, call)
+            if progress is not None:
+                progress.bytes_received += len(data)
+            return data
+
         return follow_to(
             gm,
             target,
             hashes,
-            lambda r: self._patiently(f"round {r}'s update", lambda: self.aggregator.round_update(epoch, r)).data,
-            lambda r: self._patiently(f"round {r}'s checkpoint", lambda: self.aggregator.checkpoint(epoch, r)).data,
+            lambda r: fetch(f"round {r}'s update", lambda: self.aggregator.round_update(epoch, r).data),
+            lambda r: fetch(f"round {r}'s checkpoint", lambda: self.aggregator.checkpoint(epoch, r).data),
         )
 
-    def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
+    def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> str:
         """Follow to `target`, recording the reward and upload of every round passed over on the way: a
         host killed after its upload was accepted, and restarted once that round closed, was still paid
         for it, and its bytes were sent."""
         passed = range(gm.round_done + 1, target + 1)
-        self._follow(gm, target, hashes)
+        how = self._follow(gm, target, hashes, progress)
         for r in passed:
             if str(r) in progress.rewards:
                 continue
@@ -274,6 +286,7 @@ class HostNode:
             progress.rewards[str(r)] = int(mine.reward) if mine is not None else 0
             if mine is not None and str(r) not in progress.submitted:
                 progress.bytes_sent += int(mine.payload_length)
+        return how
 
     def _local_worker(self) -> DiLoCoWorker | None:
         return self.rounds.worker if isinstance(self.rounds, LocalRounds) else None
@@ -285,16 +298,7 @@ class HostNode:
         subclass that replaces the honest round works with (`gonka_node.adversary`); this one goes
         through `self.rounds`, which holds the same worker."""
         before = copy.deepcopy(self.rounds.state_dict())
-        total = self.recipe.inner_steps
-
-        def on_step(step: int, loss: float) -> None:
-            self.events.inner_step(info.round, step, total, loss)
-
-        try:
-            result = self.rounds.train_round(info.round, gm.params, lambda: self._global_file(gm, progress), on_step)
-        except RigError as exc:
-            raise HostError(str(exc)) from exc
-        self.events.round_trained(info.round, result.last_loss, result.tokens, result.seconds, len(result.payload))
+        result = self._train(info.round, gm, progress)
         started = time.monotonic()
         accepted, reason = self._submit(info, result.payload, result.tokens)
         self.events.submitted(info.round, accepted, reason, time.monotonic() - started)
@@ -303,6 +307,86 @@ class HostNode:
             progress.bytes_sent += len(result.payload)
         else:
             self.rounds.load_state_dict(before)
+
+    def _train(self, round_: int, gm: GlobalModel, progress: Progress) -> WorkerRound:
+        """Train `round_` from the held global model; records the round's share of wall time in inner
+        steps (since the previous round's training ended: waiting, uploading and following count)."""
+        total = self.recipe.inner_steps
+
+        def on_step(step: int, loss: float) -> None:
+            self.events.inner_step(round_, step, total, loss)
+
+        try:
+            result = self.rounds.train_round(round_, gm.params, lambda: self._global_file(gm, progress), on_step)
+        except RigError as exc:
+            raise HostError(str(exc)) from exc
+        self.events.round_trained(round_, result.last_loss, result.tokens, result.seconds, len(result.payload))
+        now = time.monotonic()
+        wall, self._busy_until = max(now - self._busy_until, result.seconds), now
+        progress.utilisation[str(round_)] = [round(result.seconds, 4), round(wall, 4)]
+        self.events.utilisation(round_, result.seconds, wall)
+        return result
+
+    # ---- overlapped rounds (recipe overlap = "delayed", training/overlap.py) -----------------------
+
+    def _loop_overlapped(self, gm: GlobalModel, progress: Progress) -> Progress:
+        """Round r trains from the model after round r − 2, so the host trains round r + 1 while round
+        r uploads and closes. The held model advances only between trainings (the worker reads it to
+        form the pseudo-gradient), and the upload of round r is joined after round r + 1 trained."""
+        hashes = ChainHashes(self.chain, self.settings.epoch)
+        trained = max((int(r) for r in progress.submitted), default=0)
+        pending: PendingUpload | None = None
+        applied = 0
+        try:
+            while True:
+                latest = self.chain.latest_round(self.settings.epoch)
+                if latest >= self.n_rounds:
+                    self._settle(pending, progress)
+                    pending = None
+                    self._catch_up(gm, latest, hashes, progress)
+                    self._save(gm, progress)
+                    self.events.note(f"epoch {self.settings.epoch} finished after {latest} rounds")
+                    return progress
+                r = next_overlapped_round(trained, latest, gm.round_done)
+                base = base_round(r, "delayed")
+                if r > self.n_rounds or latest < base:  # the epoch's last round is trained / base not final
+                    self.sleep(self.settings.poll_s)
+                    continue
+                if gm.round_done < base:
+                    self._apply(gm, base, hashes, progress)
+                    applied += 1
+                    if self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds:
+                        self._settle(pending, progress)
+                        pending = None
+                        return progress
+                result = self._train(r, gm, progress)
+                self._settle(pending, progress)  # had a whole round of compute to finish
+                pending = PendingUpload(
+                    r, gm.sha256, result.payload, result.tokens, self._open_round,
+                    lambda info, payload, tokens: self._submit(info, payload, tokens), self.settings.poll_s,
+                ).start()
+                trained = r
+        finally:
+            if pending is not None:
+                pending.cancel()
+                pending.wait()
+
+    def _apply(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
+        started = time.monotonic()
+        how = self._catch_up(gm, target, hashes, progress)
+        self._save(gm, progress)
+        reward = progress.rewards.get(str(target), 0)
+        self.events.round_applied(target, how, gm.sha256, reward, time.monotonic() - started)
+
+    def _settle(self, pending: PendingUpload | None, progress: Progress) -> None:
+        """Wait for an upload in flight and record its outcome (from the daemon's thread)."""
+        if pending is None:
+            return
+        outcome = pending.wait()
+        self.events.submitted(pending.round, outcome.accepted, outcome.reason, outcome.seconds)
+        if outcome.accepted:
+            progress.submitted[str(pending.round)] = hashlib.sha256(pending.payload).hexdigest()
+            progress.bytes_sent += len(pending.payload)
 
     def _submit(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
         delay = self.settings.backoff_s
@@ -370,3 +454,14 @@ class HostNode:
         except grpc.RpcError:  # not served (e.g. a round this aggregator did not close)
             return None
         return next((c for c in result.contributions if bytes(c.host) == self.host_bytes), None)
+
+
+def next_overlapped_round(trained: int, latest: int, held: int) -> int:
+    """The next round an overlapping host trains: after the last it trained and the last the chain
+    closed, and one whose base (round − 2) is not behind the held model, which only moves forward (a
+    restarted host that caught up to the chain's latest model skips a round rather than pull an older
+    checkpoint)."""
+    r = max(trained, latest) + 1
+    while base_round(r, "delayed") < held:
+        r += 1
+    return r

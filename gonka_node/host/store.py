@@ -40,6 +40,9 @@ class Progress:
     submitted: dict[str, str] = field(default_factory=dict)  # round -> payload sha256 accepted
     rewards: dict[str, int] = field(default_factory=dict)  # round -> ngonka earned (from the result)
     bytes_sent: int = 0  # payload bytes of accepted submissions
+    bytes_received: int = 0  # aggregated-update bytes downloaded to follow the global model
+    # round -> [seconds in inner steps, wall seconds since the previous round's training ended]
+    utilisation: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def outer_in_sync(self) -> bool:

@@ -1,0 +1,75 @@
+"""One round's payload uploading in a thread while the host trains the next round (overlapped rounds).
+
+The upload waits for its round to open at the aggregator (a host with `overlap = "delayed"` trains a
+round before the previous one has closed), checks that the aggregator names the base it trained from,
+and submits. The host joins it after its next round's training, so at most one upload is in flight and
+the daemon's own thread records the outcome (no shared state is written from here).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proto.gonka.v1 import aggregator_pb2 as pb
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    accepted: bool
+    reason: str  # "" when accepted at once; the refusal otherwise
+    seconds: float  # from the first payload byte to the receipt
+
+
+OpenRound = Callable[[], "pb.RoundInfo | None"]
+Submit = Callable[[pb.RoundInfo, bytes, int], tuple[bool, str]]
+
+
+class PendingUpload:
+    def __init__(
+        self, round_: int, base_sha256: bytes, payload: bytes, tokens: int, open_round: OpenRound,
+        submit: Submit, poll_s: float,
+    ) -> None:
+        self.round, self.base_sha256, self.payload, self.tokens = round_, base_sha256, payload, tokens
+        self._open_round, self._submit, self._poll_s = open_round, submit, poll_s
+        self._cancelled = threading.Event()
+        self._result = UploadResult(False, "the upload did not run", 0.0)
+        self._thread = threading.Thread(target=self._run, name=f"upload-round-{round_}", daemon=True)
+
+    def start(self) -> PendingUpload:
+        self._thread.start()
+        return self
+
+    def cancel(self) -> None:
+        """Stop waiting for the round to open (the epoch ended, or the round closed without it)."""
+        self._cancelled.set()
+
+    def wait(self) -> UploadResult:
+        self._thread.join()
+        return self._result
+
+    def _run(self) -> None:
+        try:
+            self._result = self._upload()
+        except Exception as exc:  # reported by the daemon's thread as a refused round, never lost silently
+            self._result = UploadResult(False, f"upload failed: {type(exc).__name__}: {exc}", 0.0)
+
+    def _upload(self) -> UploadResult:
+        while not self._cancelled.is_set():
+            info = self._open_round()
+            if info is None or info.round < self.round:
+                self._cancelled.wait(self._poll_s)
+                continue
+            if info.round > self.round:
+                return UploadResult(False, f"LATE: round {self.round} closed before this upload reached it", 0.0)
+            if bytes(info.base_checkpoint_sha256) != self.base_sha256:
+                return UploadResult(
+                    False, f"STALE_BASE: the aggregator's base {bytes(info.base_checkpoint_sha256).hex()[:16]}… "
+                    f"is not the model this round trained from ({self.base_sha256.hex()[:16]}…)", 0.0,
+                )
+            started = time.monotonic()
+            accepted, reason = self._submit(info, self.payload, self.tokens)
+            return UploadResult(accepted, reason, time.monotonic() - started)
+        return UploadResult(False, f"LATE: round {self.round} never opened to this upload", 0.0)
