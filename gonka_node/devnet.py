@@ -78,6 +78,8 @@ class DevnetOptions:
     chain_url: str | None = None  # an external dev node (anvil); None: the embedded chain, served here
     replay_fraction: float = 1.0  # the epoch's replay probability p; > 0: fresh rounds; 0: no replays, no pay
     serve: bool = False  # keep the chain, the aggregator and the extra services running until stopped
+    link: str | None = None  # every host's link, "DOWN/UP" Mbit/s (gonka_node/link.py); None: loopback as is
+    overlap: str = "off"  # the recipe's overlap rule (training/overlap.py)
     services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)
 
 
@@ -188,6 +190,7 @@ def make_recipe(opts: DevnetOptions) -> Recipe:
         n_rounds=opts.rounds,
         codec=opts.codec,
         round_state="fresh" if opts.replay_fraction > 0 else "carry",
+        overlap=opts.overlap,
     ).with_data_manifest()
 
 
@@ -379,7 +382,7 @@ def run_devnet(
         epoch = sched.epoch
         target = start_aggregator(out, children)
         for i in range(1, opts.hosts + 1):
-            start_host(out, i, target, children)
+            start_host(out, i, target, children, ("--link", opts.link) if opts.link else ())
         say(f"aggregator on {target} (TLS, certificate {aggregator_cert(out)}); {opts.hosts} hosts started "
             f"(logs in {logs})")
         close_signin(chain, sched, opts.hosts, children, out)
@@ -473,12 +476,16 @@ def make_report(
             hashes.append(want.hex())
         rewards: dict[str, Any] = {}
         bytes_per_host: dict[str, int] = {}
+        received_per_host: dict[str, int] = {}
+        utilisation: dict[str, dict[str, float]] = {}
         for i in range(1, opts.hosts + 1):
             host = ChainClient(backend, accounts[i], deployment).connect()
             before = host.gnk_balance()
             progress = HostStore(opts.out / f"host{i}").load()
             earned = progress.progress.rewards if progress else {}
             bytes_per_host[host.address] = progress.progress.bytes_sent if progress else 0
+            received_per_host[host.address] = progress.progress.bytes_received if progress else 0
+            utilisation[host.address] = host_utilisation(progress.progress.utilisation if progress else {})
             for r_str, amount in earned.items():
                 if amount > 0 and not host.claimed(epoch, int(r_str)):
                     proof = agg.reward_proof(epoch, int(r_str), bytes.fromhex(host.address[2:]))
@@ -497,7 +504,11 @@ def make_report(
         "params": params,
         "codec": opts.codec,
         "losses": losses,
+        "link": opts.link or "loopback",
+        "overlap": opts.overlap,
         "bytes_per_host": bytes_per_host,
+        "download_bytes_per_host": received_per_host,
+        "utilisation": utilisation,  # per host: per round and "all" (inner-step seconds / wall seconds)
         "allreduce_bytes_per_host": allreduce,
         "reduction_vs_allreduce": allreduce / max(1, max(bytes_per_host.values(), default=1)),
         "rewards": rewards,
@@ -507,15 +518,24 @@ def make_report(
     return report
 
 
+def host_utilisation(rounds: dict[str, list[float]]) -> dict[str, float]:
+    """A host's share of wall time in inner steps, per round and over all its rounds ("all")."""
+    out = {r: round(busy / wall, 4) if wall > 0 else 0.0 for r, (busy, wall) in sorted(rounds.items(), key=lambda kv: int(kv[0]))}
+    busy, wall = sum(b for b, _ in rounds.values()), sum(w for _, w in rounds.values())
+    out["all"] = round(busy / wall, 4) if wall > 0 else 0.0
+    return out
+
+
 def _plot(path: Path, losses: list[float], report: dict[str, Any]) -> None:
-    """Left: held-out loss per round. Right: bytes each host sent vs all-reduce every step (log scale)."""
+    """Left: held-out loss per round. Middle: bytes each host sent vs all-reduce every step (log scale).
+    Right: each host's utilisation (share of wall time in inner steps) per round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (loss_ax, bytes_ax) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (loss_ax, bytes_ax, util_ax) = plt.subplots(1, 3, figsize=(14, 4), gridspec_kw={"width_ratios": [3, 2, 3]})
     loss_ax.plot(range(len(losses)), losses, marker="o")
     loss_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     loss_ax.set_xlabel("round (0 = initial model)")
@@ -529,6 +549,16 @@ def _plot(path: Path, losses: list[float], report: dict[str, Any]) -> None:
     bytes_ax.set_yscale("log")
     bytes_ax.set_ylabel("bytes sent per host over the epoch")
     bytes_ax.set_title(f"{report['reduction_vs_allreduce']:.0f}× fewer bytes than all-reduce")
+    for i, per_round in enumerate(report["utilisation"].values()):
+        rounds = [int(r) for r in per_round if r != "all"]
+        util_ax.plot(rounds, [per_round[str(r)] for r in rounds], marker="o", label=f"host {i + 1} ({per_round['all']:.2f})")
+    util_ax.set_ylim(0, 1.05)
+    util_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    util_ax.set_xlabel("round")
+    util_ax.set_ylabel("share of wall time in inner steps")
+    util_ax.set_title(f"utilisation, link {report['link']}, overlap {report['overlap']}")
+    util_ax.legend(fontsize=8)
+    util_ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -23,6 +23,7 @@ import grpc
 from nacl.signing import SigningKey
 
 from gonka_node.envelope import ReceiptBody, Submission
+from gonka_node.link import Link, TokenBucket
 from gonka_node.tls import check_peer, pinned_channel
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
@@ -106,19 +107,25 @@ def header_pb(sub: Submission, signature: bytes) -> pb.SubmitHeader:
     )
 
 
-def _requests(header: pb.SubmitHeader, payload: bytes, chunk: int) -> Iterator[pb.SubmitRequest]:
+def _requests(
+    header: pb.SubmitHeader, payload: bytes, chunk: int, up: TokenBucket | None = None
+) -> Iterator[pb.SubmitRequest]:
     yield pb.SubmitRequest(header=header)
     view = memoryview(payload)
     for start in range(0, len(payload), chunk):
-        yield pb.SubmitRequest(chunk=bytes(view[start : start + chunk]))
+        part = bytes(view[start : start + chunk])
+        if up is not None:  # a shaped uplink: the chunk leaves once the link could have carried it
+            up.pace(len(part), first=start == 0)
+        yield pb.SubmitRequest(chunk=part)
 
 
 class AggregatorClient:
     """Synchronous client (one TLS channel trusting exactly `tls_cert_pem`, the aggregator's pinned
     certificate). Use as a context manager or call `close()`."""
 
-    def __init__(self, target: str, tls_cert_pem: bytes, timeout_s: float = 120.0) -> None:
+    def __init__(self, target: str, tls_cert_pem: bytes, timeout_s: float = 120.0, link: Link | None = None) -> None:
         self.target = target
+        self.link = link  # payload uploads and file downloads paced like this link (gonka_node/link.py)
         self.tls_cert_pem = tls_cert_pem
         self.timeout_s = timeout_s
         self.channel = pinned_channel(
@@ -178,7 +185,8 @@ class AggregatorClient:
         tokens_trained: int = 0,
     ) -> pb.Receipt:
         header = header_for(info, host, payload, tokens_trained, key)
-        receipt = self.submit_raw(_requests(header, payload, info.limits.max_chunk_bytes or (1 << 20)))
+        up = self.link.up if self.link is not None else None
+        receipt = self.submit_raw(_requests(header, payload, info.limits.max_chunk_bytes or (1 << 20), up))
         if not verify_receipt(receipt, info.aggregator_key):
             raise SubmitRejected(
                 grpc.StatusCode.UNAUTHENTICATED, "BAD_RECEIPT", "receipt signature does not verify", receipt
@@ -195,15 +203,19 @@ class AggregatorClient:
 
     def round_update(self, epoch: int, round_: int) -> Downloaded:
         ref = pb.RoundRef(epoch=epoch, round=round_)
-        return self._call(lambda: download(self.stub.GetRoundUpdate(ref, timeout=self.timeout_s)))
+        return self._call(lambda: download(self.stub.GetRoundUpdate(ref, timeout=self.timeout_s), self._down()))
 
     def checkpoint(self, epoch: int, round_: int) -> Downloaded:
         ref = pb.RoundRef(epoch=epoch, round=round_)
-        return self._call(lambda: download(self.stub.GetCheckpoint(ref, timeout=self.timeout_s)))
+        return self._call(lambda: download(self.stub.GetCheckpoint(ref, timeout=self.timeout_s), self._down()))
+
+    def _down(self) -> TokenBucket | None:
+        return self.link.down if self.link is not None else None
 
 
-def download(stream: Iterator[common.FileChunk]) -> Downloaded:
-    """Collect a FileChunk stream; checks the length and the file sha256 announced by its FileMeta."""
+def download(stream: Iterator[common.FileChunk], down: TokenBucket | None = None) -> Downloaded:
+    """Collect a FileChunk stream; checks the length and the file sha256 announced by its FileMeta.
+    `down`: a shaped downlink, each chunk taken once the link could have carried it."""
     it = iter(stream)
     first = next(it)
     if first.WhichOneof("part") != "meta":
@@ -211,6 +223,8 @@ def download(stream: Iterator[common.FileChunk]) -> Downloaded:
     parts = []
     size = 0
     for msg in it:
+        if down is not None:
+            down.pace(len(msg.data), first=size == 0)
         size += len(msg.data)
         if size > first.meta.length:
             raise ValueError(f"file stream longer than the announced {first.meta.length} bytes")

@@ -40,6 +40,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "(docs/SECURITY.md)",
     )
     p.add_argument(
+        "--link", metavar="DOWN/UP[@MS]",
+        help="every host's link in Mbit/s down/up (and ms of latency per transfer), e.g. 100/10: uploads and "
+        "downloads are paced like it on loopback (default: loopback as it is)",
+    )
+    p.add_argument(
+        "--overlap", choices=("off", "delayed"), default="off",
+        help="the recipe's overlap rule: delayed trains round r from round r-2's model, so hosts train while "
+        "they upload (default off)",
+    )
+    p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
     )
     p.set_defaults(func=_devnet)
@@ -57,8 +67,15 @@ def _devnet(args: argparse.Namespace) -> int:
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, rounds=args.rounds, inner_steps=args.inner_steps,
         preset=args.preset, codec=args.codec, timeout_s=args.timeout, chain_url=args.rpc_url,
-        replay_fraction=args.replay_fraction, serve=args.serve,
+        replay_fraction=args.replay_fraction, serve=args.serve, link=args.link, overlap=args.overlap,
     )
+    if args.link is not None:
+        from gonka_node.link import LinkError, LinkSpec
+
+        try:
+            LinkSpec.parse(args.link)
+        except LinkError as exc:
+            raise CliError(f"--link: {exc}") from exc
     try:
         run_devnet(opts, say=lambda line: console.print(line), on_report=lambda r: _print_report(args, r))
     except (DevnetError, ChainError) as exc:
@@ -74,12 +91,13 @@ def _print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
     console = Console()
     table = Table(title=f"epoch {report['epoch']}: rewards read back from the chain")
-    for column in ("host", "earned", "claimed", "bytes sent", "all-reduce bytes"):
+    for column in ("host", "earned", "claimed", "bytes sent", "bytes received", "all-reduce bytes", "utilisation"):
         table.add_column(column, justify="right")
     for host, r in report["rewards"].items():
         table.add_row(
             host, amount(r["earned_ngonka"], args), amount(r["claimed_ngonka"], args),
-            f"{report['bytes_per_host'][host]:,}", f"{report['allreduce_bytes_per_host']:,}",
+            f"{report['bytes_per_host'][host]:,}", f"{report['download_bytes_per_host'][host]:,}",
+            f"{report['allreduce_bytes_per_host']:,}", f"{report['utilisation'][host]['all']:.3f}",
         )
     console.print(table)
     losses = " → ".join(f"{x:.3f}" for x in report["losses"])

@@ -44,6 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     run.add_argument("--activation-checkpointing", action="store_true",
                      help="recompute each layer in backward instead of keeping its activations")
     run.add_argument("--compile", action="store_true", help="torch.compile the model in the rig's processes")
+    run.add_argument(
+        "--link", metavar="DOWN/UP[@MS]",
+        help="pace this host's downloads and uploads like a link of DOWN/UP Mbit/s (and MS ms of latency per "
+        "transfer), e.g. 100/10: a home connection reproduced on loopback (gonka_node/link.py)",
+    )
     run.set_defaults(func=_run)
 
     rewards = add_verb(
@@ -99,6 +104,7 @@ class HostSession:
         self.epoch = self.cfg.epoch or self.chain.epoch_count()
         self._aggregator: Any = None
         self._recipe: Any = None
+        self.shaped: Any = None  # `run --link`: the Link its uploads and downloads are paced by
 
     @property
     def recipe(self) -> Any:
@@ -126,7 +132,7 @@ class HostSession:
 
         if self._aggregator is None:
             found = self.address()
-            self._aggregator = AggregatorClient(found.target, found.tls_cert_pem)
+            self._aggregator = AggregatorClient(found.target, found.tls_cert_pem, link=self.shaped)
         return self._aggregator
 
     def close(self) -> None:
@@ -167,10 +173,23 @@ def preflight(session: HostSession) -> list[str]:
     return problems
 
 
+def _shaped_link(text: str | None) -> Any:
+    from gonka_node.link import LinkError, LinkSpec
+
+    if text is None:
+        return None
+    try:
+        return LinkSpec.parse(text).buckets()
+    except LinkError as exc:
+        raise CliError(f"--link: {exc}") from exc
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise CliError(f"--gpus {args.gpus}: a rig has at least one process")
+    shaped = _shaped_link(args.link)  # a malformed --link is refused before anything is read
     session = HostSession(args)
+    session.shaped = shaped
     try:
         problems = preflight(session)
         if problems:

@@ -10,6 +10,7 @@ before that round, so nothing the aggregator never saw leaks into the next paylo
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import time
 from collections.abc import Callable
@@ -212,6 +213,7 @@ class HostNode:
     def run(self) -> Progress:
         gm, progress = self._prepare()
         self._busy_until = time.monotonic()  # when the host last finished training (utilisation)
+        self._prefetched: dict[int, bytes] = {}  # round -> its aggregated update, fetched by the upload thread
         try:
             if self.recipe.overlap == "delayed":
                 return self._loop_overlapped(gm, progress)
@@ -269,7 +271,9 @@ class HostNode:
             gm,
             target,
             hashes,
-            lambda r: fetch(f"round {r}'s update", lambda: self.aggregator.round_update(epoch, r).data),
+            lambda r: self._prefetched.pop(r, None) or fetch(
+                f"round {r}'s update", lambda: self.aggregator.round_update(epoch, r).data
+            ),
             lambda r: fetch(f"round {r}'s checkpoint", lambda: self.aggregator.checkpoint(epoch, r).data),
         )
 
@@ -341,7 +345,7 @@ class HostNode:
             while True:
                 latest = self.chain.latest_round(self.settings.epoch)
                 if latest >= self.n_rounds:
-                    self._settle(pending, progress)
+                    self._settle(pending, progress, closed=True)
                     pending = None
                     self._catch_up(gm, latest, hashes, progress)
                     self._save(gm, progress)
@@ -364,12 +368,16 @@ class HostNode:
                 pending = PendingUpload(
                     r, gm.sha256, result.payload, result.tokens, self._open_round,
                     lambda info, payload, tokens: self._submit(info, payload, tokens), self.settings.poll_s,
+                    functools.partial(self._update_bytes, r),
                 ).start()
                 trained = r
         finally:
             if pending is not None:
                 pending.cancel()
                 pending.wait()
+
+    def _update_bytes(self, round_: int) -> bytes:
+        return self.aggregator.round_update(self.settings.epoch, round_).data
 
     def _apply(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
         started = time.monotonic()
@@ -378,11 +386,17 @@ class HostNode:
         reward = progress.rewards.get(str(target), 0)
         self.events.round_applied(target, how, gm.sha256, reward, time.monotonic() - started)
 
-    def _settle(self, pending: PendingUpload | None, progress: Progress) -> None:
-        """Wait for an upload in flight and record its outcome (from the daemon's thread)."""
+    def _settle(self, pending: PendingUpload | None, progress: Progress, closed: bool = False) -> None:
+        """Wait for an upload in flight and record its outcome (from the daemon's thread). `closed`: its
+        round is over (the epoch ended, the node leaves): stop waiting for what it would fetch next."""
         if pending is None:
             return
+        if closed:
+            pending.cancel()
         outcome = pending.wait()
+        if outcome.update is not None:
+            self._prefetched[pending.round] = outcome.update
+            progress.bytes_received += len(outcome.update)
         self.events.submitted(pending.round, outcome.accepted, outcome.reason, outcome.seconds)
         if outcome.accepted:
             progress.submitted[str(pending.round)] = hashlib.sha256(pending.payload).hexdigest()

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
+
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 
@@ -21,19 +23,21 @@ class UploadResult:
     accepted: bool
     reason: str  # "" when accepted at once; the refusal otherwise
     seconds: float  # from the first payload byte to the receipt
+    update: bytes | None = None  # the round's aggregated update, fetched as soon as the round closed
 
 
 OpenRound = Callable[[], "pb.RoundInfo | None"]
 Submit = Callable[[pb.RoundInfo, bytes, int], tuple[bool, str]]
+Prefetch = Callable[[], bytes]  # the round's aggregated update; raises grpc.RpcError when there is none
 
 
 class PendingUpload:
     def __init__(
         self, round_: int, base_sha256: bytes, payload: bytes, tokens: int, open_round: OpenRound,
-        submit: Submit, poll_s: float,
+        submit: Submit, poll_s: float, prefetch: Prefetch | None = None,
     ) -> None:
         self.round, self.base_sha256, self.payload, self.tokens = round_, base_sha256, payload, tokens
-        self._open_round, self._submit, self._poll_s = open_round, submit, poll_s
+        self._open_round, self._submit, self._poll_s, self._prefetch = open_round, submit, poll_s, prefetch
         self._cancelled = threading.Event()
         self._result = UploadResult(False, "the upload did not run", 0.0)
         self._thread = threading.Thread(target=self._run, name=f"upload-round-{round_}", daemon=True)
@@ -71,5 +75,20 @@ class PendingUpload:
                 )
             started = time.monotonic()
             accepted, reason = self._submit(info, self.payload, self.tokens)
-            return UploadResult(accepted, reason, time.monotonic() - started)
+            return UploadResult(accepted, reason, time.monotonic() - started, self._fetch_update())
         return UploadResult(False, f"LATE: round {self.round} never opened to this upload", 0.0)
+
+    def _fetch_update(self) -> bytes | None:
+        """The round's aggregated update, downloaded once the next round opens (this one has closed),
+        so the download too runs behind the next round's compute. None: no update (a skipped round, an
+        outage, the epoch over): the daemon fetches or pulls what it needs itself, and checks it either way."""
+        while self._prefetch is not None and not self._cancelled.is_set():
+            info = self._open_round()
+            if info is None or info.round <= self.round:
+                self._cancelled.wait(self._poll_s)
+                continue
+            try:
+                return self._prefetch()
+            except grpc.RpcError:
+                return None
+        return None

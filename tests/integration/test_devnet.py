@@ -60,3 +60,29 @@ def test_devnet_runs_an_epoch_and_pays_by_proof(tmp_path: Path) -> None:
     assert "announced 127.0.0.1:" in agg_log and "published epoch 1's recipe on chain" in agg_log
     assert stat.S_IMODE((tls / "key.pem").stat().st_mode) == 0o600 and "PRIVATE KEY" not in agg_log
     assert 'tls_cert = "aggregator/tls/cert.pem"' in (out / "host1.toml").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_devnet_with_shaped_links_and_overlapped_rounds_reports_utilisation(tmp_path: Path) -> None:
+    out = tmp_path / "devnet"
+    rc = main(["devnet", "--out", str(out), "--hosts", "2", "--rounds", "3", "--inner-steps", "8",
+               "--preset", "tiny", "--timeout", "400", "--replay-fraction", "1", "--link", "100/10",
+               "--overlap", "delayed"])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert json.loads((out / "recipe.json").read_text())["overlap"] == "delayed"
+    assert report["link"] == "100/10" and report["overlap"] == "delayed"
+    assert len(set(report["checkpoint_hashes"])) == 4  # the devnet pulled and checked each against the chain
+    for host, r in report["rewards"].items():
+        assert r["claimed_ngonka"] == r["earned_ngonka"] > 0
+        assert report["download_bytes_per_host"][host] > 0
+        per_round = report["utilisation"][host]
+        assert set(per_round) == {"1", "2", "3", "all"} and all(0 < u <= 1 for u in per_round.values())
+    store = Store(out / "aggregator").open()
+    try:
+        for round_ in (1, 2, 3):
+            reasons = [c.reasons[0] for c in store.contributions(report["epoch"], round_)]
+            assert len(reasons) == 2 and all(why.startswith("replay: cosine") for why in reasons), reasons
+    finally:
+        store.close()
