@@ -80,6 +80,7 @@ class DevnetOptions:
     serve: bool = False  # keep the chain, the aggregator and the extra services running until stopped
     link: str | None = None  # every host's link, "DOWN/UP" Mbit/s (gonka_node/link.py); None: loopback as is
     overlap: str = "off"  # the recipe's overlap rule (training/overlap.py)
+    broadcast: str = "dense"  # the recipe's download: "dense" fp32 or "codec" (gonka_node/aggregator/broadcast.py)
     services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)
 
 
@@ -191,6 +192,7 @@ def make_recipe(opts: DevnetOptions) -> Recipe:
         codec=opts.codec,
         round_state="fresh" if opts.replay_fraction > 0 else "carry",
         overlap=opts.overlap,
+        broadcast=opts.broadcast,
     ).with_data_manifest()
 
 
@@ -506,6 +508,7 @@ def make_report(
         "losses": losses,
         "link": opts.link or "loopback",
         "overlap": opts.overlap,
+        "broadcast": opts.broadcast,
         "bytes_per_host": bytes_per_host,
         "download_bytes_per_host": received_per_host,
         "utilisation": utilisation,  # per host: per round and "all" (inner-step seconds / wall seconds)

@@ -150,4 +150,5 @@ def aggregator_context(
         replay_probability=spec.replay_probability if scoring else 0.0,
         recipe_json=recipe.canonical_json(),
         overlap=recipe.overlap,
+        broadcast=recipe.broadcast,
     )

@@ -60,6 +60,10 @@ class Recipe:
     # next round while this one uploads and closes (training/overlap.py). Left out of the canonical JSON
     # when "off", so the recipes (and model spec hashes) of epochs before this field stay what they were.
     overlap: str = "off"
+    # "dense": hosts download each round's aggregated update as fp32; "codec": encoded with the epoch's
+    # codec plus the aggregator's error feedback, and the global model is defined by the decoded update
+    # (gonka_node/aggregator/broadcast.py). Left out of the canonical JSON when "dense", like overlap.
+    broadcast: str = "dense"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "grad_accum", "inner_steps", "n_rounds"):
@@ -72,6 +76,8 @@ class Recipe:
             raise RecipeError("data_manifest_sha256: must be 64 hex digits")
         if self.overlap not in OVERLAP_MODES:
             raise RecipeError(f"overlap: must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
+        if self.broadcast not in ("dense", "codec"):
+            raise RecipeError(f"broadcast: must be one of dense, codec, got {self.broadcast!r}")
         self.inner_config()  # validates the schedule fields with InnerConfig's own messages
 
     # ---- derived settings ------------------------------------------------------------------------
@@ -128,8 +134,9 @@ class Recipe:
         out = dataclasses.asdict(self)
         out["model"] = self.model.to_dict()
         out["format"] = RECIPE_FORMAT
-        if self.overlap == "off":
-            del out["overlap"]
+        for name, default in (("overlap", "off"), ("broadcast", "dense")):
+            if out[name] == default:
+                del out[name]
         return out
 
     def canonical_json(self) -> bytes:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gonka_node.aggregator import robust
+from gonka_node.aggregator.broadcast import compress_broadcast, residual_path
 from gonka_node.aggregator.checks import (
     Labelled,
     find_copies,
@@ -38,6 +39,7 @@ from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, Submis
 from gonka_node.aggregator.validate import count_sketch, decode_update
 from gonka_node.config import AggregationSettings
 from training.checkpoint import atomic_write, fsync_path
+from training.codecs import round_seed
 from training.diloco import OuterOptimizer
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
@@ -164,6 +166,7 @@ def compute_outcome(
     slots: Mapping[bytes, int],
     base_path: Path,
     step_base: tuple[Path, bytes] | None = None,
+    prev_residual: Path | None = None,
     earlier: list[SubmissionRow] | None = None,
     prev_outer_state: Path | None,
     store: Store,
@@ -202,10 +205,16 @@ def compute_outcome(
     step_from = base if step_base is None else checkpoints.load(*step_base)
     params = {name: t.float().clone() for name, t in step_from.items()}
     del base, step_from
+    update_file = store.update_path(epoch, round_)
+    update, payload, residual = agg.update, None, None
+    if ctx.broadcast == "codec":  # the model is defined by the decoded broadcast (aggregator/broadcast.py)
+        payload, update, residual = compress_broadcast(
+            agg.update, ctx.codec_name, round_seed(ctx.epoch_seed, round_), prev_residual
+        )
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
     if prev_outer_state is not None:
         outer.load_state_dict(_load_outer(prev_outer_state, outer))
-    outer.step(params, agg.update)
+    outer.step(params, update)
     meta = {
         "epoch": str(epoch),
         "round": str(round_),
@@ -215,8 +224,13 @@ def compute_outcome(
     if ctx.model_config is not None:
         meta[MODEL_CONFIG_KEY] = ctx.model_config
     sha = checkpoints.save(store.checkpoint_path(epoch, round_), params, meta)
-    _save_durably(store.update_path(epoch, round_), agg.update, meta)
-    sketch = count_sketch(agg.update).numpy().tobytes()
+    if payload is None:
+        _save_durably(update_file, update, meta)
+    else:
+        assert residual is not None
+        atomic_write(update_file, lambda tmp: tmp.write_bytes(payload))
+        _save_durably(residual_path(update_file), residual, meta)
+    sketch = count_sketch(update).numpy().tobytes()
     atomic_write(_sketch_path(store, epoch, round_), lambda tmp: tmp.write_bytes(sketch))
     _save_durably(
         store.outer_state_path(epoch, round_),

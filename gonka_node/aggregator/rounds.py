@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from chain.client import round_result_hash
 from chain.merkle import RewardTree
 from chain.seed import new_secret
+from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import RoundOutcome, compute_outcome
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
@@ -93,6 +94,7 @@ class EpochContext:
     replay_probability: float = 0.0  # the epoch's p (chain): each host's round is replayed with it
     recipe_json: bytes | None = None  # the recipe's canonical JSON (sha256 = the epoch's model_spec_hash)
     overlap: str = "off"  # the recipe's overlap rule: which global model a round trains from (training/overlap.py)
+    broadcast: str = "dense"  # the recipe's: the aggregated update served dense or encoded (aggregator/broadcast.py)
 
     def codec_for(self, round_: int) -> Codec:
         """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
@@ -571,11 +573,19 @@ class RoundEngine:
             slots={m.address: m.slot for m in self.chain.members(r.epoch)},
             base_path=self.base_path(r.round),
             step_base=(self.global_path(r.round - 1), self.global_sha256(r.round - 1)),
+            prev_residual=self._prev_residual(r.round),
             prev_outer_state=self._prev_outer_state(r.round),
             store=self.store,
             checkpoints=self.checkpoints,
             aggregation=self.aggregation,
         )
+
+    def _prev_residual(self, round_: int) -> Path | None:
+        """The compressed broadcast's residual after the last finalized round before `round_`."""
+        for row in reversed(self.store.rounds(self.ctx.epoch)):
+            if row.round < round_ and row.state == "finalized":
+                return residual_path(self.store.update_path(self.ctx.epoch, row.round))
+        return None
 
     def _prev_outer_state(self, round_: int) -> Path | None:
         for row in reversed(self.store.rounds(self.ctx.epoch)):

@@ -50,6 +50,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "they upload (default off)",
     )
     p.add_argument(
+        "--broadcast", choices=("dense", "codec"), default="dense",
+        help="what hosts download each round: the aggregated update as fp32 (dense) or encoded with the epoch's "
+        "codec plus the aggregator's error feedback (codec; the model is defined by the decoded update)",
+    )
+    p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
     )
     p.set_defaults(func=_devnet)
@@ -68,6 +73,7 @@ def _devnet(args: argparse.Namespace) -> int:
         out=args.out, hosts=args.hosts, rounds=args.rounds, inner_steps=args.inner_steps,
         preset=args.preset, codec=args.codec, timeout_s=args.timeout, chain_url=args.rpc_url,
         replay_fraction=args.replay_fraction, serve=args.serve, link=args.link, overlap=args.overlap,
+        broadcast=args.broadcast,
     )
     if args.link is not None:
         from gonka_node.link import LinkError, LinkSpec

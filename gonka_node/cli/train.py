@@ -74,12 +74,14 @@ def local_recipe(
     seed: int = 0,
     round_state: str = "carry",
     corpus: str = BUILTIN_CORPUS,
+    overlap: str = "off",
 ) -> Recipe:
     """A recipe with the local run's defaults and one seed for both the model and the data."""
     return Recipe(
         model=model, corpus=corpus, epoch_seed=seed, init_seed=seed, seq_len=seq_len, micro_batch=micro_batch,
         inner_steps=inner_steps, inner_lr=lr, warmup_steps=warmup_steps, n_rounds=rounds, codec=codec,
         ef_decay=ef_decay, outer_lr=outer_lr, outer_momentum=outer_momentum, round_state=round_state,
+        overlap=overlap,
     )
 
 
@@ -167,9 +169,16 @@ class LocalDiLoCo:
         ]
         self.heldout = windows.sample_heldout(config.seed, config.eval_windows)
         self.first_round = self.round = first_round
+        # With overlap = "delayed" round r trains from the model after r − 2 (training/overlap.py): the
+        # model before the last outer step, kept here (the initial model for the first two rounds).
+        self.lagged = {name: p.detach().clone() for name, p in self.params.items()}
 
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
+
+    def _base(self) -> Mapping[str, torch.Tensor]:
+        """The model this round trains from (the recipe's overlap rule)."""
+        return self.lagged if self.config.recipe.overlap == "delayed" else self.params
 
     def run_round(self, on_step: StepHook | None = None) -> RoundReport:
         started = time.perf_counter()
@@ -178,10 +187,12 @@ class LocalDiLoCo:
         sizes, last_losses = [], []
         for slot, host in enumerate(self.hosts):
             hook = (lambda step, loss, s=slot: on_step(s, step, loss)) if on_step else None
-            result = host.train_round(self.round, self.params, hook)
+            result = host.train_round(self.round, self._base(), hook)
             sizes.append(len(result.payload))
             last_losses.append(result.last_loss)
             averager.add(f"host-{slot:05d}", codec.decode(result.payload, self.spec))
+        if self.config.recipe.overlap == "delayed":
+            self.lagged = {name: p.detach().clone() for name, p in self.params.items()}
         self.outer.step(self.params, averager.result())
         self.round += 1
         return RoundReport(

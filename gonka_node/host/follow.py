@@ -8,8 +8,9 @@ the full checkpoint instead and checks that. Nothing unverified is ever trained 
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,7 +47,47 @@ class GlobalModel:
         return self.sha256
 
 
+@dataclass
+class NextModel:
+    """The global model after `round`, computed ahead of need (off the training path), not yet checked
+    against the chain: `adopt` does that."""
+
+    round: int
+    params: dict[str, Tensor]
+    outer: OuterOptimizer
+    sha256: bytes
+
+
+def step_ahead(model: GlobalModel, round_: int, update: Mapping[str, Tensor]) -> NextModel | None:
+    """The model after `round_` on copies of `model`'s tensors and outer state, which stay untouched (a
+    round may be training from them). None when `model` does not hold round_ − 1 with its momentum."""
+    if model.outer is None or model.round_done != round_ - 1:
+        return None
+    params = {name: t.clone() for name, t in model.params.items()}
+    outer = copy.deepcopy(model.outer)
+    outer.step(params, update)
+    return NextModel(round_, params, outer, bytes.fromhex(canonical_sha256(params)))
+
+
+def adopt(model: GlobalModel, ahead: NextModel, chain: RoundHashes) -> bool:
+    """Take `ahead` as the held model when it is the next round's and hashes to what the chain records."""
+    if ahead.round != model.round_done + 1 or model.outer is None:
+        return False
+    if ahead.sha256 != chain.checkpoint_sha256(ahead.round):
+        log.warning("round %d: the model computed ahead hashes to %s…, not the chain's; following again",
+                    ahead.round, ahead.sha256.hex()[:16])
+        return False
+    model.params, model.outer, model.sha256, model.round_done = ahead.params, ahead.outer, ahead.sha256, ahead.round
+    return True
+
+
 Fetch = Callable[[int], bytes]  # round -> safetensors file bytes
+Decode = Callable[[int, bytes], Mapping[str, Tensor]]  # (round, downloaded update) -> the update's tensors
+
+
+def dense_update(round_: int, data: bytes) -> Mapping[str, Tensor]:
+    """A dense broadcast: safetensors, viewed in place."""
+    return tensors_view(data)
 
 
 def follow_to(
@@ -55,9 +96,11 @@ def follow_to(
     chain: RoundHashes,
     fetch_update: Fetch,
     fetch_checkpoint: Fetch,
+    decode: Decode = dense_update,
 ) -> str:
     """Advance `model` to the chain's state after `target_round`. Returns how: "current", "updates",
-    or "checkpoint". Raises FollowError when even the pulled checkpoint does not match the chain."""
+    or "checkpoint". Raises FollowError when even the pulled checkpoint does not match the chain. `decode`
+    turns a downloaded update into tensors (a compressed broadcast: the epoch's codec)."""
     if model.round_done == target_round:
         return "current"
     if model.round_done > target_round:
@@ -72,7 +115,7 @@ def follow_to(
         try:
             # In place, tensor by tensor, the update a view of the downloaded bytes: the step needs the
             # model, the momentum and one update, nothing more (a 30B model: 360 GB, not 600).
-            update = tensors_view(fetch_update(r))
+            update = decode(r, fetch_update(r))
             model.sha256 = b""  # from here until the hash matches, the held model is no verified state
             model.outer.step(model.params, update)
         except Exception as exc:  # any failure here falls back to the verified pull below

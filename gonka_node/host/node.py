@@ -13,19 +13,20 @@ import copy
 import functools
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
 import torch
+from torch import Tensor
 
 from chain.client import ChainClient
 from chain.units import format_gnk
 from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
 from gonka_node.host.events import HostEvents, LogEvents
-from gonka_node.host.follow import GlobalModel, follow_to
+from gonka_node.host.follow import GlobalModel, NextModel, adopt, dense_update, follow_to, step_ahead
 from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRounds, Rounds, make_worker
 from gonka_node.host.store import HostStore, Progress
 from gonka_node.host.upload import PendingUpload
@@ -33,6 +34,7 @@ from gonka_node.keys import NodeKeys
 from gonka_node.recipe import Recipe
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import canonical_sha256
+from training.codecs import get_codec, round_seed
 from training.diloco import OuterOptimizer
 from training.model import build_model
 from training.overlap import base_round
@@ -212,8 +214,10 @@ class HostNode:
 
     def run(self) -> Progress:
         gm, progress = self._prepare()
+        self._spec = {name: tuple(t.shape) for name, t in gm.params.items()}
         self._busy_until = time.monotonic()  # when the host last finished training (utilisation)
         self._prefetched: dict[int, bytes] = {}  # round -> its aggregated update, fetched by the upload thread
+        self._ahead: NextModel | None = None  # the next global model, computed by the upload thread
         try:
             if self.recipe.overlap == "delayed":
                 return self._loop_overlapped(gm, progress)
@@ -275,7 +279,14 @@ class HostNode:
                 f"round {r}'s update", lambda: self.aggregator.round_update(epoch, r).data
             ),
             lambda r: fetch(f"round {r}'s checkpoint", lambda: self.aggregator.checkpoint(epoch, r).data),
+            self._decode_update if self.recipe.broadcast == "codec" else dense_update,
         )
+
+    def _decode_update(self, round_: int, data: bytes) -> Mapping[str, Tensor]:
+        """A compressed broadcast, decoded as the aggregator decoded it to take the outer step (the global
+        model is defined by these tensors: gonka_node/aggregator/broadcast.py)."""
+        codec = get_codec(self.recipe.codec).for_round(round_seed(self.recipe.epoch_seed, round_))
+        return codec.decode(data, self._spec)
 
     def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> str:
         """Follow to `target`, recording the reward and upload of every round passed over on the way: a
@@ -284,13 +295,16 @@ class HostNode:
         passed = range(gm.round_done + 1, target + 1)
         how = self._follow(gm, target, hashes, progress)
         for r in passed:
-            if str(r) in progress.rewards:
-                continue
-            mine = self._contribution(r)
-            progress.rewards[str(r)] = int(mine.reward) if mine is not None else 0
-            if mine is not None and str(r) not in progress.submitted:
-                progress.bytes_sent += int(mine.payload_length)
+            self._record_round(r, progress)
         return how
+
+    def _record_round(self, r: int, progress: Progress) -> None:
+        if str(r) in progress.rewards:
+            return
+        mine = self._contribution(r)
+        progress.rewards[str(r)] = int(mine.reward) if mine is not None else 0
+        if mine is not None and str(r) not in progress.submitted:
+            progress.bytes_sent += int(mine.payload_length)
 
     def _local_worker(self) -> DiLoCoWorker | None:
         return self.rounds.worker if isinstance(self.rounds, LocalRounds) else None
@@ -359,16 +373,18 @@ class HostNode:
                 if gm.round_done < base:
                     self._apply(gm, base, hashes, progress)
                     applied += 1
-                    if self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds:
-                        self._settle(pending, progress)
-                        pending = None
-                        return progress
+                if pending is not None:  # the held model stays as it is until that upload is joined
+                    pending.release_base(gm.round_done == pending.round - 1)
+                if self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds:
+                    self._settle(pending, progress)
+                    pending = None
+                    return progress
                 result = self._train(r, gm, progress)
                 self._settle(pending, progress)  # had a whole round of compute to finish
                 pending = PendingUpload(
                     r, gm.sha256, result.payload, result.tokens, self._open_round,
                     lambda info, payload, tokens: self._submit(info, payload, tokens), self.settings.poll_s,
-                    functools.partial(self._update_bytes, r),
+                    functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
                 ).start()
                 trained = r
         finally:
@@ -379,9 +395,20 @@ class HostNode:
     def _update_bytes(self, round_: int) -> bytes:
         return self.aggregator.round_update(self.settings.epoch, round_).data
 
+    def _step_ahead(self, gm: GlobalModel, round_: int, data: bytes) -> NextModel | None:
+        decode = self._decode_update if self.recipe.broadcast == "codec" else dense_update
+        return step_ahead(gm, round_, decode(round_, data))
+
     def _apply(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
+        """Bring the held model to `target`: the model the upload thread computed ahead when it is the
+        chain's (the outer step and the hash then cost the training path nothing), else follow."""
         started = time.monotonic()
-        how = self._catch_up(gm, target, hashes, progress)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.round == target and adopt(gm, ahead, hashes):
+            how = "ahead"
+            self._record_round(target, progress)
+        else:
+            how = self._catch_up(gm, target, hashes, progress)
         self._save(gm, progress)
         reward = progress.rewards.get(str(target), 0)
         self.events.round_applied(target, how, gm.sha256, reward, time.monotonic() - started)
@@ -397,6 +424,7 @@ class HostNode:
         if outcome.update is not None:
             self._prefetched[pending.round] = outcome.update
             progress.bytes_received += len(outcome.update)
+        self._ahead = outcome.ahead
         self.events.submitted(pending.round, outcome.accepted, outcome.reason, outcome.seconds)
         if outcome.accepted:
             progress.submitted[str(pending.round)] = hashlib.sha256(pending.payload).hexdigest()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gonka_node.host.follow import NextModel
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 
@@ -24,27 +25,38 @@ class UploadResult:
     reason: str  # "" when accepted at once; the refusal otherwise
     seconds: float  # from the first payload byte to the receipt
     update: bytes | None = None  # the round's aggregated update, fetched as soon as the round closed
+    ahead: NextModel | None = None  # the model after the round, computed from that update in this thread
 
 
 OpenRound = Callable[[], "pb.RoundInfo | None"]
 Submit = Callable[[pb.RoundInfo, bytes, int], tuple[bool, str]]
 Prefetch = Callable[[], bytes]  # the round's aggregated update; raises grpc.RpcError when there is none
+Prepare = Callable[[bytes], "NextModel | None"]  # the model after the round, from its update's bytes
 
 
 class PendingUpload:
     def __init__(
         self, round_: int, base_sha256: bytes, payload: bytes, tokens: int, open_round: OpenRound,
-        submit: Submit, poll_s: float, prefetch: Prefetch | None = None,
+        submit: Submit, poll_s: float, prefetch: Prefetch | None = None, prepare: Prepare | None = None,
     ) -> None:
         self.round, self.base_sha256, self.payload, self.tokens = round_, base_sha256, payload, tokens
         self._open_round, self._submit, self._poll_s, self._prefetch = open_round, submit, poll_s, prefetch
+        self._prepare = prepare
         self._cancelled = threading.Event()
+        self._base_ready = threading.Event()
+        self._base_held = False
         self._result = UploadResult(False, "the upload did not run", 0.0)
         self._thread = threading.Thread(target=self._run, name=f"upload-round-{round_}", daemon=True)
 
     def start(self) -> PendingUpload:
         self._thread.start()
         return self
+
+    def release_base(self, held: bool) -> None:
+        """The daemon holds (`held`) the model after round − 1 and will not change it until it joins this
+        upload: the thread may compute the next model from it. Called once per upload, held or not."""
+        self._base_held = held
+        self._base_ready.set()
 
     def cancel(self) -> None:
         """Stop waiting for the round to open (the epoch ended, or the round closed without it)."""
@@ -75,8 +87,20 @@ class PendingUpload:
                 )
             started = time.monotonic()
             accepted, reason = self._submit(info, self.payload, self.tokens)
-            return UploadResult(accepted, reason, time.monotonic() - started, self._fetch_update())
+            seconds = time.monotonic() - started
+            update = self._fetch_update()
+            return UploadResult(accepted, reason, seconds, update, self._step_ahead(update))
         return UploadResult(False, f"LATE: round {self.round} never opened to this upload", 0.0)
+
+    def _step_ahead(self, update: bytes | None) -> NextModel | None:
+        """The outer step and hash of the next model, here rather than on the training path (they take
+        as long as minutes of a CPU for a 1B model). The daemon checks the hash against the chain."""
+        if update is None or self._prepare is None:
+            return None
+        while not self._base_ready.wait(self._poll_s):
+            if self._cancelled.is_set():
+                return None
+        return self._prepare(update) if self._base_held else None
 
     def _fetch_update(self) -> bytes | None:
         """The round's aggregated update, downloaded once the next round opens (this one has closed),

@@ -20,6 +20,7 @@ from torch import Tensor
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
+from gonka_node.host.events import HostEvents
 from gonka_node.host.node import next_overlapped_round
 from gonka_node.host.store import Progress
 from gonka_node.recipe import Recipe, RecipeError
@@ -32,6 +33,14 @@ from training.worker import Assignment, DiLoCoWorker
 GNK = base.GNK
 
 
+class Applied(HostEvents):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str]] = []
+
+    def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
+        self.seen.append((round_, how))
+
+
 @dataclass
 class Epoch:
     world: base.World
@@ -41,9 +50,10 @@ class Epoch:
     reasons: dict[tuple[int, bytes], list[str]]
     models: dict[int, dict[str, Tensor]]  # round -> the aggregator's checkpoint after it (0: initial)
     update_bytes: int  # the three rounds' aggregated update files
+    applied: list[list[tuple[int, str]]]  # per host: (round, how) of every round_applied event
 
 
-def overlapped_world(tmp_path: Path) -> base.World:
+def overlapped_world(tmp_path: Path, overlap: str = "delayed", broadcast: str = "dense") -> base.World:
     backend = EmbeddedBackend()
     accounts = backend.dev_accounts()
     gov = ChainClient(backend, accounts[0]).connect()
@@ -52,7 +62,7 @@ def overlapped_world(tmp_path: Path) -> base.World:
     recipe = Recipe(
         model=ModelConfig.preset("tiny"), corpus=str(write_small_corpus(tmp_path)), seq_len=32, micro_batch=4,
         inner_steps=8, inner_lr=3e-3, warmup_steps=3, n_rounds=3, codec="int8", round_state="fresh",
-        overlap="delayed",
+        overlap=overlap, broadcast=broadcast,
     ).with_data_manifest()
     init_path = tmp_path / "init.safetensors"
     init_sha = initial_checkpoint(recipe, init_path)
@@ -73,7 +83,8 @@ def epoch(tmp_path_factory: pytest.TempPathFactory) -> Epoch:
     world = overlapped_world(tmp_path)
     agg = base.AggregatorThread(world, tmp_path / "agg")
     with agg as target:
-        nodes = [base.make_node(world, i, target, tmp_path / f"host{i}") for i in (1, 2)]
+        events = [Applied(), Applied()]
+        nodes = [base.make_node(world, i, target, tmp_path / f"host{i}", events=events[i - 1]) for i in (1, 2)]
         with ThreadPoolExecutor(2) as pool:
             progresses = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
         bases = {row.round: row.base_sha256 for row in agg.store.rounds(world.epoch)}
@@ -83,7 +94,7 @@ def epoch(tmp_path_factory: pytest.TempPathFactory) -> Epoch:
         models = {0: load_checkpoint(world.init_path).tensors}
         models.update({r: load_checkpoint(agg.store.checkpoint_path(world.epoch, r)).tensors for r in (1, 2, 3)})
         update_bytes = sum(agg.store.update_path(world.epoch, r).stat().st_size for r in (1, 2, 3))
-    return Epoch(world, progresses, bases, payloads, reasons, models, update_bytes)
+    return Epoch(world, progresses, bases, payloads, reasons, models, update_bytes, [e.seen for e in events])
 
 
 def test_an_overlapped_epoch_passes_the_replay_and_every_host_holds_the_chains_model(epoch: Epoch) -> None:
@@ -103,6 +114,8 @@ def test_an_overlapped_epoch_passes_the_replay_and_every_host_holds_the_chains_m
         assert set(progress.utilisation) == {"1", "2", "3"}
         assert all(0 < busy <= wall for busy, wall in progress.utilisation.values())
         assert progress.bytes_received == epoch.update_bytes  # each update downloaded once (prefetched or not)
+    # Round 1's model was computed by the upload thread while round 2 trained, and checked on adoption.
+    assert [seen[0] for seen in epoch.applied] == [(1, "ahead"), (1, "ahead")]
     assert len(epoch.reasons) == 6
     for key, why in epoch.reasons.items():  # every host's every round replayed (p = 1) and reproduced
         assert any(line.startswith("replay:") for line in why), (key, why)

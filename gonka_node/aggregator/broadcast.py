@@ -1,0 +1,44 @@
+"""What a round broadcasts to hosts: its aggregated update, dense or compressed (recipe `broadcast`).
+
+`"dense"`: the aggregate itself, as fp32 safetensors (4 bytes a parameter).
+
+`"codec"`: the aggregate plus the aggregator's own error-feedback residual, encoded with the epoch's
+codec (for the round, `EpochContext.codec_for`), the same payload format hosts upload. The global
+model is *defined* as the outer step applied with the decoded broadcast, so a host that decodes the
+bytes it downloaded and steps its copy reaches the checkpoint hash on chain bit for bit, and the
+residual (what the codec left out, kept by the aggregator, durable per round) joins the next round's
+broadcast: nothing of the aggregate is lost, only delayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from safetensors.torch import load_file
+from torch import Tensor
+
+from training.codecs import ErrorFeedback, get_codec
+
+BROADCAST_MODES = ("dense", "codec")
+
+
+def residual_path(update_path: Path) -> Path:
+    """Where a round's leftover residual is kept, beside its update file."""
+    return update_path.with_suffix(".residual")
+
+
+def compress_broadcast(
+    update: Mapping[str, Tensor], codec_name: str, seed: int, previous_residual: Path | None
+) -> tuple[bytes, dict[str, Tensor], dict[str, Tensor]]:
+    """(the broadcast payload, its decoded tensors, the residual left for the next round). `codec_name`
+    and `seed` (`training.codecs.round_seed` of the round) give the round's codec; `previous_residual`:
+    the last finalized round's residual file (None, or absent: nothing left over yet)."""
+    codec = get_codec(codec_name)
+    feedback = ErrorFeedback(codec)
+    if previous_residual is not None and previous_residual.exists():
+        feedback.load_state_dict({"codec": codec.name, "decay": 1.0, "residual": load_file(str(previous_residual))})
+    round_codec = codec.for_round(seed)
+    payload = feedback.compress(update, round_codec)
+    decoded = round_codec.decode(payload, {name: tuple(t.shape) for name, t in update.items()})
+    return payload, {n: t.float() for n, t in decoded.items()}, feedback.residual
