@@ -60,6 +60,7 @@ class Method:
     outer_momentum: float = 0.9
     ef_decay: float = 1.0
     inner_lr: float | None = None  # peak AdamW lr; None: --lr (DDP) or --diloco-lr (DiLoCo)
+    overlap: str = "off"  # the recipe's overlap rule (training/overlap.py): "delayed" trains from round r − 2's model
 
 
 METHODS: dict[str, Method] = {
@@ -77,6 +78,9 @@ METHODS: dict[str, Method] = {
         # lr (1.2) makes up for part of it.
         Method("diloco-topk1", "topk:chunk=4096,k=256,bits=1", 30, 1.2, 0.5, 0.9),
         Method("diloco-mask", "mask:stride=2,bits=2,chunk=256", 30, 0.9, 0.5),
+        # Overlapped rounds (issue 14): the int8 method with one-round-delayed outer updates.
+        Method("diloco-int8-overlap", "int8:block=256", 30, 0.9, 0.5, overlap="delayed"),
+        Method("diloco-topk-overlap", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, overlap="delayed"),
     ]
 }
 
@@ -161,6 +165,7 @@ def _config(args: argparse.Namespace, seed: int, method: Method, steps: int, h: 
             outer_lr=method.outer_lr,
             outer_momentum=method.outer_momentum,
             seed=seed,
+            overlap=method.overlap,
         ),
         workers=args.workers,
         eval_windows=args.eval_windows,
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, help="text file or folder (default: Python's stdlib sources)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per method; reports mean ± std")
     parser.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}"
+        "--methods", default=",".join(n for n, m in METHODS.items() if m.overlap == "off"),
+        help=f"comma-separated subset of {list(METHODS)} (default: all but the overlapped ones)"
     )
     parser.add_argument("--extra", action="append", default=[], help=f"extra method {EXTRA_FORMAT}")
     parser.add_argument(

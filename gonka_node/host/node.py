@@ -380,13 +380,15 @@ class HostNode:
                     pending = None
                     return progress
                 result = self._train(r, gm, progress)
-                self._settle(pending, progress)  # had a whole round of compute to finish
-                pending = PendingUpload(
+                # Round r's upload starts now; the previous one had a whole round of compute to finish
+                # (its round closed before round r opens, so the two never stream at once).
+                upload = PendingUpload(
                     r, gm.sha256, result.payload, result.tokens, self._open_round,
                     lambda info, payload, tokens: self._submit(info, payload, tokens), self.settings.poll_s,
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
                 ).start()
-                trained = r
+                self._settle(pending, progress)
+                pending, trained = upload, r
         finally:
             if pending is not None:
                 pending.cancel()
