@@ -95,8 +95,13 @@ def parse_extra(text: str) -> Method:
     fields = text.split("|")
     if not 3 <= len(fields) <= 7:
         raise SystemExit(f"--extra {text!r}: expected {EXTRA_FORMAT}")
-    numbers = [float(f) for f in fields[3:]]
-    return Method(fields[0], None if fields[1] == "ddp" else fields[1], int(fields[2]), *numbers)
+    given: list[float | None] = [float(f) for f in fields[3:]]
+    n = given + [None] * (4 - len(given))
+    base = Method(fields[0], None if fields[1] == "ddp" else fields[1], int(fields[2]))
+    return Method(
+        base.name, base.codec, base.sync_every, base.outer_lr if n[0] is None else n[0],
+        base.outer_momentum if n[1] is None else n[1], base.ef_decay if n[2] is None else n[2], n[3],
+    )
 
 
 @dataclass
