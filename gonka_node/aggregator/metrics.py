@@ -11,6 +11,7 @@ it on 127.0.0.1 (`[aggregator] metrics_port`). Names:
 | `gonka_aggregator_round` | gauge | the latest round closed |
 | `gonka_aggregator_submissions_total` | counter | `outcome`: accepted, or the rejection reason (LATE, COPY, …) |
 | `gonka_aggregator_payload_bytes_total` | counter | payload bytes of accepted submissions |
+| `gonka_aggregator_update_bytes_total` | counter | aggregated-update bytes served (`GetRoundUpdate`: hosts' downloads) |
 | `gonka_aggregator_close_seconds` | histogram | from a round's close to its result recorded (chain included) |
 | `gonka_aggregator_replays_total` | counter | `result`: match, mismatch |
 """
@@ -30,6 +31,9 @@ class RoundMetrics:
         pass
 
     def round_closed(self, row: RoundRow, seconds: float, contributions: list[ContributionRow]) -> None:
+        pass
+
+    def update_served(self, update_bytes: int) -> None:
         pass
 
     @property
@@ -55,6 +59,8 @@ class PrometheusMetrics(RoundMetrics):
                                        registry=self.registry)
         self.replays = Counter("gonka_aggregator_replays", "replayed host-rounds by result", ["result"],
                                registry=self.registry)
+        self.update_bytes = Counter("gonka_aggregator_update_bytes", "aggregated-update bytes served to hosts",
+                                    registry=self.registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Expose /metrics on addr:port (0: any free port); returns the port."""
@@ -70,6 +76,9 @@ class PrometheusMetrics(RoundMetrics):
     def submission(self, outcome: str, payload_bytes: int = 0) -> None:
         self.submissions.labels(outcome=outcome).inc()
         self.payload_bytes.inc(payload_bytes)
+
+    def update_served(self, update_bytes: int) -> None:
+        self.update_bytes.inc(update_bytes)
 
     def round_closed(self, row: RoundRow, seconds: float, contributions: list[ContributionRow]) -> None:
         self.rounds.labels(state=row.state).inc()

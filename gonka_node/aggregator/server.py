@@ -218,6 +218,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             )
         async for chunk in stream_file(path, await _meta(path, row.epoch, row.round, b"")):
             yield chunk
+        self.engine.metrics.update_served(path.stat().st_size)
 
     async def GetRewardProof(
         self, request: pb.GetRewardProofRequest, context: grpc.aio.ServicerContext

@@ -31,6 +31,9 @@ class HostEvents:
     def round_applied(self, round_: int, how: str, sha256: bytes, reward: int, latency_s: float) -> None:
         pass
 
+    def downloaded(self, round_: int, nbytes: int) -> None:
+        """Bytes of a round's aggregated update (or checkpoint) downloaded to follow the global model."""
+
     def utilisation(self, round_: int, busy_s: float, wall_s: float) -> None:
         """A round's seconds in inner steps against the wall seconds since the previous round's
         training ended (what a host computes of the time it is up)."""
@@ -90,6 +93,10 @@ class MultiEvents(HostEvents):
         for s in self.sinks:
             s.round_applied(round_, how, sha256, reward, latency_s)
 
+    def downloaded(self, round_: int, nbytes: int) -> None:
+        for s in self.sinks:
+            s.downloaded(round_, nbytes)
+
     def utilisation(self, round_: int, busy_s: float, wall_s: float) -> None:
         for s in self.sinks:
             s.utilisation(round_, busy_s, wall_s)
@@ -109,6 +116,9 @@ class MetricsEvents(HostEvents):
         self.loss = Gauge("gonka_host_inner_loss", "last inner-step training loss", registry=self.registry)
         self.tokens_per_s = Gauge("gonka_host_tokens_per_second", "inner-loop throughput", registry=self.registry)
         self.bytes_sent = Counter("gonka_host_payload_bytes", "payload bytes submitted", registry=self.registry)
+        self.bytes_received = Counter(
+            "gonka_host_download_bytes", "aggregated-update and checkpoint bytes downloaded", registry=self.registry
+        )
         self.round_latency = Gauge(
             "gonka_host_round_latency_seconds", "submission to applied global model", registry=self.registry
         )
@@ -154,3 +164,6 @@ class MetricsEvents(HostEvents):
         self.utilisation_ratio.set(busy_s / wall_s if wall_s > 0 else 0.0)
         self.inner_seconds.inc(busy_s)
         self.wall_seconds.inc(wall_s)
+
+    def downloaded(self, round_: int, nbytes: int) -> None:
+        self.bytes_received.inc(nbytes)

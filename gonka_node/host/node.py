@@ -265,10 +265,11 @@ class HostNode:
     def _follow(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress | None = None) -> str:
         epoch = self.settings.epoch
 
-        def fetch(what: str, call: Callable[[], bytes]) -> bytes:
+        def fetch(what: str, round_: int, call: Callable[[], bytes]) -> bytes:
             data = self._patiently(what, call)
             if progress is not None:
                 progress.bytes_received += len(data)
+            self.events.downloaded(round_, len(data))
             return data
 
         return follow_to(
@@ -276,9 +277,9 @@ class HostNode:
             target,
             hashes,
             lambda r: self._prefetched.pop(r, None) or fetch(
-                f"round {r}'s update", lambda: self.aggregator.round_update(epoch, r).data
+                f"round {r}'s update", r, lambda: self.aggregator.round_update(epoch, r).data
             ),
-            lambda r: fetch(f"round {r}'s checkpoint", lambda: self.aggregator.checkpoint(epoch, r).data),
+            lambda r: fetch(f"round {r}'s checkpoint", r, lambda: self.aggregator.checkpoint(epoch, r).data),
             self._decode_update if self.recipe.broadcast == "codec" else dense_update,
         )
 
@@ -426,6 +427,7 @@ class HostNode:
         if outcome.update is not None:
             self._prefetched[pending.round] = outcome.update
             progress.bytes_received += len(outcome.update)
+            self.events.downloaded(pending.round, len(outcome.update))
         self._ahead = outcome.ahead
         self.events.submitted(pending.round, outcome.accepted, outcome.reason, outcome.seconds)
         if outcome.accepted:

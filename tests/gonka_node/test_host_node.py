@@ -244,6 +244,7 @@ def test_metrics_port_and_checkpoint_metadata_after_a_round(world: World, tmp_pa
     assert got["gonka_host_submissions_total{result=accepted}"] == 1
     assert progress.rewards["1"] > 0 and got["gonka_host_rewards_ngonka_total"] == progress.rewards["1"]
     assert progress.bytes_sent > 0 and got["gonka_host_payload_bytes_total"] == progress.bytes_sent
+    assert progress.bytes_received > 0 and got["gonka_host_download_bytes_total"] == progress.bytes_received
     assert 0 < got["gonka_host_inner_loss"] < 6  # nats per byte; ln 256 = 5.55 at random init
     assert got["gonka_host_tokens_per_second"] > 0 and got["gonka_host_round_latency_seconds"] >= 0
 

@@ -56,7 +56,9 @@ def test_a_round_as_prometheus_sees_it(harness: Harness) -> None:
         assert wait_state(server, h.epoch, 1, ("finalized",)) == "finalized"
         # The finalize transaction's hash is kept (and logged) rather than "tx ?".
         assert len(server.engine.store.get_round(h.epoch, 1).finalize_tx or b"") == 32
+        downloaded = len(client.round_update(h.epoch, 1).data)  # what a host downloads to follow
     got = scrape(port)
+    assert downloaded > 0 and got["gonka_aggregator_update_bytes_total"] == downloaded
     assert got["gonka_aggregator_submissions_total{outcome=accepted}"] == 2
     assert got["gonka_aggregator_submissions_total{outcome=DUPLICATE}"] == 1
     assert got["gonka_aggregator_submissions_total{outcome=UNKNOWN_HOST}"] == 1
