@@ -205,7 +205,7 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     store = Store(root / "aggregator").open()
     evidence = EvidenceLog(root / "aggregator" / "evidence")
     clock = DrivenClock()
-    settings = RoundSettings(quorum=1, duration_s=600, max_clock_skew_s=10**6)
+    settings = RoundSettings(quorum=1, max_clock_skew_s=10**6)
     engine = RoundEngine(ctx, settings, plan.aggregation, store, ChainView(agg_chain), TrainingCheckpoints(),
                          NodeSigningKey(b"\x09" * 32).signing_key, clock=clock, evidence=evidence)
     tap = Tap()

@@ -230,7 +230,7 @@ def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int
         f'listen = "127.0.0.1:0"\ndata_dir = "{AGGREGATOR_DIR}"\nnode_key = "keys/aggregator/node_key.json"\n'
         'evm_key = "keys/aggregator/evm_key.json"\nrecipe = "recipe.json"\ndeployment = "deployment.json"\n'
         f"epoch = {epoch}\n\n[chain]\nbackend = \"rpc\"\nrpc_url = \"{rpc_url}\"\n\n"
-        f"[round]\nquorum = {opts.hosts}\nduration_s = 600\n\n"
+        f"[round]\nquorum = {opts.hosts}\n\n"
         f"[aggregation]\nheldout_windows = {opts.heldout_windows}\n"
     )
     for i in range(1, opts.hosts + 1):

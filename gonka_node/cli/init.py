@@ -60,8 +60,7 @@ backend = "rpc"                   # an aggregator reaches the chain over JSON-RP
 rpc_url = "{rpc_url}"             # GONKA_RPC_URL overrides it
 
 [round]
-quorum = 1                        # accepted submissions needed to close at the deadline
-duration_s = 600                  # seconds a round stays open (the epoch's round_length is the chain's bound)
+quorum = 1                        # accepted submissions needed to close at the deadline (its length: the epoch's round_length on chain)
 
 [aggregation]
 rule = "clip_median"              # mean | clip_median | centered_clip
