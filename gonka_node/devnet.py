@@ -46,7 +46,7 @@ from gonka_node.config import TLS_DIR
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.store import HostStore
 from gonka_node.keys import init_keys
-from gonka_node.recipe import Recipe
+from gonka_node.recipe import Recipe, recipe_default
 from gonka_node.tls import CERT_FILE, load_certificate
 from training.checkpoint import canonical_sha256
 from training.inner import evaluate
@@ -63,16 +63,21 @@ class DevnetError(RuntimeError):
     pass
 
 
+# The devnet's recipe where it differs from an epoch recipe's defaults (a few minutes on a CPU); every
+# other field is the recipe's default, or the option below that sets it.
+DEVNET_RECIPE: dict[str, Any] = {"n_rounds": 8, "inner_lr": 3e-3, "warmup_steps": 10}
+
+
 @dataclass(frozen=True)
 class DevnetOptions:
     out: Path
     hosts: int = 3
-    rounds: int = 8
-    inner_steps: int = 20
+    rounds: int = DEVNET_RECIPE["n_rounds"]
+    inner_steps: int = recipe_default("inner_steps")
     preset: str = "devnet"
-    seq_len: int = 64
-    micro_batch: int = 8
-    codec: str = "int8"
+    seq_len: int = recipe_default("seq_len")
+    micro_batch: int = recipe_default("micro_batch")
+    codec: str = recipe_default("codec")
     reward_per_round_gnk: int = 100
     timeout_s: float = 900.0
     heldout_windows: int = 64
@@ -181,12 +186,10 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, children: Chil
 def make_recipe(opts: DevnetOptions) -> Recipe:
     return Recipe(
         model=ModelConfig.preset(opts.preset),
+        **{**DEVNET_RECIPE, "n_rounds": opts.rounds},
         seq_len=opts.seq_len,
         micro_batch=opts.micro_batch,
         inner_steps=opts.inner_steps,
-        inner_lr=3e-3,
-        warmup_steps=10,
-        n_rounds=opts.rounds,
         codec=opts.codec,
         round_state="fresh" if opts.replay_fraction > 0 else "carry",
     ).with_data_manifest()

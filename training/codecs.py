@@ -60,7 +60,11 @@ class Codec(ABC):
     """Encode named fp32 tensors to bytes and back. Subclasses define one tensor's section."""
 
     name: str
-    codec_id: int
+
+    @property
+    def codec_id(self) -> int:
+        """The id every payload header carries (CODECS: one table of names, ids and factories)."""
+        return CODECS[self.name][0]
 
     @abstractmethod
     def params(self) -> tuple[int, int, int]:
@@ -162,7 +166,7 @@ class Codec(ABC):
 class Fp32Codec(Codec):
     """Raw little-endian fp32: lossless, the reference point for every byte count."""
 
-    name, codec_id = "fp32", 1
+    name = "fp32"
 
     def params(self) -> tuple[int, int, int]:
         return (0, 0, 0)
@@ -180,7 +184,7 @@ class Fp32Codec(Codec):
 class Bf16Codec(Codec):
     """bfloat16 (round to nearest even): half the bytes, relative error ≤ 2^-8."""
 
-    name, codec_id = "bf16", 2
+    name = "bf16"
 
     def params(self) -> tuple[int, int, int]:
         return (0, 0, 0)
@@ -212,7 +216,7 @@ class BlockQuantCodec(Codec):
             raise ValueError(f"BlockQuantCodec: block must be in [1, 2^20], got {block}")
         self.bits, self.block = bits, block
         self.qmax = (1 << (bits - 1)) - 1
-        self.name, self.codec_id = ("int8", 3) if bits == 8 else ("int4", 4)
+        self.name = "int8" if bits == 8 else "int4"
 
     def params(self) -> tuple[int, int, int]:
         return (self.bits, self.block, 0)
@@ -259,7 +263,7 @@ class TopKCodec(Codec):
     Section: (lo, hi) fp32 per chunk (bits = 1: the mean magnitude) | packed positions | packed codes.
     """
 
-    name, codec_id = "topk", 5
+    name = "topk"
 
     def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2) -> None:
         if not 2 <= chunk <= 1 << 24:
@@ -375,7 +379,7 @@ class SharedMaskCodec(Codec):
     Header parameters: (stride, bits << 24 | chunk, round seed mod 2^32).
     """
 
-    name, codec_id = "mask", 6
+    name = "mask"
     _STEP_IN_SIGMAS: ClassVar[dict[int, float]] = {2: 0.996, 4: 0.335, 8: 0.0308}
 
     def __init__(self, stride: int = 4, bits: int = 2, chunk: int = 256, seed: int = 0) -> None:
@@ -510,22 +514,23 @@ def round_seed(epoch_seed: int, round_index: int) -> int:
     return epoch_seed * 1_000_003 + round_index
 
 
-_FACTORIES: dict[str, Callable[..., Codec]] = {
-    "fp32": Fp32Codec,
-    "bf16": Bf16Codec,
-    "int8": lambda block=128: BlockQuantCodec(8, block),
-    "int4": lambda block=64: BlockQuantCodec(4, block),
-    "topk": TopKCodec,
-    "mask": SharedMaskCodec,
+# name -> (the id written in every payload header, the factory taking the name's options): the one table.
+CODECS: dict[str, tuple[int, Callable[..., Codec]]] = {
+    "fp32": (1, Fp32Codec),
+    "bf16": (2, Bf16Codec),
+    "int8": (3, lambda block=128: BlockQuantCodec(8, block)),
+    "int4": (4, lambda block=64: BlockQuantCodec(4, block)),
+    "topk": (5, TopKCodec),
+    "mask": (6, SharedMaskCodec),
 }
-_BY_ID = {1: "fp32", 2: "bf16", 3: "int8", 4: "int4", 5: "topk", 6: "mask"}
-CODEC_NAMES = tuple(_FACTORIES)
+_BY_ID = {codec_id: name for name, (codec_id, _) in CODECS.items()}
+CODEC_NAMES = tuple(CODECS)
 
 
 def get_codec(name: str) -> Codec:
     """A codec by name, with optional integer options: "int8", "int8:block=64", "topk:chunk=4096,k=32,bits=2"."""
     base, _, opts = name.partition(":")
-    if base not in _FACTORIES:
+    if base not in CODECS:
         raise ValueError(f"unknown codec {base!r}; choose one of {', '.join(CODEC_NAMES)}")
     kwargs: dict[str, int] = {}
     for item in filter(None, opts.split(",")):
@@ -534,7 +539,7 @@ def get_codec(name: str) -> Codec:
             raise ValueError(f"codec option {item!r} in {name!r} must be key=integer")
         kwargs[key.strip()] = int(value)
     try:
-        return _FACTORIES[base](**kwargs)
+        return CODECS[base][1](**kwargs)
     except TypeError as exc:
         raise ValueError(f"codec {base!r} does not take options {sorted(kwargs)}") from exc
 
