@@ -20,7 +20,7 @@ from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.recipe import Recipe, RecipeError
-from training.codecs import CodecError, get_codec
+from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import build_model
 
@@ -117,7 +117,6 @@ def aggregator_context(
         epoch=info.epoch,
         codec_name=spec.codec,
         codec=get_codec(spec.codec),
-        codec_error=CodecError,
         spec={n: tuple(t.shape) for n, t in init.items()},
         n_rounds=spec.n_rounds,
         round_length_s=float(spec.round_length),

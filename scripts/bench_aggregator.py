@@ -67,7 +67,6 @@ def serve(n_hosts: int, workdir: Path) -> None:
     from gonka_node.aggregator.store import Store
     from gonka_node.config import AggregationSettings, RoundSettings
     from gonka_node.tls import create_identity
-    from training.codecs import CodecError
 
     backend = EmbeddedBackend()
     dev = backend.dev_accounts()
@@ -95,7 +94,7 @@ def serve(n_hosts: int, workdir: Path) -> None:
     backend.increase_time(7201)
     ctx = EpochContext(
         chain_id=deployment.chain_id, registry=bytes.fromhex(deployment.registry[2:]), epoch=epoch, codec_name=CODEC,
-        codec=get_codec(CODEC), codec_error=CodecError, spec={n: tuple(t.shape) for n, t in base.items()}, n_rounds=2,
+        codec=get_codec(CODEC), spec={n: tuple(t.shape) for n, t in base.items()}, n_rounds=2,
         round_length_s=3600, outer_lr=0.7, outer_momentum=0.9, reward_per_round=reward, initial_checkpoint=init_path,
         initial_sha256=init_sha,
     )  # fmt: skip

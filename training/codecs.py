@@ -19,6 +19,7 @@ it to the next round's pseudo-gradient.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import math
 import struct
@@ -40,7 +41,31 @@ Spec = Mapping[str, tuple[int, ...]]
 
 
 class CodecError(ValueError):
-    """A payload that cannot be what the sender should have produced (garbage, truncation, wrong spec)."""
+    """A payload that cannot be what the sender should have produced; a subclass says which way."""
+
+
+class PayloadSizeError(CodecError):
+    """The payload, or a tensor's part, is not the size the codec and the spec give (truncated, trailing)."""
+
+
+class HeaderError(CodecError):
+    """Not this codec's header: magic, version, reserved field or parameters differ."""
+
+
+class CodecIdError(HeaderError):
+    """The header names another codec, or an id no codec has."""
+
+
+class SpecMismatchError(CodecError):
+    """Encoded for other tensors: the header's tensor count or spec digest, or a tensor's element count."""
+
+
+class NonFiniteError(CodecError):
+    """Decoded values include NaN or infinity."""
+
+
+class MalformedSectionError(CodecError):
+    """A tensor's section holds what no encoder writes: bad scales, codes, positions or padding bits."""
 
 
 def spec_of(tensors: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
@@ -114,11 +139,11 @@ class Codec(ABC):
         view = memoryview(part).cast("B")
         numel = _numel(shape, name)
         if len(view) != _NUMEL.size + self.section_size(numel, name):
-            raise CodecError(f"{self.name} part of {name} is {len(view)} bytes, expected "
+            raise PayloadSizeError(f"{self.name} part of {name} is {len(view)} bytes, expected "
                              f"{_NUMEL.size + self.section_size(numel, name)}")
         (claimed,) = _NUMEL.unpack_from(view, 0)
         if claimed != numel:
-            raise CodecError(f"{self.name} payload: tensor {name} claims {claimed} elements, spec has {numel}")
+            raise SpecMismatchError(f"{self.name} payload: tensor {name} claims {claimed} elements, spec has {numel}")
         return self._decode_flat(view[_NUMEL.size :], numel, name).reshape(shape)
 
     def decode(self, data: bytes | bytearray | memoryview, spec: Spec) -> dict[str, Tensor]:
@@ -127,7 +152,7 @@ class Codec(ABC):
         expected = self.encoded_size(spec)
         if len(view) != expected:
             kind = "truncated" if len(view) < expected else "trailing bytes"
-            raise CodecError(
+            raise PayloadSizeError(
                 f"{self.name} payload is {len(view)} bytes, expected {expected} for this spec ({kind})"
             )
         out: dict[str, Tensor] = {}
@@ -140,25 +165,25 @@ class Codec(ABC):
 
     def _check_header(self, view: memoryview, spec: Spec) -> None:
         if len(view) < HEADER_SIZE:
-            raise CodecError(
+            raise PayloadSizeError(
                 f"payload is {len(view)} bytes, shorter than the {HEADER_SIZE}-byte codec header"
             )
         magic, version, codec_id, reserved, p1, p2, p3, count, digest = _HEADER.unpack_from(view, 0)
         if magic != MAGIC:
-            raise CodecError(f"bad magic {magic!r}: not a gonka codec payload (expected {MAGIC!r})")
+            raise HeaderError(f"bad magic {magic!r}: not a gonka codec payload (expected {MAGIC!r})")
         if version != VERSION:
-            raise CodecError(f"unsupported codec payload version {version} (this build reads {VERSION})")
+            raise HeaderError(f"unsupported codec payload version {version} (this build reads {VERSION})")
         if codec_id != self.codec_id:
             sent = _BY_ID.get(codec_id, f"unknown id {codec_id}")
-            raise CodecError(f"payload was encoded with codec {sent!r}, this decoder is {self.name!r}")
+            raise CodecIdError(f"payload was encoded with codec {sent!r}, this decoder is {self.name!r}")
         if reserved != 0:
-            raise CodecError(f"reserved header field is {reserved}, must be 0")
+            raise HeaderError(f"reserved header field is {reserved}, must be 0")
         if (p1, p2, p3) != self.params():
-            raise CodecError(
+            raise HeaderError(
                 f"{self.name} payload parameters {(p1, p2, p3)} differ from the expected {self.params()}"
             )
         if count != len(spec) or digest != spec_digest(spec):
-            raise CodecError(
+            raise SpecMismatchError(
                 f"{self.name} payload was encoded for a different tensor spec ({count} tensors, digest {digest.hex()})"
             )
 
@@ -239,10 +264,10 @@ class BlockQuantCodec(Codec):
         n_blocks = _ceil_div(numel, self.block)
         scale = np.frombuffer(buf[: 4 * n_blocks], dtype="<f4").astype(np.float32)
         if not (np.isfinite(scale).all() and (scale >= 0).all()):
-            raise CodecError(f"{self.name} payload: tensor {name} has a negative or non-finite block scale")
+            raise MalformedSectionError(f"{self.name} payload: tensor {name} has a negative or non-finite block scale")
         codes = _unpack_codes(buf[4 * n_blocks :], numel, self.bits, self.name, name)
         if numel and codes.min() == 0:
-            raise CodecError(
+            raise MalformedSectionError(
                 f"{self.name} payload: tensor {name} has code 0, outside [-{self.qmax}, {self.qmax}]"
             )
         q = torch.from_numpy(codes.astype(np.float32) - float(self.qmax + 1))
@@ -330,7 +355,7 @@ class TopKCodec(Codec):
         if not (
             np.isfinite(scales).all() and (scales[:, 0] >= 0).all() and (scales[:, -1] >= scales[:, 0]).all()
         ):
-            raise CodecError(
+            raise MalformedSectionError(
                 f"topk payload: tensor {name} has a non-finite or inconsistent chunk scale (need 0 ≤ lo ≤ hi)"
             )
         idx_len = _ceil_div(kept * self.index_bits, 8)
@@ -343,12 +368,12 @@ class TopKCodec(Codec):
         owner = np.repeat(np.arange(chunks, dtype=np.int64), per_chunk)
         chunk_len = np.minimum(self.chunk, numel - owner * self.chunk)
         if (idx >= chunk_len).any():
-            raise CodecError(f"topk payload: tensor {name} has a position out of range of its chunk")
+            raise MalformedSectionError(f"topk payload: tensor {name} has a position out of range of its chunk")
         starts = np.cumsum(per_chunk) - per_chunk
         rising = np.diff(idx) > 0
         rising[starts[1:] - 1] = True  # a new chunk may restart at any position
         if not rising.all():
-            raise CodecError(
+            raise MalformedSectionError(
                 f"topk payload: tensor {name} has positions not strictly increasing within a chunk"
             )
         lo, hi = torch.from_numpy(scales[:, 0].copy()), torch.from_numpy(scales[:, -1].copy())
@@ -398,8 +423,25 @@ class SharedMaskCodec(Codec):
     def params(self) -> tuple[int, int, int]:
         return (self.stride, self.bits << 24 | self.chunk, self.seed)
 
+    def decode(self, data: bytes | bytearray | memoryview, spec: Spec) -> dict[str, Tensor]:
+        """`Codec.decode`, each tensor's mask built once: the sizes, the checks and the values all use it."""
+        token = _DECODE_MASKS.set({})
+        try:
+            return super().decode(data, spec)
+        finally:
+            _DECODE_MASKS.reset(token)
+
     def mask(self, numel: int, name: str) -> Tensor:
-        """Flat positions sent this round (increasing)."""
+        """Flat positions sent this round (increasing); inside `decode`, built once per tensor."""
+        memo = _DECODE_MASKS.get()
+        if memo is None:
+            return self._build_mask(numel, name)
+        key = (self.seed, self.stride, numel, name)
+        if key not in memo:
+            memo[key] = self._build_mask(numel, name)
+        return memo[key]
+
+    def _build_mask(self, numel: int, name: str) -> Tensor:
         cycle, phase = divmod(self.seed, self.stride)
         key = int.from_bytes(hashlib.sha256(f"gonka-mask-v1:{name}:{cycle}".encode()).digest()[:8], "little")
         h = _splitmix64(np.arange(numel, dtype=np.uint64) ^ np.uint64(key))
@@ -432,13 +474,19 @@ class SharedMaskCodec(Codec):
         n_groups = _ceil_div(n, self.chunk)
         step = np.frombuffer(buf[: 4 * n_groups], dtype="<f4").astype(np.float32)
         if not (np.isfinite(step).all() and (step >= 0).all()):
-            raise CodecError(f"mask payload: tensor {name} has a negative or non-finite step")
+            raise MalformedSectionError(f"mask payload: tensor {name} has a negative or non-finite step")
         codes = _unpack_codes(buf[4 * n_groups :], n, self.bits, self.name, name)
         level = torch.from_numpy(codes.astype(np.float32) - np.float32(self.offset))  # exact half-integers
         values = _finite(level * torch.from_numpy(step).repeat_interleave(self.chunk)[:n], self.name, name)
         out = torch.zeros(numel, dtype=torch.float32)
         out[positions] = values
         return out
+
+
+# The masks one `SharedMaskCodec.decode` has built (per thread and task: decodes run concurrently).
+_DECODE_MASKS: contextvars.ContextVar[dict[tuple[int, int, int, str], Tensor] | None] = contextvars.ContextVar(
+    "_DECODE_MASKS", default=None
+)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -573,11 +621,11 @@ def _unpack_codes(buf: memoryview, count: int, width: int, codec: str, name: str
     else:
         bits = np.unpackbits(raw, bitorder="little")
         if bits[count * width :].any():
-            raise CodecError(f"{codec} payload: tensor {name} has non-zero padding bits")
+            raise MalformedSectionError(f"{codec} payload: tensor {name} has non-zero padding bits")
         weights = (1 << np.arange(width, dtype=np.uint32)).astype(np.uint32)
         return bits[: count * width].reshape(count, width).astype(np.uint32) @ weights
     if codes[count:].any():
-        raise CodecError(f"{codec} payload: tensor {name} has non-zero padding bits")
+        raise MalformedSectionError(f"{codec} payload: tensor {name} has non-zero padding bits")
     return codes[:count]
 
 
@@ -587,7 +635,7 @@ def _cat(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
 
 def _finite(t: Tensor, codec: str, name: str) -> Tensor:
     if not bool(torch.isfinite(t).all()):
-        raise CodecError(f"{codec} payload: tensor {name} contains NaN or infinity")
+        raise NonFiniteError(f"{codec} payload: tensor {name} contains NaN or infinity")
     return t
 
 

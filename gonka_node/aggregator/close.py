@@ -174,7 +174,7 @@ def compute_outcome(
     base = checkpoints.load(base_path, round_row.base_sha256)
 
     def decode(sub: SubmissionRow) -> dict[str, Tensor]:
-        update = decode_update(ctx.codec_for(round_), ctx.codec_error, Path(sub.path).read_bytes(), ctx.spec)
+        update = decode_update(ctx.codec_for(round_), Path(sub.path).read_bytes(), ctx.spec)
         return {name: t.float() for name, t in update.items()}
 
     public = public_tensors(store, epoch, round_, base)

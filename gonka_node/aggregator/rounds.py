@@ -73,7 +73,6 @@ class EpochContext:
     epoch: int
     codec_name: str
     codec: Codec
-    codec_error: type[Exception]
     spec: Mapping[str, tuple[int, ...]]
     n_rounds: int
     round_length_s: float
@@ -367,7 +366,7 @@ class RoundEngine:
 
     def _check(self, part: Path, round_: int) -> tuple[float, bytes]:
         data = part.read_bytes()
-        update = decode_update(self.ctx.codec_for(round_), self.ctx.codec_error, data, self.ctx.spec)
+        update = decode_update(self.ctx.codec_for(round_), data, self.ctx.spec)
         checked = check_update(update, self.ctx.spec, self.settings.max_update_norm)
         return checked.norm, checked.sketch.numpy().tobytes()
 

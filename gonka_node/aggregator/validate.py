@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gonka_node.aggregator.reasons import Reason, Rejected
+from training.codecs import CodecError, NonFiniteError, SpecMismatchError
 
 SKETCH_BUCKETS = 4096
 _P = 2_147_483_647  # 2^31 − 1: hash arithmetic stays inside int64 for indices below 2^32
@@ -38,24 +39,15 @@ class Checked:
     sketch: Tensor  # fp32 [SKETCH_BUCKETS]
 
 
-def decode_update(
-    codec: Codec,
-    codec_error: type[Exception] | tuple[type[Exception], ...],
-    data: bytes,
-    spec: Mapping[str, tuple[int, ...]],
-) -> dict[str, Tensor]:
+def decode_update(codec: Codec, data: bytes, spec: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]:
     try:
         update = codec.decode(data, spec)
-    except codec_error as exc:
-        # The codec header names the tensor spec it was encoded for: a mismatch there is a shape error.
-        text = str(exc)
-        if "tensor spec" in text or "elements, spec has" in text:
-            raise Rejected(
-                Reason.WRONG_SHAPE, f"payload was encoded for other tensor shapes: {text}"
-            ) from exc
-        if "NaN or infinity" in text:  # some codecs refuse non-finite values while decoding
-            raise Rejected(Reason.NON_FINITE, text) from exc
-        raise Rejected(Reason.UNDECODABLE, f"payload does not decode: {text}") from exc
+    except SpecMismatchError as exc:  # the header, or a tensor's count, names other tensors than the model's
+        raise Rejected(Reason.WRONG_SHAPE, f"payload was encoded for other tensor shapes: {exc}") from exc
+    except NonFiniteError as exc:  # some codecs refuse non-finite values while decoding
+        raise Rejected(Reason.NON_FINITE, str(exc)) from exc
+    except CodecError as exc:
+        raise Rejected(Reason.UNDECODABLE, f"payload does not decode: {exc}") from exc
     except (ValueError, RuntimeError, KeyError, IndexError, TypeError) as exc:
         # A codec bug or an input the codec did not anticipate: still the sender's garbage, not ours.
         raise Rejected(Reason.UNDECODABLE, f"payload does not decode: {type(exc).__name__}: {exc}") from exc
