@@ -522,9 +522,6 @@ class ChainClient:
             self.encode(self.registry, "fund_epoch", epoch, amount),
         ]
 
-    def action_set_aggregators(self, epoch: int, aggregators: Sequence[str], quorum: int = 1) -> Action:
-        return self.encode(self.registry, "set_aggregators", epoch, [to_checksum_address(a) for a in aggregators], quorum)
-
     def action_slash(self, epoch: int, host: str, amount: int, evidence_hash: bytes | str) -> Action:
         evidence = _bytes32("evidence_hash", evidence_hash)
         return self.encode(self.registry, "slash", epoch, to_checksum_address(host), amount, evidence)

@@ -18,9 +18,9 @@ from typing import Any
 from eth_utils import is_address, to_checksum_address
 
 from chain.errors import DeploymentError, SpecError
+from chain.units import NGONKA_PER_GNK
 
 E9 = 10**9
-NGONKA_PER_GNK = 10**9
 MAX_AGGREGATORS = 16
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -265,10 +265,6 @@ class Challenge:
     uphold_votes: int
     reject_votes: int
     slashed: int  # ngonka slashed when upheld
-
-    @property
-    def is_open(self) -> bool:
-        return self.status == "open"
 
 
 @dataclass(frozen=True)

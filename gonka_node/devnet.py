@@ -41,6 +41,7 @@ from chain.backends import ChainBackend, EmbeddedBackend, RpcBackend
 from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
+from chain.units import NGONKA_PER_GNK as GNK
 from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.config import TLS_DIR
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
@@ -52,7 +53,6 @@ from training.checkpoint import canonical_sha256
 from training.inner import evaluate
 from training.model import ModelConfig, build_model
 
-GNK = 10**9
 GOVERNANCE, AGGREGATOR = 0, 9  # dev account indices; hosts are 1..N
 VOTING_PERIOD_S = 3600
 SIGNIN_WINDOW_S = 600  # closed early by moving the clock once every host has signed in

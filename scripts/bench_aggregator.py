@@ -36,11 +36,11 @@ from nacl.signing import SigningKey
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from chain.units import NGONKA_PER_GNK as GNK  # noqa: E402
 from gonka_node.aggregator.client import AggregatorClient  # noqa: E402
 from training.codecs import get_codec  # noqa: E402
 from training.model import ModelConfig, build_model  # noqa: E402
 
-GNK = 10**9
 CODEC = "int8"
 BENCH_MODEL = ModelConfig(dim=320, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=864, max_seq_len=256)
 

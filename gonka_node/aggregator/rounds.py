@@ -39,7 +39,7 @@ from chain.client import round_result_hash
 from chain.merkle import RewardTree
 from chain.seed import new_secret
 from gonka_node.aggregator.chain_view import ChainView, Member
-from gonka_node.aggregator.close import RoundOutcome, compute_outcome
+from gonka_node.aggregator.close import RoundOutcome, compute_outcome, reward_tree
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.metrics import RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
@@ -421,9 +421,8 @@ class RoundEngine:
         """Whether the chain's latest block is past the epoch's sign-in window (cached once true)."""
         if self._signin_closed_seen:
             return True
-        chain = self.chain.chain
-        end = (await self.chain.acall(chain.get_epoch, epoch)).signin_end
-        self._signin_closed_seen = await self.chain.acall(chain.chain_time) >= end
+        end = await self.chain.signin_end(epoch)
+        self._signin_closed_seen = await self.chain.chain_time() >= end
         return self._signin_closed_seen
 
     async def _everyone_submitted(self, r: RoundRow, accepted: set[bytes]) -> bool:
@@ -575,7 +574,7 @@ class RoundEngine:
             and row.rewards_root is not None
             and row.total_reward is not None
         )
-        on_chain = self.chain.call(self.chain.chain.round_result, row.epoch, row.round)
+        on_chain = self.chain.round_result(row.epoch, row.round)
         n = sum(1 for c in self.store.contributions(row.epoch, row.round) if c.reward > 0)
         if on_chain.finalized:
             if (bytes(on_chain.checkpoint_sha256), bytes(on_chain.rewards_root)) != (
@@ -599,8 +598,7 @@ class RoundEngine:
                 row.epoch, row.round, voted.hex()[:16],
             )
         else:
-            result = self.chain.call(
-                self.chain.chain.finalize_round,
+            result = self.chain.finalize_round(
                 row.epoch,
                 row.round,
                 row.checkpoint_sha256,
@@ -623,7 +621,7 @@ class RoundEngine:
         several aggregators not yet reached); None if it has not voted. A vote for another result than the
         recorded intent cannot happen without tampering with the store: refuse to go on."""
         assert row.checkpoint_sha256 is not None and row.rewards_root is not None and row.total_reward is not None
-        vote = self.chain.call(self.chain.chain.round_vote, row.epoch, row.round)
+        vote = self.chain.round_vote(row.epoch, row.round)
         if vote == bytes(32):
             return None
         mine = round_result_hash(row.checkpoint_sha256, row.rewards_root, n, row.total_reward)
@@ -638,18 +636,8 @@ class RoundEngine:
 
     def reward_tree(self, round_: int) -> RewardTree | None:
         if round_ not in self._trees:
-            rewards = [
-                (to_checksum_address(c.host), c.reward)
-                for c in self.store.contributions(self.ctx.epoch, round_)
-                if c.reward > 0
-            ]
-            self._trees[round_] = (
-                RewardTree(
-                    self.ctx.chain_id, to_checksum_address(self.ctx.registry), self.ctx.epoch, round_, rewards
-                )
-                if rewards
-                else None
-            )
+            rewards = {c.host: c.reward for c in self.store.contributions(self.ctx.epoch, round_)}
+            self._trees[round_] = reward_tree(self.ctx, self.ctx.epoch, round_, rewards)
         return self._trees[round_]
 
     async def run(self, stop: asyncio.Event, interval_s: float = 0.2) -> None:

@@ -298,6 +298,7 @@ def pull_checkpoint(
     """
     from proto.gonka.v1 import checkpoints_pb2 as cpb
     from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
+    from training.durable import durable_replace
 
     stub = cpb_grpc.CheckpointsStub(channel)
     request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
@@ -311,7 +312,7 @@ def pull_checkpoint(
             os.fsync(handle.fileno())
         _verify_file(tmp, want)
         note = _settle_metadata(tmp, want, model, model_source)
-        os.replace(tmp, out)
+        durable_replace(tmp, out)
     except grpc.RpcError as exc:
         tmp.unlink(missing_ok=True)
         raise CliError(

@@ -166,9 +166,7 @@ class HostNode:
             outer = None
             if progress.outer_in_sync:
                 outer = self._outer()
-                state = outer.state_dict()
-                state.update(steps=progress.outer_steps, momentum_buffer=snap.outer_buffers or {})
-                outer.load_state_dict(state)
+                outer.restore(progress.outer_steps, snap.outer_buffers or {})
             if snap.worker_state is not None:
                 try:
                     self.rounds.load_state_dict(snap.worker_state)
