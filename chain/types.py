@@ -180,6 +180,26 @@ class EpochSpec:
 
 
 @dataclass(frozen=True)
+class EpochState:
+    """Registry.get_state(epoch), by name."""
+
+    created_at: int
+    signin_end: int
+    n_hosts: int
+    total_stake: int
+    pool: int  # funded ngonka not yet allotted to a round (slashed stake lands here too)
+    funded: int
+    latest_round: int
+
+    @classmethod
+    def from_abi(cls, t: tuple[Any, ...]) -> EpochState:
+        return cls(
+            created_at=t[0], signin_end=t[1], n_hosts=t[2], total_stake=t[3], pool=t[4], funded=t[5],
+            latest_round=t[6],
+        )
+
+
+@dataclass(frozen=True)
 class EpochInfo:
     epoch: int
     spec: EpochSpec

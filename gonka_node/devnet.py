@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -401,7 +401,8 @@ def run_devnet(
         _wait(f"{opts.rounds} rounds", progressed, opts.timeout_s, children, logs)
         for i in range(1, opts.hosts + 1):
             children.procs[f"host{i}"].wait(120)
-        report = make_report(opts, chain.backend, sched.deployment, sched.recipe, epoch, target, sched.init_sha)
+        claimed = claim_rewards(opts, chain.backend, sched.deployment, epoch, target)
+        report = make_report(opts, chain.backend, sched.deployment, sched.recipe, epoch, target, sched.init_sha, claimed)
         report["seconds"] = round(time.monotonic() - started, 1)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         if on_report is not None:
@@ -454,10 +455,39 @@ def _stop_on_sigterm(stop: threading.Event) -> None:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
 
+def _earned(opts: DevnetOptions, host: int) -> tuple[dict[int, int], int]:
+    """What host `host` recorded: ngonka earned per round, and payload bytes sent."""
+    snap = HostStore(opts.out / f"host{host}").load()
+    if snap is None:
+        return {}, 0
+    return {int(r): amount for r, amount in snap.progress.rewards.items()}, snap.progress.bytes_sent
+
+
+def claim_rewards(
+    opts: DevnetOptions, backend: ChainBackend, deployment: Deployment, epoch: int, target: str
+) -> dict[str, int]:
+    """Each host claims every round it earned, by Merkle proof from the aggregator; the ngonka each
+    address received."""
+    accounts = backend.dev_accounts()
+    claimed: dict[str, int] = {}
+    with aggregator_client(opts.out, target) as agg:
+        for i in range(1, opts.hosts + 1):
+            host = ChainClient(backend, accounts[i], deployment).connect()
+            before = host.gnk_balance()
+            for r, amount in _earned(opts, i)[0].items():
+                if amount > 0 and not host.claimed(epoch, r):
+                    proof = agg.reward_proof(epoch, r, bytes.fromhex(host.address[2:]))
+                    host.claim(epoch, r, int(proof.amount), list(proof.proof))
+            claimed[host.address] = host.gnk_balance() - before
+    return claimed
+
+
 def make_report(
     opts: DevnetOptions, backend: ChainBackend, deployment: Deployment, recipe: Recipe,
-    epoch: int, target: str, init_sha: bytes,
+    epoch: int, target: str, init_sha: bytes, claimed: Mapping[str, int],
 ) -> dict[str, Any]:
+    """What the epoch did, read from the chain, the aggregator and the hosts' state (`claimed`: what
+    `claim_rewards` received); sends nothing."""
     accounts = backend.dev_accounts()
     reader = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
     windows = recipe.windows(opts.out / "cache")
@@ -475,23 +505,16 @@ def make_report(
             model.load_state_dict(params)
             losses.append(evaluate(model, windows.batches(heldout, 32)))
             hashes.append(want.hex())
-        rewards: dict[str, Any] = {}
-        bytes_per_host: dict[str, int] = {}
-        for i in range(1, opts.hosts + 1):
-            host = ChainClient(backend, accounts[i], deployment).connect()
-            before = host.gnk_balance()
-            progress = HostStore(opts.out / f"host{i}").load()
-            earned = progress.progress.rewards if progress else {}
-            bytes_per_host[host.address] = progress.progress.bytes_sent if progress else 0
-            for r_str, amount in earned.items():
-                if amount > 0 and not host.claimed(epoch, int(r_str)):
-                    proof = agg.reward_proof(epoch, int(r_str), bytes.fromhex(host.address[2:]))
-                    host.claim(epoch, int(r_str), int(proof.amount), list(proof.proof))
-            rewards[host.address] = {
-                "earned_ngonka": sum(earned.values()),
-                "claimed_ngonka": host.gnk_balance() - before,
-                "per_round": {r: earned.get(str(r), 0) for r in range(1, opts.rounds + 1)},
-            }
+    rewards: dict[str, Any] = {}
+    bytes_per_host: dict[str, int] = {}
+    for i in range(1, opts.hosts + 1):
+        address = str(accounts[i].address)
+        earned, bytes_per_host[address] = _earned(opts, i)
+        rewards[address] = {
+            "earned_ngonka": sum(earned.values()),
+            "claimed_ngonka": claimed.get(address, 0),
+            "per_round": {r: earned.get(r, 0) for r in range(1, opts.rounds + 1)},
+        }
     n_params = recipe.model.num_params()
     allreduce = 4 * n_params * recipe.total_inner_steps
     report = {
