@@ -9,6 +9,7 @@ and checked against what it keeps in storage (hashes).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -253,12 +254,8 @@ class ChainClient:
 
     def get_epoch(self, epoch: int) -> EpochInfo:
         spec = EpochSpec.from_abi(self.read(self.registry, "get_spec", epoch))
-        st = self.epoch_state(epoch)
-        return EpochInfo(
-            epoch=epoch, spec=spec, created_at=st.created_at, signin_end=st.signin_end, n_hosts=st.n_hosts,
-            total_stake=st.total_stake, pool=st.pool, funded=st.funded, latest_round=st.latest_round,
-            ended=bool(self.read(self.registry, "has_ended", epoch)),
-        )
+        state = dataclasses.asdict(self.epoch_state(epoch))
+        return EpochInfo(epoch=epoch, spec=spec, ended=bool(self.read(self.registry, "has_ended", epoch)), **state)
 
     def epoch_state(self, epoch: int) -> EpochState:
         return EpochState.from_abi(self.read(self.registry, "get_state", epoch))

@@ -199,17 +199,12 @@ class EpochState:
         )
 
 
-@dataclass(frozen=True)
-class EpochInfo:
+@dataclass(frozen=True, kw_only=True)
+class EpochInfo(EpochState):
+    """An epoch as `ChainClient.get_epoch` reads it: its state, its spec, whether it has ended."""
+
     epoch: int
     spec: EpochSpec
-    created_at: int
-    signin_end: int
-    n_hosts: int
-    total_stake: int
-    pool: int  # funded ngonka not yet allotted to a round (slashed stake lands here too)
-    funded: int
-    latest_round: int
     ended: bool
 
 
