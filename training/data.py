@@ -245,7 +245,15 @@ def assign_positions(
 class Windows:
     """Non-overlapping `seq_len + 1`-token windows of a token array, split into train and held-out."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+        heldout_start: int | None = None,
+    ):
+        """`heldout_start`: a prepared dataset's split (windows from that id on are held out, see
+        training/dataset.py); without it a pseudo-random `heldout_fraction` of the windows is."""
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if not 0.0 < heldout_fraction < 1.0:
@@ -258,6 +266,10 @@ class Windows:
                 f"the corpus has {len(tokens)} tokens: fewer than 2 windows of {seq_len + 1}; "
                 "add data or shorten seq_len"
             )
+        if heldout_start is not None:
+            self.train_ids = np.arange(heldout_start, dtype=np.int64)
+            self.heldout_ids = np.arange(heldout_start, self.n_windows, dtype=np.int64)
+            return
         n_heldout = min(max(1, round(self.n_windows * heldout_fraction)), self.n_windows - 1)
         # The split depends on the corpus and seq_len only, so every epoch on the same data shares it.
         order = _seeded_state(f"gonka-heldout-v1:{self.n_windows}").permutation(self.n_windows)
