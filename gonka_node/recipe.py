@@ -14,17 +14,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gonka_node.storage import StoreError, open_store
 from training.data import TokenCorpus, Windows
+from training.dataset import TOKENIZER_KEY, DatasetError, ShardCache, open_windows, read_manifest
 from training.inner import InnerConfig
 from training.model import ModelConfig
+from training.tokenizer import Bytes, HFTokenizer, TokenizerError
 
 RECIPE_FORMAT = "gonka-recipe-v1"
 BUILTIN_CORPUS = "builtin"
+ASSIGNMENT_SEEDS = ("epoch", "signin-block")
 
 
 class RecipeError(ValueError):
@@ -34,8 +39,18 @@ class RecipeError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     model: ModelConfig
-    corpus: str = BUILTIN_CORPUS  # "builtin" (the running Python's stdlib sources) or a path
+    # "builtin" (the running Python's stdlib sources), a path to text, or a prepared dataset: a folder
+    # holding manifest.json or s3://bucket/prefix[?endpoint=URL] (docs/DATA.md)
+    corpus: str = BUILTIN_CORPUS
     data_manifest_sha256: str = ""  # hex; empty only until `with_data_manifest` fills it in
+    # sha256 of the tokenizer.json a prepared dataset was tokenized with; "" = the byte tokenizer.
+    # Left out of the canonical JSON when empty, so recipes written before it keep their hash.
+    tokenizer: str = ""
+    # What seeds the data assignment: "epoch" (epoch_seed alone: computable as soon as the recipe is
+    # public) or "signin-block" (mixed with the hash of the first block stamped at or after the sign-in
+    # deadline: no host can know its windows before sign-in has closed; docs/SECURITY.md). Left out of the
+    # canonical JSON when "epoch", so recipes written before it keep their hash.
+    assignment_seed: str = "epoch"
     epoch_seed: int = 0  # data assignment and held-out sampling
     init_seed: int = 0  # model initialisation
     seq_len: int = 64
@@ -65,6 +80,13 @@ class Recipe:
             raise RecipeError(f"seq_len: {self.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
         if self.data_manifest_sha256 and len(bytes.fromhex(self.data_manifest_sha256)) != 32:
             raise RecipeError("data_manifest_sha256: must be 64 hex digits")
+        if self.tokenizer and (len(self.tokenizer) != 64 or set(self.tokenizer) - set("0123456789abcdef")):
+            raise RecipeError("tokenizer: must be the 64 lower-case hex digits of tokenizer.json's sha256")
+        if self.assignment_seed not in ASSIGNMENT_SEEDS:
+            raise RecipeError(f"assignment_seed: {self.assignment_seed!r}; choose one of {list(ASSIGNMENT_SEEDS)}")
+        if self.tokenizer and not self.is_dataset():
+            raise RecipeError(f"tokenizer: a tokenizer other than bytes needs a prepared dataset as corpus, "
+                              f"not {self.corpus!r} (gonka-node data prepare)")
         self.inner_config()  # validates the schedule fields with InnerConfig's own messages
 
     # ---- derived settings ------------------------------------------------------------------------
@@ -95,13 +117,58 @@ class Recipe:
         except ValueError as exc:
             raise RecipeError(str(exc)) from exc
 
+    def is_dataset(self) -> bool:
+        """Whether `corpus` names a prepared dataset (rather than text files or the built-in corpus)."""
+        return self.corpus.startswith("s3://") or (Path(self.corpus) / "manifest.json").is_file()
+
+    def _dataset_windows(self, cache_dir: Path | None) -> Windows:
+        try:
+            store = open_store(self.corpus)
+            manifest, _ = read_manifest(store, self.data_manifest_sha256)
+        except (StoreError, DatasetError) as exc:
+            raise RecipeError(f"corpus: {exc}") from exc
+        if manifest.tokenizer_sha256 != self.tokenizer:
+            raise RecipeError(f"tokenizer: the dataset was tokenized with {manifest.tokenizer_sha256 or 'bytes'}, "
+                              f"the recipe names {self.tokenizer or 'bytes'}")
+        if manifest.vocab_size > self.model.vocab_size:
+            raise RecipeError(f"model.vocab_size: {self.model.vocab_size} is smaller than the tokenizer's "
+                              f"{manifest.vocab_size}")
+        folder = (cache_dir or Path(tempfile.gettempdir()) / "gonka-node") / "shards"
+        try:
+            return open_windows(manifest, ShardCache(store, folder), self.seq_len)
+        except DatasetError as exc:
+            raise RecipeError(f"corpus: {exc}") from exc
+
+    def dataset_manifest_sha256(self) -> str:
+        try:
+            return read_manifest(open_store(self.corpus))[1]
+        except (StoreError, DatasetError) as exc:
+            raise RecipeError(f"corpus: {exc}") from exc
+
+    def load_tokenizer(self) -> Bytes | HFTokenizer:
+        """The recipe's tokenizer: bytes, or the dataset's tokenizer.json checked against `tokenizer`."""
+        if not self.tokenizer:
+            return Bytes()
+        try:
+            data = open_store(self.corpus).get_bytes(TOKENIZER_KEY)
+            tok = HFTokenizer(data, f"{self.corpus}/{TOKENIZER_KEY}")
+        except (StoreError, TokenizerError) as exc:
+            raise RecipeError(f"tokenizer: {exc}") from exc
+        if tok.sha256 != self.tokenizer:
+            raise RecipeError(f"tokenizer: {self.corpus}/{TOKENIZER_KEY} has sha256 {tok.sha256}, the recipe "
+                              f"names {self.tokenizer}")
+        return tok
+
     def load_corpus(self, cache_dir: Path | None = None) -> TokenCorpus:
         if self.corpus == BUILTIN_CORPUS:
             return TokenCorpus.builtin(cache_dir)
         return TokenCorpus.from_paths([self.corpus], cache_dir)
 
     def windows(self, cache_dir: Path | None = None) -> Windows:
-        """The epoch's data, checked against the recorded manifest hash."""
+        """The epoch's data, checked against the recorded manifest hash. A prepared dataset is streamed:
+        shards are fetched when a window needs them, into `cache_dir`/shards (size-limited)."""
+        if self.is_dataset():
+            return self._dataset_windows(cache_dir)
         corpus = self.load_corpus(cache_dir)
         if self.data_manifest_sha256 and corpus.manifest_sha256 != self.data_manifest_sha256:
             raise RecipeError(
@@ -111,6 +178,8 @@ class Recipe:
         return corpus.windows(self.seq_len)
 
     def with_data_manifest(self, cache_dir: Path | None = None) -> Recipe:
+        if self.is_dataset():
+            return dataclasses.replace(self, data_manifest_sha256=self.dataset_manifest_sha256())
         return dataclasses.replace(
             self, data_manifest_sha256=self.load_corpus(cache_dir).manifest_sha256
         )
@@ -121,6 +190,10 @@ class Recipe:
         out = dataclasses.asdict(self)
         out["model"] = self.model.to_dict()
         out["format"] = RECIPE_FORMAT
+        if not self.tokenizer:
+            del out["tokenizer"]
+        if self.assignment_seed == "epoch":
+            del out["assignment_seed"]
         return out
 
     def canonical_json(self) -> bytes:

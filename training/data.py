@@ -210,6 +210,15 @@ class TokenCorpus:
         return Windows(self.tokens, seq_len, heldout_fraction)
 
 
+def window_seed(epoch_seed: int, beacon: bytes = b"") -> int:
+    """The seed of the window assignment: the epoch seed alone, or mixed with a beacon (randomness that
+    exists only after sign-in closed, e.g. a block hash), so nobody can compute an assignment earlier."""
+    if not beacon:
+        return epoch_seed
+    digest = hashlib.sha256(b"gonka-window-seed-v1" + epoch_seed.to_bytes(8, "big") + bytes(beacon)).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # non-negative, as assign_positions requires
+
+
 @functools.lru_cache(maxsize=8)
 def _pass_permutation(epoch_seed: int, pass_index: int, n: int) -> np.ndarray:
     return _seeded_state(f"gonka-assign-v1:{epoch_seed}:{pass_index}:{n}").permutation(n)
