@@ -225,12 +225,17 @@ def _pass_permutation(epoch_seed: int, pass_index: int, n: int) -> np.ndarray:
 
 
 def assign_positions(
-    n_train: int, *, epoch_seed: int, round_index: int, slot: int, max_slots: int, windows_per_host: int
+    n_train: int, *, epoch_seed: int, round_index: int, slot: int, max_slots: int, windows_per_host: int,
+    block: int = 1,
 ) -> np.ndarray:
     """Indices into the sorted training windows for (epoch seed, round, host slot); see the module doc.
 
     Pure: depends on its arguments only. Slots run 0 .. max_slots-1 (the host's place in the epoch's
     sign-in order); an unused slot's windows are simply not trained on that round.
+
+    `block` > 1 permutes blocks of that many consecutive windows instead of single windows (a prepared
+    dataset: a host's windows then fall in a few shards, which it fetches whole), and shuffles the
+    host's windows of the round among themselves so a micro-batch does not hold one document's run.
     """
     if n_train <= 0:
         raise ValueError("there are no training windows to assign")
@@ -247,8 +252,32 @@ def assign_positions(
     out = np.empty(windows_per_host, dtype=np.int64)
     for pass_index in np.unique(passes):
         mask = passes == pass_index
-        out[mask] = _pass_permutation(epoch_seed, int(pass_index), n_train)[offsets[mask]]
+        if block <= 1:
+            out[mask] = _pass_permutation(epoch_seed, int(pass_index), n_train)[offsets[mask]]
+        else:
+            out[mask] = _block_order(epoch_seed, int(pass_index), n_train, block)[offsets[mask]]
+    if block > 1:
+        key = f"gonka-assign-order-v1:{epoch_seed}:{round_index}:{slot}:{max_slots}"
+        out = out[_seeded_state(key).permutation(windows_per_host)]
     return out
+
+
+def _block_order(epoch_seed: int, pass_index: int, n: int, block: int) -> _BlockOrder:
+    return _BlockOrder(_pass_permutation(epoch_seed, pass_index, -(-n // block)), n, block)
+
+
+class _BlockOrder:
+    """Pass order of windows when blocks of `block` consecutive windows are permuted: position → window
+    without materialising the n-window sequence (only the block permutation, n / block entries)."""
+
+    def __init__(self, block_perm: np.ndarray, n: int, block: int) -> None:
+        sizes = np.minimum(block, n - block_perm * block)  # the last block may be short
+        self.block_perm, self.block = block_perm, block
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])
+
+    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
+        which = np.searchsorted(self.starts, positions, side="right") - 1
+        return self.block_perm[which] * self.block + (positions - self.starts[which])
 
 
 class Windows:
@@ -260,15 +289,18 @@ class Windows:
         seq_len: int,
         heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
         heldout_start: int | None = None,
+        assignment_block: int = 1,
     ):
         """`heldout_start`: a prepared dataset's split (windows from that id on are held out, see
-        training/dataset.py); without it a pseudo-random `heldout_fraction` of the windows is."""
+        training/dataset.py); without it a pseudo-random `heldout_fraction` of the windows is.
+        `assignment_block`: consecutive windows assigned together (`assign_positions`' block)."""
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if not 0.0 < heldout_fraction < 1.0:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.assignment_block = assignment_block
         self.n_windows = len(tokens) // (seq_len + 1)
         if self.n_windows < 2:
             raise ValueError(
@@ -296,6 +328,7 @@ class Windows:
             slot=slot,
             max_slots=max_slots,
             windows_per_host=windows_per_host,
+            block=self.assignment_block,
         )
         return self.train_ids[positions]
 

@@ -40,6 +40,9 @@ DATASET_FORMAT = "gonka-dataset-v1"
 MANIFEST_KEY = "manifest.json"
 TOKENIZER_KEY = "tokenizer.json"
 DEFAULT_CACHE_BYTES = 4 << 30
+# Windows are assigned in blocks of about this many consecutive tokens (at least 64 blocks in all), so a
+# host's round touches a few shards rather than every one (training.data.assign_positions).
+ASSIGNMENT_BLOCK_TOKENS = 1 << 20
 
 
 class DatasetError(ValueError):
@@ -271,7 +274,8 @@ def open_windows(manifest: Manifest, cache: ShardCache, seq_len: int) -> Windows
         )
     pieces = _trimmed(manifest.train, n_train * width) + _trimmed(manifest.heldout, n_heldout * width)
     tokens = ShardedTokens(cache, manifest.dtype, pieces)
-    return Windows(tokens, seq_len, heldout_start=n_train)  # type: ignore[arg-type]
+    block = max(1, min(ASSIGNMENT_BLOCK_TOKENS // width, n_train // 64))
+    return Windows(tokens, seq_len, heldout_start=n_train, assignment_block=block)  # type: ignore[arg-type]
 
 
 def verify_all(manifest: Manifest, source: ShardSource, folder: Path) -> list[str]:

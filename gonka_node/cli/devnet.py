@@ -42,6 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
     )
+    p.add_argument("--dataset", metavar="DIR|s3://BUCKET/PREFIX",
+                   help="train on a prepared dataset (gonka-node data prepare) with its tokenizer; the model's "
+                   "vocabulary follows it (default: this Python's stdlib sources, byte tokenizer)")
+    p.add_argument("--tokenizer", type=Path, metavar="FILE",
+                   help="the dataset's tokenizer.json, checked against the dataset's manifest")
     p.set_defaults(func=_devnet)
 
 
@@ -57,7 +62,7 @@ def _devnet(args: argparse.Namespace) -> int:
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, rounds=args.rounds, inner_steps=args.inner_steps,
         preset=args.preset, codec=args.codec, timeout_s=args.timeout, chain_url=args.rpc_url,
-        replay_fraction=args.replay_fraction, serve=args.serve,
+        replay_fraction=args.replay_fraction, serve=args.serve, dataset=args.dataset, tokenizer=args.tokenizer,
     )
     try:
         run_devnet(opts, say=lambda line: console.print(line), on_report=lambda r: _print_report(args, r))
