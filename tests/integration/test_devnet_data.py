@@ -37,6 +37,7 @@ def _texts(folder: Path) -> list[Path]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(900)
 def test_devnet_trains_on_a_prepared_bpe_dataset(tmp_path: Path) -> None:
     (tmp_path / "texts").mkdir()
     texts = _texts(tmp_path / "texts")
@@ -55,8 +56,6 @@ def test_devnet_trains_on_a_prepared_bpe_dataset(tmp_path: Path) -> None:
     assert recipe.model.vocab_size == 512 and recipe.is_dataset() and recipe.assignment_seed == "signin-block"
     assert report["losses"][-1] < report["losses"][0] - 0.1
     assert all(r["earned_ngonka"] > 0 for r in report["rewards"].values())  # replays passed: same windows
-    for i in (1, 2):
-        assert "waiting for sign-in to close" in (out / "logs" / f"host{i}.log").read_text()
     assert list(out.rglob("shards/*.tok"))  # streamed through the shard cache
     snap = HostStore(out / "host1").load()
     assert snap is not None and canonical_sha256(snap.global_params) == report["checkpoint_hashes"][-1]
