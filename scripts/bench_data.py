@@ -73,14 +73,22 @@ def peak_rss_mb(who: int = resource.RUSAGE_SELF) -> float:
 def run_prepare(corpus: Path, tokenizer: Path, out: Path, workers: int) -> dict[str, Any]:
     command = [sys.executable, "-m", "gonka_node", "data", "prepare", "--input", str(corpus), "--tokenizer",
                str(tokenizer), "--out", str(out), "--workers", str(workers), "--unit-mb", "16"]
+    before = _cpu(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     seconds = time.monotonic() - started
+    cpu_s = _cpu(resource.RUSAGE_CHILDREN) - before
     manifest, digest = read_manifest(LocalStore(out))
     tokens = manifest.tokens("train") + manifest.tokens("heldout")
     return {"seconds": round(seconds, 2), "tokens": tokens, "workers": workers, "manifest_sha256": digest,
             "shards": len(manifest.train) + len(manifest.heldout), "dtype": manifest.dtype,
-            "prepare_tokens_per_s": round(tokens / seconds), "peak_rss_mb": round(peak_rss_mb(resource.RUSAGE_CHILDREN))}
+            "prepare_tokens_per_s": round(tokens / seconds), "cpu_s": round(cpu_s, 1),
+            "tokens_per_cpu_s": round(tokens / cpu_s), "peak_rss_mb": round(peak_rss_mb(resource.RUSAGE_CHILDREN))}
+
+
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _loader(uri: str, cache_mb: int, rounds: int, half: bool, result: Any) -> None:
@@ -93,13 +101,14 @@ def _loader(uri: str, cache_mb: int, rounds: int, half: bool, result: Any) -> No
         cache = ShardCache(store, Path(cache_dir), max_bytes=cache_mb << 20)
         windows = open_windows(manifest, cache, SEQ_LEN)
         per_round = 512  # windows a host takes per round (e.g. H = 64 steps × 8 windows)
-        tokens, started = 0, time.monotonic()
+        tokens, started, cpu = 0, time.monotonic(), time.process_time()
         for r in range(rounds):
             ids = windows.assignment(epoch_seed=1, round_index=r, slot=0, max_slots=4, windows_per_host=per_round)
             for inputs, _targets in windows.batches(ids, MICRO_BATCH):
                 tokens += inputs.numel()
-        seconds = time.monotonic() - started
+        seconds, cpu = time.monotonic() - started, time.process_time() - cpu
         result.put({"tokens": tokens, "seconds": round(seconds, 2), "loader_tokens_per_s": round(tokens / seconds),
+                    "cpu_s": round(cpu, 2), "tokens_per_cpu_s": round(tokens / cpu),
                     "shard_downloads": cache.downloads, "dataset_tokens": manifest.tokens("train"),
                     "cache_limit_mb": cache_mb, "peak_rss_mb": round(peak_rss_mb())})
 
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    load = [round(x, 1) for x in os.getloadavg()]  # a shared machine: rates per CPU-second say more
     corpus = work / "corpus.jsonl"
     started = time.monotonic()
     text_bytes = generate_corpus(corpus, args.corpus_mb)
@@ -175,6 +185,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {
         "command": " ".join(["scripts/bench_data.py", *sys.argv[1:]]),
         "cores": os.cpu_count(),
+        "load_average_at_start": load,
         "corpus_bytes": text_bytes,
         "generate_s": round(generate_s, 2),
         "vocab": args.vocab,
