@@ -25,7 +25,7 @@ from training.prepare import DEFAULT_UNIT_BYTES, Progress, prepare
 from training.tokenizer import HFTokenizer, train_bpe
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     actions = add_group(subparsers, "data", help="tokenizers and prepared datasets")
     tok = add_verb(
         actions, "tokenizer", help="train a byte-level BPE tokenizer on a corpus; prints its sha256",
