@@ -24,7 +24,7 @@ from web3.types import EventData, TxReceipt, Wei
 
 from chain.artifacts import load_artifact
 from chain.backends import ChainBackend
-from chain.errors import ChainError, DeploymentError
+from chain.errors import BeaconNotReady, ChainError, DeploymentError
 from chain.tx import TxSender, translate_call
 from chain.types import (
     CHALLENGE_STATUSES,
@@ -332,6 +332,24 @@ class ChainClient:
     def chain_time(self) -> int:
         """The latest block's timestamp: the clock the contracts' windows are measured on."""
         return int(self.w3.eth.get_block("latest")["timestamp"])
+
+    def signin_beacon(self, epoch: int) -> bytes:
+        """The hash of the first block stamped at or after the epoch's sign-in deadline: randomness that
+        exists only once sign-in has closed (no join can be in that block or later), readable by anyone.
+        Raises BeaconNotReady while no such block has been mined."""
+        end = self.get_epoch(epoch).signin_end
+        latest = self.w3.eth.get_block("latest")
+        if int(latest["timestamp"]) < end:
+            raise BeaconNotReady(f"epoch {epoch}: sign-in closes at {end}, the chain's latest block is stamped "
+                                 f"{latest['timestamp']}; the assignment's randomness does not exist yet")
+        low, high = 0, int(latest["number"])  # timestamps never decrease: bisect for the first one >= end
+        while low < high:
+            mid = (low + high) // 2
+            if int(self.w3.eth.get_block(mid)["timestamp"]) >= end:
+                high = mid
+            else:
+                low = mid + 1
+        return bytes(self.w3.eth.get_block(low)["hash"])
 
     def latest_round(self, epoch: int) -> int:
         return int(self.epoch_state(epoch).latest_round)

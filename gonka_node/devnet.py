@@ -22,6 +22,7 @@ Every child process is stopped on the way out, whatever happened.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -48,10 +49,13 @@ from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.store import HostStore
 from gonka_node.keys import init_keys
 from gonka_node.recipe import Recipe, recipe_default
+from gonka_node.storage import StoreError, open_store
 from gonka_node.tls import CERT_FILE, load_certificate
 from training.checkpoint import canonical_sha256
+from training.dataset import DatasetError, read_manifest
 from training.inner import evaluate
 from training.model import ModelConfig, build_model
+from training.tokenizer import TokenizerError, load_tokenizer
 
 GOVERNANCE, AGGREGATOR = 0, 9  # dev account indices; hosts are 1..N
 VOTING_PERIOD_S = 3600
@@ -85,6 +89,8 @@ class DevnetOptions:
     replay_fraction: float = 1.0  # the epoch's replay probability p; > 0: fresh rounds; 0: no replays, no pay
     serve: bool = False  # keep the chain, the aggregator and the extra services running until stopped
     services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)
+    dataset: str | None = None  # a prepared dataset (folder or s3://…); None: the stdlib corpus, bytes
+    tokenizer: Path | None = None  # the dataset's tokenizer.json, checked against it (optional)
 
 
 @dataclass(frozen=True)
@@ -183,10 +189,33 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, children: Chil
         time.sleep(0.2)
 
 
+def _data_fields(opts: DevnetOptions) -> dict[str, Any]:
+    """The recipe's data fields: the stdlib corpus with bytes, or the dataset with its tokenizer (whose
+    vocabulary the model takes)."""
+    if opts.dataset is None:
+        if opts.tokenizer is not None:
+            raise DevnetError("--tokenizer names the tokenizer of a prepared dataset: give --dataset too "
+                              "(gonka-node data prepare --tokenizer FILE --out DIR)")
+        return {"model": ModelConfig.preset(opts.preset)}
+    corpus = opts.dataset if "://" in opts.dataset else str(Path(opts.dataset).resolve())  # hosts run elsewhere
+    try:
+        manifest, _ = read_manifest(open_store(corpus))
+    except (StoreError, DatasetError) as exc:
+        raise DevnetError(f"--dataset: {exc}") from exc
+    if opts.tokenizer is not None:
+        try:
+            load_tokenizer(opts.tokenizer, manifest.tokenizer_sha256 or "0" * 64)
+        except TokenizerError as exc:
+            raise DevnetError(f"--tokenizer: {exc} (the dataset's)") from exc
+    model = dataclasses.replace(ModelConfig.preset(opts.preset), vocab_size=manifest.vocab_size)
+    return {"model": model, "corpus": corpus, "tokenizer": manifest.tokenizer_sha256}
+
+
 def make_recipe(opts: DevnetOptions) -> Recipe:
     return Recipe(
-        model=ModelConfig.preset(opts.preset),
+        **_data_fields(opts),
         **{**DEVNET_RECIPE, "n_rounds": opts.rounds},
+        assignment_seed="signin-block",  # no host knows its windows before sign-in closes
         seq_len=opts.seq_len,
         micro_batch=opts.micro_batch,
         inner_steps=opts.inner_steps,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,8 +98,13 @@ def aggregator_context(
     cache_dir: Path | None = None,
     heldout_windows: int = 8,
     scoring: bool = True,
+    beacon: Callable[[], bytes] | None = None,
 ) -> EpochContext:
-    """The aggregator's view of an epoch, checked against the chain's record of it."""
+    """The aggregator's view of an epoch, checked against the chain's record of it. `beacon` reads the
+    assignment's post-sign-in randomness (`signin_beacon`); required when the recipe's assignment_seed
+    is "signin-block", so that scoring and replay read the windows the hosts trained on."""
+    if recipe.assignment_seed == "signin-block" and beacon is None and scoring:
+        raise RecipeError("assignment_seed: 'signin-block' needs the chain's sign-in beacon to score hosts")
     spec = info.spec
     recipe.check_against_chain(spec)
     if scoring and spec.replay_probability > 0 and recipe.round_state != "fresh":
@@ -134,6 +139,7 @@ def aggregator_context(
             spec.max_hosts,
             recipe.inner_config().windows_per_round,
             heldout_windows,
+            beacon,
         )
         if scoring
         else None,
@@ -144,9 +150,22 @@ def aggregator_context(
             windows,
             recipe.epoch_seed,
             spec.max_hosts,
+            beacon,
         )
         if scoring and recipe.round_state == "fresh"
         else None,
         replay_probability=spec.replay_probability if scoring else 0.0,
         recipe_json=recipe.canonical_json(),
     )
+
+
+def beacon_reader(read: Callable[[int], bytes], epoch: int) -> Callable[[], bytes]:
+    """`read` (a `ChainClient.signin_beacon`) for one epoch, asked once it answers: the block is final."""
+    found: list[bytes] = []
+
+    def beacon() -> bytes:
+        if not found:
+            found.append(read(epoch))
+        return found[0]
+
+    return beacon

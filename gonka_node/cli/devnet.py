@@ -46,6 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
     )
+    p.add_argument("--dataset", metavar="DIR|s3://BUCKET/PREFIX",
+                   help="train on a prepared dataset (gonka-node data prepare) with its tokenizer; the model's "
+                   "vocabulary follows it (default: this Python's stdlib sources, byte tokenizer)")
+    p.add_argument("--tokenizer", type=Path, metavar="FILE",
+                   help="the dataset's tokenizer.json, checked against the dataset's manifest")
     p.set_defaults(func=_devnet)
 
 
@@ -61,7 +66,8 @@ def _devnet(args: argparse.Namespace) -> int:
     recipe = {"rounds": args.rounds, "inner_steps": args.inner_steps, "codec": args.codec}
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, preset=args.preset, timeout_s=args.timeout, chain_url=args.rpc_url,
-        replay_fraction=args.replay_fraction, serve=args.serve, **{k: v for k, v in recipe.items() if v is not None},
+        replay_fraction=args.replay_fraction, serve=args.serve, dataset=args.dataset, tokenizer=args.tokenizer,
+        **{k: v for k, v in recipe.items() if v is not None},
     )
     try:
         run_devnet(opts, say=lambda line: console.print(line), on_report=lambda r: _print_report(args, r))
