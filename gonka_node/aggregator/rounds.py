@@ -183,7 +183,7 @@ class RoundEngine:
         if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(
                 "resumed open round %d/%d with %d accepted submissions (deadline %s)",
-                ctx.epoch, row.round, len(self.store.submissions(ctx.epoch, row.round)), clock_text(row.deadline_ms),
+                ctx.epoch, row.round, len(self.store.submitted_hosts(ctx.epoch, row.round)), clock_text(row.deadline_ms),
             )
         self._activate(row)
 
@@ -413,7 +413,7 @@ class RoundEngine:
             if self._close_failed is not None:
                 await self.close(skip=self._close_failed)
             return
-        accepted = {s.host for s in self.store.submissions(r.epoch, r.round)}
+        accepted = self.store.submitted_hosts(r.epoch, r.round)
         everyone = await self._everyone_submitted(r, accepted)
         if everyone or (self.clock() > r.deadline_ms and len(accepted) >= self.settings.quorum):
             await self.close(skip=False)
