@@ -201,18 +201,24 @@ class Sketcher:
         self._f64 = torch.empty(SKETCH_CHUNK, dtype=torch.float64)
 
     def add(self, tensor: Tensor) -> None:
+        """The next tensor of the update (sorted name order): its coordinates follow the previous one's."""
+        self.add_at(self.offset, tensor)
+
+    def add_at(self, offset: int, tensor: Tensor) -> None:
+        """A tensor whose first coordinate is `offset` in the whole update (a shard's fragment keeps its
+        tensors' global offsets, so fragment sketches sum to the whole update's sketch)."""
         flat = tensor.reshape(-1).float()
         numel = flat.numel()
-        cached = self.offset + numel <= SKETCH_CACHE_ELEMENTS
-        table = _sketch_hash(self.offset, numel, self.buckets) if cached else None
+        cached = offset + numel <= SKETCH_CACHE_ELEMENTS
+        table = _sketch_hash(offset, numel, self.buckets) if cached else None
         for start in range(0, numel, SKETCH_CHUNK):
             stop = min(numel, start + SKETCH_CHUNK)
             if table is not None:
                 bucket, sign = table[0][start:stop], table[1][start:stop]
             else:
-                bucket, sign = _hash_range(self.offset + start, stop - start, self.buckets)
+                bucket, sign = _hash_range(offset + start, stop - start, self.buckets)
             self._step(flat[start:stop], bucket, sign)
-        self.offset += numel
+        self.offset = offset + numel
 
     def _step(self, x: Tensor, bucket: Tensor, sign: Tensor) -> None:
         f32, f64 = self._f32[: x.numel()], self._f64[: x.numel()]
