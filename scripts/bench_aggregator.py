@@ -10,7 +10,7 @@ signed in) serves on 127.0.0.1:0; this process signs and streams N int8-coded ps
 - ingest_mb_s: payload bytes / seconds from the first stream opened to the last receipt;
 - finalize_latency_s: last receipt → round finalized on chain (every check, robust aggregate, outer
   step, checkpoint, rewards, Merkle root, finalize transaction);
-- peak_rss_mb: the aggregator process's peak resident memory (ru_maxrss), chain included;
+- peak_rss_mb: the aggregator process's peak resident memory (VmHWM), chain included;
   rss_before_round_mb: the same just before the round (embedded chain with N hosts, model, imports).
 bare_grpc_mb_s: the same client, payloads and TLS against a server process whose Submit only reads
 and discards the stream: what loopback gRPC carries here, the ceiling for ingest_mb_s.
@@ -163,7 +163,19 @@ def serve(n_hosts: int, workdir: Path, params: float | None, checks: bool) -> No
         TrainingCheckpoints(), Key(b"\x01" * 32),
     )  # fmt: skip
     asyncio.run(_serve_engine(engine))
-    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+    print(json.dumps({"peak_rss_mb": peak_rss_mb()}), flush=True)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB: VmHWM, which starts afresh at exec (ru_maxrss does
+    not on Linux: a child starts from its parent's peak at fork, here the client holding the payloads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 async def _serve_engine(engine: Any) -> None:
@@ -173,8 +185,7 @@ async def _serve_engine(engine: Any) -> None:
     identity = create_identity()
     server = AggregatorServer(engine, identity, "127.0.0.1:0")
     port = await server.start()
-    setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"port": port, "tls_cert": identity.cert_pem.decode(), "setup_rss_mb": setup}), flush=True)
+    print(json.dumps({"port": port, "tls_cert": identity.cert_pem.decode(), "setup_rss_mb": peak_rss_mb()}), flush=True)
     await _until_sigterm()
     await server.stop(0.5)
 
@@ -385,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # client and server share the machine
     if args.serve_bare:
         serve_bare()
         return 0
