@@ -30,6 +30,7 @@ from eth_utils import to_checksum_address
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
+from chain.units import NGONKA_PER_GNK as GNK
 from gonka_node.adversary import AdversarialHost, KitSettings, Outcome, Tap, TappedClient, make_behaviour
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
@@ -47,7 +48,6 @@ from gonka_node.tls import create_identity
 from training.inner import evaluate
 from training.model import build_model
 
-GNK = 10**9
 GOVERNANCE, AGGREGATOR = 0, 9  # dev accounts; hosts are 1..8
 STAKE = 10 * GNK
 
@@ -205,7 +205,7 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     store = Store(root / "aggregator").open()
     evidence = EvidenceLog(root / "aggregator" / "evidence")
     clock = DrivenClock()
-    settings = RoundSettings(quorum=1, duration_s=600, max_clock_skew_s=10**6)
+    settings = RoundSettings(quorum=1, max_clock_skew_s=10**6)
     engine = RoundEngine(ctx, settings, plan.aggregation, store, ChainView(agg_chain), TrainingCheckpoints(),
                          NodeSigningKey(b"\x09" * 32).signing_key, clock=clock, evidence=evidence)
     tap = Tap()
@@ -259,7 +259,7 @@ def _drive(engine: RoundEngine, clock: DrivenClock, attempts: dict[int, Attempts
     while not all(f.done() for f in futures):
         for f in futures:
             if f.done() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+                raise f.exception()
         r = engine.current
         if r is not None and not engine.closing and all(r.round in a.rounds for a in attempts.values()):
             clock.offset = max(clock.offset, r.deadline_ms - now_ms() + 1)
@@ -307,9 +307,9 @@ def _report(plan: EpochPlan, stake: int, root: Path, store: Store, epoch: int, n
     if last is not None:
         model.load_state_dict(TrainingCheckpoints().load(store.checkpoint_path(epoch, last)))
     final = evaluate(model, windows.batches(held, 32))
-    adversaries = {to_checksum_address(n.keys.evm_address): plan.adversaries[i]
+    adversaries: dict[str, str] = {to_checksum_address(n.keys.evm_address): plan.adversaries[i]
                    for i, n in enumerate(nodes, start=1) if i in plan.adversaries}
-    outcomes = {to_checksum_address(n.keys.evm_address): n.outcomes
+    outcomes: dict[str, list[Outcome]] = {to_checksum_address(n.keys.evm_address): n.outcomes
                 for n in nodes if isinstance(n, AdversarialHost)}
     return EpochReport(final, initial, rewards, adversaries, outcomes, slashed, reasons,
                        round(time.monotonic() - started, 1), per_round, aggregated, closed, stake,

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from chain.types import EpochInfo, EpochSpec
+from chain.units import NGONKA_PER_GNK
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.recipe import Recipe, RecipeError
-from training.codecs import CodecError, get_codec
+from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import build_model
 
@@ -32,13 +33,13 @@ class EpochTerms:
     aggregators: Sequence[str]
     round_length_s: int = 600
     signin_window_s: int = 60
-    min_stake: int = 10**9  # ngonka; the chain requires min_stake × replay_probability ≥ reward_per_round
+    min_stake: int = NGONKA_PER_GNK  # ngonka; the chain requires min_stake × replay_probability ≥ reward_per_round
     max_hosts: int = 16
     reward_per_round: int = 0  # ngonka
     aggregator_quorum: int = 1
     replay_probability: float = 1.0  # p: each host's round is recomputed with this probability
     challenge_window_s: int = 3600  # stake stays locked this long after the epoch; challenges accepted
-    challenge_bond: int = 10**9  # ngonka a challenger escrows
+    challenge_bond: int = NGONKA_PER_GNK  # ngonka a challenger escrows
 
     @classmethod
     def staked_for(cls, reward_per_round: int, replay_probability: float, **kw: Any) -> EpochTerms:
@@ -117,7 +118,6 @@ def aggregator_context(
         epoch=info.epoch,
         codec_name=spec.codec,
         codec=get_codec(spec.codec),
-        codec_error=CodecError,
         spec={n: tuple(t.shape) for n, t in init.items()},
         n_rounds=spec.n_rounds,
         round_length_s=float(spec.round_length),

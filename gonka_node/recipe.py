@@ -17,11 +17,12 @@ import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from training.data import TokenCorpus, Windows
-from training.inner import InnerConfig
-from training.model import ModelConfig
+if TYPE_CHECKING:  # imported where used: reading the fields' defaults and help (CLI parsers) needs no torch
+    from training.data import TokenCorpus, Windows
+    from training.inner import InnerConfig
+    from training.model import ModelConfig
 
 RECIPE_FORMAT = "gonka-recipe-v1"
 BUILTIN_CORPUS = "builtin"
@@ -31,30 +32,38 @@ class RecipeError(ValueError):
     """A recipe file that is missing, malformed, or disagrees with the chain; names the file and field."""
 
 
+def _field(default: Any, help: str) -> Any:
+    """A recipe field: its default and its help, the one statement of both that the CLI flags, the
+    `gonka-node init epoch` template and the devnet derive theirs from (`recipe_default`, `recipe_help`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    model: ModelConfig
-    corpus: str = BUILTIN_CORPUS  # "builtin" (the running Python's stdlib sources) or a path
-    data_manifest_sha256: str = ""  # hex; empty only until `with_data_manifest` fills it in
-    epoch_seed: int = 0  # data assignment and held-out sampling
-    init_seed: int = 0  # model initialisation
-    seq_len: int = 64
-    micro_batch: int = 8
-    grad_accum: int = 1
-    inner_steps: int = 20
-    inner_lr: float = 2e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    n_rounds: int = 3
-    codec: str = "int8"
-    ef_decay: float = 1.0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    model: ModelConfig = dataclasses.field(metadata={"help": "a preset name or a table of ModelConfig fields"})
+    corpus: str = _field(BUILTIN_CORPUS, '"builtin" (the running Python\'s stdlib sources) or a file/folder path')
+    data_manifest_sha256: str = _field("", "hex; empty only until `with_data_manifest` fills it in")
+    epoch_seed: int = _field(0, "data assignment and held-out sampling")
+    init_seed: int = _field(0, "the round-0 model's initialisation")
+    seq_len: int = _field(64, "tokens per window (at most the model's max_seq_len)")
+    micro_batch: int = _field(8, "windows per step per process")
+    grad_accum: int = _field(1, "micro-batches per step: the chain records batch_size = micro_batch x grad_accum")
+    inner_steps: int = _field(20, "H: AdamW steps per round")
+    inner_lr: float = _field(2e-3, "AdamW peak learning rate (warm-up, then cosine over the epoch)")
+    warmup_steps: int = _field(20, "inner steps of linear warm-up")
+    weight_decay: float = _field(0.1, "AdamW decoupled weight decay")
+    grad_clip: float = _field(1.0, "gradient norm clipping")
+    n_rounds: int = _field(3, "outer rounds of the epoch")
+    codec: str = _field("int8", "pseudo-gradient compression, NAME or NAME:key=value,...")
+    ef_decay: float = _field(1.0, "error feedback kept on the host (1: all of it)")
+    outer_lr: float = _field(0.7, "outer Nesterov learning rate")
+    outer_momentum: float = _field(0.9, "outer Nesterov momentum")
     # "fresh": every round starts from zero AdamW moments at its place on the schedule, so anyone can
     # replay a host's round from public data (the aggregator's replay check, docs/SECURITY.md); costs
     # some loss against "carry" (docs/benchmarks.md).
-    round_state: str = "carry"
+    round_state: str = _field(
+        "carry", "carry AdamW state across rounds, or start each round fresh (replayable: docs/SECURITY.md)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "grad_accum", "inner_steps", "n_rounds"):
@@ -79,6 +88,8 @@ class Recipe:
         return self.micro_batch * self.grad_accum
 
     def inner_config(self) -> InnerConfig:
+        from training.inner import InnerConfig
+
         try:
             return InnerConfig.fitted(
                 steps=self.inner_steps,
@@ -90,12 +101,14 @@ class Recipe:
                 micro_batch=self.micro_batch,
                 grad_accum=self.grad_accum,
                 seq_len=self.seq_len,
-                round_state=self.round_state,  # type: ignore[arg-type]
+                round_state=self.round_state,
             )
         except ValueError as exc:
             raise RecipeError(str(exc)) from exc
 
     def load_corpus(self, cache_dir: Path | None = None) -> TokenCorpus:
+        from training.data import TokenCorpus
+
         if self.corpus == BUILTIN_CORPUS:
             return TokenCorpus.builtin(cache_dir)
         return TokenCorpus.from_paths([self.corpus], cache_dir)
@@ -142,6 +155,8 @@ class Recipe:
         unknown = sorted(set(data) - known)
         if unknown:
             raise RecipeError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+        from training.model import ModelConfig
+
         model = data.pop("model", None)
         try:
             if isinstance(model, str):
@@ -198,3 +213,21 @@ class Recipe:
                 f"data_manifest_sha256: the chain records {spec.data_manifest_hash.hex()}, the recipe says "
                 f"{self.data_manifest_sha256 or '(empty)'}"
             )
+
+
+def recipe_default(name: str) -> Any:
+    """The recipe field's default (what an epoch gets when its recipe leaves the field out)."""
+    return _FIELDS[name].default
+
+
+def field_help(name: str) -> str:
+    """What the recipe field means."""
+    return str(_FIELDS[name].metadata["help"])
+
+
+def recipe_help(name: str, default: Any = None) -> str:
+    """The recipe field's help with the default a flag uses (the recipe's unless given)."""
+    return f"{field_help(name)} (default {recipe_default(name) if default is None else default})"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}

@@ -44,12 +44,12 @@ from nacl.signing import SigningKey
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from chain.units import NGONKA_PER_GNK as GNK  # noqa: E402
 from gonka_node.aggregator.client import AggregatorClient, _requests, header_for  # noqa: E402
 from proto.gonka.v1 import aggregator_pb2 as pb  # noqa: E402
 from training.codecs import get_codec  # noqa: E402
 from training.model import ModelConfig  # noqa: E402
 
-GNK = 10**9
 CODEC = "int8"
 STREAMS = 8  # concurrent uploads from the client process
 BENCH_MODEL = ModelConfig(dim=320, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=864, max_seq_len=256)
@@ -87,6 +87,7 @@ def host_keys(i: int) -> tuple[bytes, SigningKey]:
 def epoch_with_hosts(n_hosts: int, init_sha: bytes) -> tuple[Any, Any, Any, int]:
     """The embedded chain with contracts, an epoch and `n_hosts` signed in (the window closed)."""
     from eth_account import Account
+    from web3.types import Wei
 
     from chain.backends import EmbeddedBackend
     from chain.client import ChainClient
@@ -109,7 +110,7 @@ def epoch_with_hosts(n_hosts: int, init_sha: bytes) -> tuple[Any, Any, Any, int]
     for i in range(n_hosts):
         evm, node = host_keys(i)
         account = Account.from_key(evm)
-        gov.w3.eth.send_transaction({"from": dev[0].address, "to": account.address, "value": 10**18})
+        gov.w3.eth.send_transaction({"from": dev[0].address, "to": account.address, "value": Wei(10**18)})
         gov.transfer(account.address, reward)  # the stake rule: min_stake × p (1) covers the round's reward
         ChainClient(backend, account, deployment).connect().join(epoch, reward, bytes(node.verify_key))
     backend.increase_time(7201)
@@ -142,7 +143,6 @@ def serve(n_hosts: int, workdir: Path, params: float | None, checks: bool) -> No
     from gonka_node.aggregator.rounds import EpochContext, RoundEngine
     from gonka_node.aggregator.store import Store
     from gonka_node.config import AggregationSettings, RoundSettings
-    from training.codecs import CodecError
     from training.model import build_model
 
     cfg = model_for(params)
@@ -152,7 +152,7 @@ def serve(n_hosts: int, workdir: Path, params: float | None, checks: bool) -> No
     backend, dev, deployment, epoch = epoch_with_hosts(n_hosts, init_sha)
     ctx = EpochContext(
         chain_id=deployment.chain_id, registry=bytes.fromhex(deployment.registry[2:]), epoch=epoch, codec_name=CODEC,
-        codec=get_codec(CODEC), codec_error=CodecError, spec={n: tuple(t.shape) for n, t in base.items()}, n_rounds=2,
+        codec=get_codec(CODEC), spec={n: tuple(t.shape) for n, t in base.items()}, n_rounds=2,
         round_length_s=3600, outer_lr=0.7, outer_momentum=0.9, reward_per_round=1000 * GNK, initial_checkpoint=init_path,
         initial_sha256=init_sha, **(scoring_inputs(cfg, n_hosts) if checks else {}),
     )  # fmt: skip
@@ -327,7 +327,6 @@ def _wait_finalized(client: AggregatorClient, epoch: int, round_: int) -> pb.Rou
 def stages(cfg: ModelConfig) -> dict[str, float]:
     """Per-stage cost of one payload in this process (best of 5, one torch thread), in ms."""
     from gonka_node.aggregator.validate import Sketcher, mapped, scan_update, square_norm
-    from training.codecs import CodecError
 
     torch.set_num_threads(1)
     spec, codec = spec_of(cfg), get_codec(CODEC)
@@ -348,7 +347,7 @@ def stages(cfg: ModelConfig) -> dict[str, float]:
 
         def scan() -> None:
             with open(part, "rb") as f, mapped(f) as view:
-                scan_update(codec, CodecError, view, spec, 1e9)
+                scan_update(codec, view, spec, 1e9)
 
         steps: dict[str, Callable[[], object]] = {
             "sha256": lambda: hashlib.sha256(data).digest(),

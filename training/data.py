@@ -23,7 +23,6 @@ import functools
 import hashlib
 import os
 import sysconfig
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
+
+from training.durable import atomic_write
 
 CORPUS_FORMAT = "gonka-corpus-v1"
 DOCUMENT_SEPARATOR = 0  # NUL never occurs in text, so it marks document boundaries unambiguously
@@ -136,18 +137,14 @@ def manifest_text(files: Sequence[CorpusFile], tokenizer: ByteTokenizer | None =
     return "\n".join(lines) + "\n"
 
 
-def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Concurrent builders (the processes of a rig) each write a temporary file and rename it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
+
+    def to_file(tmp: Path) -> None:
+        with tmp.open("wb") as handle:
             write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    atomic_write(path, to_file)
 
 
 class TokenCorpus:

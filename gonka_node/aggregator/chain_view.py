@@ -18,41 +18,26 @@ from typing import Any, Protocol, TypeVar
 from eth_utils import to_checksum_address
 
 from chain.seed import seed_commitment
-from chain.types import RoundSeed
+from chain.types import AggregatorEndpoint, EpochInfo, HostInfo, RoundResult, RoundSeed
 
 T = TypeVar("T")
-
-
-class HostRecord(Protocol):
-    joined: bool
-    left: bool
-    slot: int
-    node_key: bytes
-    slashed: int
-
-
-class RoundRecord(Protocol):
-    checkpoint_sha256: bytes
-    rewards_root: bytes
-    n_contributors: int
-    total_reward: int
-
-    @property
-    def finalized(self) -> bool: ...
 
 
 class ChainReader(Protocol):
     """The part of `chain.ChainClient` the aggregator uses."""
 
-    def host_info(self, epoch: int, host: str) -> HostRecord: ...
+    @property
+    def address(self) -> str: ...
+
+    def host_info(self, epoch: int, host: str) -> HostInfo: ...
 
     def hosts(self, epoch: int) -> list[str]: ...
 
-    def get_epoch(self, epoch: int) -> Any: ...  # chain.types.EpochInfo: signin_end is read
+    def get_epoch(self, epoch: int) -> EpochInfo: ...
 
     def chain_time(self) -> int: ...
 
-    def round_result(self, epoch: int, round_: int) -> RoundRecord: ...
+    def round_result(self, epoch: int, round_: int) -> RoundResult: ...
 
     def finalize_round(
         self,
@@ -75,6 +60,14 @@ class ChainReader(Protocol):
     def reveal_round_seed(self, epoch: int, round_: int, secret: bytes) -> Any: ...
 
     def round_seed(self, epoch: int, round_: int) -> RoundSeed: ...
+
+    def aggregator_endpoints(self, epoch: int) -> list[AggregatorEndpoint]: ...
+
+    def announce_aggregator(self, epoch: int, endpoint: str, tls_cert_pem: bytes) -> Any: ...
+
+    def published_recipe(self, epoch: int) -> bytes | None: ...
+
+    def publish_recipe(self, epoch: int, recipe_json: bytes) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -110,6 +103,31 @@ class ChainView:
         member = Member(address=host, slot=int(info.slot), node_key=bytes(info.node_key)) if ok else None
         self._members[(epoch, host)] = (now + (self._member_ttl if ok else self._unknown_ttl), member)
         return member
+
+    def round_result(self, epoch: int, round_: int) -> RoundResult:
+        return self.call(self.chain.round_result, epoch, round_)
+
+    def round_vote(self, epoch: int, round_: int) -> bytes:
+        """This account's vote on the round's result (zero: none)."""
+        return self.call(self.chain.round_vote, epoch, round_)
+
+    def finalize_round(
+        self, epoch: int, round_: int, checkpoint_sha256: bytes, rewards_root: bytes, n_contributors: int,
+        total_reward: int,
+    ) -> Any:
+        return self.call(
+            self.chain.finalize_round, epoch, round_, checkpoint_sha256, rewards_root, n_contributors, total_reward
+        )
+
+    async def hosts(self, epoch: int) -> list[str]:
+        return await self.acall(self.chain.hosts, epoch)
+
+    async def signin_end(self, epoch: int) -> int:
+        return int((await self.acall(self.chain.get_epoch, epoch)).signin_end)
+
+    async def chain_time(self) -> int:
+        """The time of the chain's latest block."""
+        return await self.acall(self.chain.chain_time)
 
     def commit_seed(self, epoch: int, round_: int, secret: bytes) -> None:
         """Commit keccak256(secret) for the round, unless this account already did (a restart)."""

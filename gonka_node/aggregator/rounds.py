@@ -34,13 +34,13 @@ from typing import Any, Protocol
 
 from eth_utils import to_checksum_address
 from nacl.signing import SigningKey
-from torch import Tensor, nn
+from torch import Tensor
 
 from chain.client import round_result_hash
 from chain.merkle import RewardTree
 from chain.seed import new_secret
 from gonka_node.aggregator.chain_view import ChainView, Member
-from gonka_node.aggregator.close import RoundOutcome, compute_outcome
+from gonka_node.aggregator.close import RoundOutcome, compute_outcome, reward_tree
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.metrics import RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
@@ -51,6 +51,7 @@ from gonka_node.aggregator.validate import Codec, mapped, scan_update
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.envelope import ReceiptBody, Submission
 from training.codecs import round_seed
+from training.model import Llama
 
 log = logging.getLogger(__name__)
 ZERO32 = bytes(32)
@@ -74,7 +75,6 @@ class EpochContext:
     epoch: int
     codec_name: str
     codec: Codec
-    codec_error: type[Exception]
     spec: Mapping[str, tuple[int, ...]]
     n_rounds: int
     round_length_s: float
@@ -84,7 +84,7 @@ class EpochContext:
     initial_checkpoint: Path
     initial_sha256: bytes
     epoch_seed: int = 0  # the recipe's; codecs with shared per-round state derive it (round_seed)
-    model_factory: Callable[[], nn.Module] | None = None  # None: no scoring (every valid update counts)
+    model_factory: Callable[[], Llama] | None = None  # None: no scoring (every valid update counts)
     scoring: ScoringData | None = None
     # json.dumps(ModelConfig.to_dict()), stored in every checkpoint's metadata (training.hf_export's
     # MODEL_CONFIG_KEY) so clients export/sample a pulled checkpoint without the recipe; None: omitted.
@@ -175,10 +175,10 @@ class RoundEngine:
     def start(self) -> None:
         """Restore from disk: finish an interrupted finalization, else resume or open a round."""
         ctx = self.ctx
-        for row in self.store.rounds(ctx.epoch):
-            if row.state in ("finalizing", "skipping"):
-                log.info("resuming the finalization of round %d/%d", ctx.epoch, row.round)
-                self._finish(row)
+        for stored in self.store.rounds(ctx.epoch):
+            if stored.state in ("finalizing", "skipping"):
+                log.info("resuming the finalization of round %d/%d", ctx.epoch, stored.round)
+                self._finish(stored)
         row = self._resume_or_open()
         if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(
@@ -374,8 +374,7 @@ class RoundEngine:
         with open(part, "rb+") as f:
             with mapped(f) as data:
                 norm, sketch = scan_update(
-                    self.ctx.codec_for(round_), self.ctx.codec_error, data, self.ctx.spec,
-                    self.settings.max_update_norm,
+                    self.ctx.codec_for(round_), data, self.ctx.spec, self.settings.max_update_norm
                 )
             os.fsync(f.fileno())
         return norm, sketch.numpy().tobytes()
@@ -431,9 +430,8 @@ class RoundEngine:
         """Whether the chain's latest block is past the epoch's sign-in window (cached once true)."""
         if self._signin_closed_seen:
             return True
-        chain = self.chain.chain
-        end = (await self.chain.acall(chain.get_epoch, epoch)).signin_end
-        self._signin_closed_seen = await self.chain.acall(chain.chain_time) >= end
+        end = await self.chain.signin_end(epoch)
+        self._signin_closed_seen = await self.chain.chain_time() >= end
         return self._signin_closed_seen
 
     async def _everyone_submitted(self, r: RoundRow, accepted: set[bytes]) -> bool:
@@ -585,7 +583,7 @@ class RoundEngine:
             and row.rewards_root is not None
             and row.total_reward is not None
         )
-        on_chain = self.chain.call(self.chain.chain.round_result, row.epoch, row.round)
+        on_chain = self.chain.round_result(row.epoch, row.round)
         n = sum(1 for c in self.store.contributions(row.epoch, row.round) if c.reward > 0)
         if on_chain.finalized:
             if (bytes(on_chain.checkpoint_sha256), bytes(on_chain.rewards_root)) != (
@@ -609,8 +607,7 @@ class RoundEngine:
                 row.epoch, row.round, voted.hex()[:16],
             )
         else:
-            result = self.chain.call(
-                self.chain.chain.finalize_round,
+            result = self.chain.finalize_round(
                 row.epoch,
                 row.round,
                 row.checkpoint_sha256,
@@ -633,7 +630,7 @@ class RoundEngine:
         several aggregators not yet reached); None if it has not voted. A vote for another result than the
         recorded intent cannot happen without tampering with the store: refuse to go on."""
         assert row.checkpoint_sha256 is not None and row.rewards_root is not None and row.total_reward is not None
-        vote = self.chain.call(self.chain.chain.round_vote, row.epoch, row.round)
+        vote = self.chain.round_vote(row.epoch, row.round)
         if vote == bytes(32):
             return None
         mine = round_result_hash(row.checkpoint_sha256, row.rewards_root, n, row.total_reward)
@@ -648,18 +645,8 @@ class RoundEngine:
 
     def reward_tree(self, round_: int) -> RewardTree | None:
         if round_ not in self._trees:
-            rewards = [
-                (to_checksum_address(c.host), c.reward)
-                for c in self.store.contributions(self.ctx.epoch, round_)
-                if c.reward > 0
-            ]
-            self._trees[round_] = (
-                RewardTree(
-                    self.ctx.chain_id, to_checksum_address(self.ctx.registry), self.ctx.epoch, round_, rewards
-                )
-                if rewards
-                else None
-            )
+            rewards = {c.host: c.reward for c in self.store.contributions(self.ctx.epoch, round_)}
+            self._trees[round_] = reward_tree(self.ctx, self.ctx.epoch, round_, rewards)
         return self._trees[round_]
 
     async def run(self, stop: asyncio.Event, interval_s: float = 0.2) -> None:

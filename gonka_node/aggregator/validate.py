@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from gonka_node.aggregator.reasons import Reason, Rejected
+from training.codecs import CodecError, NonFiniteError, SpecMismatchError
 
 SKETCH_BUCKETS = 4096
 _P = 2_147_483_647  # 2^31 − 1: hash arithmetic stays inside int64 for indices below 2^32
@@ -45,24 +46,17 @@ class Checked:
     sketch: Tensor  # fp32 [SKETCH_BUCKETS]
 
 
-ErrorTypes = type[Exception] | tuple[type[Exception], ...]
-
-
 @contextlib.contextmanager
-def decoding(codec_error: ErrorTypes) -> Iterator[None]:
+def decoding() -> Iterator[None]:
     """Turn what a codec raises while decoding into the `Rejected` the sender is told."""
     try:
         yield
-    except codec_error as exc:
-        # The codec header names the tensor spec it was encoded for: a mismatch there is a shape error.
-        text = str(exc)
-        if "tensor spec" in text or "elements, spec has" in text:
-            raise Rejected(
-                Reason.WRONG_SHAPE, f"payload was encoded for other tensor shapes: {text}"
-            ) from exc
-        if "NaN or infinity" in text:  # some codecs refuse non-finite values while decoding
-            raise Rejected(Reason.NON_FINITE, text) from exc
-        raise Rejected(Reason.UNDECODABLE, f"payload does not decode: {text}") from exc
+    except SpecMismatchError as exc:  # the header, or a tensor's count, names other tensors than the model's
+        raise Rejected(Reason.WRONG_SHAPE, f"payload was encoded for other tensor shapes: {exc}") from exc
+    except NonFiniteError as exc:  # some codecs refuse non-finite values while decoding
+        raise Rejected(Reason.NON_FINITE, str(exc)) from exc
+    except CodecError as exc:
+        raise Rejected(Reason.UNDECODABLE, f"payload does not decode: {exc}") from exc
     except (ValueError, RuntimeError, KeyError, IndexError, TypeError) as exc:
         # A codec bug or an input the codec did not anticipate: still the sender's garbage, not ours.
         raise Rejected(Reason.UNDECODABLE, f"payload does not decode: {type(exc).__name__}: {exc}") from exc
@@ -86,13 +80,8 @@ def mapped(f: BinaryIO) -> Iterator[memoryview]:
             m.close()
 
 
-def decode_update(
-    codec: Codec,
-    codec_error: ErrorTypes,
-    data: bytes,
-    spec: Mapping[str, tuple[int, ...]],
-) -> dict[str, Tensor]:
-    with decoding(codec_error):
+def decode_update(codec: Codec, data: bytes, spec: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]:
+    with decoding():
         update = codec.decode(data, spec)
     if not isinstance(update, Mapping):
         raise Rejected(Reason.UNDECODABLE, "payload does not decode to named tensors")
@@ -108,8 +97,7 @@ def check_update(update: Mapping[str, Any], spec: Mapping[str, tuple[int, ...]],
 
 
 def scan_update(
-    codec: Codec, codec_error: ErrorTypes, data: bytes | memoryview, spec: Mapping[str, tuple[int, ...]],
-    max_norm: float,
+    codec: Codec, data: bytes | memoryview, spec: Mapping[str, tuple[int, ...]], max_norm: float
 ) -> tuple[float, Tensor]:
     """`check_update(decode_update(...))`'s norm and sketch, holding one decoded tensor at a time.
 
@@ -118,7 +106,7 @@ def scan_update(
     the norm. After a tensor failed, later ones are only decoded (to find a decoding error)."""
     sketcher, total, seen = Sketcher(), 0.0, []
     failed: Rejected | None = None
-    with decoding(codec_error):
+    with decoding():
         for name, tensor in codec.decode_parts(data, spec):
             seen.append(name)
             if failed is not None or name not in spec:

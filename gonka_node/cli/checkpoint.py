@@ -298,6 +298,7 @@ def pull_checkpoint(
     """
     from proto.gonka.v1 import checkpoints_pb2 as cpb
     from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
+    from training.durable import durable_replace
 
     stub = cpb_grpc.CheckpointsStub(channel)
     request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
@@ -311,12 +312,12 @@ def pull_checkpoint(
             os.fsync(handle.fileno())
         _verify_file(tmp, want)
         note = _settle_metadata(tmp, want, model, model_source)
-        os.replace(tmp, out)
+        durable_replace(tmp, out)
     except grpc.RpcError as exc:
         tmp.unlink(missing_ok=True)
         raise CliError(
             f"--aggregator: StreamCheckpoint epoch {want.epoch} round {want.round} failed: "
-            f"{exc.code().name} {exc.details()}"  # type: ignore[attr-defined]
+            f"{exc.code().name} {exc.details()}"
         ) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -330,9 +331,11 @@ def _settle_metadata(path: Path, want: ChainCheckpoint, model: Any, model_source
     from safetensors import safe_open
 
     from training.hf_export import MODEL_CONFIG_KEY, ExportError, config_from_metadata
+    from training.model import ModelConfig
 
     with safe_open(str(path), framework="pt") as handle:
         metadata = dict(handle.metadata() or {})
+    claimed: ModelConfig | ExportError | None
     try:
         claimed = config_from_metadata(metadata)
     except ExportError as exc:

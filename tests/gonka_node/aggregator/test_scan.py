@@ -65,8 +65,8 @@ def test_sketcher_fed_tensor_by_tensor_equals_count_sketch() -> None:
 def test_scan_equals_decode_then_check(codec_name: str) -> None:
     codec = get_codec(codec_name)
     data = codec.encode(update(4))
-    old = check_update(decode_update(codec, CodecError, data, SPEC), SPEC, 1e9)
-    norm, sketch = scan_update(codec, CodecError, data, SPEC, 1e9)
+    old = check_update(decode_update(codec, data, SPEC), SPEC, 1e9)
+    norm, sketch = scan_update(codec, data, SPEC, 1e9)
     assert norm == old.norm
     assert torch.equal(sketch, old.sketch)
 
@@ -76,15 +76,15 @@ def test_scan_reads_a_memory_mapped_file(tmp_path: Path) -> None:
     data = codec.encode(update(5))
     (tmp_path / "p").write_bytes(data)
     with open(tmp_path / "p", "rb") as f, mapped(f) as view:
-        got = scan_update(codec, CodecError, view, SPEC, 1e9)
-    assert got[0] == scan_update(codec, CodecError, data, SPEC, 1e9)[0]
+        got = scan_update(codec, view, SPEC, 1e9)
+    assert got[0] == scan_update(codec, data, SPEC, 1e9)[0]
 
 
 def refusal(data: bytes, codec_name: str = "fp32", max_norm: float = 1e9) -> tuple[Reason, str]:
     with pytest.raises(Rejected) as scanned:
-        scan_update(get_codec(codec_name), CodecError, data, SPEC, max_norm)
+        scan_update(get_codec(codec_name), data, SPEC, max_norm)
     with pytest.raises(Rejected) as whole:
-        check_update(decode_update(get_codec(codec_name), CodecError, data, SPEC), SPEC, max_norm)
+        check_update(decode_update(get_codec(codec_name), data, SPEC), SPEC, max_norm)
     assert (scanned.value.reason, scanned.value.message) == (whole.value.reason, whole.value.message)
     return scanned.value.reason, scanned.value.message
 
@@ -122,6 +122,6 @@ class LateGarbage:
 def test_a_decoding_error_anywhere_beats_a_failed_check() -> None:
     """The old path decoded every tensor before checking any: a later decoding error still wins."""
     with pytest.raises(Rejected) as exc:
-        scan_update(LateGarbage(), CodecError, b"", SPEC, 1e9)
+        scan_update(LateGarbage(), b"", SPEC, 1e9)
     assert exc.value.reason is Reason.UNDECODABLE
     assert "c.weight is garbage" in exc.value.message
