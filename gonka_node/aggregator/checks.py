@@ -67,7 +67,7 @@ def _screened_pairs(sketches: Sequence[Tensor], bar: float) -> Iterator[tuple[in
     """(i, j), j < i, whose fp32 cosine is at least `bar`: for each i in order, its js in order."""
     if len(sketches) < 2:
         return
-    unit = _unit_rows(torch.stack(sketches)).float()
+    unit = _unit_rows(torch.stack(list(sketches))).float()
     for start in range(0, len(sketches), SCREEN_ROWS):
         block = unit[start : start + SCREEN_ROWS] @ unit[: start + SCREEN_ROWS].T
         for row, i in enumerate(range(start, min(len(sketches), start + SCREEN_ROWS))):
