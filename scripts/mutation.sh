@@ -8,7 +8,7 @@
 # mutmut lives in its own throwaway venv (.mutation/venv, pinned below), so the project's pinned tree
 # is untouched; that venv sees the project's packages (torch, web3, ...) through a .pth file, but not
 # the project's editable install, so the tests import the mutated copy that mutmut writes. Each module
-# runs in its own scratch copy of the tree (.mutation/runs/NAME), one worker process, one torch
+# runs in its own scratch copy of the tree (.mutation/runs/NAME), $MUTATION_JOBS (default 2) worker processes, one torch
 # thread. Per module it prints the score (killed, timeouts counted as killed, over all mutants) and the
 # wall time, and writes .mutation/report/NAME.txt: the summary and the diff of every surviving mutant.
 set -euo pipefail
@@ -16,6 +16,9 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 WORK=${MUTATION_DIR:-$ROOT/.mutation}
 MUTMUT=mutmut==3.8.1
+# Worker processes per module (mutmut --max-children). Two: on a machine shared with other jobs, a second
+# worker takes its share of the cores (measured: docs/benchmarks.md); one torch thread each.
+JOBS=${MUTATION_JOBS:-2}
 
 # name | module | its fast unit tests | mutants to run (fnmatch globs of mutmut's names; empty: all)
 MODULES=(
@@ -24,14 +27,13 @@ MODULES=(
   "envelope|gonka_node/envelope.py|tests/gonka_node/test_envelope.py tests/gonka_node/test_fuzz_envelope.py tests/gonka_node/test_envelope_edges.py|"
   "merkle|chain/merkle.py|tests/chain/test_merkle.py tests/chain/test_merkle_refusals.py|"
   "follow|gonka_node/host/follow.py|tests/gonka_node/host/test_follow.py|"
-  # The round engine: its close rule (tick: deadline, quorum, extension), against the deadline tests.
-  # Each mutant there boots a real aggregator on the embedded chain (~13 s a mutant on the shared
-  # machine), so the acceptance checks (authenticate, 117 mutants) and submit/close (139) would add over
-  # an hour at one worker: add their globs (*RoundEngineǁauthenticate__mutmut_*) for a longer run.
-  # close.py: its pure parts (copies, the pool split); compute_outcome needs a closing round per mutant.
-  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_deadline_edges.py|*RoundEngineǁtick__mutmut_*"
-  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_units.py|"
-  "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_units.py|"
+  # The round engine, every function, against its server-less unit tests (engine_kit.py: a real store
+  # and the embedded chain, deployed once in the fork server and inherited by every mutant's run).
+  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py|"
+  # close.py: compute_outcome and its checks on constructed rounds (no chain), with a micro model for
+  # the replay, the scores and the held-out losses; replay.py: the verdict, the pick, the comparison.
+  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
+  "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
 )
 
 setup_venv() {
@@ -80,6 +82,15 @@ from hypothesis import Phase, settings as _mutation_settings  # noqa: E402  (add
 
 _mutation_settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 PY
+  # The fast aggregator tests share one embedded chain per process (engine_kit.shared_world): build it
+  # while the fork server collects, so that each mutant's forked run starts with it deployed (~2 s less).
+  cat >>"$dir/tests/gonka_node/aggregator/conftest.py" <<'PY'
+
+
+import engine_kit as _engine_kit  # noqa: E402  (added by scripts/mutation.sh)
+
+_engine_kit.shared_world()
+PY
   echo "$dir"
 }
 
@@ -89,7 +100,7 @@ run_module() {  # name module tests globs
   echo "== $name: $module against $tests"
   start=$(date +%s)
   # shellcheck disable=SC2086  # globs are mutmut name patterns, passed as words
-  (cd "$dir" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$WORK/venv/bin/mutmut" run --max-children 1 $globs \
+  (cd "$dir" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$WORK/venv/bin/mutmut" run --max-children "$JOBS" $globs \
     >"$WORK/report/$name.log" 2>&1) || { tail -c 4000 "$WORK/report/$name.log"; return 1; }
   end=$(date +%s)
   report "$name" "$module" "$dir" "$globs" $((end - start))

@@ -1,0 +1,177 @@
+"""A close with a (micro) model: the replay check in the pipeline (who is picked, the verdict's reasons,
+a mismatch excluded), the held-out score of each update as the gate sees it, and the held-out losses a
+close reports; `replay_comparison` against its own replay. Real training steps, real files, no chain."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from stdlib_corpus import small_corpus_bytes
+
+from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.close import RoundOutcome, compute_outcome, score_step
+from gonka_node.aggregator.replay import ReplayData, chosen_for_replay, replay_comparison
+from gonka_node.aggregator.rounds import EpochContext
+from gonka_node.aggregator.scoring import Scorer, ScoringData
+from gonka_node.aggregator.store import Store, SubmissionRow
+from gonka_node.aggregator.validate import count_sketch
+from gonka_node.config import AggregationSettings
+from training.codecs import CodecError, get_codec
+from training.data import Windows
+from training.inner import InnerConfig, evaluate
+from training.model import Llama, ModelConfig, build_model
+from training.worker import Assignment, replay_round
+
+CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, max_seq_len=16)
+SEQ, SEED, SLOTS = 8, 7, 8
+INNER = InnerConfig(steps=2, lr=1e-2, warmup_steps=0, total_steps=6, micro_batch=4, seq_len=SEQ, round_state="fresh")
+POOL = 1000
+
+
+def model() -> Llama:
+    return build_model(CFG, SEED)
+
+
+@pytest.fixture(scope="module")
+def windows() -> Windows:
+    tokens = np.frombuffer(small_corpus_bytes(), dtype=np.uint8).astype(np.int64)[:30_000]
+    return Windows(tokens, SEQ, heldout_fraction=0.1)
+
+
+@pytest.fixture(scope="module")
+def base() -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model().named_parameters()}
+
+
+def replayed(windows: Windows, base: dict[str, torch.Tensor], slot: int) -> dict[str, torch.Tensor]:
+    return replay_round(model(), INNER, windows, Assignment(SEED, slot, SLOTS), 1, base)
+
+
+def addr(i: int) -> bytes:
+    return bytes([i]) * 20
+
+
+def norm(u: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in u.values()))
+
+
+class ModelRound:
+    def __init__(self, tmp: Path, windows: Windows, base: dict[str, torch.Tensor]) -> None:
+        self.store = Store(tmp / "agg").open()
+        self.init_path = tmp / "init.safetensors"
+        self.init_sha = TrainingCheckpoints().save(self.init_path, base, {"round": "0"})
+        self.row = self.store.open_round(1, 1, self.init_sha, 10**13)
+        self.windows, self.base = windows, base
+        self.scoring = ScoringData(windows, SEED, SLOTS, 4, 4)
+
+    def add(self, host: bytes, u: dict[str, torch.Tensor], started: int) -> None:
+        data = get_codec("fp32").encode(u)
+        part = self.store.incoming / "x.part"
+        part.write_bytes(data)
+        self.store.add_submission(SubmissionRow(
+            1, 1, host, hashlib.sha256(data).digest(), len(data), 64, started, b"", started, norm(u),
+            count_sketch(u).numpy().tobytes(), str(self.store.payload_path(1, 1, host)), started,
+        ), part)
+
+    def outcome(self, slots: dict[bytes, int], p: float, replay: bool = True) -> RoundOutcome:
+        ctx = EpochContext(
+            chain_id=31337, registry=b"\x11" * 20, epoch=1, codec_name="fp32", codec=get_codec("fp32"),
+            codec_error=CodecError, spec={n: tuple(t.shape) for n, t in self.base.items()}, n_rounds=4,
+            round_length_s=60.0, outer_lr=0.5, outer_momentum=0.5, reward_per_round=POOL,
+            initial_checkpoint=self.init_path, initial_sha256=self.init_sha, epoch_seed=SEED, model_factory=model,
+            scoring=self.scoring, replay=ReplayData(model, INNER, self.windows, SEED, SLOTS) if replay else None,
+            replay_probability=p,
+        )
+        return compute_outcome(
+            ctx=ctx, round_row=self.row, seed=b"\x03" * 32, submissions=self.store.submissions(1, 1), slots=slots,
+            base_path=self.init_path, prev_outer_state=None, store=self.store, checkpoints=TrainingCheckpoints(),
+            aggregation=AggregationSettings(rule="mean"),
+        )
+
+    def expected_score(self, u: dict[str, torch.Tensor], tau: float, n_live: int, slot: int, veto: bool) -> float:
+        scorer = Scorer(model(), self.base, self.scoring.heldout(1, self.init_sha), "heldout_gain")
+        factor = torch.tensor(min(1.0, tau / norm(u)) * score_step(0.5, n_live), dtype=torch.float32)
+        return scorer.score({n: t * factor for n, t in u.items()}, self.scoring.assigned(1, slot), veto=veto).score
+
+
+def test_replayed_hosts_pass_or_are_excluded_and_the_rest_is_scored(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor], caplog: pytest.LogCaptureFixture
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    ups = {addr(i): replayed(windows, base, i) for i in (1, 2, 3)}
+    cheat = {n: 2 * t for n, t in replayed(windows, base, 4).items()}  # the replay's direction, twice as long
+    for i, (h, u) in enumerate(ups.items()):
+        rd.add(h, u, started=i)
+    rd.add(addr(4), cheat, started=9)
+    with caplog.at_level(logging.WARNING, "gonka_node.aggregator.close"):
+        out = rd.outcome({addr(i): i for i in (1, 2, 3, 4)}, p=1.0)
+    rows = {c.host: c for c in out.contributions}
+    for i in (1, 2, 3):
+        assert rows[addr(i)].reasons[0] == (
+            f"replay: cosine +1.0000, norm ratio 1.0000 with the replay of slot {i}'s round 1"
+        )
+        assert (rows[addr(i)].aggregated, rows[addr(i)].reward) == (True, POOL // 3)
+    mismatch = rows[addr(4)].reasons[0]
+    assert mismatch.startswith("replay mismatch: cosine +1.0000, norm ratio 2.0000 with the replay of slot 4's round 1")
+    assert (rows[addr(4)].aggregated, rows[addr(4)].reward, rows[addr(4)].score) == (False, 0, 0.0)
+    assert caplog.messages == [f"round 1: host 0x{addr(4).hex()} excluded: {mismatch}"]
+    tau = float(np.median([norm(u) for u in ups.values()]))
+    for i, (h, u) in enumerate(ups.items(), start=1):
+        assert rows[h].score == rd.expected_score(u, tau, 3, i, veto=False)
+        assert rows[h].score != 0.0
+    # The held-out losses: the base model's and the new checkpoint's, on the round's held-out windows.
+    batch = rd.scoring.heldout(1, rd.init_sha)
+    new = TrainingCheckpoints().load(rd.store.checkpoint_path(1, 1), out.checkpoint_sha256)
+
+    def loss(params: dict[str, torch.Tensor]) -> float:
+        m = model()
+        m.load_state_dict(params)
+        return evaluate(m, [batch], autocast="off")
+
+    assert out.heldout == (loss(base), loss(new))
+    assert out.heldout[1] != out.heldout[0]
+
+
+def test_only_the_picked_hosts_are_replayed_and_none_without_replay_data(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    hosts = [addr(i) for i in (1, 2, 3)]
+    for i, h in enumerate(hosts):
+        rd.add(h, replayed(windows, base, i + 1), started=i)
+    slots = {h: i + 1 for i, h in enumerate(hosts)}
+    picked = chosen_for_replay(0.5, b"\x03" * 32, 1, hosts)
+    assert 0 < len(picked) < 3  # this seed picks some, not all
+    out = rd.outcome(slots, p=0.5)
+    assert {c.host for c in out.contributions if c.reasons[0].startswith("replay:")} == picked
+    for p, replay in ((0.0, True), (1.0, False)):
+        out = rd.outcome(slots, p=p, replay=replay)
+        assert not any(r.startswith("replay") for c in out.contributions for r in c.reasons)
+    # Without replays the scores veto and gate as statistics: every host here scores on its own.
+    tau = float(np.median([norm(replayed(windows, base, i)) for i in (1, 2, 3)]))
+    rows = {c.host: c for c in out.contributions}
+    for h in hosts:
+        want = rd.expected_score(replayed(windows, base, slots[h]), tau, 3, slots[h], veto=True)
+        assert rows[h].score == want
+
+
+def test_replay_comparison_measures_direction_and_length(windows: Windows, base: dict[str, torch.Tensor]) -> None:
+    data = ReplayData(model, INNER, windows, SEED, SLOTS)
+    own = replayed(windows, base, 2)
+    assert replay_comparison(data, 1, 2, base, own) == (pytest.approx(1.0, abs=1e-12), 1.0)
+    cos, ratio = replay_comparison(data, 1, 2, base, {n: -3 * t for n, t in own.items()})
+    assert cos == pytest.approx(-1.0, abs=1e-12) and ratio == pytest.approx(3.0, rel=1e-6)
+    other = replayed(windows, base, 5)
+    cos, ratio = replay_comparison(data, 1, 2, base, other)
+    flat = [torch.cat([u[n].double().flatten() for n in sorted(own)]) for u in (other, own)]
+    assert cos == pytest.approx(float(flat[0] @ flat[1] / (flat[0].norm() * flat[1].norm())), rel=1e-9)
+    assert ratio == pytest.approx(float(flat[0].norm() / flat[1].norm()), rel=1e-9)
+    assert cos < 0.99  # another slot's round is not this one's
+    cos2, _ = replay_comparison(data, 2, 2, base, own)  # the same update is not round 2's replay
+    assert cos2 < 0.9999
