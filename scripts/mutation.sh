@@ -29,7 +29,7 @@ MODULES=(
   "follow|gonka_node/host/follow.py|tests/gonka_node/host/test_follow.py|"
   # The round engine, every function, against its server-less unit tests (engine_kit.py: a real store
   # and the embedded chain, deployed once in the fork server and inherited by every mutant's run).
-  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py|"
+  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py|"
   # close.py: compute_outcome and its checks on constructed rounds (no chain), with a micro model for
   # the replay, the scores and the held-out losses; replay.py: the verdict, the pick, the comparison.
   "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"

@@ -47,6 +47,8 @@ class World:
     chain: ChainWorld
     epoch: int  # three hosts signed in, this aggregator alone
     epoch2: int  # the same hosts, two aggregators (either one's vote finalizes)
+    epoch3: int  # the same hosts, this aggregator alone, its sign-in window still open
+    epoch4: int  # the same hosts, two aggregators, both votes needed to finalize
     hosts: list[Host]
     outsider: Host
     init_sha: bytes
@@ -60,14 +62,16 @@ def host(world: ChainWorld, i: int) -> Host:
     return Host(i, world.accounts[i], SigningKey(hashlib.sha256(f"kit-host-{i}".encode()).digest()))
 
 
-def _schedule(world: ChainWorld, init_sha: bytes, aggregators: tuple[int, ...], hosts: list[Host]) -> int:
+def _schedule(
+    world: ChainWorld, init_sha: bytes, aggregators: tuple[int, ...], hosts: list[Host], quorum: int = 1
+) -> int:
     gov = world.client(0)
     spec = EpochSpec(
         model_spec_hash=hashlib.sha256(b"kit").digest(), model_uri="preset:tiny",
         data_manifest_hash=hashlib.sha256(b"kit-data").digest(), init_checkpoint_hash=init_sha,
         inner_steps=2, inner_lr=1e-3, batch_size=2, outer_lr=0.5, outer_momentum=0.0, codec="fp32",
         n_rounds=N_ROUNDS, round_length=int(ROUND_S), signin_window=30, min_stake=10 * GNK, max_hosts=8,
-        aggregators=tuple(world.accounts[i].address for i in aggregators), aggregator_quorum=1,
+        aggregators=tuple(world.accounts[i].address for i in aggregators), aggregator_quorum=quorum,
         reward_per_round=REWARD,
     )
     epoch = gov.create_epoch(spec)
@@ -89,9 +93,12 @@ def shared_world() -> World:
     init_sha = TrainingCheckpoints().sha256(initial_tensors())
     hosts = [host(chain, i) for i in (1, 2, 3)]
     epoch = _schedule(chain, init_sha, (AGGREGATOR,), hosts)
-    epoch2 = _schedule(chain, init_sha, (AGGREGATOR, SECOND_AGGREGATOR), [host(chain, i) for i in (1, 2, 3)])
-    backend.increase_time(31)  # the sign-in windows are closed: rounds may close early and be finalized
-    return World(chain, epoch, epoch2, hosts, host(chain, OUTSIDER), init_sha)
+    both = (AGGREGATOR, SECOND_AGGREGATOR)
+    epoch2 = _schedule(chain, init_sha, both, [host(chain, i) for i in (1, 2, 3)])
+    epoch4 = _schedule(chain, init_sha, both, [host(chain, i) for i in (1, 2, 3)], quorum=2)
+    backend.increase_time(31)  # these sign-in windows are closed: rounds may close early and be finalized
+    epoch3 = _schedule(chain, init_sha, (AGGREGATOR,), [host(chain, i) for i in (1, 2, 3)])
+    return World(chain, epoch, epoch2, epoch3, epoch4, hosts, host(chain, OUTSIDER), init_sha)
 
 
 class HeldClock:
