@@ -157,8 +157,10 @@ class Kit:
             e.start()
         return e
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.loop.run_until_complete(coro)
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 15.0) -> T:
+        """Run `coro` on the kit's loop; a coroutine still waiting after `timeout_s` fails the test (nothing
+        here takes a second: a wait that never ends is a bug, and should not hold a test run for minutes)."""
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
 
     def header(self, engine: RoundEngine, h: Host, payload: bytes, **changes: Any) -> Submission:
         """The header an honest host sends for `payload` in the engine's open round."""

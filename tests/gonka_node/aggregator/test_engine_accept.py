@@ -183,7 +183,9 @@ def test_while_an_upload_streams_its_host_and_its_digest_are_taken(kit: Kit) -> 
     async def scenario() -> tuple[Rejected, Rejected, bool]:
         sub = kit.header(e, a, P1)
         upload = asyncio.ensure_future(e.submit(sub, sub.sign(a.key), slow(), e.stream_guard("a")))
-        await first_half.wait()
+        started = asyncio.ensure_future(first_half.wait())
+        await asyncio.wait([started, upload], return_when=asyncio.FIRST_COMPLETED)
+        assert not upload.done(), upload.exception()  # still streaming: half its payload is in
         with pytest.raises(Rejected) as again:
             await e.authenticate(kit.header(e, a, payload(update(2))), kit.header(e, a, payload(update(2))).sign(a.key))
         with pytest.raises(Rejected) as copied:

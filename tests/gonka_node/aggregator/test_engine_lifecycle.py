@@ -58,7 +58,7 @@ def test_the_loop_closes_rounds_and_survives_a_failing_tick(kit: Kit, caplog: py
     async def loop_until_closed() -> None:
         stop = asyncio.Event()
         task = asyncio.ensure_future(e.run(stop, interval_s=0.01))
-        await asyncio.wait_for(e.round_closed.wait(), 30)
+        await asyncio.wait_for(e.round_closed.wait(), 5)
         stop.set()
         await asyncio.wait_for(task, 5)
 
@@ -71,9 +71,14 @@ def test_the_loop_closes_rounds_and_survives_a_failing_tick(kit: Kit, caplog: py
     async def two_failing_ticks() -> None:
         stop = asyncio.Event()
         task = asyncio.ensure_future(e.run(stop, interval_s=0.01))
-        while len([r for r in caplog.records if r.message == "round tick failed"]) < 2:
-            await asyncio.sleep(0.01)
-        stop.set()
+        async def two_failures() -> None:
+            while len([r for r in caplog.records if r.message == "round tick failed"]) < 2:
+                await asyncio.sleep(0.01)
+
+        try:
+            await asyncio.wait_for(two_failures(), 5)
+        finally:
+            stop.set()
         await asyncio.wait_for(task, 5)
 
     with caplog.at_level(logging.ERROR, "gonka_node.aggregator.rounds"):
