@@ -24,6 +24,7 @@ from gonka_node.aggregator.validate import count_sketch
 from gonka_node.config import AggregationSettings
 from training.codecs import CodecError, get_codec
 from training.data import Windows
+from training.diloco import pseudo_gradient
 from training.inner import InnerConfig, evaluate
 from training.model import Llama, ModelConfig, build_model
 from training.worker import Assignment, replay_round
@@ -80,18 +81,20 @@ class ModelRound:
         ), part)
 
     def outcome(self, slots: dict[bytes, int], p: float, replay: bool = True) -> RoundOutcome:
-        ctx = EpochContext(
+        return compute_outcome(
+            ctx=self.context(p, replay), round_row=self.row, seed=b"\x03" * 32,
+            submissions=self.store.submissions(1, 1), slots=slots, base_path=self.init_path, prev_outer_state=None,
+            store=self.store, checkpoints=TrainingCheckpoints(), aggregation=AggregationSettings(rule="mean"),
+        )
+
+    def context(self, p: float, replay: bool = True) -> EpochContext:
+        return EpochContext(
             chain_id=31337, registry=b"\x11" * 20, epoch=1, codec_name="fp32", codec=get_codec("fp32"),
             codec_error=CodecError, spec={n: tuple(t.shape) for n, t in self.base.items()}, n_rounds=4,
             round_length_s=60.0, outer_lr=0.5, outer_momentum=0.5, reward_per_round=POOL,
             initial_checkpoint=self.init_path, initial_sha256=self.init_sha, epoch_seed=SEED, model_factory=model,
             scoring=self.scoring, replay=ReplayData(model, INNER, self.windows, SEED, SLOTS) if replay else None,
             replay_probability=p,
-        )
-        return compute_outcome(
-            ctx=ctx, round_row=self.row, seed=b"\x03" * 32, submissions=self.store.submissions(1, 1), slots=slots,
-            base_path=self.init_path, prev_outer_state=None, store=self.store, checkpoints=TrainingCheckpoints(),
-            aggregation=AggregationSettings(rule="mean"),
         )
 
     def expected_score(self, u: dict[str, torch.Tensor], tau: float, n_live: int, slot: int, veto: bool) -> float:
@@ -175,3 +178,62 @@ def test_replay_comparison_measures_direction_and_length(windows: Windows, base:
     assert cos < 0.99  # another slot's round is not this one's
     cos2, _ = replay_comparison(data, 2, 2, base, own)  # the same update is not round 2's replay
     assert cos2 < 0.9999
+
+
+def trained_on(batch: tuple[torch.Tensor, torch.Tensor], base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a host that trained on `batch` (not its assignment) sends: Δ = θ_base − θ_local."""
+    m = model()
+    m.load_state_dict(base)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(8):
+        opt.zero_grad()
+        m.loss(*batch).backward()
+        opt.step()
+    return pseudo_gradient(base, dict(m.named_parameters()))
+
+
+def test_a_host_that_trained_on_the_heldout_windows_is_vetoed_unless_replayed(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    for i in (1, 2, 3):
+        rd.add(addr(i), replayed(windows, base, i), started=i)
+    rd.add(addr(4), trained_on(rd.scoring.heldout(1, rd.init_sha), base), started=9)
+    slots = {addr(i): i for i in (1, 2, 3, 4)}
+    out = rd.outcome(slots, p=0.0)
+    rows = {c.host: c for c in out.contributions}
+    assert rows[addr(4)].reasons[-1] == "vetoed: fits held-out data better than its assignment; not aggregated"
+    assert not rows[addr(4)].aggregated and rows[addr(4)].score <= 0.0 and out.aggregated == 3
+    assert all(rows[addr(i)].aggregated for i in (1, 2, 3))
+
+
+def test_scores_under_the_assignment_gap_rule_take_the_whole_clipped_update(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    ups = {addr(i): replayed(windows, base, i) for i in (1, 2)}
+    for i, (h, u) in enumerate(ups.items()):
+        rd.add(h, u, started=i)
+    ctx_rule = AggregationSettings(rule="mean", score_rule="assignment_gap")
+    out = compute_outcome(
+        ctx=rd.context(p=0.0), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
+        slots={addr(1): 1, addr(2): 2}, base_path=rd.init_path, prev_outer_state=None, store=rd.store,
+        checkpoints=TrainingCheckpoints(), aggregation=ctx_rule,
+    )
+    tau = float(np.median([norm(u) for u in ups.values()]))
+    heldout = rd.scoring.heldout(1, rd.init_sha)
+    for c in out.contributions:
+        u, slot = ups[c.host], int(c.host[0])
+        factor = torch.tensor(min(1.0, tau / norm(u)), dtype=torch.float32)
+        want = Scorer(model(), base, heldout, "assignment_gap").score(
+            {n: t * factor for n, t in u.items()}, rd.scoring.assigned(1, slot), veto=True
+        )
+        assert c.score == want.score
+
+
+def test_nothing_is_scored_when_every_host_has_left(tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    rd.add(addr(1), replayed(windows, base, 1), started=1)
+    out = rd.outcome({}, p=1.0)
+    assert [(c.score, c.reward, c.aggregated) for c in out.contributions] == [(0.0, 0, False)]
+    assert out.aggregated == 0 and out.heldout is None

@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from eth_utils import to_checksum_address
@@ -28,12 +29,15 @@ from gonka_node.aggregator.close import (
     public_tensors,
     score_step,
 )
+from gonka_node.aggregator.robust import aggregate
 from gonka_node.aggregator.rounds import EpochContext
+from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.config import AggregationSettings
 from training.checkpoint import load_checkpoint
 from training.codecs import CodecError, get_codec
+from training.data import Windows
 from training.hf_export import MODEL_CONFIG_KEY
 
 SPEC = {"b": (16,), "w": (16, 16)}
@@ -314,3 +318,50 @@ def test_json_reasons_round_trip(tmp_path: Path) -> None:
     rd.store.record_finalize_intent(1, 1, "finalizing", out.checkpoint_sha256, out.rewards_root, out.total_reward,
                                     out.rule, out.contributions)
     assert json.loads(json.dumps(rd.store.contributions(1, 1)[0].reasons)) == out.contributions[0].reasons
+
+
+@pytest.mark.parametrize(("rule", "iters"), [("clip_median", 3), ("centered_clip", 1), ("centered_clip", 3)])
+def test_the_epochs_rule_aggregates_with_the_stored_norms(tmp_path: Path, rule: str, iters: int) -> None:
+    rd = Round(tmp_path)
+    ups = {addr(i): honest(i) for i in (1, 2, 3)}
+    ups[addr(4)] = {n: 40 * t for n, t in honest(4).items()}  # one long update: the rules clip it
+    for i, (h, u) in enumerate(ups.items()):
+        rd.add(h, u, started=i)
+    settings = AggregationSettings(rule=rule, centered_clip_iters=iters)
+    out = rd.outcome({h: i for i, h in enumerate(ups)}, settings)
+    want = aggregate(rule, lambda: iter(sorted((h.hex(), u) for h, u in ups.items())),
+                     {h.hex(): norm(u) for h, u in ups.items()}, SPEC, iters).update
+    other = aggregate(rule, lambda: iter(sorted((h.hex(), u) for h, u in ups.items())),
+                      {h.hex(): norm(u) for h, u in ups.items()}, SPEC, 4 - iters).update
+    got = load_checkpoint(rd.store.update_path(1, 1)).tensors
+    for n in SPEC:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-7)
+    assert rule == "clip_median" or any(not torch.allclose(want[n], other[n], rtol=0, atol=1e-7) for n in SPEC)
+    assert out.rule == rule and out.aggregated == 4
+
+
+@pytest.mark.parametrize(("n_hosts", "fraction", "aggregated"), [(4, 0.25, 4), (3, 0.25, 0), (4, 0.0, 0)])
+def test_the_score_bar_applies_only_where_dissent_could_not_run(
+    tmp_path: Path, n_hosts: int, fraction: float, aggregated: int
+) -> None:
+    rd = Round(tmp_path)
+    for i in range(1, n_hosts + 1):
+        rd.add(addr(i), honest(i), started=i)
+    # Scoring is off (every update scores 1): a bar of 1 excludes them all, unless the dissent check ran.
+    out = rd.outcome({addr(i): i for i in range(1, n_hosts + 1)},
+                     AggregationSettings(rule="mean", min_score=1.0, consensus_fraction=fraction))
+    assert out.aggregated == aggregated
+    if not aggregated:
+        assert all(c.reasons[-1] == "score +1.00000 at or below 1.0: not aggregated" for c in out.contributions)
+
+
+def test_without_a_model_config_the_checkpoint_has_none_and_half_configured_scoring_is_off(tmp_path: Path) -> None:
+    rd = Round(tmp_path)
+    rd.add(addr(1), honest(1), started=1)
+    windows = Windows(np.arange(4000, dtype=np.int64) % 256, 8, heldout_fraction=0.1)
+    ctx = rd.ctx(model_config=None, scoring=ScoringData(windows, 1, 8, 2, 2))  # no model_factory
+    out = rd.outcome({addr(1): 0}, ctx=ctx)
+    ckpt = load_checkpoint(rd.store.checkpoint_path(1, 1))
+    assert MODEL_CONFIG_KEY not in ckpt.metadata and ckpt.metadata["rule"] == "mean"
+    assert out.heldout is None and out.contributions[0].score == 1.0
+    assert out.contributions[0].reasons[-1] == "scoring disabled for this epoch: every valid update scores 1"
