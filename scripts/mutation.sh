@@ -99,20 +99,25 @@ run_module() {  # name module tests globs
   dir=$(prepare_run "$name" "$module" "$tests")
   echo "== $name: $module against $tests"
   start=$(date +%s)
+  cut -d' ' -f1-3 /proc/loadavg >"$WORK/report/$name.load"
   # shellcheck disable=SC2086  # globs are mutmut name patterns, passed as words
-  (cd "$dir" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$WORK/venv/bin/mutmut" run --max-children "$JOBS" $globs \
-    >"$WORK/report/$name.log" 2>&1) || { tail -c 4000 "$WORK/report/$name.log"; return 1; }
+  (cd "$dir" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 /usr/bin/time -o "$WORK/report/$name.cpu" -f '%U %S' \
+    "$WORK/venv/bin/mutmut" run --max-children "$JOBS" $globs >"$WORK/report/$name.log" 2>&1) \
+    || { tail -c 4000 "$WORK/report/$name.log"; return 1; }
   end=$(date +%s)
+  cut -d' ' -f1-3 /proc/loadavg >>"$WORK/report/$name.load"
   report "$name" "$module" "$dir" "$globs" $((end - start))
 }
 
 report() {  # name module dir globs seconds
   local name=$1 module=$2 dir=$3 globs=$4 secs=$5 out=$WORK/report/$1.txt
   (cd "$dir" && "$WORK/venv/bin/mutmut" results --all true) >"$WORK/report/$name.results"
-  "$WORK/venv/bin/python" - "$WORK/report/$name.results" "$name" "$module" "$secs" "$globs" >"$out" <<'PY'
+  "$WORK/venv/bin/python" - "$WORK/report/$name.results" "$name" "$module" "$secs" "$globs" "$WORK/report/$name" >"$out" <<'PY'
 import fnmatch, sys
 from collections import Counter
 path, name, module, secs, globs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split()
+cpu = sum(float(x) for x in open(sys.argv[6] + ".cpu").read().split()[-2:])  # user + sys, all processes
+load = " → ".join(line.split()[0] for line in open(sys.argv[6] + ".load"))
 rows = [line.strip().rsplit(": ", 1) for line in open(path, encoding="utf-8") if ": " in line]
 rows = [(m, s) for m, s in rows if not globs or any(fnmatch.fnmatch(m, g) for g in globs)]
 count = Counter(s for _, s in rows)
@@ -120,7 +125,7 @@ detected = count["killed"] + count["timeout"]
 score = 100.0 * detected / len(rows) if rows else 0.0
 print(f"{name}: {module}: {len(rows)} mutants, {count['killed']} killed, {count['timeout']} timeouts, "
       f"{len(rows) - detected} not detected ({dict((k, v) for k, v in count.items() if k not in ('killed', 'timeout'))}); "
-      f"score {score:.1f}%; {secs // 60} min {secs % 60} s")
+      f"score {score:.1f}%; {secs // 60} min {secs % 60} s (CPU {cpu / 60:.1f} min, load {load})")
 for m, s in rows:
     if s not in ("killed", "timeout"):
         print(f"SURVIVOR {s}: {m}")
