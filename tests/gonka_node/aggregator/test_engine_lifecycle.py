@@ -5,16 +5,19 @@ an open round, a stale resubmission in the next round, and a round that needs tw
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sqlite3
 
 import pytest
 from agg_harness import AGGREGATOR
 from engine_kit import SECOND_AGGREGATOR, Kit, payload, update
+from eth_utils import to_checksum_address
 from test_engine_close import row, set_state, submit_all
 
 from chain.backends import RpcBackend
 from chain.client import ChainClient, round_result_hash
+from chain.merkle import RewardTree
 from chain.seed import new_secret, seed_commitment
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.metrics import PrometheusMetrics
@@ -220,3 +223,39 @@ def test_an_engine_is_its_signers_key(kit: Kit) -> None:
     e: RoundEngine = kit.engine(start=False)
     assert e.aggregator_key == bytes(e.signer.verify_key) and len(e.aggregator_key) == 32
     assert e.current is None and not e.closing and e._opening_failed == 0
+
+
+def test_a_retried_close_finishes_the_recorded_intent_and_never_recomputes_it(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    submit_all(kit, e, 3)
+    # An earlier attempt revealed the seed, recorded its intent (here: a skip) and failed before the
+    # chain heard of it.
+    secret = row(e).seed_secret
+    assert secret is not None
+    e.chain.reveal_seed(ep, 1, secret)
+    e.store.record_finalize_intent(ep, 1, "skipping", kit.world.init_sha, bytes(32), 0, "skipped", [])
+    kit.run(e.close(skip=False))
+    r1 = row(e)
+    assert (r1.state, r1.checkpoint_sha256, r1.total_reward) == ("skipped", kit.world.init_sha, 0)
+    assert kit.world.chain.client(0).round_result(ep, 1).checkpoint_sha256 == kit.world.init_sha
+
+
+def test_the_reward_tree_holds_the_paid_hosts_only_down_to_one_ngonka(kit: Kit) -> None:
+    e = kit.engine()
+    e.ctx = dataclasses.replace(e.ctx, reward_per_round=3)  # one ngonka each
+    ep = kit.world.epoch
+    a, b, c = kit.hosts
+    assert kit.submit(e, a, payload(update(1))).body.accepted
+    assert kit.submit(e, b, payload(update(2))).body.accepted
+    zero = payload({n: t * 0 for n, t in update(3).items()})  # excluded: paid nothing
+    assert kit.submit(e, c, zero).body.accepted
+    kit.run(e.tick())
+    r1 = row(e)
+    assert [(x.host, x.reward) for x in e.store.contributions(ep, 1)] == sorted(
+        [(a.address, 1), (b.address, 1), (c.address, 0)]
+    )
+    tree = e.reward_tree(1)
+    assert tree is not None and tree.root == r1.rewards_root
+    assert tree.root == RewardTree(e.ctx.chain_id, to_checksum_address(e.ctx.registry), ep, 1,
+                                   [(to_checksum_address(h.address), 1) for h in (a, b)]).root
