@@ -365,3 +365,13 @@ def test_without_a_model_config_the_checkpoint_has_none_and_half_configured_scor
     assert MODEL_CONFIG_KEY not in ckpt.metadata and ckpt.metadata["rule"] == "mean"
     assert out.heldout is None and out.contributions[0].score == 1.0
     assert out.contributions[0].reasons[-1] == "scoring disabled for this epoch: every valid update scores 1"
+
+
+def test_a_pool_too_small_to_pay_aggregates_and_commits_an_empty_root(tmp_path: Path) -> None:
+    rd = Round(tmp_path)
+    for i in (1, 2, 3):
+        rd.add(addr(i), honest(i), started=i)
+    out = rd.outcome({addr(i): i for i in (1, 2, 3)}, ctx=rd.ctx(reward_per_round=2))  # < 1 ngonka each
+    assert (out.aggregated, out.total_reward, out.rewards_root) == (3, 0, bytes(32))
+    assert [(c.reward, c.aggregated) for c in out.contributions] == [(0, True)] * 3
+    assert out.checkpoint_sha256 != rd.init_sha
