@@ -88,6 +88,13 @@ def _gas_cap(state: Any, transaction: Any) -> int:
     return int(max(0, min(state.gas_limit, spendable // fee)))
 
 
+def _tester_chain(provider: EthereumTesterProvider) -> Any:
+    """The py-evm chain behind an eth-tester provider (whose constructor always sets `ethereum_tester`)."""
+    tester = provider.ethereum_tester
+    assert tester is not None
+    return tester.backend.chain
+
+
 class _ChainIdCheckingProvider(EthereumTesterProvider):
     """eth-tester executes transactions signed for any chain; a real node does not. This one refuses
     them like geth/anvil do, so a transaction signed for another chain cannot be replayed here.
@@ -104,7 +111,7 @@ class _ChainIdCheckingProvider(EthereumTesterProvider):
     def _checked_request(self, method: RPCEndpoint, params: Any) -> RPCResponse:
         if method == "eth_sendRawTransaction":
             raw = bytes.fromhex(params[0][2:]) if isinstance(params[0], str) else bytes(params[0])
-            want = self.ethereum_tester.backend.chain.chain_id
+            want = _tester_chain(self).chain_id
             have = raw_tx_chain_id(raw)
             if have != want:
                 return {
@@ -129,7 +136,7 @@ class EmbeddedBackend:
         if self._w3 is None:
             self._provider = _ChainIdCheckingProvider()
             # Class and instance: eth-tester rebuilds the chain object (same class) on every revert.
-            chain = self._provider.ethereum_tester.backend.chain
+            chain = _tester_chain(self._provider)
             type(chain).gas_estimator = staticmethod(one_pass_gas_estimate)
             chain.gas_estimator = one_pass_gas_estimate
             self._w3 = Web3(self._provider)

@@ -18,7 +18,7 @@ from eth_utils import to_checksum_address
 from web3 import Web3
 from web3.contract import Contract
 from web3.logs import DISCARD
-from web3.types import EventData, TxReceipt
+from web3.types import EventData, TxReceipt, Wei
 
 from chain.artifacts import load_artifact
 from chain.backends import ChainBackend
@@ -201,7 +201,7 @@ class ChainClient:
 
     def transfer_eth(self, receiver: str, wei: int) -> TxReceipt:
         """Send native currency (what pays for gas) to `receiver`."""
-        return self.sender.send({"to": to_checksum_address(receiver), "value": wei})
+        return self.sender.send({"to": to_checksum_address(receiver), "value": Wei(wei)})
 
     def gnk_balance(self, owner: str | None = None) -> int:
         return int(self.read(self.gnk, "balanceOf", to_checksum_address(owner or self.address)))

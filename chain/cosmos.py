@@ -295,7 +295,7 @@ def _coins(amount_ngonka: int) -> list[Coin]:
 
 def _pack(message: object) -> ProtoAny:
     packed = ProtoAny()
-    packed.Pack(message, type_url_prefix="/")  # type: ignore[arg-type]  # Cosmos type URLs are "/pkg.Msg"
+    packed.Pack(message, type_url_prefix="/")  # Cosmos type URLs are "/pkg.Msg"
     return packed
 
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 from eth_abi import encode
 from web3 import Web3
@@ -78,7 +78,7 @@ class ChainServer:
     def url(self) -> str:
         if self._httpd is None:
             raise RuntimeError("server not started")
-        host, port = self._httpd.server_address[:2]
+        host, port = cast(tuple[str, int], self._httpd.server_address[:2])  # AF_INET: (host, port)
         return f"http://{host}:{port}"
 
     def start(self) -> ChainServer:

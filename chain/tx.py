@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import requests
 from eth_account.signers.local import LocalAccount
@@ -132,7 +132,7 @@ class TxSender:
         """The node's gas estimate; a revert is ChainRevert, any other refusal (the sender cannot pay for
         the transaction's value and gas, …) ChainRejected, whatever the backend."""
         try:
-            return int(translate_call(lambda: self.w3.eth.estimate_gas(tx)))  # type: ignore[arg-type]
+            return int(translate_call(lambda: self.w3.eth.estimate_gas(cast(TxParams, tx))))
         except (Web3RPCError, EthValidationError) as exc:
             error = (getattr(exc, "rpc_response", None) or {}).get("error")
             message = error.get("message") if isinstance(error, dict) else str(exc)
@@ -201,7 +201,7 @@ class TxSender:
             return ""
         call: dict[str, Any] = {"from": self.account.address, **tx}
         try:
-            self.w3.eth.call(call, block_identifier=max(receipt["blockNumber"] - 1, 0))  # type: ignore[arg-type]
+            self.w3.eth.call(cast(TxParams, call), block_identifier=max(receipt["blockNumber"] - 1, 0))
         except Exception as exc:
             return revert_reason(exc) or ""
         return "out of gas or reverted only in its block"

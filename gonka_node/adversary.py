@@ -162,9 +162,9 @@ def _malformed(view: RoundView) -> Outcome:
     try:
         call(iter([b"\xff\xff\xff\xff\x0f garbage"]), timeout=view.host.aggregator.timeout_s)
     except grpc.RpcError as exc:
-        trailing = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+        trailing = dict(exc.trailing_metadata() or ())
         return Outcome(view.info.round, "malformed", False,
-                       str(trailing.get("gonka-reason", "")) or exc.code().name)  # type: ignore[attr-defined]
+                       str(trailing.get("gonka-reason", "")) or exc.code().name)
     return Outcome(view.info.round, "malformed", True, "")
 
 
@@ -277,8 +277,9 @@ class AdversarialHost(HostNode):
         self.events.submitted(round_, False, "attempt made; its stream is still open", 0.0)
 
     def _train_and_submit(
-        self, worker: DiLoCoWorker, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
+        self, worker: DiLoCoWorker | None, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
     ) -> None:
+        assert worker is not None, "an adversarial host trains in one process (no rig)"
         before = copy.deepcopy(worker.state_dict())
         started = time.monotonic()
         outcomes = self.behaviour(RoundView(self, worker, gm, info))

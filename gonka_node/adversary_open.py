@@ -79,7 +79,7 @@ def served_update(view: RoundView) -> Tensors:
     try:
         data = view.host.aggregator.round_update(view.info.epoch, view.info.round - 1).data
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
             return view.zeros()
         raise
     served = load_safetensors(data)
@@ -238,8 +238,8 @@ def call_status(call: Any) -> tuple[str, str]:
     try:
         call.result()
     except grpc.RpcError as exc:
-        trailing = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
-        return exc.code().name, str(trailing.get("gonka-reason", ""))  # type: ignore[attr-defined]
+        trailing = dict(exc.trailing_metadata() or ())
+        return exc.code().name, str(trailing.get("gonka-reason", ""))
     return grpc.StatusCode.OK.name, ""
 
 

@@ -158,8 +158,9 @@ def submit_requests(
 def matched_noise(view: RoundView, delta: Tensors, scale: float = 1.0) -> Tensors:
     gen = torch.Generator().manual_seed(view.info.round * 7919 + int(view.host.host_bytes[0]))
     noise = {n: torch.randn(t.shape, generator=gen) for n, t in sorted(delta.items())}
-    norm_d = torch.sqrt(sum(t.double().square().sum() for t in delta.values()))
-    norm_n = torch.sqrt(sum(t.double().square().sum() for t in noise.values()))
+    zero = torch.zeros((), dtype=torch.float64)  # sum()'s start: 0 + t is t, so the bits are unchanged
+    norm_d = torch.sqrt(sum((t.double().square().sum() for t in delta.values()), zero))
+    norm_n = torch.sqrt(sum((t.double().square().sum() for t in noise.values()), zero))
     k = float(norm_d / norm_n) * scale
     return {n: noise[n] * k for n in delta}
 

@@ -259,7 +259,7 @@ def _drive(engine: RoundEngine, clock: DrivenClock, attempts: dict[int, Attempts
     while not all(f.done() for f in futures):
         for f in futures:
             if f.done() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+                raise f.exception()
         r = engine.current
         if r is not None and not engine.closing and all(r.round in a.rounds for a in attempts.values()):
             clock.offset = max(clock.offset, r.deadline_ms - now_ms() + 1)
@@ -307,9 +307,9 @@ def _report(plan: EpochPlan, stake: int, root: Path, store: Store, epoch: int, n
     if last is not None:
         model.load_state_dict(TrainingCheckpoints().load(store.checkpoint_path(epoch, last)))
     final = evaluate(model, windows.batches(held, 32))
-    adversaries = {to_checksum_address(n.keys.evm_address): plan.adversaries[i]
+    adversaries: dict[str, str] = {to_checksum_address(n.keys.evm_address): plan.adversaries[i]
                    for i, n in enumerate(nodes, start=1) if i in plan.adversaries}
-    outcomes = {to_checksum_address(n.keys.evm_address): n.outcomes
+    outcomes: dict[str, list[Outcome]] = {to_checksum_address(n.keys.evm_address): n.outcomes
                 for n in nodes if isinstance(n, AdversarialHost)}
     return EpochReport(final, initial, rewards, adversaries, outcomes, slashed, reasons,
                        round(time.monotonic() - started, 1), per_round, aggregated, closed, stake,

@@ -130,7 +130,8 @@ class AggregationSettings:
     replay_norm_tolerance: float = 0.1  # |update| / |replay| must lie within 1 ± this
 
     def __post_init__(self) -> None:
-        for epoch, rule in {None: self.rule, **self.per_epoch}.items():
+        rules: list[tuple[int | None, str]] = [(None, self.rule), *self.per_epoch.items()]
+        for epoch, rule in rules:
             if rule not in AGGREGATION_RULES:
                 where = "[aggregation] rule" if epoch is None else f"[aggregation.per_epoch] {epoch}"
                 raise ConfigError(f"{where} must be one of {', '.join(AGGREGATION_RULES)}, got {rule!r}")

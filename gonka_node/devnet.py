@@ -22,6 +22,7 @@ Every child process is stopped on the way out, whatever happened.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -421,7 +422,7 @@ def keep_serving(
     logs = ctx.out / "logs"
     for service in services:
         children.start(service.name, service.args(ctx), logs / f"{service.name}.log", child_env())
-        _wait(f"{service.name} to start", lambda s=service: s.ready(ctx), 120, children, logs)  # type: ignore[misc]
+        _wait(f"{service.name} to start", functools.partial(service.ready, ctx), 120, children, logs)
     say(f"serving until Ctrl-C: chain {ctx.chain_url} (deployment {ctx.deployment}, epoch {ctx.epoch})")
     say(f"aggregator: {ctx.aggregator} (TLS certificate {ctx.aggregator_cert}, also announced on chain)")
     for service in services:
@@ -488,13 +489,13 @@ def make_report(
                 "claimed_ngonka": host.gnk_balance() - before,
                 "per_round": {r: earned.get(str(r), 0) for r in range(1, opts.rounds + 1)},
             }
-    params = recipe.model.num_params()
-    allreduce = 4 * params * recipe.total_inner_steps
+    n_params = recipe.model.num_params()
+    allreduce = 4 * n_params * recipe.total_inner_steps
     report = {
         "epoch": epoch,
         "rounds": opts.rounds,
         "hosts": opts.hosts,
-        "params": params,
+        "params": n_params,
         "codec": opts.codec,
         "losses": losses,
         "bytes_per_host": bytes_per_host,

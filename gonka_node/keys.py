@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,7 +263,7 @@ def _refuse_existing(key_dir: Path, names: list[str] | tuple[str, ...]) -> None:
 
 
 def _write_key_files(
-    key_dir: Path, keys: NodeKeys, names: list[str], passphrase: str | None, kdf: KdfCost
+    key_dir: Path, keys: NodeKeys, names: Sequence[str], passphrase: str | None, kdf: KdfCost
 ) -> None:
     _make_private_dir(key_dir)
     documents = {
@@ -396,7 +396,7 @@ def load_evm_account(path: Path, passphrase: str | None = None) -> LocalAccount:
 
 
 def _check_keystore_cost(path: Path, crypto: Mapping[str, Any]) -> None:
-    params = crypto.get("kdfparams")
+    params: Any = crypto.get("kdfparams")  # anything at all: a wrong type is a malformed file below
     try:
         if crypto.get("kdf") == "scrypt":
             n, r, p = int(params["n"]), int(params["r"]), int(params["p"])

@@ -90,7 +90,7 @@ class Recipe:
                 micro_batch=self.micro_batch,
                 grad_accum=self.grad_accum,
                 seq_len=self.seq_len,
-                round_state=self.round_state,  # type: ignore[arg-type]
+                round_state=self.round_state,
             )
         except ValueError as exc:
             raise RecipeError(str(exc)) from exc

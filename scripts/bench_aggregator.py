@@ -55,6 +55,7 @@ def serve(n_hosts: int, workdir: Path) -> None:
     """The aggregator process: chain + epoch + server; prints its port, then its peak RSS on SIGTERM."""
     from eth_account import Account
     from nacl.signing import SigningKey as Key
+    from web3.types import Wei
 
     from chain.backends import EmbeddedBackend
     from chain.client import ChainClient
@@ -88,7 +89,7 @@ def serve(n_hosts: int, workdir: Path) -> None:
     for i in range(n_hosts):
         evm, node = host_keys(i)
         account = Account.from_key(evm)
-        gov.w3.eth.send_transaction({"from": dev[0].address, "to": account.address, "value": 10**18})
+        gov.w3.eth.send_transaction({"from": dev[0].address, "to": account.address, "value": Wei(10**18)})
         gov.transfer(account.address, reward)  # the stake rule: min_stake × p (1) covers the round's reward
         ChainClient(backend, account, deployment).connect().join(epoch, reward, bytes(node.verify_key))
     backend.increase_time(7201)

@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,10 +84,14 @@ def _globals(recipe: Recipe, work: Path, rounds: int) -> list[tuple[dict[str, to
     return out
 
 
+def _returns(path: Path) -> Callable[[], Path]:
+    return lambda: path
+
+
 def _local(recipe: Recipe, assignment: Assignment, work: Path, models: list[Any]) -> Run:
     rounds, run = LocalRounds(make_worker(recipe, assignment, work / "cache")), Run()
     for r, (params, path) in enumerate(models, start=1):
-        result = rounds.train_round(r, params, lambda p=path: p, lambda s, loss: run.losses.append(loss))
+        result = rounds.train_round(r, params, _returns(path), lambda s, loss: run.losses.append(loss))
         run.payloads.append(result.payload)
     return run
 

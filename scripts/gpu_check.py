@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,6 +33,7 @@ from training.model import Llama, ModelConfig
 def _fsdp(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     from training.inner import InnerConfig, InnerTrainer
     from training.plan import plan_rig
@@ -49,7 +50,7 @@ def _fsdp(args: argparse.Namespace) -> int:
     gen = torch.Generator(device=rig.device).manual_seed(rig.rank)
     with torch.no_grad():  # a throughput run: any sane weights (each shard its own draw)
         for p in model.parameters():
-            p.to_local().normal_(0.0, 0.02, generator=gen)
+            cast(DTensor, p).to_local().normal_(0.0, 0.02, generator=gen)  # shard_model made them DTensors
     steps = args.warmup + args.steps
     config = InnerConfig.fitted(steps=steps, lr=3e-4, warmup_steps=10, total_steps=steps + 1,
                                 micro_batch=args.micro_batch, grad_accum=rig.world_size, seq_len=seq)

@@ -22,6 +22,7 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   fi
 fi
 .venv/bin/ruff check .
+.venv/bin/mypy  # pyproject.toml [tool.mypy]: training, chain, gonka_node, scripts
 .venv/bin/python scripts/gen_proto.py --check
 .venv/bin/python scripts/build_contracts.py --check
 .venv/bin/python -m pytest "$@"

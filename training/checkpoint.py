@@ -84,7 +84,7 @@ def canonical_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
         digest.update(_u32(tensor.dim()) + b"".join(_u64(d) for d in tensor.shape))
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         digest.update(_u64(raw.numel()))
-        digest.update(raw.numpy())
+        digest.update(raw.numpy().data)
     return digest.hexdigest()
 
 
@@ -97,7 +97,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Write a temporary file in the same folder, fsync, rename, fsync the folder: readers see the old
     file or the new one, never half of one, even after a crash."""
     path.parent.mkdir(parents=True, exist_ok=True)

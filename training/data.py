@@ -136,7 +136,7 @@ def manifest_text(files: Sequence[CorpusFile], tokenizer: ByteTokenizer | None =
     return "\n".join(lines) + "\n"
 
 
-def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Concurrent builders (the processes of a rig) each write a temporary file and rename it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:

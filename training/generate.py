@@ -51,9 +51,10 @@ class KVCache:
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         old_k, old_v = self.keys[layer], self.values[layer]
-        self.keys[layer] = k if old_k is None else torch.cat((old_k, k), dim=2)
-        self.values[layer] = v if old_v is None else torch.cat((old_v, v), dim=2)
-        return self.keys[layer], self.values[layer]  # type: ignore[return-value]
+        new_k = k if old_k is None else torch.cat((old_k, k), dim=2)
+        new_v = v if old_v is None else torch.cat((old_v, v), dim=2)
+        self.keys[layer], self.values[layer] = new_k, new_v
+        return new_k, new_v
 
 
 def _cached_attention(
@@ -89,14 +90,14 @@ def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache) -> torch.
     cos, sin = rope_cos_sin(start + seq, model.config.head_dim, model.config.rope_theta, tokens.device)
     cos, sin = cos[start:], sin[start:]
     x = model.model.embed_tokens(tokens)
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.model.decoder_layers()):
         x = x + _cached_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, i)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.length = start + seq
     return model.lm_head(model.model.norm(x))
 
 
-def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
     """One token from a (vocab,) logits row."""
     if sampling.temperature == 0:
         return int(logits.argmax())

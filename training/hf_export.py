@@ -154,7 +154,7 @@ def tokenizer_files(cfg: ModelConfig) -> dict[str, dict[str, Any]]:
     """`tokenizer.json` and `tokenizer_config.json` for the byte vocabulary: token id = byte value."""
     symbols = byte_symbols()
     byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    tokenizer = {
+    tokenizer: dict[str, Any] = {
         "version": "1.0",
         "truncation": None,
         "padding": None,

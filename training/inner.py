@@ -114,7 +114,8 @@ class GradSync(Protocol):
     gradients, summed by all-reduce) or `training.sharded.ShardedSync` (FSDP2 reduce-scatters them:
     each process holds a shard)."""
 
-    world_size: int
+    @property
+    def world_size(self) -> int: ...
 
     def all_reduce_grads(self, params: list[nn.Parameter]) -> None: ...
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -234,6 +235,10 @@ class LlamaBody(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers` as what they are: an nn.ModuleList reads as plain Modules to a type checker."""
+        return cast(Sequence[DecoderLayer], self.layers)
 
 
 class Llama(nn.Module):

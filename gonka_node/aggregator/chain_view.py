@@ -18,41 +18,26 @@ from typing import Any, Protocol, TypeVar
 from eth_utils import to_checksum_address
 
 from chain.seed import seed_commitment
-from chain.types import RoundSeed
+from chain.types import AggregatorEndpoint, EpochInfo, HostInfo, RoundResult, RoundSeed
 
 T = TypeVar("T")
-
-
-class HostRecord(Protocol):
-    joined: bool
-    left: bool
-    slot: int
-    node_key: bytes
-    slashed: int
-
-
-class RoundRecord(Protocol):
-    checkpoint_sha256: bytes
-    rewards_root: bytes
-    n_contributors: int
-    total_reward: int
-
-    @property
-    def finalized(self) -> bool: ...
 
 
 class ChainReader(Protocol):
     """The part of `chain.ChainClient` the aggregator uses."""
 
-    def host_info(self, epoch: int, host: str) -> HostRecord: ...
+    @property
+    def address(self) -> str: ...
+
+    def host_info(self, epoch: int, host: str) -> HostInfo: ...
 
     def hosts(self, epoch: int) -> list[str]: ...
 
-    def get_epoch(self, epoch: int) -> Any: ...  # chain.types.EpochInfo: signin_end is read
+    def get_epoch(self, epoch: int) -> EpochInfo: ...
 
     def chain_time(self) -> int: ...
 
-    def round_result(self, epoch: int, round_: int) -> RoundRecord: ...
+    def round_result(self, epoch: int, round_: int) -> RoundResult: ...
 
     def finalize_round(
         self,
@@ -75,6 +60,14 @@ class ChainReader(Protocol):
     def reveal_round_seed(self, epoch: int, round_: int, secret: bytes) -> Any: ...
 
     def round_seed(self, epoch: int, round_: int) -> RoundSeed: ...
+
+    def aggregator_endpoints(self, epoch: int) -> list[AggregatorEndpoint]: ...
+
+    def announce_aggregator(self, epoch: int, endpoint: str, tls_cert_pem: bytes) -> Any: ...
+
+    def published_recipe(self, epoch: int) -> bytes | None: ...
+
+    def publish_recipe(self, epoch: int, recipe_json: bytes) -> Any: ...
 
 
 @dataclass(frozen=True)

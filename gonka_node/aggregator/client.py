@@ -155,7 +155,7 @@ class AggregatorClient:
 
     def _explain(self, exc: grpc.RpcError) -> None:
         # A failed TLS handshake is only ever UNAVAILABLE with a free-text detail: look instead.
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
             self.check_peer()
 
     def open_round(self) -> pb.RoundInfo:
@@ -222,8 +222,8 @@ def download(stream: Iterator[common.FileChunk]) -> Downloaded:
 
 
 def _rejected(exc: grpc.RpcError) -> SubmitRejected:
-    trailing = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+    trailing = dict(exc.trailing_metadata() or ())
     receipt = None
     if "gonka-receipt-bin" in trailing:
         receipt = pb.Receipt.FromString(trailing["gonka-receipt-bin"])
-    return SubmitRejected(exc.code(), str(trailing.get("gonka-reason", "")), exc.details() or "", receipt)  # type: ignore[attr-defined]
+    return SubmitRejected(exc.code(), str(trailing.get("gonka-reason", "")), exc.details() or "", receipt)

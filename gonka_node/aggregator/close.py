@@ -41,6 +41,7 @@ from training.checkpoint import atomic_write, fsync_path
 from training.diloco import OuterOptimizer
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
+from training.model import Llama
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.rounds import CheckpointIO, EpochContext
@@ -244,10 +245,10 @@ def heldout_losses(c: Closing, params: Mapping[str, Tensor]) -> tuple[float, flo
 
 
 @torch.no_grad()
-def _loss(model: torch.nn.Module, params: Mapping[str, Tensor], batch: tuple[Tensor, Tensor]) -> float:
+def _loss(model: Llama, params: Mapping[str, Tensor], batch: tuple[Tensor, Tensor]) -> float:
     for name, p in model.named_parameters():
         p.copy_(params[name])
-    return evaluate(model, [batch], autocast="off")  # type: ignore[arg-type]
+    return evaluate(model, [batch], autocast="off")
 
 
 def public_tensors(store: Store, epoch: int, round_: int, base: Mapping[str, Tensor]) -> list[Labelled]:

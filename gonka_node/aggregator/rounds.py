@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from eth_utils import to_checksum_address
 from nacl.signing import SigningKey
-from torch import Tensor, nn
+from torch import Tensor
 
 from chain.client import round_result_hash
 from chain.merkle import RewardTree
@@ -50,6 +50,7 @@ from gonka_node.aggregator.validate import Codec, check_update, decode_update
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.envelope import ReceiptBody, Submission
 from training.codecs import round_seed
+from training.model import Llama
 
 log = logging.getLogger(__name__)
 ZERO32 = bytes(32)
@@ -82,7 +83,7 @@ class EpochContext:
     initial_checkpoint: Path
     initial_sha256: bytes
     epoch_seed: int = 0  # the recipe's; codecs with shared per-round state derive it (round_seed)
-    model_factory: Callable[[], nn.Module] | None = None  # None: no scoring (every valid update counts)
+    model_factory: Callable[[], Llama] | None = None  # None: no scoring (every valid update counts)
     scoring: ScoringData | None = None
     # json.dumps(ModelConfig.to_dict()), stored in every checkpoint's metadata (training.hf_export's
     # MODEL_CONFIG_KEY) so clients export/sample a pulled checkpoint without the recipe; None: omitted.
@@ -171,10 +172,10 @@ class RoundEngine:
     def start(self) -> None:
         """Restore from disk: finish an interrupted finalization, else resume or open a round."""
         ctx = self.ctx
-        for row in self.store.rounds(ctx.epoch):
-            if row.state in ("finalizing", "skipping"):
-                log.info("resuming the finalization of round %d/%d", ctx.epoch, row.round)
-                self._finish(row)
+        for stored in self.store.rounds(ctx.epoch):
+            if stored.state in ("finalizing", "skipping"):
+                log.info("resuming the finalization of round %d/%d", ctx.epoch, stored.round)
+                self._finish(stored)
         row = self._resume_or_open()
         if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
+from gonka_node.aggregator.store import RoundRow
 from gonka_node.config import RoundSettings
 from gonka_node.envelope import EnvelopeError, Submission
 from gonka_node.tls import TlsIdentity, server_credentials
@@ -59,7 +61,7 @@ def receipt_pb(r: SignedReceipt, message: str = "") -> pb.Receipt:
     b = r.body
     return pb.Receipt(
         accepted=b.accepted,
-        reason=b.reason,
+        reason=cast(common.RejectReason, b.reason),  # a RejectReason number (the stubs want the enum type)
         message=message,
         chain_id=b.chain_id,
         registry=b.registry,
@@ -243,10 +245,11 @@ class AggregatorService(pb_grpc.AggregatorServicer):
         async for chunk in checkpoint_stream(self.engine, request.epoch, request.round, context):
             yield chunk
 
-    async def _done_round(self, epoch: int, round_: int, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def _done_round(self, epoch: int, round_: int, context: grpc.aio.ServicerContext) -> RoundRow:
         row = self.engine.store.get_round(epoch, round_)
         if row is None or row.state not in ("finalized", "skipped"):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"round {epoch}/{round_} is not finalized")
+            raise AssertionError("unreachable: abort raises")
         return row
 
 

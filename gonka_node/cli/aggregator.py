@@ -24,7 +24,7 @@ from gonka_node.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_iden
 log = logging.getLogger(__name__)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_verb(
         subparsers, "aggregator", help="run an aggregator: collect, check, combine and finalize rounds",
         examples=["gonka-node aggregator --config aggregator.toml --passphrase-file agg.pass"],

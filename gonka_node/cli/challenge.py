@@ -27,7 +27,7 @@ from gonka_node.cli.verbs import add_group, add_verb
 MAX_EVIDENCE_BYTES = 1 << 20
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     actions = add_group(
         subparsers, "challenge", help="challenge a host's stake with evidence and a bond; list, vote on, resolve challenges"
     )

@@ -316,7 +316,7 @@ def pull_checkpoint(
         tmp.unlink(missing_ok=True)
         raise CliError(
             f"--aggregator: StreamCheckpoint epoch {want.epoch} round {want.round} failed: "
-            f"{exc.code().name} {exc.details()}"  # type: ignore[attr-defined]
+            f"{exc.code().name} {exc.details()}"
         ) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -330,9 +330,11 @@ def _settle_metadata(path: Path, want: ChainCheckpoint, model: Any, model_source
     from safetensors import safe_open
 
     from training.hf_export import MODEL_CONFIG_KEY, ExportError, config_from_metadata
+    from training.model import ModelConfig
 
     with safe_open(str(path), framework="pt") as handle:
         metadata = dict(handle.metadata() or {})
+    claimed: ModelConfig | ExportError | None
     try:
         claimed = config_from_metadata(metadata)
     except ExportError as exc:

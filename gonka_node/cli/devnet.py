@@ -10,7 +10,7 @@ from gonka_node.cli import CliError
 from gonka_node.cli.verbs import add_verb
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES, codec_name
 
     p = add_verb(

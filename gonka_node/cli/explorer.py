@@ -14,7 +14,7 @@ from gonka_node.cli.chain import DEFAULT_DEPLOYMENT
 from gonka_node.cli.verbs import add_verb
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_verb(
         subparsers, "explorer", help="follow the chain into a local index and serve the network's pages and JSON API",
         examples=["gonka-node explorer --deployment devnet-out/deployment.json --port 8080"],

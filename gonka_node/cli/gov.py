@@ -22,7 +22,7 @@ from gonka_node.cli.verbs import add_group, add_verb
 VOTE_NEXT = "gonka-node gov vote --proposal N --support yes (voters), then gonka-node gov proposals"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     actions = add_group(subparsers, "gov", help="plan, schedule and fund epochs; slash; propose, vote, execute")
     _register_planning(actions)
     _register_actions(actions)

@@ -20,7 +20,7 @@ from gonka_node.cli.verbs import add_group, add_verb
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     run = add_verb(
         subparsers, "run", help="run a host: check, sign in, train every round, submit, get paid",
         examples=["gonka-node run --config host.toml --check   # preflight only: nothing is staked",
@@ -261,7 +261,7 @@ def _ledger(session: HostSession, say: Callable[[str], None]) -> list[Any]:
     try:
         return rewards(session.chain, session.aggregator(), session.epoch)
     except (TlsError, grpc.RpcError) as exc:
-        why = f"{exc.code().name}" if isinstance(exc, grpc.RpcError) else str(exc)  # type: ignore[attr-defined]
+        why = f"{exc.code().name}" if isinstance(exc, grpc.RpcError) else str(exc)
         say(f"note: the aggregator cannot be asked ({why}); unclaimed rewards come from the local state folder")
     snap = HostStore(session.cfg.state_dir).load()
     local = snap.progress.rewards if snap is not None and snap.progress.epoch == session.epoch else {}

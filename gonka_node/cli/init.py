@@ -95,7 +95,7 @@ round_state = "fresh"             # fresh: rounds can be replayed (needed for re
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES
 
     actions = add_group(subparsers, "init", help="write a commented host, aggregator or epoch template")

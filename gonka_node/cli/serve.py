@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from gonka_node.serve.server import ServeSettings
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_verb(
         subparsers, "serve", help="serve a chain-verified checkpoint over the OpenAI completions API",
         examples=["gonka-node serve --deployment deployment.json --epoch 1 --port 8000"],

@@ -20,7 +20,7 @@ from gonka_node.cli.verbs import add_verb
 WEI_PER_ETH = 10**18
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_verb(
         subparsers, "transfer", help="send GNK and/or ETH (for gas) from your account to an address",
         amounts=True,

@@ -26,7 +26,8 @@ class EventDecoder:
     def __init__(self, contracts: Mapping[str, Contract]) -> None:
         self._by_topic: dict[tuple[str, bytes], tuple[str, Any]] = {}
         for name, contract in contracts.items():
-            for event_type in contract.events:
+            # web3 annotates ContractEvents.__iter__ as returning an Iterable, which a plain `for` refuses.
+            for event_type in contract.events.__iter__():
                 event = event_type()
                 self._by_topic[(str(contract.address).lower(), bytes(HexBytes(event.topic)))] = (name, event)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable
+from typing import cast
 
 VOID = frozenset({"br", "hr", "img", "link", "meta", "input", "circle", "line", "rect", "path", "polyline"})
 
@@ -33,7 +34,7 @@ def _children(children: Iterable[object]) -> Iterable[Markup]:
         if isinstance(child, str | int | float):
             yield escape(child)
         else:
-            yield from _children(child)  # type: ignore[arg-type]
+            yield from _children(cast(Iterable[object], child))  # anything else is a nested list of children
 
 
 def _safe_url(url: str) -> bool:

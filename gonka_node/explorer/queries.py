@@ -40,7 +40,8 @@ def _ngonka(value: int) -> str:
 
 
 def _events(db: sqlite3.Connection, name: str, epoch: int | None = None, round_: int | None = None) -> list[EventRow]:
-    where, args = "name=?", [name]
+    where = "name=?"
+    args: list[str | int] = [name]
     if epoch is not None:
         where, args = where + " AND epoch=?", [*args, epoch]
     if round_ is not None:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,8 +84,8 @@ class Explorer:
         self._spawn("explorer-follow", self._follow)
         return self
 
-    def _spawn(self, name: str, target: object) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
+    def _spawn(self, name: str, target: Callable[[], object]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
 

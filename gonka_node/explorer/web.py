@@ -36,7 +36,7 @@ KEEPALIVE_S = 15.0
 SITE = web.AppKey("site", Site)
 DB_PATH = web.AppKey("db_path", Path)
 STOPPING = web.AppKey("stopping", asyncio.Event)
-ENDPOINTS = web.AppKey("endpoints", Callable)  # type: ignore[type-arg]
+ENDPOINTS: web.AppKey[Callable[[int], list[AggregatorEndpoint]]] = web.AppKey("endpoints")
 
 
 class BadRequest(ValueError):

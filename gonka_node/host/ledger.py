@@ -62,7 +62,7 @@ def _unclaimed(
     try:
         proof = aggregator.reward_proof(epoch, r, bytes.fromhex(chain.address[2:]))
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
             return RoundReward(r, 0, False, "aggregator")
         raise
     root = chain.round_result(epoch, r).rewards_root

@@ -51,7 +51,7 @@ def patiently(
         try:
             return call()
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
+            code = exc.code()
             if code not in RETRYABLE:
                 raise
             if said < 0 or waited - said >= 300:
@@ -328,7 +328,7 @@ class HostNode:
         try:
             return self._retrying(self.aggregator.open_round)
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
+            code = exc.code()
             if code == grpc.StatusCode.NOT_FOUND:
                 return None  # between rounds: the last one is closing
             if code in RETRYABLE:  # a daemon outlives an aggregator outage: keep polling, say so
@@ -337,13 +337,13 @@ class HostNode:
                 return None
             raise
 
-    def _retrying(self, call: Callable[[], object]):  # type: ignore[no-untyped-def]
+    def _retrying(self, call: Callable[[], T]) -> T:
         delay = self.settings.backoff_s
         for attempt in range(self.settings.submit_attempts):
             try:
                 return call()
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
+                code = exc.code()
                 if code not in RETRYABLE or attempt == self.settings.submit_attempts - 1:
                     raise
                 self.sleep(delay)

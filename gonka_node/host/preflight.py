@@ -12,6 +12,7 @@ not answer (an outage) rather than refusing to start; a wrong certificate stops 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def check_epoch(chain: ChainClient, epoch: int) -> str | None:
     return None
 
 
-def check_signin(plan: HostPlan, when: object) -> list[str]:
+def check_signin(plan: HostPlan, when: Callable[[int, int], str]) -> list[str]:
     """The sign-in checks (skipped by the caller when the host is already signed in)."""
     chain, epoch = plan.chain, plan.epoch
     info = chain.get_epoch(epoch)
@@ -57,7 +58,7 @@ def check_signin(plan: HostPlan, when: object) -> list[str]:
     if info.latest_round >= spec.n_rounds or info.ended:
         problems.append(f"epoch {epoch} has ended: set [host] epoch to an open one (gonka-node chain status)")
     elif now >= info.signin_end:
-        problems.append(f"epoch {epoch} closed sign-in {when(info.signin_end, now)}: "  # type: ignore[operator]
+        problems.append(f"epoch {epoch} closed sign-in {when(info.signin_end, now)}: "
                         "join a later epoch (gonka-node chain status lists them)")
     elif info.n_hosts >= spec.max_hosts:
         problems.append(f"epoch {epoch} is full ({info.n_hosts} of {spec.max_hosts} slots): join another epoch")

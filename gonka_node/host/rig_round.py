@@ -332,9 +332,9 @@ def build_rig_worker(setup: RigSetup, rig: Rig) -> tuple[RoundWorker, str]:
     mesh = init_device_mesh(rig.device.type, (rig.world_size,))
     shard_model(model, mesh, ShardOptions(checkpoint_activations=setup.checkpoint_activations, compile=setup.compile))
     model.to_empty(device=rig.device)
-    worker = ShardedWorker(model, recipe.inner_config(), get_codec(recipe.codec), recipe.windows(cache), assignment,
-                           rig, recipe.ef_decay)
-    return worker, "sharded"
+    sharded = ShardedWorker(model, recipe.inner_config(), get_codec(recipe.codec), recipe.windows(cache), assignment,
+                            rig, recipe.ef_decay)
+    return sharded, "sharded"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

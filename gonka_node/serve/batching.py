@@ -35,8 +35,9 @@ class SlotCache:
 
     def store(self, slot: int, cache: KVCache, row: int) -> None:
         for layer, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            self.keys[layer][slot, :, : cache.length] = k[row]  # type: ignore[index]
-            self.values[layer][slot, :, : cache.length] = v[row]  # type: ignore[index]
+            assert k is not None and v is not None, "a prefill fills every layer"
+            self.keys[layer][slot, :, : cache.length] = k[row]
+            self.values[layer][slot, :, : cache.length] = v[row]
 
 
 @torch.no_grad()
@@ -63,7 +64,7 @@ def decode(model: Llama, cache: SlotCache, slots: list[int], positions: list[int
     cos = cache.cos[position_index][:, None, None, :]
     sin = cache.sin[position_index][:, None, None, :]
     x = model.model.embed_tokens(torch.tensor(tokens, device=device)[:, None])
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.model.decoder_layers()):
         where = _Rows(cache.keys[i], cache.values[i], slot_index, position_index, span, mask)
         x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, where)
         x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -76,6 +76,11 @@ class Sequence:
         self.context = list(self.prompt)
         self._config = self.params.config()
 
+    def held_slot(self) -> int:
+        """The cache slot of a running sequence (given when it was admitted)."""
+        assert self.slot is not None, "a running sequence holds a slot"
+        return self.slot
+
 
 class BatchEngine:
     def __init__(self, model: Llama, *, max_batch: int, max_waiting: int, name: str = "engine") -> None:
@@ -200,7 +205,7 @@ class BatchEngine:
             by_length[min(len(sequence.context), window)].append(sequence)
         rows: list[tuple[Sequence, torch.Tensor]] = []
         for length, group in by_length.items():
-            logits = prefill(self.model, self._cache, [s.slot for s in group],  # type: ignore[misc]
+            logits = prefill(self.model, self._cache, [s.held_slot() for s in group],
                              [s.context[-length:] for s in group])
             for sequence in group:
                 sequence.position = length
@@ -211,7 +216,7 @@ class BatchEngine:
         if not sequences:
             return []
         logits = decode(
-            self.model, self._cache, [s.slot for s in sequences],  # type: ignore[misc]
+            self.model, self._cache, [s.held_slot() for s in sequences],
             [s.position for s in sequences], [s.context[-1] for s in sequences],
         )
         for sequence in sequences:
@@ -219,7 +224,7 @@ class BatchEngine:
         return list(zip(sequences, logits, strict=True))
 
     def _emit(self, sequence: Sequence, logits: torch.Tensor) -> None:
-        token = pick(logits, sequence.params, sequence._config, sequence._generator)  # type: ignore[arg-type]
+        token = pick(logits, sequence.params, sequence._config, sequence._generator)
         sequence.context.append(token)
         sequence.generated += 1
         if token == sequence.stop_token:

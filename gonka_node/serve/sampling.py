@@ -48,7 +48,9 @@ def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
     return logits.masked_fill(drop, float("-inf"))
 
 
-def pick(logits: torch.Tensor, params: SamplingParams, config: SamplingConfig, generator: torch.Generator) -> int:
+def pick(
+    logits: torch.Tensor, params: SamplingParams, config: SamplingConfig, generator: torch.Generator | None
+) -> int:
     """One token from a (vocab,) logits row."""
     if params.top_p < 1.0 and params.temperature > 0:
         logits = nucleus(logits, params.temperature, params.top_p)

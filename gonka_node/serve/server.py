@@ -151,8 +151,11 @@ def start_model_server(
     API; returns once the first verified checkpoint is served. Raises CliError (a one-line reason) if
     the chain, the checkpoint or its verification fails, ListenError if the port cannot be bound."""
     settings = settings or ServeSettings()
-    temporary = None if cache_dir is not None else tempfile.TemporaryDirectory(prefix="gonka-serve-")
-    source = CheckpointSource(deployment, epoch, cache_dir or Path(temporary.name),  # type: ignore[union-attr]
+    temporary = None
+    if cache_dir is None:
+        temporary = tempfile.TemporaryDirectory(prefix="gonka-serve-")
+        cache_dir = Path(temporary.name)
+    source = CheckpointSource(deployment, epoch, cache_dir,
                               rpc_url, recipe, aggregator, tls_cert)
     device = settings.resolved_device()
     try:
