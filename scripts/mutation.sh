@@ -4,6 +4,7 @@
 #
 #   bash scripts/mutation.sh                 # every module below
 #   bash scripts/mutation.sh codecs follow   # some of them
+#   MUTANTS='*ǁauthenticate__* *ǁsubmit__*' bash scripts/mutation.sh rounds   # some functions of one module
 #
 # mutmut lives in its own throwaway venv (.mutation/venv, pinned below), so the project's pinned tree
 # is untouched; that venv sees the project's packages (torch, web3, ...) through a .pth file, but not
@@ -144,7 +145,7 @@ main() {
   for line in "${MODULES[@]}"; do
     IFS='|' read -r name module tests globs <<<"$line"
     if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " =~ " $name " ]]; then continue; fi
-    run_module "$name" "$module" "$tests" "$globs"
+    run_module "$name" "$module" "$tests" "${MUTANTS:-$globs}"
   done
   echo "== summary"
   for line in "${MODULES[@]}"; do
