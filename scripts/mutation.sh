@@ -34,7 +34,7 @@ MODULES=(
   # close.py: compute_outcome and its checks on constructed rounds (no chain), with a micro model for
   # the replay, the scores and the held-out losses; replay.py: the verdict, the pick, the comparison.
   "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
-  "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
+  "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_replay_pick.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
 )
 
 setup_venv() {
