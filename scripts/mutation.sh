@@ -29,8 +29,13 @@ MODULES=(
   "merkle|chain/merkle.py|tests/chain/test_merkle.py tests/chain/test_merkle_refusals.py|"
   "follow|gonka_node/host/follow.py|tests/gonka_node/host/test_follow.py|"
   # The round engine, every function, against its server-less unit tests (engine_kit.py: a real store
-  # and the embedded chain, deployed once in the fork server and inherited by every mutant's run).
-  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py|"
+  # and the embedded chain, deployed once in the fork server and inherited by every mutant's run), in
+  # three disjoint parts: acceptance against the acceptance tests only (each of its mutants otherwise
+  # runs the close tests too, which submit), the close, and the rest (opening, resuming, the engine's
+  # state).
+  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py|*ǁauthenticate__mutmut_* *ǁ_digest_owner__mutmut_* *ǁstream_guard__mutmut_* *ǁsubmit__mutmut_* *ǁ_check__mutmut_* *ǁreceipt__mutmut_* *ǁcodec_for__mutmut_*"
+  "rounds-close|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py|*ǁtick__mutmut_* *ǁclose__mutmut_* *ǁ_close_sync__mutmut_* *ǁ_finish__mutmut_* *ǁ_own_vote__mutmut_* *ǁ_everyone_submitted__mutmut_* *ǁ_signin_closed__mutmut_* *ǁ_revealed_seed__mutmut_* *ǁ_note_close_failure__mutmut_* *ǁ_report_closed__mutmut_* *ǁ_compute__mutmut_* *ǁ_prev_outer_state__mutmut_* *ǁ_open_next__mutmut_* *ǁreward_tree__mutmut_* *ǁrun__mutmut_* *.x__tx_bytes__mutmut_*"
+  "rounds-rest|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py|*ǁ__init____mutmut_* *ǁstart__mutmut_* *ǁ_resume_or_open__mutmut_* *ǁbase_path__mutmut_* *ǁ_open_after__mutmut_* *ǁ_commit__mutmut_* *ǁ_activate__mutmut_* *.x_clock_text__mutmut_*"
   # close.py: compute_outcome and its checks on constructed rounds (no chain), with a micro model for
   # the replay, the scores and the held-out losses; replay.py: the verdict, the pick, the comparison.
   "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"

@@ -38,3 +38,13 @@ def test_everyone_at_one_nobody_at_zero_or_below_and_bytes_out() -> None:
     got = chosen_for_replay(1.0, SEED, 1, [bytearray(h) for h in HOSTS[:3]])
     assert got == set(HOSTS[:3]) and all(type(h) is bytes for h in got)
     assert chosen_for_replay(0.5, SEED, 1, [bytearray(h) for h in HOSTS]) == chosen_for_replay(0.5, SEED, 1, HOSTS)
+
+
+def test_a_draw_exactly_at_the_bar_is_not_picked() -> None:
+    # A host whose draw is exactly representable as a float: p = draw / 2^64 puts the bar right on it.
+    host = next(h for h in (i.to_bytes(20, "big") for i in range(1, 200_000))
+                if float(draw(SEED, 5, h)) == draw(SEED, 5, h) and draw(SEED, 5, h) > 0)
+    at = draw(SEED, 5, host)
+    assert int(at / 2**64 * 2**64) == at
+    assert chosen_for_replay(at / 2**64, SEED, 5, [host]) == set()  # strictly below the bar
+    assert chosen_for_replay((at + 2**12) / 2**64, SEED, 5, [host]) == {host}
