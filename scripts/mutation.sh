@@ -139,7 +139,8 @@ PY
   head -1 "$out"
   # Diffs of the survivors only (a module's "no tests" mutants are listed by name above).
   grep '^SURVIVOR survived' "$out" | while read -r _ _ mutant; do
-    (cd "$dir" && "$WORK/venv/bin/mutmut" show "$mutant") >>"$out" 2>&1 || true
+    # </dev/null: `mutmut show` must not read the survivor list this loop reads.
+    (cd "$dir" && "$WORK/venv/bin/mutmut" show "$mutant" </dev/null) >>"$out" 2>&1 || true
   done
 }
 

@@ -237,3 +237,13 @@ def test_nothing_is_scored_when_every_host_has_left(tmp_path: Path, windows: Win
     out = rd.outcome({}, p=1.0)
     assert [(c.score, c.reward, c.aggregated) for c in out.contributions] == [(0.0, 0, False)]
     assert out.aggregated == 0 and out.heldout is None
+
+
+def test_a_short_replay_is_compared_by_ratio_not_clamped(windows: Windows, base: dict[str, torch.Tensor]) -> None:
+    gentle = InnerConfig(steps=2, lr=1e-5, warmup_steps=0, total_steps=6, micro_batch=4, seq_len=SEQ,
+                         round_state="fresh")
+    data = ReplayData(model, gentle, windows, SEED, SLOTS)
+    own = replay_round(model(), gentle, windows, Assignment(SEED, 3, SLOTS), 1, base)
+    assert 0 < norm(own) < 1  # a replay shorter than 1: the ratio is still |update| / |replay|
+    cos, ratio = replay_comparison(data, 1, 3, base, {n: 0.5 * t for n, t in own.items()})
+    assert cos == pytest.approx(1.0, abs=1e-9) and ratio == pytest.approx(0.5, rel=1e-9)
