@@ -16,7 +16,7 @@ from stdlib_corpus import small_corpus_bytes
 
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.close import RoundOutcome, compute_outcome, score_step
-from gonka_node.aggregator.replay import ReplayData, chosen_for_replay, replay_comparison
+from gonka_node.aggregator.replay import ReplayData, chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import Scorer, ScoringData
 from gonka_node.aggregator.store import Store, SubmissionRow
@@ -247,3 +247,12 @@ def test_a_short_replay_is_compared_by_ratio_not_clamped(windows: Windows, base:
     assert 0 < norm(own) < 1  # a replay shorter than 1: the ratio is still |update| / |replay|
     cos, ratio = replay_comparison(data, 1, 3, base, {n: 0.5 * t for n, t in own.items()})
     assert cos == pytest.approx(1.0, abs=1e-9) and ratio == pytest.approx(0.5, rel=1e-9)
+
+
+def test_a_replay_that_comes_out_zero_has_an_infinite_ratio(windows: Windows, base: dict[str, torch.Tensor]) -> None:
+    zeros = {n: torch.zeros_like(t) for n, t in base.items()}  # every gradient is exactly zero: no step
+    data = ReplayData(model, INNER, windows, SEED, SLOTS)
+    assert norm(replay_round(model(), INNER, windows, Assignment(SEED, 1, SLOTS), 1, zeros)) == 0.0
+    cos, ratio = replay_comparison(data, 1, 1, zeros, replayed(windows, base, 1))
+    assert ratio == float("inf") and cos == 0.0
+    assert not verdict(1, 1, cos, ratio, 0.9, 0.1)[0]
