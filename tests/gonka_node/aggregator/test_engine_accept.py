@@ -25,6 +25,7 @@ from gonka_node.aggregator.rounds import RoundEngine, clock_text
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.envelope import Submission
 from gonka_node.slashing import KIND_COPY, KIND_GARBAGE
+from training.codecs import get_codec
 
 P1 = payload(update(1))
 
@@ -306,3 +307,8 @@ def test_the_stream_guard_ends_with_the_round(kit: Kit) -> None:
 
 def test_the_spec_is_the_models(kit: Kit) -> None:
     assert dict(kit.engine(start=False).ctx.spec) == SPEC
+
+
+def test_a_shared_state_codec_is_seeded_per_round_from_the_epoch_seed(kit: Kit) -> None:
+    ctx = dataclasses.replace(kit.context(), codec=get_codec("mask"), codec_name="mask", epoch_seed=5)
+    assert [ctx.codec_for(r).seed for r in (1, 2)] == [5 * 1_000_003 + 1, 5 * 1_000_003 + 2]  # type: ignore[attr-defined]
