@@ -256,3 +256,26 @@ def test_a_replay_that_comes_out_zero_has_an_infinite_ratio(windows: Windows, ba
     cos, ratio = replay_comparison(data, 1, 1, zeros, replayed(windows, base, 1))
     assert ratio == float("inf") and cos == 0.0
     assert not verdict(1, 1, cos, ratio, 0.9, 0.1)[0]
+
+
+def test_a_host_whose_replay_passed_is_not_excluded_by_a_statistic(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    for i in (1, 2, 3):
+        rd.add(addr(i), replayed(windows, base, i), started=i)
+    slots = {addr(i): i for i in (1, 2, 3)}
+    strict = AggregationSettings(rule="mean", mix_residual=0.99)  # a bar every honest update fails
+
+    def outcome(p: float) -> RoundOutcome:
+        return compute_outcome(
+            ctx=rd.context(p), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
+            slots=slots, base_path=rd.init_path, prev_outer_state=None, store=rd.store,
+            checkpoints=TrainingCheckpoints(), aggregation=strict,
+        )
+
+    unchecked = outcome(0.0)
+    assert any(c.reasons[0].startswith("mix: ") and not c.aggregated for c in unchecked.contributions)
+    checked = outcome(1.0)  # each replay reproduced its host's update: the mix statistic does not apply
+    assert all(c.aggregated and c.reasons[0].startswith("replay: ") for c in checked.contributions)
+    assert not any(r.startswith("mix: ") for c in checked.contributions for r in c.reasons)
