@@ -35,7 +35,7 @@ from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.config import AggregationSettings
-from training.checkpoint import load_checkpoint
+from training.checkpoint import CheckpointError, load_checkpoint
 from training.codecs import CodecError, get_codec
 from training.data import Windows
 from training.hf_export import MODEL_CONFIG_KEY
@@ -375,3 +375,34 @@ def test_a_pool_too_small_to_pay_aggregates_and_commits_an_empty_root(tmp_path: 
     assert (out.aggregated, out.total_reward, out.rewards_root) == (3, 0, bytes(32))
     assert [(c.reward, c.aggregated) for c in out.contributions] == [(0, True)] * 3
     assert out.checkpoint_sha256 != rd.init_sha
+
+
+def test_a_base_checkpoint_changed_on_disk_is_refused(tmp_path: Path) -> None:
+    rd = Round(tmp_path)
+    rd.add(addr(1), honest(1), started=1)
+    TrainingCheckpoints().save(rd.init_path, noise(3), {"round": "0"})  # not the round's base any more
+    with pytest.raises(CheckpointError):
+        rd.outcome({addr(1): 0})
+    assert not rd.store.checkpoint_path(1, 1).exists()
+
+
+def test_last_rounds_aggregate_sent_as_an_update_is_a_reuse_of_public_tensors(tmp_path: Path) -> None:
+    rd = Round(tmp_path)
+    rd.add(addr(1), honest(1), started=1)
+    rd.add(addr(2), honest(2), started=2)
+    settings = AggregationSettings(rule="mean", consensus_fraction=0.0)
+    first = rd.outcome({addr(1): 0, addr(2): 1, addr(3): 2}, settings)
+    rd.store.record_finalize_intent(1, 1, "finalizing", first.checkpoint_sha256, first.rewards_root,
+                                    first.total_reward, "mean", first.contributions)
+    rd.store.mark_finalized(1, 1, b"")
+    rd.round, rd.init_path = 2, rd.store.checkpoint_path(1, 1)
+    rd.row = rd.store.open_round(1, 2, first.checkpoint_sha256, 10**13)
+    rd.add(addr(1), honest(11), started=11)
+    rd.add(addr(2), honest(12), started=12)
+    rd.add(addr(3), load_checkpoint(rd.store.update_path(1, 1)).tensors, started=13)  # round 1's aggregate
+    out = rd.outcome({addr(1): 0, addr(2): 1, addr(3): 2}, settings)
+    rows = {c.host: c for c in out.contributions}
+    assert rows[addr(3)].reasons[0].startswith(
+        "mix: sketch residual 0.0000 outside the span of public tensors (the base model, round 1's aggregate)"
+    )
+    assert not rows[addr(3)].aggregated and out.aggregated == 2

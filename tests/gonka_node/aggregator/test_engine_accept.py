@@ -312,3 +312,18 @@ def test_the_spec_is_the_models(kit: Kit) -> None:
 def test_a_shared_state_codec_is_seeded_per_round_from_the_epoch_seed(kit: Kit) -> None:
     ctx = dataclasses.replace(kit.context(), codec=get_codec("mask"), codec_name="mask", epoch_seed=5)
     assert [ctx.codec_for(r).seed for r in (1, 2)] == [5 * 1_000_003 + 1, 5 * 1_000_003 + 2]  # type: ignore[attr-defined]
+
+
+def test_the_receipt_gives_the_stored_receive_time(kit: Kit) -> None:
+    e = kit.engine()
+    h = kit.hosts[0]
+    base = kit.clock.ms
+
+    def ticking() -> int:  # every read of the clock is a millisecond later than the one before
+        kit.clock.ms += 1
+        return kit.clock.ms
+
+    e.clock = ticking
+    receipt = kit.submit(e, h, P1)
+    [row] = e.store.submissions(kit.world.epoch, 1)
+    assert receipt.body.received_ms == row.received_ms > row.started_ms > base
