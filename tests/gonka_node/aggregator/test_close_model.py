@@ -279,3 +279,18 @@ def test_a_host_whose_replay_passed_is_not_excluded_by_a_statistic(
     checked = outcome(1.0)  # each replay reproduced its host's update: the mix statistic does not apply
     assert all(c.aggregated and c.reasons[0].startswith("replay: ") for c in checked.contributions)
     assert not any(r.startswith("mix: ") for c in checked.contributions for r in c.reasons)
+
+
+def test_updates_shorter_than_one_are_scored_at_their_length(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    ups = {addr(i): {n: 0.01 * t for n, t in replayed(windows, base, i).items()} for i in (1, 2)}
+    for i, (h, u) in enumerate(ups.items()):
+        rd.add(h, u, started=i)
+    assert all(0 < norm(u) < 1 for u in ups.values())
+    out = rd.outcome({addr(1): 1, addr(2): 2}, p=0.0)
+    tau = float(np.median([norm(u) for u in ups.values()]))
+    for c in out.contributions:
+        want = rd.expected_score(ups[c.host], tau, 2, int(c.host[0]), veto=True)
+        assert c.score == want != 0.0

@@ -406,3 +406,11 @@ def test_last_rounds_aggregate_sent_as_an_update_is_a_reuse_of_public_tensors(tm
         "mix: sketch residual 0.0000 outside the span of public tensors (the base model, round 1's aggregate)"
     )
     assert not rows[addr(3)].aggregated and out.aggregated == 2
+
+
+def test_the_epochs_own_rule_overrides_the_default(tmp_path: Path) -> None:
+    rd = Round(tmp_path)
+    for i in (1, 2):
+        rd.add(addr(i), honest(i), started=i)
+    out = rd.outcome({addr(1): 0, addr(2): 1}, AggregationSettings(rule="mean", per_epoch={1: "clip_median"}))
+    assert out.rule == "clip_median" and load_checkpoint(rd.store.checkpoint_path(1, 1)).metadata["rule"] == "clip_median"
