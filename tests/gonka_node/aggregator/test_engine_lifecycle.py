@@ -259,3 +259,19 @@ def test_the_reward_tree_holds_the_paid_hosts_only_down_to_one_ngonka(kit: Kit) 
     assert tree is not None and tree.root == r1.rewards_root
     assert tree.root == RewardTree(e.ctx.chain_id, to_checksum_address(e.ctx.registry), ep, 1,
                                    [(to_checksum_address(h.address), 1) for h in (a, b)]).root
+
+
+def test_the_signin_window_is_closed_from_its_end_time_on(kit: Kit) -> None:
+    e = kit.engine(kit.world.epoch3)
+    backend = kit.world.chain.backend
+    end = kit.world.chain.client(0).get_epoch(kit.world.epoch3).signin_end
+    with backend.lock:
+        backend.tester.time_travel(end - 1)
+        backend.tester.mine_blocks(1)
+    assert kit.world.chain.client(0).chain_time() == end - 1
+    assert not kit.run(e._signin_closed(kit.world.epoch3))
+    with backend.lock:
+        backend.tester.time_travel(end)
+        backend.tester.mine_blocks(1)
+    assert kit.world.chain.client(0).chain_time() == end
+    assert kit.run(e._signin_closed(kit.world.epoch3)) and e._signin_closed_seen
