@@ -133,7 +133,9 @@ def test_four_honest_hosts_are_aggregated_stepped_and_paid_equally(tmp_path: Pat
     assert ckpt.metadata == {
         "epoch": "1", "round": "1", "base_sha256": rd.init_sha.hex(), "rule": "mean", MODEL_CONFIG_KEY: '{"dim": 16}'
     }
-    agg = load_checkpoint(rd.store.update_path(1, 1)).tensors
+    agg_file = load_checkpoint(rd.store.update_path(1, 1))
+    assert agg_file.metadata == ckpt.metadata  # the aggregate says which round and base it belongs to
+    agg = agg_file.tensors
     for n in SPEC:
         torch.testing.assert_close(agg[n], mean[n], rtol=0, atol=1e-7)
     sketch = rd.store.update_path(1, 1).with_suffix(".sketch").read_bytes()
@@ -270,12 +272,12 @@ def closing(tmp_path: Path, hosts: list[bytes], min_score: float = 0.0) -> Closi
 
 
 def test_the_gate_excludes_vetoes_and_scores_at_or_below_the_bar_only_without_dissent(tmp_path: Path) -> None:
-    a, b, c, d, e = (addr(k) for k in range(1, 6))
-    cl = closing(tmp_path, [a, b, c, d, e], min_score=0.25)
-    cl.vetoed = {b, e}
-    cl.replayed = {e}
+    z, a, b, c, d, e = (addr(k) for k in range(0, 6))
+    cl = closing(tmp_path, [z, a, b, c, d, e], min_score=0.25)
+    cl.vetoed = {z, b, e}
+    cl.replayed = {z, e}  # replayed hosts are passed over, wherever they come in the round
     cl.excluded = {d}
-    scores = {a: 0.25, b: 1.0, c: 0.2500001, d: -1.0, e: -1.0}
+    scores = {z: -1.0, a: 0.25, b: 1.0, c: 0.2500001, d: -1.0, e: -1.0}
     assert gate(cl, scores, consensus_checked=False) == {
         a: "score +0.25000 at or below 0.25: not aggregated",
         b: "vetoed: fits held-out data better than its assignment; not aggregated",
