@@ -9,11 +9,13 @@ and checked against what it keeps in storage (hashes).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from eth_account.signers.local import LocalAccount
+from eth_typing import HexStr
 from eth_utils import to_checksum_address
 from web3 import Web3
 from web3.contract import Contract
@@ -22,7 +24,7 @@ from web3.types import EventData, TxReceipt, Wei
 
 from chain.artifacts import load_artifact
 from chain.backends import ChainBackend
-from chain.errors import ChainError, DeploymentError
+from chain.errors import BeaconNotReady, ChainError, DeploymentError
 from chain.tx import TxSender, translate_call
 from chain.types import (
     CHALLENGE_STATUSES,
@@ -32,6 +34,7 @@ from chain.types import (
     Deployment,
     EpochInfo,
     EpochSpec,
+    EpochState,
     HostInfo,
     Proposal,
     RoundResult,
@@ -139,8 +142,12 @@ class ChainClient:
     # ------------------------------------------------------------------ plumbing
 
     def transact(self, contract: Contract, fn: str, *args: Any) -> TxReceipt:
-        data = contract.encode_abi(fn, args=list(args))
-        return self.sender.send({"to": contract.address, "data": data})
+        return self.send(self.encode(contract, fn, *args))
+
+    def send(self, action: Action) -> TxReceipt:
+        """Send one call from this account: the same `Action` a governance proposal would carry."""
+        data = HexStr("0x" + action.calldata.hex())
+        return self.sender.send({"to": to_checksum_address(action.target), "data": data})
 
     def read(self, contract: Contract, fn: str, *args: Any) -> Any:
         return translate_call(lambda: getattr(contract.functions, fn)(*args).call())
@@ -191,7 +198,7 @@ class ChainClient:
     # ------------------------------------------------------------------ GNK
 
     def mint(self, receiver: str, amount: int) -> TxReceipt:
-        return self.transact(self.gnk, "mint", to_checksum_address(receiver), amount)
+        return self.send(self.action_mint(receiver, amount))
 
     def approve(self, spender: str, amount: int) -> TxReceipt:
         return self.transact(self.gnk, "approve", to_checksum_address(spender), amount)
@@ -224,16 +231,15 @@ class ChainClient:
     # ------------------------------------------------------------------ epochs (governance role)
 
     def create_epoch(self, spec: EpochSpec) -> int:
-        receipt = self.transact(self.registry, "create_epoch", spec.to_abi())
-        return self.epochs_created(receipt)[0]
+        return self.epochs_created(self.send(self.action_create_epoch(spec)))[0]
 
     def epochs_created(self, receipt: TxReceipt) -> list[int]:
         events = self.registry.events.EpochCreated().process_receipt(receipt, errors=DISCARD)
         return [int(e["args"]["epoch"]) for e in events]
 
     def fund_epoch(self, epoch: int, amount: int) -> TxReceipt:
-        self._ensure_allowance(self.registry.address, amount)
-        return self.transact(self.registry, "fund_epoch", epoch, amount)
+        self._ensure_allowance(self.registry.address, amount)  # a proposal approves unconditionally instead
+        return self.send(self.action_fund_epoch(epoch, amount)[-1])
 
     def set_aggregators(self, epoch: int, aggregators: Sequence[str], quorum: int = 1) -> TxReceipt:
         return self.transact(
@@ -241,19 +247,18 @@ class ChainClient:
         )
 
     def slash(self, epoch: int, host: str, amount: int, evidence_hash: bytes | str) -> TxReceipt:
-        evidence = _bytes32("evidence_hash", evidence_hash)
-        return self.transact(self.registry, "slash", epoch, to_checksum_address(host), amount, evidence)
+        return self.send(self.action_slash(epoch, host, amount, evidence_hash))
 
     def epoch_count(self) -> int:
         return int(self.read(self.registry, "epoch_count"))
 
     def get_epoch(self, epoch: int) -> EpochInfo:
         spec = EpochSpec.from_abi(self.read(self.registry, "get_spec", epoch))
-        st = self.read(self.registry, "get_state", epoch)
-        return EpochInfo(
-            epoch=epoch, spec=spec, created_at=st[0], signin_end=st[1], n_hosts=st[2], total_stake=st[3],
-            pool=st[4], funded=st[5], latest_round=st[6], ended=bool(self.read(self.registry, "has_ended", epoch)),
-        )
+        state = dataclasses.asdict(self.epoch_state(epoch))
+        return EpochInfo(epoch=epoch, spec=spec, ended=bool(self.read(self.registry, "has_ended", epoch)), **state)
+
+    def epoch_state(self, epoch: int) -> EpochState:
+        return EpochState.from_abi(self.read(self.registry, "get_state", epoch))
 
     # ------------------------------------------------------------------ hosts
 
@@ -328,8 +333,26 @@ class ChainClient:
         """The latest block's timestamp: the clock the contracts' windows are measured on."""
         return int(self.w3.eth.get_block("latest")["timestamp"])
 
+    def signin_beacon(self, epoch: int) -> bytes:
+        """The hash of the first block stamped at or after the epoch's sign-in deadline: randomness that
+        exists only once sign-in has closed (no join can be in that block or later), readable by anyone.
+        Raises BeaconNotReady while no such block has been mined."""
+        end = self.get_epoch(epoch).signin_end
+        latest = self.w3.eth.get_block("latest")
+        if int(latest["timestamp"]) < end:
+            raise BeaconNotReady(f"epoch {epoch}: sign-in closes at {end}, the chain's latest block is stamped "
+                                 f"{latest['timestamp']}; the assignment's randomness does not exist yet")
+        low, high = 0, int(latest["number"])  # timestamps never decrease: bisect for the first one >= end
+        while low < high:
+            mid = (low + high) // 2
+            if int(self.w3.eth.get_block(mid)["timestamp"]) >= end:
+                high = mid
+            else:
+                low = mid + 1
+        return bytes(self.w3.eth.get_block(low)["hash"])
+
     def latest_round(self, epoch: int) -> int:
-        return int(self.read(self.registry, "get_state", epoch)[6])
+        return int(self.epoch_state(epoch).latest_round)
 
     def claim(self, epoch: int, round_: int, amount: int, proof: Sequence[bytes]) -> TxReceipt:
         return self.transact(self.registry, "claim", epoch, round_, amount, [bytes(p) for p in proof])
@@ -378,7 +401,7 @@ class ChainClient:
 
     def resolve_challenge(self, challenge_id: int, uphold: bool) -> TxReceipt:
         """Governance's ruling (an EOA governance; with a Governor use action_resolve_challenge)."""
-        return self.transact(self.registry, "resolve_challenge", challenge_id, uphold)
+        return self.send(self.action_resolve_challenge(challenge_id, uphold))
 
     def vote_challenge(self, challenge_id: int, uphold: bool) -> TxReceipt:
         """An aggregator's vote; aggregator_quorum votes either way resolve the challenge."""
@@ -521,9 +544,6 @@ class ChainClient:
             self.encode(self.gnk, "approve", self.registry.address, amount),
             self.encode(self.registry, "fund_epoch", epoch, amount),
         ]
-
-    def action_set_aggregators(self, epoch: int, aggregators: Sequence[str], quorum: int = 1) -> Action:
-        return self.encode(self.registry, "set_aggregators", epoch, [to_checksum_address(a) for a in aggregators], quorum)
 
     def action_slash(self, epoch: int, host: str, amount: int, evidence_hash: bytes | str) -> Action:
         evidence = _bytes32("evidence_hash", evidence_hash)

@@ -55,7 +55,6 @@ from google.protobuf.any_pb2 import Any as ProtoAny
 
 BECH32_PREFIX = "gonka"
 DENOM = "ngonka"
-NGONKA_PER_GNK = 10**9
 COIN_TYPE = 1200  # BIP-44 coin type of Gonka wallets (m/44'/1200'/0'/0/0)
 UINT64_MAX = 2**64 - 1
 SECP256K1_ORDER = 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFEBAAEDCE6AF48A03BBFD25E8CD0364141

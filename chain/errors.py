@@ -42,3 +42,7 @@ class SpecError(ChainError):
         self.path = path
         where = f"{path}: " if path else ""
         super().__init__(f"{where}field '{field}': {message}")
+
+
+class BeaconNotReady(ChainError):
+    """The randomness asked for does not exist yet (no block stamped at or after the deadline)."""

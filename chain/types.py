@@ -18,9 +18,9 @@ from typing import Any
 from eth_utils import is_address, to_checksum_address
 
 from chain.errors import DeploymentError, SpecError
+from chain.units import NGONKA_PER_GNK
 
 E9 = 10**9
-NGONKA_PER_GNK = 10**9
 MAX_AGGREGATORS = 16
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -180,9 +180,9 @@ class EpochSpec:
 
 
 @dataclass(frozen=True)
-class EpochInfo:
-    epoch: int
-    spec: EpochSpec
+class EpochState:
+    """Registry.get_state(epoch), by name."""
+
     created_at: int
     signin_end: int
     n_hosts: int
@@ -190,6 +190,21 @@ class EpochInfo:
     pool: int  # funded ngonka not yet allotted to a round (slashed stake lands here too)
     funded: int
     latest_round: int
+
+    @classmethod
+    def from_abi(cls, t: tuple[Any, ...]) -> EpochState:
+        return cls(
+            created_at=t[0], signin_end=t[1], n_hosts=t[2], total_stake=t[3], pool=t[4], funded=t[5],
+            latest_round=t[6],
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochInfo(EpochState):
+    """An epoch as `ChainClient.get_epoch` reads it: its state, its spec, whether it has ended."""
+
+    epoch: int
+    spec: EpochSpec
     ended: bool
 
 
@@ -265,10 +280,6 @@ class Challenge:
     uphold_votes: int
     reject_votes: int
     slashed: int  # ngonka slashed when upheld
-
-    @property
-    def is_open(self) -> bool:
-        return self.status == "open"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from eth_utils import to_checksum_address
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
+from chain.units import NGONKA_PER_GNK as GNK
 from gonka_node.adversary import AdversarialHost, KitSettings, Outcome, Tap, TappedClient, make_behaviour
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
@@ -47,7 +48,6 @@ from gonka_node.tls import create_identity
 from training.inner import evaluate
 from training.model import build_model
 
-GNK = 10**9
 GOVERNANCE, AGGREGATOR = 0, 9  # dev accounts; hosts are 1..8
 STAKE = 10 * GNK
 
@@ -205,7 +205,7 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     store = Store(root / "aggregator").open()
     evidence = EvidenceLog(root / "aggregator" / "evidence")
     clock = DrivenClock()
-    settings = RoundSettings(quorum=1, duration_s=600, max_clock_skew_s=10**6)
+    settings = RoundSettings(quorum=1, max_clock_skew_s=10**6)
     engine = RoundEngine(ctx, settings, plan.aggregation, store, ChainView(agg_chain), TrainingCheckpoints(),
                          NodeSigningKey(b"\x09" * 32).signing_key, clock=clock, evidence=evidence)
     tap = Tap()

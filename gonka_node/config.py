@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -47,25 +47,18 @@ def read_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 class ChainSettings:
     backend: str = "embedded"  # "embedded" (in-process py-evm) or "rpc"
     rpc_url: str = ""
-    registry: str = ""  # 0x address of the registry contract; empty: deployed by the devnet
-    chain_id: int = 0  # 0: whatever the node reports
 
     def __post_init__(self) -> None:
         if self.backend not in ("embedded", "rpc"):
             raise ConfigError(f"[chain] backend must be 'embedded' or 'rpc', got {self.backend!r}")
         if self.backend == "rpc" and not self.rpc_url:
             raise ConfigError("[chain] rpc_url is required when backend = 'rpc'")
-        if self.registry and not (self.registry.startswith("0x") and len(self.registry) == 42):
-            raise ConfigError(
-                f"[chain] registry must be a 0x-prefixed 20-byte hex address, got {self.registry!r}"
-            )
 
 
 @dataclass(frozen=True)
 class RoundSettings:
     """Deadlines and limits of every round (docs/PROTOCOL.md "Round lifecycle")."""
 
-    duration_s: float = 600.0
     quorum: int = 1  # accepted submissions needed to close at the deadline
     extend_s: float = 120.0  # extension granted when the deadline passes below quorum
     max_extensions: int = 2  # then the round is skipped
@@ -73,7 +66,6 @@ class RoundSettings:
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     max_update_norm: float = 1.0e4
     max_clock_skew_s: float = 300.0
-    reward_per_round: int = 0  # ngonka split among contributors; 0: the epoch's pool / rounds
     # Stream deadlines (docs/PROTOCOL.md): the longest wait for a header or the next chunk, and the
     # minimum upload rate: an upload of N bytes must finish within stream_setup_s + N / rate.
     stream_idle_s: float = 30.0
@@ -81,7 +73,6 @@ class RoundSettings:
     min_upload_kib_per_s: float = 128.0
 
     def __post_init__(self) -> None:
-        _positive("[round] duration_s", self.duration_s)
         _positive("[round] extend_s", self.extend_s)
         _positive("[round] max_update_norm", self.max_update_norm)
         _positive("[round] max_clock_skew_s", self.max_clock_skew_s)
@@ -98,8 +89,6 @@ class RoundSettings:
             raise ConfigError(
                 f"[round] max_chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {self.max_chunk_bytes}"
             )
-        if self.reward_per_round < 0:
-            raise ConfigError(f"[round] reward_per_round must be >= 0, got {self.reward_per_round}")
 
     def longest_upload_s(self) -> float:
         """How long the largest allowed payload may stream at the minimum upload rate."""
@@ -110,8 +99,6 @@ class RoundSettings:
 class AggregationSettings:
     rule: str = "clip_median"
     per_epoch: Mapping[int, str] = field(default_factory=dict)  # epoch -> rule, overrides `rule`
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
     centered_clip_iters: int = 3
     copy_cosine: float = 0.99  # sketch cosine above which a later submission counts as a copy
     consensus_fraction: float = 0.25  # dissent: cosine with the others' median ≤ this × round median; 0: off
@@ -135,9 +122,6 @@ class AggregationSettings:
             if rule not in AGGREGATION_RULES:
                 where = "[aggregation] rule" if epoch is None else f"[aggregation.per_epoch] {epoch}"
                 raise ConfigError(f"{where} must be one of {', '.join(AGGREGATION_RULES)}, got {rule!r}")
-        _positive("[aggregation] outer_lr", self.outer_lr)
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ConfigError(f"[aggregation] outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0.0 <= self.consensus_fraction < 1.0:
             raise ConfigError(
                 f"[aggregation] consensus_fraction must be in [0, 1), got {self.consensus_fraction}"
@@ -213,29 +197,18 @@ def load_aggregator_config(
         raise ConfigError(f"{path}: {exc}") from exc
 
 
+AGGREGATOR_KEYS = frozenset({
+    "listen", "public_endpoint", "data_dir", "node_key", "evm_key", "log_level", "recipe", "deployment", "epoch",
+    "initial_checkpoint", "scoring", "metrics_port",
+})
+
+
 def _build(
     path: Path, raw: dict[str, Any], env: dict[str, str], overrides: dict[str, Any]
 ) -> AggregatorConfig:
     _only_keys("top level", raw, {"aggregator", "chain", "round", "aggregation"})
     agg = dict(raw.get("aggregator", {}))
-    _only_keys(
-        "[aggregator]",
-        agg,
-        {
-            "listen",
-            "public_endpoint",
-            "data_dir",
-            "node_key",
-            "evm_key",
-            "log_level",
-            "recipe",
-            "deployment",
-            "epoch",
-            "initial_checkpoint",
-            "scoring",
-            "metrics_port",
-        },
-    )
+    _only_keys("[aggregator]", agg, AGGREGATOR_KEYS)
     if not isinstance(agg.get("epoch", 0), int) or agg.get("epoch", 0) < 0:
         raise ConfigError(f"[aggregator] epoch must be an integer >= 0, got {agg.get('epoch')!r}")
     port = agg.get("metrics_port", 0)
@@ -271,11 +244,31 @@ def _build(
     )
 
 
-# Settings that moved: a file still naming one is told where the value comes from now.
+# Settings that moved or never took effect: a file naming one is told where the value comes from.
+_EPOCH_SPEC = "on chain, set by governance when it schedules the epoch (gonka-node gov build-spec)"
 MOVED: dict[tuple[str, str], str] = {
     ("[aggregation]", "replay_fraction"): (
         "how often hosts are replayed is the epoch's replay_probability on chain, set by governance when it "
         "schedules the epoch (the stake rule depends on it); remove replay_fraction"
+    ),
+    ("[round]", "duration_s"): f"a round's length is the epoch's round_length {_EPOCH_SPEC}; remove duration_s",
+    ("[round]", "reward_per_round"): (
+        f"what a round pays is the epoch's reward_per_round {_EPOCH_SPEC}; remove reward_per_round"
+    ),
+    ("[aggregation]", "outer_lr"): (
+        f"the outer step's learning rate is the epoch's outer_lr {_EPOCH_SPEC}, equal to the recipe's; remove outer_lr"
+    ),
+    ("[aggregation]", "outer_momentum"): (
+        f"the outer step's momentum is the epoch's outer_momentum {_EPOCH_SPEC}, equal to the recipe's; "
+        "remove outer_momentum"
+    ),
+    ("[chain]", "registry"): (
+        "the contract addresses come from the [aggregator] deployment file (gonka-node chain deploy writes it); "
+        "remove registry"
+    ),
+    ("[chain]", "chain_id"): (
+        "the chain id comes from the [aggregator] deployment file (gonka-node chain deploy writes it); "
+        "remove chain_id"
     ),
 }
 
@@ -313,7 +306,7 @@ def _epoch_map(value: Any) -> dict[int, str]:
         raise ConfigError(f"[aggregation.per_epoch] keys must be epoch numbers: {exc}") from exc
 
 
-def _only_keys(where: str, values: Mapping[str, Any], allowed: set[str]) -> None:
+def _only_keys(where: str, values: Mapping[str, Any], allowed: Set[str]) -> None:
     unknown = sorted(set(values) - allowed)
     if unknown:
         raise ConfigError(

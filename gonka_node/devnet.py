@@ -22,6 +22,7 @@ Every child process is stopped on the way out, whatever happened.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,18 +42,21 @@ from chain.backends import ChainBackend, EmbeddedBackend, RpcBackend
 from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
+from chain.units import NGONKA_PER_GNK as GNK
 from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.config import TLS_DIR
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.store import HostStore
 from gonka_node.keys import init_keys
-from gonka_node.recipe import Recipe
+from gonka_node.recipe import Recipe, recipe_default
+from gonka_node.storage import StoreError, open_store
 from gonka_node.tls import CERT_FILE, load_certificate
 from training.checkpoint import canonical_sha256
+from training.dataset import DatasetError, read_manifest
 from training.inner import evaluate
 from training.model import ModelConfig, build_model
+from training.tokenizer import TokenizerError, load_tokenizer
 
-GNK = 10**9
 GOVERNANCE, AGGREGATOR = 0, 9  # dev account indices; hosts are 1..N
 VOTING_PERIOD_S = 3600
 SIGNIN_WINDOW_S = 600  # closed early by moving the clock once every host has signed in
@@ -63,16 +67,21 @@ class DevnetError(RuntimeError):
     pass
 
 
+# The devnet's recipe where it differs from an epoch recipe's defaults (a few minutes on a CPU); every
+# other field is the recipe's default, or the option below that sets it.
+DEVNET_RECIPE: dict[str, Any] = {"n_rounds": 8, "inner_lr": 3e-3, "warmup_steps": 10}
+
+
 @dataclass(frozen=True)
 class DevnetOptions:
     out: Path
     hosts: int = 3
-    rounds: int = 8
-    inner_steps: int = 20
+    rounds: int = DEVNET_RECIPE["n_rounds"]
+    inner_steps: int = recipe_default("inner_steps")
     preset: str = "devnet"
-    seq_len: int = 64
-    micro_batch: int = 8
-    codec: str = "int8"
+    seq_len: int = recipe_default("seq_len")
+    micro_batch: int = recipe_default("micro_batch")
+    codec: str = recipe_default("codec")
     reward_per_round_gnk: int = 100
     timeout_s: float = 900.0
     heldout_windows: int = 64
@@ -80,6 +89,8 @@ class DevnetOptions:
     replay_fraction: float = 1.0  # the epoch's replay probability p; > 0: fresh rounds; 0: no replays, no pay
     serve: bool = False  # keep the chain, the aggregator and the extra services running until stopped
     services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)
+    dataset: str | None = None  # a prepared dataset (folder or s3://…); None: the stdlib corpus, bytes
+    tokenizer: Path | None = None  # the dataset's tokenizer.json, checked against it (optional)
 
 
 @dataclass(frozen=True)
@@ -178,15 +189,36 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, children: Chil
         time.sleep(0.2)
 
 
+def _data_fields(opts: DevnetOptions) -> dict[str, Any]:
+    """The recipe's data fields: the stdlib corpus with bytes, or the dataset with its tokenizer (whose
+    vocabulary the model takes)."""
+    if opts.dataset is None:
+        if opts.tokenizer is not None:
+            raise DevnetError("--tokenizer names the tokenizer of a prepared dataset: give --dataset too "
+                              "(gonka-node data prepare --tokenizer FILE --out DIR)")
+        return {"model": ModelConfig.preset(opts.preset)}
+    corpus = opts.dataset if "://" in opts.dataset else str(Path(opts.dataset).resolve())  # hosts run elsewhere
+    try:
+        manifest, _ = read_manifest(open_store(corpus))
+    except (StoreError, DatasetError) as exc:
+        raise DevnetError(f"--dataset: {exc}") from exc
+    if opts.tokenizer is not None:
+        try:
+            load_tokenizer(opts.tokenizer, manifest.tokenizer_sha256 or "0" * 64)
+        except TokenizerError as exc:
+            raise DevnetError(f"--tokenizer: {exc} (the dataset's)") from exc
+    model = dataclasses.replace(ModelConfig.preset(opts.preset), vocab_size=manifest.vocab_size)
+    return {"model": model, "corpus": corpus, "tokenizer": manifest.tokenizer_sha256}
+
+
 def make_recipe(opts: DevnetOptions) -> Recipe:
     return Recipe(
-        model=ModelConfig.preset(opts.preset),
+        **_data_fields(opts),
+        **{**DEVNET_RECIPE, "n_rounds": opts.rounds},
+        assignment_seed="signin-block",  # no host knows its windows before sign-in closes
         seq_len=opts.seq_len,
         micro_batch=opts.micro_batch,
         inner_steps=opts.inner_steps,
-        inner_lr=3e-3,
-        warmup_steps=10,
-        n_rounds=opts.rounds,
         codec=opts.codec,
         round_state="fresh" if opts.replay_fraction > 0 else "carry",
     ).with_data_manifest()
@@ -230,7 +262,7 @@ def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int
         f'listen = "127.0.0.1:0"\ndata_dir = "{AGGREGATOR_DIR}"\nnode_key = "keys/aggregator/node_key.json"\n'
         'evm_key = "keys/aggregator/evm_key.json"\nrecipe = "recipe.json"\ndeployment = "deployment.json"\n'
         f"epoch = {epoch}\n\n[chain]\nbackend = \"rpc\"\nrpc_url = \"{rpc_url}\"\n\n"
-        f"[round]\nquorum = {opts.hosts}\nduration_s = 600\n\n"
+        f"[round]\nquorum = {opts.hosts}\n\n"
         f"[aggregation]\nheldout_windows = {opts.heldout_windows}\n"
     )
     for i in range(1, opts.hosts + 1):
@@ -398,7 +430,8 @@ def run_devnet(
         _wait(f"{opts.rounds} rounds", progressed, opts.timeout_s, children, logs)
         for i in range(1, opts.hosts + 1):
             children.procs[f"host{i}"].wait(120)
-        report = make_report(opts, chain.backend, sched.deployment, sched.recipe, epoch, target, sched.init_sha)
+        claimed = claim_rewards(opts, chain.backend, sched.deployment, epoch, target)
+        report = make_report(opts, chain.backend, sched.deployment, sched.recipe, epoch, target, sched.init_sha, claimed)
         report["seconds"] = round(time.monotonic() - started, 1)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         if on_report is not None:
@@ -451,10 +484,39 @@ def _stop_on_sigterm(stop: threading.Event) -> None:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
 
+def _earned(opts: DevnetOptions, host: int) -> tuple[dict[int, int], int]:
+    """What host `host` recorded: ngonka earned per round, and payload bytes sent."""
+    snap = HostStore(opts.out / f"host{host}").load()
+    if snap is None:
+        return {}, 0
+    return {int(r): amount for r, amount in snap.progress.rewards.items()}, snap.progress.bytes_sent
+
+
+def claim_rewards(
+    opts: DevnetOptions, backend: ChainBackend, deployment: Deployment, epoch: int, target: str
+) -> dict[str, int]:
+    """Each host claims every round it earned, by Merkle proof from the aggregator; the ngonka each
+    address received."""
+    accounts = backend.dev_accounts()
+    claimed: dict[str, int] = {}
+    with aggregator_client(opts.out, target) as agg:
+        for i in range(1, opts.hosts + 1):
+            host = ChainClient(backend, accounts[i], deployment).connect()
+            before = host.gnk_balance()
+            for r, amount in _earned(opts, i)[0].items():
+                if amount > 0 and not host.claimed(epoch, r):
+                    proof = agg.reward_proof(epoch, r, bytes.fromhex(host.address[2:]))
+                    host.claim(epoch, r, int(proof.amount), list(proof.proof))
+            claimed[host.address] = host.gnk_balance() - before
+    return claimed
+
+
 def make_report(
     opts: DevnetOptions, backend: ChainBackend, deployment: Deployment, recipe: Recipe,
-    epoch: int, target: str, init_sha: bytes,
+    epoch: int, target: str, init_sha: bytes, claimed: Mapping[str, int],
 ) -> dict[str, Any]:
+    """What the epoch did, read from the chain, the aggregator and the hosts' state (`claimed`: what
+    `claim_rewards` received); sends nothing."""
     accounts = backend.dev_accounts()
     reader = ChainClient(backend, accounts[GOVERNANCE], deployment).connect()
     windows = recipe.windows(opts.out / "cache")
@@ -472,23 +534,16 @@ def make_report(
             model.load_state_dict(params)
             losses.append(evaluate(model, windows.batches(heldout, 32)))
             hashes.append(want.hex())
-        rewards: dict[str, Any] = {}
-        bytes_per_host: dict[str, int] = {}
-        for i in range(1, opts.hosts + 1):
-            host = ChainClient(backend, accounts[i], deployment).connect()
-            before = host.gnk_balance()
-            progress = HostStore(opts.out / f"host{i}").load()
-            earned = progress.progress.rewards if progress else {}
-            bytes_per_host[host.address] = progress.progress.bytes_sent if progress else 0
-            for r_str, amount in earned.items():
-                if amount > 0 and not host.claimed(epoch, int(r_str)):
-                    proof = agg.reward_proof(epoch, int(r_str), bytes.fromhex(host.address[2:]))
-                    host.claim(epoch, int(r_str), int(proof.amount), list(proof.proof))
-            rewards[host.address] = {
-                "earned_ngonka": sum(earned.values()),
-                "claimed_ngonka": host.gnk_balance() - before,
-                "per_round": {r: earned.get(str(r), 0) for r in range(1, opts.rounds + 1)},
-            }
+    rewards: dict[str, Any] = {}
+    bytes_per_host: dict[str, int] = {}
+    for i in range(1, opts.hosts + 1):
+        address = str(accounts[i].address)
+        earned, bytes_per_host[address] = _earned(opts, i)
+        rewards[address] = {
+            "earned_ngonka": sum(earned.values()),
+            "claimed_ngonka": claimed.get(address, 0),
+            "per_round": {r: earned.get(r, 0) for r in range(1, opts.rounds + 1)},
+        }
     n_params = recipe.model.num_params()
     allreduce = 4 * n_params * recipe.total_inner_steps
     report = {

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from chain.types import EpochInfo, EpochSpec
+from chain.units import NGONKA_PER_GNK
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.recipe import Recipe, RecipeError
-from training.codecs import CodecError, get_codec
+from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import build_model
 
@@ -32,13 +33,13 @@ class EpochTerms:
     aggregators: Sequence[str]
     round_length_s: int = 600
     signin_window_s: int = 60
-    min_stake: int = 10**9  # ngonka; the chain requires min_stake × replay_probability ≥ reward_per_round
+    min_stake: int = NGONKA_PER_GNK  # ngonka; the chain requires min_stake × replay_probability ≥ reward_per_round
     max_hosts: int = 16
     reward_per_round: int = 0  # ngonka
     aggregator_quorum: int = 1
     replay_probability: float = 1.0  # p: each host's round is recomputed with this probability
     challenge_window_s: int = 3600  # stake stays locked this long after the epoch; challenges accepted
-    challenge_bond: int = 10**9  # ngonka a challenger escrows
+    challenge_bond: int = NGONKA_PER_GNK  # ngonka a challenger escrows
 
     @classmethod
     def staked_for(cls, reward_per_round: int, replay_probability: float, **kw: Any) -> EpochTerms:
@@ -97,8 +98,13 @@ def aggregator_context(
     cache_dir: Path | None = None,
     heldout_windows: int = 8,
     scoring: bool = True,
+    beacon: Callable[[], bytes] | None = None,
 ) -> EpochContext:
-    """The aggregator's view of an epoch, checked against the chain's record of it."""
+    """The aggregator's view of an epoch, checked against the chain's record of it. `beacon` reads the
+    assignment's post-sign-in randomness (`signin_beacon`); required when the recipe's assignment_seed
+    is "signin-block", so that scoring and replay read the windows the hosts trained on."""
+    if recipe.assignment_seed == "signin-block" and beacon is None and scoring:
+        raise RecipeError("assignment_seed: 'signin-block' needs the chain's sign-in beacon to score hosts")
     spec = info.spec
     recipe.check_against_chain(spec)
     if scoring and spec.replay_probability > 0 and recipe.round_state != "fresh":
@@ -117,7 +123,6 @@ def aggregator_context(
         epoch=info.epoch,
         codec_name=spec.codec,
         codec=get_codec(spec.codec),
-        codec_error=CodecError,
         spec={n: tuple(t.shape) for n, t in init.items()},
         n_rounds=spec.n_rounds,
         round_length_s=float(spec.round_length),
@@ -134,6 +139,7 @@ def aggregator_context(
             spec.max_hosts,
             recipe.inner_config().windows_per_round,
             heldout_windows,
+            beacon,
         )
         if scoring
         else None,
@@ -144,9 +150,22 @@ def aggregator_context(
             windows,
             recipe.epoch_seed,
             spec.max_hosts,
+            beacon,
         )
         if scoring and recipe.round_state == "fresh"
         else None,
         replay_probability=spec.replay_probability if scoring else 0.0,
         recipe_json=recipe.canonical_json(),
     )
+
+
+def beacon_reader(read: Callable[[int], bytes], epoch: int) -> Callable[[], bytes]:
+    """`read` (a `ChainClient.signin_beacon`) for one epoch, asked once it answers: the block is final."""
+    found: list[bytes] = []
+
+    def beacon() -> bytes:
+        if not found:
+            found.append(read(epoch))
+        return found[0]
+
+    return beacon

@@ -33,6 +33,7 @@ from nacl.signing import SigningKey, VerifyKey
 from nacl.utils import random as random_bytes
 
 from chain.cosmos import SECP256K1_ORDER, CosmosAccount
+from training.durable import durable_replace, write_new_file
 
 DEFAULT_KEY_DIR = Path("~/.gonka/keys")
 NODE_KEY_FILE = "node_key.json"
@@ -442,24 +443,8 @@ def _check_dir(key_dir: Path) -> None:
 def _write_private_file(path: Path, payload: bytes) -> None:
     """Write via a 0600 temp file + rename: never a moment with wider permissions or half a key."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask; the file is still empty here
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
+    write_new_file(tmp, payload, 0o600)
+    durable_replace(tmp, path)
 
 
 def _read_private_json(path: Path) -> dict[str, Any]:

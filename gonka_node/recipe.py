@@ -14,47 +14,73 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from training.data import TokenCorpus, Windows
-from training.inner import InnerConfig
-from training.model import ModelConfig
+from gonka_node.storage import StoreError, open_store
+
+if TYPE_CHECKING:  # imported where used: reading the fields' defaults and help (CLI parsers) needs no torch
+    from training.data import TokenCorpus, Windows
+    from training.inner import InnerConfig
+    from training.model import ModelConfig
+    from training.tokenizer import Bytes, HFTokenizer
 
 RECIPE_FORMAT = "gonka-recipe-v1"
 BUILTIN_CORPUS = "builtin"
+ASSIGNMENT_SEEDS = ("epoch", "signin-block")
 
 
 class RecipeError(ValueError):
     """A recipe file that is missing, malformed, or disagrees with the chain; names the file and field."""
 
 
+def _field(default: Any, help: str) -> Any:
+    """A recipe field: its default and its help, the one statement of both that the CLI flags, the
+    `gonka-node init epoch` template and the devnet derive theirs from (`recipe_default`, `recipe_help`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    model: ModelConfig
-    corpus: str = BUILTIN_CORPUS  # "builtin" (the running Python's stdlib sources) or a path
-    data_manifest_sha256: str = ""  # hex; empty only until `with_data_manifest` fills it in
-    epoch_seed: int = 0  # data assignment and held-out sampling
-    init_seed: int = 0  # model initialisation
-    seq_len: int = 64
-    micro_batch: int = 8
-    grad_accum: int = 1
-    inner_steps: int = 20
-    inner_lr: float = 2e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    n_rounds: int = 3
-    codec: str = "int8"
-    ef_decay: float = 1.0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    model: ModelConfig = dataclasses.field(metadata={"help": "a preset name or a table of ModelConfig fields"})
+    corpus: str = _field(
+        BUILTIN_CORPUS,
+        '"builtin" (the running Python\'s stdlib sources), a text file/folder, or a prepared dataset: a folder '
+        "holding manifest.json or s3://bucket/prefix[?endpoint=URL] (docs/DATA.md)",
+    )
+    data_manifest_sha256: str = _field("", "hex; empty only until `with_data_manifest` fills it in")
+    # Both left out of the canonical JSON at their defaults, so recipes written before them keep their hash.
+    tokenizer: str = _field("", 'sha256 of the tokenizer.json a prepared dataset was tokenized with; "" = bytes')
+    assignment_seed: str = _field(
+        "epoch",
+        'what seeds the data assignment: "epoch" (epoch_seed alone: computable once the recipe is public) or '
+        '"signin-block" (mixed with the first block at or after the sign-in deadline: no host knows its '
+        "windows before sign-in closes; docs/SECURITY.md)",
+    )
+    epoch_seed: int = _field(0, "data assignment and held-out sampling")
+    init_seed: int = _field(0, "the round-0 model's initialisation")
+    seq_len: int = _field(64, "tokens per window (at most the model's max_seq_len)")
+    micro_batch: int = _field(8, "windows per step per process")
+    grad_accum: int = _field(1, "micro-batches per step: the chain records batch_size = micro_batch x grad_accum")
+    inner_steps: int = _field(20, "H: AdamW steps per round")
+    inner_lr: float = _field(2e-3, "AdamW peak learning rate (warm-up, then cosine over the epoch)")
+    warmup_steps: int = _field(20, "inner steps of linear warm-up")
+    weight_decay: float = _field(0.1, "AdamW decoupled weight decay")
+    grad_clip: float = _field(1.0, "gradient norm clipping")
+    n_rounds: int = _field(3, "outer rounds of the epoch")
+    codec: str = _field("int8", "pseudo-gradient compression, NAME or NAME:key=value,...")
+    ef_decay: float = _field(1.0, "error feedback kept on the host (1: all of it)")
+    outer_lr: float = _field(0.7, "outer Nesterov learning rate")
+    outer_momentum: float = _field(0.9, "outer Nesterov momentum")
     # "fresh": every round starts from zero AdamW moments at its place on the schedule, so anyone can
     # replay a host's round from public data (the aggregator's replay check, docs/SECURITY.md); costs
     # some loss against "carry" (docs/benchmarks.md).
-    round_state: str = "carry"
+    round_state: str = _field(
+        "carry", "carry AdamW state across rounds, or start each round fresh (replayable: docs/SECURITY.md)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "grad_accum", "inner_steps", "n_rounds"):
@@ -65,6 +91,13 @@ class Recipe:
             raise RecipeError(f"seq_len: {self.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
         if self.data_manifest_sha256 and len(bytes.fromhex(self.data_manifest_sha256)) != 32:
             raise RecipeError("data_manifest_sha256: must be 64 hex digits")
+        if self.tokenizer and (len(self.tokenizer) != 64 or set(self.tokenizer) - set("0123456789abcdef")):
+            raise RecipeError("tokenizer: must be the 64 lower-case hex digits of tokenizer.json's sha256")
+        if self.assignment_seed not in ASSIGNMENT_SEEDS:
+            raise RecipeError(f"assignment_seed: {self.assignment_seed!r}; choose one of {list(ASSIGNMENT_SEEDS)}")
+        if self.tokenizer and not self.is_dataset():
+            raise RecipeError(f"tokenizer: a tokenizer other than bytes needs a prepared dataset as corpus, "
+                              f"not {self.corpus!r} (gonka-node data prepare)")
         self.inner_config()  # validates the schedule fields with InnerConfig's own messages
 
     # ---- derived settings ------------------------------------------------------------------------
@@ -79,6 +112,8 @@ class Recipe:
         return self.micro_batch * self.grad_accum
 
     def inner_config(self) -> InnerConfig:
+        from training.inner import InnerConfig
+
         try:
             return InnerConfig.fitted(
                 steps=self.inner_steps,
@@ -95,13 +130,67 @@ class Recipe:
         except ValueError as exc:
             raise RecipeError(str(exc)) from exc
 
+    def is_dataset(self) -> bool:
+        """Whether `corpus` names a prepared dataset (rather than text files or the built-in corpus)."""
+        return self.corpus.startswith("s3://") or (Path(self.corpus) / "manifest.json").is_file()
+
+    def _dataset_windows(self, cache_dir: Path | None) -> Windows:
+        from training.dataset import DatasetError, ShardCache, open_windows, read_manifest
+
+        try:
+            store = open_store(self.corpus)
+            manifest, _ = read_manifest(store, self.data_manifest_sha256)
+        except (StoreError, DatasetError) as exc:
+            raise RecipeError(f"corpus: {exc}") from exc
+        if manifest.tokenizer_sha256 != self.tokenizer:
+            raise RecipeError(f"tokenizer: the dataset was tokenized with {manifest.tokenizer_sha256 or 'bytes'}, "
+                              f"the recipe names {self.tokenizer or 'bytes'}")
+        if manifest.vocab_size > self.model.vocab_size:
+            raise RecipeError(f"model.vocab_size: {self.model.vocab_size} is smaller than the tokenizer's "
+                              f"{manifest.vocab_size}")
+        folder = (cache_dir or Path(tempfile.gettempdir()) / "gonka-node") / "shards"
+        try:
+            return open_windows(manifest, ShardCache(store, folder), self.seq_len)
+        except DatasetError as exc:
+            raise RecipeError(f"corpus: {exc}") from exc
+
+    def dataset_manifest_sha256(self) -> str:
+        from training.dataset import DatasetError, read_manifest
+
+        try:
+            return read_manifest(open_store(self.corpus))[1]
+        except (StoreError, DatasetError) as exc:
+            raise RecipeError(f"corpus: {exc}") from exc
+
+    def load_tokenizer(self) -> Bytes | HFTokenizer:
+        """The recipe's tokenizer: bytes, or the dataset's tokenizer.json checked against `tokenizer`."""
+        from training.dataset import TOKENIZER_KEY
+        from training.tokenizer import Bytes, HFTokenizer, TokenizerError
+
+        if not self.tokenizer:
+            return Bytes()
+        try:
+            data = open_store(self.corpus).get_bytes(TOKENIZER_KEY)
+            tok = HFTokenizer(data, f"{self.corpus}/{TOKENIZER_KEY}")
+        except (StoreError, TokenizerError) as exc:
+            raise RecipeError(f"tokenizer: {exc}") from exc
+        if tok.sha256 != self.tokenizer:
+            raise RecipeError(f"tokenizer: {self.corpus}/{TOKENIZER_KEY} has sha256 {tok.sha256}, the recipe "
+                              f"names {self.tokenizer}")
+        return tok
+
     def load_corpus(self, cache_dir: Path | None = None) -> TokenCorpus:
+        from training.data import TokenCorpus
+
         if self.corpus == BUILTIN_CORPUS:
             return TokenCorpus.builtin(cache_dir)
         return TokenCorpus.from_paths([self.corpus], cache_dir)
 
     def windows(self, cache_dir: Path | None = None) -> Windows:
-        """The epoch's data, checked against the recorded manifest hash."""
+        """The epoch's data, checked against the recorded manifest hash. A prepared dataset is streamed:
+        shards are fetched when a window needs them, into `cache_dir`/shards (size-limited)."""
+        if self.is_dataset():
+            return self._dataset_windows(cache_dir)
         corpus = self.load_corpus(cache_dir)
         if self.data_manifest_sha256 and corpus.manifest_sha256 != self.data_manifest_sha256:
             raise RecipeError(
@@ -111,6 +200,8 @@ class Recipe:
         return corpus.windows(self.seq_len)
 
     def with_data_manifest(self, cache_dir: Path | None = None) -> Recipe:
+        if self.is_dataset():
+            return dataclasses.replace(self, data_manifest_sha256=self.dataset_manifest_sha256())
         return dataclasses.replace(
             self, data_manifest_sha256=self.load_corpus(cache_dir).manifest_sha256
         )
@@ -121,6 +212,10 @@ class Recipe:
         out = dataclasses.asdict(self)
         out["model"] = self.model.to_dict()
         out["format"] = RECIPE_FORMAT
+        if not self.tokenizer:
+            del out["tokenizer"]
+        if self.assignment_seed == "epoch":
+            del out["assignment_seed"]
         return out
 
     def canonical_json(self) -> bytes:
@@ -142,6 +237,8 @@ class Recipe:
         unknown = sorted(set(data) - known)
         if unknown:
             raise RecipeError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+        from training.model import ModelConfig
+
         model = data.pop("model", None)
         try:
             if isinstance(model, str):
@@ -198,3 +295,21 @@ class Recipe:
                 f"data_manifest_sha256: the chain records {spec.data_manifest_hash.hex()}, the recipe says "
                 f"{self.data_manifest_sha256 or '(empty)'}"
             )
+
+
+def recipe_default(name: str) -> Any:
+    """The recipe field's default (what an epoch gets when its recipe leaves the field out)."""
+    return _FIELDS[name].default
+
+
+def field_help(name: str) -> str:
+    """What the recipe field means."""
+    return str(_FIELDS[name].metadata["help"])
+
+
+def recipe_help(name: str, default: Any = None) -> str:
+    """The recipe field's help with the default a flag uses (the recipe's unless given)."""
+    return f"{field_help(name)} (default {recipe_default(name) if default is None else default})"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}

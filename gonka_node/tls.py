@@ -36,6 +36,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from training.durable import fsync_path, write_new_file
+
 SERVER_NAME = "gonka-aggregator"  # the name every certificate carries and every client checks
 DEFAULT_NAMES = (SERVER_NAME, "localhost", "127.0.0.1")
 CERT_FILE = "cert.pem"
@@ -130,35 +132,15 @@ def _save(folder: Path, identity: TlsIdentity) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))  # mode 0700
     try:
-        _write_new(staging / KEY_FILE, identity.key_pem, 0o600)
-        _write_new(staging / CERT_FILE, identity.cert_pem, 0o644)
+        write_new_file(staging / KEY_FILE, identity.key_pem, 0o600)
+        write_new_file(staging / CERT_FILE, identity.cert_pem, 0o644)
         os.rename(staging, folder)  # both files or neither; refused if `folder` holds anything
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         raise TlsFileError(
             f"{folder}: cannot create a TLS identity there ({exc.strerror}); it must be a new or empty folder"
         ) from None
-    _fsync_dir(folder.parent)
-
-
-def _write_new(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    try:
-        os.fchmod(fd, mode)  # exactly `mode` whatever the umask; the file is still empty here
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash
-    finally:
-        os.close(fd)
+    fsync_path(folder.parent)  # the rename itself survives a crash
 
 
 # ---------------------------------------------------------------------------------------------- load

@@ -25,8 +25,8 @@ from chain.client import ChainClient
 from chain.merkle import RewardTree
 from chain.seed import seed_commitment
 from chain.types import EpochSpec
+from chain.units import NGONKA_PER_GNK as GNK
 
-GNK = 10**9
 TREE_SIZES = (4, 64, 1024)
 RECIPE = b"r" * 1024  # stands for a recipe's canonical JSON: publish_recipe checks its sha256
 

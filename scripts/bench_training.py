@@ -150,11 +150,11 @@ def _config(args: argparse.Namespace, seed: int, method: Method, steps: int, h: 
     return LocalRunConfig(
         recipe=local_recipe(
             model,
-            rounds=steps // h,
+            n_rounds=steps // h,
             inner_steps=h,
             micro_batch=args.micro_batch,
             seq_len=model.max_seq_len,
-            lr=inner_lr(method, args),
+            inner_lr=inner_lr(method, args),
             warmup_steps=args.warmup,
             codec=method.codec or "fp32",
             ef_decay=method.ef_decay,

@@ -20,3 +20,42 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--explorer-screenshot", metavar="PNG", default=None,
         help="also write the explorer browser test's screenshot of the epoch page here (docs/explorer-epoch.png)",
     )
+
+
+S3_TEST_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-speaking HTTP server (moto's server mode) on 127.0.0.1, bound to a port the OS picks,
+    with throwaway credentials in the environment (boto3 reads them from there, as in production)."""
+    import os
+
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in S3_TEST_ENV}
+    os.environ.update(S3_TEST_ENV)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """A fresh, empty bucket on the test server; returns its name."""
+    import uuid
+
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.session.Session().client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return name

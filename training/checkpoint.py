@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 import sys
-import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from training.durable import atomic_write
 from training.inner import InnerTrainer
 
 HASH_FORMAT = b"gonka-tensors-v1\n"
@@ -86,33 +85,6 @@ def canonical_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
         digest.update(_u64(raw.numel()))
         digest.update(raw.numpy().data)
     return digest.hexdigest()
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file, or a folder: a rename is durable only once its directory entry is."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Write a temporary file in the same folder, fsync, rename, fsync the folder: readers see the old
-    file or the new one, never half of one, even after a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        with tmp.open("rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
 
 
 def _cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

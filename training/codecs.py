@@ -19,11 +19,12 @@ it to the next round's pseudo-gradient.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import math
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -40,7 +41,31 @@ Spec = Mapping[str, tuple[int, ...]]
 
 
 class CodecError(ValueError):
-    """A payload that cannot be what the sender should have produced (garbage, truncation, wrong spec)."""
+    """A payload that cannot be what the sender should have produced; a subclass says which way."""
+
+
+class PayloadSizeError(CodecError):
+    """The payload, or a tensor's part, is not the size the codec and the spec give (truncated, trailing)."""
+
+
+class HeaderError(CodecError):
+    """Not this codec's header: magic, version, reserved field or parameters differ."""
+
+
+class CodecIdError(HeaderError):
+    """The header names another codec, or an id no codec has."""
+
+
+class SpecMismatchError(CodecError):
+    """Encoded for other tensors: the header's tensor count or spec digest, or a tensor's element count."""
+
+
+class NonFiniteError(CodecError):
+    """Decoded values include NaN or infinity."""
+
+
+class MalformedSectionError(CodecError):
+    """A tensor's section holds what no encoder writes: bad scales, codes, positions or padding bits."""
 
 
 def spec_of(tensors: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
@@ -60,7 +85,11 @@ class Codec(ABC):
     """Encode named fp32 tensors to bytes and back. Subclasses define one tensor's section."""
 
     name: str
-    codec_id: int
+
+    @property
+    def codec_id(self) -> int:
+        """The id every payload header carries (CODECS: one table of names, ids and factories)."""
+        return CODECS[self.name][0]
 
     @abstractmethod
     def params(self) -> tuple[int, int, int]:
@@ -110,51 +139,58 @@ class Codec(ABC):
         view = memoryview(part).cast("B")
         numel = _numel(shape, name)
         if len(view) != _NUMEL.size + self.section_size(numel, name):
-            raise CodecError(f"{self.name} part of {name} is {len(view)} bytes, expected "
+            raise PayloadSizeError(f"{self.name} part of {name} is {len(view)} bytes, expected "
                              f"{_NUMEL.size + self.section_size(numel, name)}")
         (claimed,) = _NUMEL.unpack_from(view, 0)
         if claimed != numel:
-            raise CodecError(f"{self.name} payload: tensor {name} claims {claimed} elements, spec has {numel}")
+            raise SpecMismatchError(f"{self.name} payload: tensor {name} claims {claimed} elements, spec has {numel}")
         return self._decode_flat(view[_NUMEL.size :], numel, name).reshape(shape)
 
     def decode(self, data: bytes | bytearray | memoryview, spec: Spec) -> dict[str, Tensor]:
+        return dict(self.decode_parts(data, spec))
+
+    def decode_parts(self, data: bytes | bytearray | memoryview, spec: Spec) -> Iterator[tuple[str, Tensor]]:
+        """`decode`, one tensor at a time in sorted name order: a reader that checks or reduces each
+        tensor holds one decoded tensor, not the whole update. The header and the total length are
+        checked before the first tensor is yielded, so a payload of the wrong shape decodes nothing."""
         view = memoryview(data).cast("B")
         self._check_header(view, spec)
         expected = self.encoded_size(spec)
         if len(view) != expected:
             kind = "truncated" if len(view) < expected else "trailing bytes"
-            raise CodecError(
+            raise PayloadSizeError(
                 f"{self.name} payload is {len(view)} bytes, expected {expected} for this spec ({kind})"
             )
-        out: dict[str, Tensor] = {}
+        return self._parts(view, spec)
+
+    def _parts(self, view: memoryview, spec: Spec) -> Iterator[tuple[str, Tensor]]:
         pos = HEADER_SIZE
         for name in sorted(spec):
             size = _NUMEL.size + self.section_size(_numel(spec[name], name), name)
-            out[name] = self.decode_tensor(name, view[pos : pos + size], tuple(spec[name]))
+            yield name, self.decode_tensor(name, view[pos : pos + size], tuple(spec[name]))
             pos += size
-        return out
 
     def _check_header(self, view: memoryview, spec: Spec) -> None:
         if len(view) < HEADER_SIZE:
-            raise CodecError(
+            raise PayloadSizeError(
                 f"payload is {len(view)} bytes, shorter than the {HEADER_SIZE}-byte codec header"
             )
         magic, version, codec_id, reserved, p1, p2, p3, count, digest = _HEADER.unpack_from(view, 0)
         if magic != MAGIC:
-            raise CodecError(f"bad magic {magic!r}: not a gonka codec payload (expected {MAGIC!r})")
+            raise HeaderError(f"bad magic {magic!r}: not a gonka codec payload (expected {MAGIC!r})")
         if version != VERSION:
-            raise CodecError(f"unsupported codec payload version {version} (this build reads {VERSION})")
+            raise HeaderError(f"unsupported codec payload version {version} (this build reads {VERSION})")
         if codec_id != self.codec_id:
             sent = _BY_ID.get(codec_id, f"unknown id {codec_id}")
-            raise CodecError(f"payload was encoded with codec {sent!r}, this decoder is {self.name!r}")
+            raise CodecIdError(f"payload was encoded with codec {sent!r}, this decoder is {self.name!r}")
         if reserved != 0:
-            raise CodecError(f"reserved header field is {reserved}, must be 0")
+            raise HeaderError(f"reserved header field is {reserved}, must be 0")
         if (p1, p2, p3) != self.params():
-            raise CodecError(
+            raise HeaderError(
                 f"{self.name} payload parameters {(p1, p2, p3)} differ from the expected {self.params()}"
             )
         if count != len(spec) or digest != spec_digest(spec):
-            raise CodecError(
+            raise SpecMismatchError(
                 f"{self.name} payload was encoded for a different tensor spec ({count} tensors, digest {digest.hex()})"
             )
 
@@ -162,7 +198,7 @@ class Codec(ABC):
 class Fp32Codec(Codec):
     """Raw little-endian fp32: lossless, the reference point for every byte count."""
 
-    name, codec_id = "fp32", 1
+    name = "fp32"
 
     def params(self) -> tuple[int, int, int]:
         return (0, 0, 0)
@@ -180,7 +216,7 @@ class Fp32Codec(Codec):
 class Bf16Codec(Codec):
     """bfloat16 (round to nearest even): half the bytes, relative error ≤ 2^-8."""
 
-    name, codec_id = "bf16", 2
+    name = "bf16"
 
     def params(self) -> tuple[int, int, int]:
         return (0, 0, 0)
@@ -212,7 +248,7 @@ class BlockQuantCodec(Codec):
             raise ValueError(f"BlockQuantCodec: block must be in [1, 2^20], got {block}")
         self.bits, self.block = bits, block
         self.qmax = (1 << (bits - 1)) - 1
-        self.name, self.codec_id = ("int8", 3) if bits == 8 else ("int4", 4)
+        self.name = "int8" if bits == 8 else "int4"
 
     def params(self) -> tuple[int, int, int]:
         return (self.bits, self.block, 0)
@@ -235,15 +271,20 @@ class BlockQuantCodec(Codec):
         n_blocks = _ceil_div(numel, self.block)
         scale = np.frombuffer(buf[: 4 * n_blocks], dtype="<f4").astype(np.float32)
         if not (np.isfinite(scale).all() and (scale >= 0).all()):
-            raise CodecError(f"{self.name} payload: tensor {name} has a negative or non-finite block scale")
+            raise MalformedSectionError(f"{self.name} payload: tensor {name} has a negative or non-finite block scale")
         codes = _unpack_codes(buf[4 * n_blocks :], numel, self.bits, self.name, name)
         if numel and codes.min() == 0:
-            raise CodecError(
+            raise MalformedSectionError(
                 f"{self.name} payload: tensor {name} has code 0, outside [-{self.qmax}, {self.qmax}]"
             )
-        q = torch.from_numpy(codes.astype(np.float32) - float(self.qmax + 1))
-        per_elem = torch.from_numpy(scale).repeat_interleave(self.block)[:numel]
-        return _finite(q * per_elem, self.name, name)  # a scale near fp32's max times qmax overflows
+        out = _scale_blocks(self._signed(codes), torch.from_numpy(scale), self.block)
+        return _finite(out, self.name, name)  # a scale near fp32's max times qmax overflows
+
+    def _signed(self, codes: np.ndarray) -> Tensor:
+        """Codes to q = code − 2^(bits−1) as a small integer tensor (exact in fp32 once multiplied)."""
+        if self.bits == 8:  # code ⊕ 0x80 read as int8 is code − 128: one pass, no wider temporary
+            return torch.from_numpy((codes ^ np.uint8(0x80)).view(np.int8))
+        return torch.from_numpy(codes.astype(np.int8) - np.int8(self.qmax + 1))
 
 
 class TopKCodec(Codec):
@@ -259,7 +300,7 @@ class TopKCodec(Codec):
     Section: (lo, hi) fp32 per chunk (bits = 1: the mean magnitude) | packed positions | packed codes.
     """
 
-    name, codec_id = "topk", 5
+    name = "topk"
 
     def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2) -> None:
         if not 2 <= chunk <= 1 << 24:
@@ -326,7 +367,7 @@ class TopKCodec(Codec):
         if not (
             np.isfinite(scales).all() and (scales[:, 0] >= 0).all() and (scales[:, -1] >= scales[:, 0]).all()
         ):
-            raise CodecError(
+            raise MalformedSectionError(
                 f"topk payload: tensor {name} has a non-finite or inconsistent chunk scale (need 0 ≤ lo ≤ hi)"
             )
         idx_len = _ceil_div(kept * self.index_bits, 8)
@@ -339,12 +380,12 @@ class TopKCodec(Codec):
         owner = np.repeat(np.arange(chunks, dtype=np.int64), per_chunk)
         chunk_len = np.minimum(self.chunk, numel - owner * self.chunk)
         if (idx >= chunk_len).any():
-            raise CodecError(f"topk payload: tensor {name} has a position out of range of its chunk")
+            raise MalformedSectionError(f"topk payload: tensor {name} has a position out of range of its chunk")
         starts = np.cumsum(per_chunk) - per_chunk
         rising = np.diff(idx) > 0
         rising[starts[1:] - 1] = True  # a new chunk may restart at any position
         if not rising.all():
-            raise CodecError(
+            raise MalformedSectionError(
                 f"topk payload: tensor {name} has positions not strictly increasing within a chunk"
             )
         lo, hi = torch.from_numpy(scales[:, 0].copy()), torch.from_numpy(scales[:, -1].copy())
@@ -375,7 +416,7 @@ class SharedMaskCodec(Codec):
     Header parameters: (stride, bits << 24 | chunk, round seed mod 2^32).
     """
 
-    name, codec_id = "mask", 6
+    name = "mask"
     _STEP_IN_SIGMAS: ClassVar[dict[int, float]] = {2: 0.996, 4: 0.335, 8: 0.0308}
 
     def __init__(self, stride: int = 4, bits: int = 2, chunk: int = 256, seed: int = 0) -> None:
@@ -394,8 +435,25 @@ class SharedMaskCodec(Codec):
     def params(self) -> tuple[int, int, int]:
         return (self.stride, self.bits << 24 | self.chunk, self.seed)
 
+    def decode(self, data: bytes | bytearray | memoryview, spec: Spec) -> dict[str, Tensor]:
+        """`Codec.decode`, each tensor's mask built once: the sizes, the checks and the values all use it."""
+        token = _DECODE_MASKS.set({})
+        try:
+            return super().decode(data, spec)
+        finally:
+            _DECODE_MASKS.reset(token)
+
     def mask(self, numel: int, name: str) -> Tensor:
-        """Flat positions sent this round (increasing)."""
+        """Flat positions sent this round (increasing); inside `decode`, built once per tensor."""
+        memo = _DECODE_MASKS.get()
+        if memo is None:
+            return self._build_mask(numel, name)
+        key = (self.seed, self.stride, numel, name)
+        if key not in memo:
+            memo[key] = self._build_mask(numel, name)
+        return memo[key]
+
+    def _build_mask(self, numel: int, name: str) -> Tensor:
         cycle, phase = divmod(self.seed, self.stride)
         key = int.from_bytes(hashlib.sha256(f"gonka-mask-v1:{name}:{cycle}".encode()).digest()[:8], "little")
         h = _splitmix64(np.arange(numel, dtype=np.uint64) ^ np.uint64(key))
@@ -428,13 +486,19 @@ class SharedMaskCodec(Codec):
         n_groups = _ceil_div(n, self.chunk)
         step = np.frombuffer(buf[: 4 * n_groups], dtype="<f4").astype(np.float32)
         if not (np.isfinite(step).all() and (step >= 0).all()):
-            raise CodecError(f"mask payload: tensor {name} has a negative or non-finite step")
+            raise MalformedSectionError(f"mask payload: tensor {name} has a negative or non-finite step")
         codes = _unpack_codes(buf[4 * n_groups :], n, self.bits, self.name, name)
         level = torch.from_numpy(codes.astype(np.float32) - np.float32(self.offset))  # exact half-integers
         values = _finite(level * torch.from_numpy(step).repeat_interleave(self.chunk)[:n], self.name, name)
         out = torch.zeros(numel, dtype=torch.float32)
         out[positions] = values
         return out
+
+
+# The masks one `SharedMaskCodec.decode` has built (per thread and task: decodes run concurrently).
+_DECODE_MASKS: contextvars.ContextVar[dict[tuple[int, int, int, str], Tensor] | None] = contextvars.ContextVar(
+    "_DECODE_MASKS", default=None
+)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -510,22 +574,23 @@ def round_seed(epoch_seed: int, round_index: int) -> int:
     return epoch_seed * 1_000_003 + round_index
 
 
-_FACTORIES: dict[str, Callable[..., Codec]] = {
-    "fp32": Fp32Codec,
-    "bf16": Bf16Codec,
-    "int8": lambda block=128: BlockQuantCodec(8, block),
-    "int4": lambda block=64: BlockQuantCodec(4, block),
-    "topk": TopKCodec,
-    "mask": SharedMaskCodec,
+# name -> (the id written in every payload header, the factory taking the name's options): the one table.
+CODECS: dict[str, tuple[int, Callable[..., Codec]]] = {
+    "fp32": (1, Fp32Codec),
+    "bf16": (2, Bf16Codec),
+    "int8": (3, lambda block=128: BlockQuantCodec(8, block)),
+    "int4": (4, lambda block=64: BlockQuantCodec(4, block)),
+    "topk": (5, TopKCodec),
+    "mask": (6, SharedMaskCodec),
 }
-_BY_ID = {1: "fp32", 2: "bf16", 3: "int8", 4: "int4", 5: "topk", 6: "mask"}
-CODEC_NAMES = tuple(_FACTORIES)
+_BY_ID = {codec_id: name for name, (codec_id, _) in CODECS.items()}
+CODEC_NAMES = tuple(CODECS)
 
 
 def get_codec(name: str) -> Codec:
     """A codec by name, with optional integer options: "int8", "int8:block=64", "topk:chunk=4096,k=32,bits=2"."""
     base, _, opts = name.partition(":")
-    if base not in _FACTORIES:
+    if base not in CODECS:
         raise ValueError(f"unknown codec {base!r}; choose one of {', '.join(CODEC_NAMES)}")
     kwargs: dict[str, int] = {}
     for item in filter(None, opts.split(",")):
@@ -534,7 +599,7 @@ def get_codec(name: str) -> Codec:
             raise ValueError(f"codec option {item!r} in {name!r} must be key=integer")
         kwargs[key.strip()] = int(value)
     try:
-        return _FACTORIES[base](**kwargs)
+        return CODECS[base][1](**kwargs)
     except TypeError as exc:
         raise ValueError(f"codec {base!r} does not take options {sorted(kwargs)}") from exc
 
@@ -568,12 +633,25 @@ def _unpack_codes(buf: memoryview, count: int, width: int, codec: str, name: str
     else:
         bits = np.unpackbits(raw, bitorder="little")
         if bits[count * width :].any():
-            raise CodecError(f"{codec} payload: tensor {name} has non-zero padding bits")
+            raise MalformedSectionError(f"{codec} payload: tensor {name} has non-zero padding bits")
         weights = (1 << np.arange(width, dtype=np.uint32)).astype(np.uint32)
         return bits[: count * width].reshape(count, width).astype(np.uint32) @ weights
     if codes[count:].any():
-        raise CodecError(f"{codec} payload: tensor {name} has non-zero padding bits")
+        raise MalformedSectionError(f"{codec} payload: tensor {name} has non-zero padding bits")
     return codes[:count]
+
+
+def _scale_blocks(q: Tensor, scale: Tensor, block: int) -> Tensor:
+    """q · scale[i // block] in fp32 without materialising a per-element scale: whole blocks as one
+    broadcast multiply, the short last block apart. Each element is the one fp32 product q·scale, as
+    an element-wise multiply by a repeated scale computes it (bit for bit the same values)."""
+    numel = q.numel()
+    full = numel // block * block
+    out = torch.empty(numel, dtype=torch.float32)
+    torch.mul(q[:full].view(-1, block), scale[: full // block, None], out=out[:full].view(-1, block))
+    if full < numel:
+        torch.mul(q[full:], scale[-1], out=out[full:])
+    return out
 
 
 def _cat(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
@@ -581,8 +659,9 @@ def _cat(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
 
 
 def _finite(t: Tensor, codec: str, name: str) -> Tensor:
-    if not bool(torch.isfinite(t).all()):
-        raise CodecError(f"{codec} payload: tensor {name} contains NaN or infinity")
+    # numpy's isfinite is ~25x faster here than torch.isfinite(t).all() (measured: 2.5 vs 70 ms for 10M).
+    if not bool(np.isfinite(t.numpy()).all()):
+        raise NonFiniteError(f"{codec} payload: tensor {name} contains NaN or infinity")
     return t
 
 

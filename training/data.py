@@ -23,7 +23,6 @@ import functools
 import hashlib
 import os
 import sysconfig
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
+
+from training.durable import atomic_write
 
 CORPUS_FORMAT = "gonka-corpus-v1"
 DOCUMENT_SEPARATOR = 0  # NUL never occurs in text, so it marks document boundaries unambiguously
@@ -138,16 +139,12 @@ def manifest_text(files: Sequence[CorpusFile], tokenizer: ByteTokenizer | None =
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Concurrent builders (the processes of a rig) each write a temporary file and rename it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
+
+    def to_file(tmp: Path) -> None:
+        with tmp.open("wb") as handle:
             write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    atomic_write(path, to_file)
 
 
 class TokenCorpus:
@@ -210,18 +207,32 @@ class TokenCorpus:
         return Windows(self.tokens, seq_len, heldout_fraction)
 
 
+def window_seed(epoch_seed: int, beacon: bytes = b"") -> int:
+    """The seed of the window assignment: the epoch seed alone, or mixed with a beacon (randomness that
+    exists only after sign-in closed, e.g. a block hash), so nobody can compute an assignment earlier."""
+    if not beacon:
+        return epoch_seed
+    digest = hashlib.sha256(b"gonka-window-seed-v1" + epoch_seed.to_bytes(8, "big") + bytes(beacon)).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # non-negative, as assign_positions requires
+
+
 @functools.lru_cache(maxsize=8)
 def _pass_permutation(epoch_seed: int, pass_index: int, n: int) -> np.ndarray:
     return _seeded_state(f"gonka-assign-v1:{epoch_seed}:{pass_index}:{n}").permutation(n)
 
 
 def assign_positions(
-    n_train: int, *, epoch_seed: int, round_index: int, slot: int, max_slots: int, windows_per_host: int
+    n_train: int, *, epoch_seed: int, round_index: int, slot: int, max_slots: int, windows_per_host: int,
+    block: int = 1,
 ) -> np.ndarray:
     """Indices into the sorted training windows for (epoch seed, round, host slot); see the module doc.
 
     Pure: depends on its arguments only. Slots run 0 .. max_slots-1 (the host's place in the epoch's
     sign-in order); an unused slot's windows are simply not trained on that round.
+
+    `block` > 1 permutes blocks of that many consecutive windows instead of single windows (a prepared
+    dataset: a host's windows then fall in a few shards, which it fetches whole), and shuffles the
+    host's windows of the round among themselves so a micro-batch does not hold one document's run.
     """
     if n_train <= 0:
         raise ValueError("there are no training windows to assign")
@@ -238,26 +249,65 @@ def assign_positions(
     out = np.empty(windows_per_host, dtype=np.int64)
     for pass_index in np.unique(passes):
         mask = passes == pass_index
-        out[mask] = _pass_permutation(epoch_seed, int(pass_index), n_train)[offsets[mask]]
+        if block <= 1:
+            out[mask] = _pass_permutation(epoch_seed, int(pass_index), n_train)[offsets[mask]]
+        else:
+            out[mask] = _block_order(epoch_seed, int(pass_index), n_train, block)[offsets[mask]]
+    if block > 1:
+        key = f"gonka-assign-order-v1:{epoch_seed}:{round_index}:{slot}:{max_slots}"
+        out = out[_seeded_state(key).permutation(windows_per_host)]
     return out
+
+
+def _block_order(epoch_seed: int, pass_index: int, n: int, block: int) -> _BlockOrder:
+    return _BlockOrder(_pass_permutation(epoch_seed, pass_index, -(-n // block)), n, block)
+
+
+class _BlockOrder:
+    """Pass order of windows when blocks of `block` consecutive windows are permuted: position → window
+    without materialising the n-window sequence (only the block permutation, n / block entries)."""
+
+    def __init__(self, block_perm: np.ndarray, n: int, block: int) -> None:
+        sizes = np.minimum(block, n - block_perm * block)  # the last block may be short
+        self.block_perm, self.block = block_perm, block
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])
+
+    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
+        which = np.searchsorted(self.starts, positions, side="right") - 1
+        return self.block_perm[which] * self.block + (positions - self.starts[which])
 
 
 class Windows:
     """Non-overlapping `seq_len + 1`-token windows of a token array, split into train and held-out."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+        heldout_start: int | None = None,
+        assignment_block: int = 1,
+    ):
+        """`heldout_start`: a prepared dataset's split (windows from that id on are held out, see
+        training/dataset.py); without it a pseudo-random `heldout_fraction` of the windows is.
+        `assignment_block`: consecutive windows assigned together (`assign_positions`' block)."""
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if not 0.0 < heldout_fraction < 1.0:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.assignment_block = assignment_block
         self.n_windows = len(tokens) // (seq_len + 1)
         if self.n_windows < 2:
             raise ValueError(
                 f"the corpus has {len(tokens)} tokens: fewer than 2 windows of {seq_len + 1}; "
                 "add data or shorten seq_len"
             )
+        if heldout_start is not None:
+            self.train_ids = np.arange(heldout_start, dtype=np.int64)
+            self.heldout_ids = np.arange(heldout_start, self.n_windows, dtype=np.int64)
+            return
         n_heldout = min(max(1, round(self.n_windows * heldout_fraction)), self.n_windows - 1)
         # The split depends on the corpus and seq_len only, so every epoch on the same data shares it.
         order = _seeded_state(f"gonka-heldout-v1:{self.n_windows}").permutation(self.n_windows)
@@ -275,6 +325,7 @@ class Windows:
             slot=slot,
             max_slots=max_slots,
             windows_per_host=windows_per_host,
+            block=self.assignment_block,
         )
         return self.train_ids[positions]
 

@@ -194,6 +194,13 @@ class OuterOptimizer:
             "momentum_buffer": {name: buf.clone() for name, buf in sorted(self.buffers.items())},
         }
 
+    def restore(self, steps: int, buffers: Mapping[str, Tensor]) -> None:
+        """Continue from saved momentum (`steps` taken, their buffers) under this optimizer's hyperparameters:
+        what the aggregator and a host keep on disk between rounds."""
+        self.load_state_dict(
+            {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov, "steps": steps, "momentum_buffer": buffers}
+        )
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a saved state; hyperparameters must match (a mismatch is a configuration mistake)."""
         for field in ("lr", "momentum", "nesterov"):

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from training.data import DOCUMENT_SEPARATOR, ByteTokenizer
 from training.model import ModelConfig
+from training.tokenizer import HFTokenizer
 
 MODEL_CONFIG_KEY = "model_config"  # checkpoint metadata: json.dumps(ModelConfig.to_dict())
 EXPORT_DTYPES: dict[str, torch.dtype] = {
@@ -116,7 +117,7 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None
         )
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int = DOCUMENT_SEPARATOR) -> dict[str, Any]:
     """`config.json` for `LlamaForCausalLM`, readable by transformers 4.x and 5.x."""
     dtype_name = _dtype_name(dtype)
     return {
@@ -130,14 +131,14 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "pretraining_tp": 1,
         "use_cache": True,
         "bos_token_id": None,
-        "eos_token_id": DOCUMENT_SEPARATOR,
+        "eos_token_id": eos_id,
         "pad_token_id": None,
     }
 
 
-def generation_config() -> dict[str, Any]:
+def generation_config(eos_id: int = DOCUMENT_SEPARATOR) -> dict[str, Any]:
     """Defaults for `model.generate`: stop at the document separator; no BOS, no padding token."""
-    return {"bos_token_id": None, "eos_token_id": DOCUMENT_SEPARATOR, "pad_token_id": None}
+    return {"bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None}
 
 
 def byte_symbols() -> list[str]:
@@ -182,6 +183,26 @@ def tokenizer_files(cfg: ModelConfig) -> dict[str, dict[str, Any]]:
             "special_tokens_map.json": {"eos_token": symbols[DOCUMENT_SEPARATOR]}}
 
 
+def bpe_tokenizer_files(cfg: ModelConfig, tokenizer_json: bytes) -> tuple[dict[str, bytes], int]:
+    """The files of a trained tokenizer (its tokenizer.json as it is, so its sha256 stays the recipe's)
+    and its end-of-text id."""
+    tok = HFTokenizer(tokenizer_json)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ExportError(f"the tokenizer has {tok.vocab_size} tokens, the model only {cfg.vocab_size}")
+    eos = tok.inner.id_to_token(tok.eot_id)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "add_bos_token": False,
+        "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": cfg.max_seq_len,
+    }
+    files = {"tokenizer.json": tokenizer_json, "tokenizer_config.json": _json_bytes(config),
+             "special_tokens_map.json": _json_bytes({"eos_token": eos})}
+    return files, tok.eot_id
+
+
+def _json_bytes(data: Mapping[str, Any]) -> bytes:
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")  # as _write_json writes
+
+
 def model_card(cfg: ModelConfig, source_sha256: str, source: Mapping[str, str]) -> str:
     provenance = "".join(f"- {key}: `{value}`\n" for key, value in sorted(source.items()))
     return f"""---
@@ -223,14 +244,21 @@ def export_hf(
     source_sha256: str,
     source: Mapping[str, str] | None = None,
     dtype: torch.dtype | None = None,
+    tokenizer_json: bytes | None = None,
 ) -> Path:
     """Write the HF folder `out_dir` (which must not exist or be empty); return it.
 
     `source` adds provenance lines to the model card (e.g. epoch, round, chain). `dtype` casts the
-    weights (default: the checkpoint's own dtype). The folder appears whole or not at all: it is
+    weights (default: the checkpoint's own dtype). `tokenizer_json`: the epoch's tokenizer file (a recipe's
+    `tokenizer`), shipped as it is; without it the byte tokenizer's files are written. The folder appears whole or not at all: it is
     built next to `out_dir` and renamed into place.
     """
     check_tensors(tensors, cfg)
+    if tokenizer_json:
+        tok_files, eos_id = bpe_tokenizer_files(cfg, tokenizer_json)
+    else:
+        tok_files = {name: _json_bytes(content) for name, content in tokenizer_files(cfg).items()}
+        eos_id = DOCUMENT_SEPARATOR
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} already exists and is not an empty folder; choose another --out")
@@ -240,10 +268,10 @@ def export_hf(
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        _write_json(staging / "config.json", hf_config(cfg, out_dtype))
-        _write_json(staging / "generation_config.json", generation_config())
-        for name, content in tokenizer_files(cfg).items():
-            _write_json(staging / name, content)
+        _write_json(staging / "config.json", hf_config(cfg, out_dtype, eos_id))
+        _write_json(staging / "generation_config.json", generation_config(eos_id))
+        for name, content in tok_files.items():
+            (staging / name).write_bytes(content)
         (staging / "README.md").write_text(model_card(cfg, source_sha256, source or {}), encoding="utf-8")
         if out.exists():
             out.rmdir()  # empty (checked above); os.replace cannot replace a folder with a folder

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from training.checkpoint import atomic_write, fsync_path
+from training.durable import atomic_write, durable_replace, fsync_path
 from training.rig import Rig
 from training.sharded import held_bytes
 from training.worker import DiLoCoWorker, RoundFigures
@@ -166,8 +166,7 @@ class StateVersions:
         if rig.is_rank0:
             (partial / "rig.json").write_text(json.dumps({"world_size": rig.world_size}))
             shutil.rmtree(self.path(version), ignore_errors=True)
-            os.replace(partial, self.path(version))
-            fsync_path(self.root)
+            durable_replace(partial, self.path(version))
 
     def load(self, version: int, rig: Rig) -> dict[str, Any]:
         where = self.path(version)

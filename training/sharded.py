@@ -21,7 +21,6 @@ a single process sends from the same Δ (tests/training/test_sharded.py).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from training.codecs import Codec, ErrorFeedback, round_seed
 from training.data import Windows
+from training.durable import durable_replace
 from training.inner import InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
 from training.rig import Rig
@@ -124,9 +124,6 @@ class ShardLayout:
                 raise RuntimeError(f"{name}: FSDP holds a {local} shard here, the layout expects rows "
                                    f"{shard.start}:{shard.stop} of {shard.shape}; torch changed its split")
         return layout
-
-    def owned(self) -> list[str]:
-        return [n for n, t in self.tensors.items() if t.owner == self.rank]
 
     def spec(self) -> dict[str, tuple[int, ...]]:
         return {n: t.shape for n, t in self.tensors.items()}
@@ -338,7 +335,7 @@ def assemble_payload(header: bytes, indexes: list[tuple[dict[str, int], dict[str
         sink.write(header)
         for name in sorted(where):
             sink.write(_read_range(*where[name]))
-    os.replace(staged, out)
+    durable_replace(staged, out)
     return math.sqrt(sum(squares[name] for name in sorted(squares)))
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from training.codecs import Codec, ErrorFeedback, get_codec, round_seed
-from training.data import Windows
+from training.data import Windows, window_seed
 from training.diloco import pseudo_gradient
 from training.inner import Batch, InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
@@ -30,6 +30,13 @@ class Assignment:
     epoch_seed: int
     slot: int
     max_slots: int
+    # randomness published after sign-in closed (chain.client.signin_beacon) when the recipe asks for it
+    beacon: bytes = b""
+
+    @property
+    def window_seed(self) -> int:
+        """The seed windows are assigned by; codecs keep using `epoch_seed` (their state is public)."""
+        return window_seed(self.epoch_seed, self.beacon)
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,7 @@ def round_batches(
 ) -> Iterator[Batch]:
     """The whole rig's micro-batches of one host slot in one round, in training order."""
     ids = windows.assignment(
-        epoch_seed=assignment.epoch_seed,
+        epoch_seed=assignment.window_seed,
         round_index=round_index,
         slot=assignment.slot,
         max_slots=assignment.max_slots,

@@ -104,6 +104,31 @@ class ChainView:
         self._members[(epoch, host)] = (now + (self._member_ttl if ok else self._unknown_ttl), member)
         return member
 
+    def round_result(self, epoch: int, round_: int) -> RoundResult:
+        return self.call(self.chain.round_result, epoch, round_)
+
+    def round_vote(self, epoch: int, round_: int) -> bytes:
+        """This account's vote on the round's result (zero: none)."""
+        return self.call(self.chain.round_vote, epoch, round_)
+
+    def finalize_round(
+        self, epoch: int, round_: int, checkpoint_sha256: bytes, rewards_root: bytes, n_contributors: int,
+        total_reward: int,
+    ) -> Any:
+        return self.call(
+            self.chain.finalize_round, epoch, round_, checkpoint_sha256, rewards_root, n_contributors, total_reward
+        )
+
+    async def hosts(self, epoch: int) -> list[str]:
+        return await self.acall(self.chain.hosts, epoch)
+
+    async def signin_end(self, epoch: int) -> int:
+        return int((await self.acall(self.chain.get_epoch, epoch)).signin_end)
+
+    async def chain_time(self) -> int:
+        """The time of the chain's latest block."""
+        return await self.acall(self.chain.chain_time)
+
     def commit_seed(self, epoch: int, round_: int, secret: bytes) -> None:
         """Commit keccak256(secret) for the round, unless this account already did (a restart)."""
         commitment = seed_commitment(secret)

@@ -12,7 +12,6 @@ split equally among those that pass (`equal_shares`).
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,9 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from eth_utils import to_checksum_address
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from chain.merkle import RewardTree
 from gonka_node.aggregator import robust
 from gonka_node.aggregator.checks import (
     Labelled,
@@ -37,8 +38,8 @@ from gonka_node.aggregator.scoring import Scorer
 from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch, decode_update
 from gonka_node.config import AggregationSettings
-from training.checkpoint import atomic_write, fsync_path
 from training.diloco import OuterOptimizer
+from training.durable import atomic_write, durable_replace
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
 from training.model import Llama
@@ -174,7 +175,7 @@ def compute_outcome(
     base = checkpoints.load(base_path, round_row.base_sha256)
 
     def decode(sub: SubmissionRow) -> dict[str, Tensor]:
-        update = decode_update(ctx.codec_for(round_), ctx.codec_error, Path(sub.path).read_bytes(), ctx.spec)
+        update = decode_update(ctx.codec_for(round_), Path(sub.path).read_bytes(), ctx.spec)
         return {name: t.float() for name, t in update.items()}
 
     public = public_tensors(store, epoch, round_, base)
@@ -201,7 +202,7 @@ def compute_outcome(
     del base
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
     if prev_outer_state is not None:
-        outer.load_state_dict(_load_outer(prev_outer_state, outer))
+        outer.restore(*_read_outer(prev_outer_state))
     outer.step(params, agg.update)
     meta = {
         "epoch": str(epoch),
@@ -228,7 +229,8 @@ def compute_outcome(
         )
         for s in submissions
     ]
-    root = _rewards_root(ctx, epoch, round_, rewards)
+    tree = reward_tree(ctx, epoch, round_, rewards)
+    root = tree.root if tree is not None else bytes(32)
     return RoundOutcome(sha, root, sum(rewards.values()), rule, rows, len(eligible), heldout)
 
 
@@ -336,42 +338,26 @@ def equal_shares(pool: int, hosts: Sequence[bytes]) -> dict[bytes, int]:
     return {h: share for h in hosts} if share > 0 else {}
 
 
-def _rewards_root(ctx: EpochContext, epoch: int, round_: int, rewards: Mapping[bytes, int]) -> bytes:
-    if not rewards:
-        return bytes(32)
-    from eth_utils import to_checksum_address
-
-    from chain.merkle import RewardTree
-
-    tree = RewardTree(
-        ctx.chain_id,
-        to_checksum_address(ctx.registry),
-        epoch,
-        round_,
-        [(to_checksum_address(h), a) for h, a in rewards.items()],
-    )
-    return tree.root
+def reward_tree(ctx: EpochContext, epoch: int, round_: int, rewards: Mapping[bytes, int]) -> RewardTree | None:
+    """The round's reward Merkle tree over the hosts paid (amount > 0): its root is what finalizing sends
+    to the chain, its proofs what hosts claim with. None when nobody is paid (the root is then zero)."""
+    paid = [(to_checksum_address(h), a) for h, a in rewards.items() if a > 0]
+    if not paid:
+        return None
+    return RewardTree(ctx.chain_id, to_checksum_address(ctx.registry), epoch, round_, paid)
 
 
 def _save_durably(path: Path, tensors: Mapping[str, Tensor], metadata: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file({n: t.contiguous() for n, t in sorted(tensors.items())}, str(tmp), metadata=metadata)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    durable_replace(tmp, path)
 
 
-def _load_outer(path: Path, outer: OuterOptimizer) -> dict[str, object]:
+def _read_outer(path: Path) -> tuple[int, dict[str, Tensor]]:
+    """The outer step count and momentum buffers `_save_durably` wrote after the previous round."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         steps = int((f.metadata() or {}).get("steps", "0"))
-    return {
-        "lr": outer.lr,
-        "momentum": outer.momentum,
-        "nesterov": outer.nesterov,
-        "steps": steps,
-        "momentum_buffer": load_file(str(path)),
-    }
+    return steps, load_file(str(path))

@@ -45,6 +45,7 @@ class ReplayData:
     windows: Windows
     epoch_seed: int
     max_slots: int
+    beacon: Callable[[], bytes] | None = None  # the assignment's post-sign-in randomness, when the recipe asks
 
 
 def chosen_for_replay(fraction: float, seed: bytes, round_: int, hosts: Iterable[bytes]) -> set[bytes]:
@@ -74,7 +75,7 @@ def replay_comparison(
         data.model_factory(),
         data.inner,
         data.windows,
-        Assignment(data.epoch_seed, slot, data.max_slots),
+        Assignment(data.epoch_seed, slot, data.max_slots, data.beacon() if data.beacon else b""),
         round_,
         base,
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -39,14 +40,14 @@ from chain.client import round_result_hash
 from chain.merkle import RewardTree
 from chain.seed import new_secret
 from gonka_node.aggregator.chain_view import ChainView, Member
-from gonka_node.aggregator.close import RoundOutcome, compute_outcome
+from gonka_node.aggregator.close import RoundOutcome, compute_outcome, reward_tree
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.metrics import RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
-from gonka_node.aggregator.validate import Codec, check_update, decode_update
+from gonka_node.aggregator.validate import Codec, mapped, scan_update
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.envelope import ReceiptBody, Submission
 from training.codecs import round_seed
@@ -54,6 +55,7 @@ from training.model import Llama
 
 log = logging.getLogger(__name__)
 ZERO32 = bytes(32)
+DECODE_SLOTS = max(1, min(4, os.cpu_count() or 1))  # payloads decoded and checked at once
 
 
 class CheckpointIO(Protocol):
@@ -73,7 +75,6 @@ class EpochContext:
     epoch: int
     codec_name: str
     codec: Codec
-    codec_error: type[Exception]
     spec: Mapping[str, tuple[int, ...]]
     n_rounds: int
     round_length_s: float
@@ -152,7 +153,9 @@ class RoundEngine:
         self.stream_limits = StreamLimits(
             settings.stream_idle_s, settings.stream_setup_s, settings.min_upload_kib_per_s * 1024
         )
-        self._decode_slots = asyncio.Semaphore(1)  # one decoded update in memory at a time
+        # Payloads checked at once, each in a worker thread (torch and numpy release the GIL), each
+        # holding one decoded tensor (validate.scan_update): memory stays bounded by slots × a tensor.
+        self._decode_slots = asyncio.Semaphore(DECODE_SLOTS)
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()
         self._signin_closed_seen = False
@@ -180,7 +183,7 @@ class RoundEngine:
         if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(
                 "resumed open round %d/%d with %d accepted submissions (deadline %s)",
-                ctx.epoch, row.round, len(self.store.submissions(ctx.epoch, row.round)), clock_text(row.deadline_ms),
+                ctx.epoch, row.round, len(self.store.submitted_hosts(ctx.epoch, row.round)), clock_text(row.deadline_ms),
             )
         self._activate(row)
 
@@ -366,10 +369,15 @@ class RoundEngine:
         return self.receipt(sub, accepted=True, reason=0, received_ms=received)
 
     def _check(self, part: Path, round_: int) -> tuple[float, bytes]:
-        data = part.read_bytes()
-        update = decode_update(self.ctx.codec_for(round_), self.ctx.codec_error, data, self.ctx.spec)
-        checked = check_update(update, self.ctx.spec, self.settings.max_update_norm)
-        return checked.norm, checked.sketch.numpy().tobytes()
+        """Decode and check the spooled payload (memory-mapped, not copied), then make it durable here,
+        off the event loop: the store's own fsync at `add_submission` then finds nothing to flush."""
+        with open(part, "rb+") as f:
+            with mapped(f) as data:
+                norm, sketch = scan_update(
+                    self.ctx.codec_for(round_), data, self.ctx.spec, self.settings.max_update_norm
+                )
+            os.fsync(f.fileno())
+        return norm, sketch.numpy().tobytes()
 
     def receipt(
         self, sub: Submission | None, accepted: bool, reason: int, received_ms: int | None = None
@@ -404,7 +412,7 @@ class RoundEngine:
             if self._close_failed is not None:
                 await self.close(skip=self._close_failed)
             return
-        accepted = {s.host for s in self.store.submissions(r.epoch, r.round)}
+        accepted = self.store.submitted_hosts(r.epoch, r.round)
         everyone = await self._everyone_submitted(r, accepted)
         if everyone or (self.clock() > r.deadline_ms and len(accepted) >= self.settings.quorum):
             await self.close(skip=False)
@@ -422,9 +430,8 @@ class RoundEngine:
         """Whether the chain's latest block is past the epoch's sign-in window (cached once true)."""
         if self._signin_closed_seen:
             return True
-        chain = self.chain.chain
-        end = (await self.chain.acall(chain.get_epoch, epoch)).signin_end
-        self._signin_closed_seen = await self.chain.acall(chain.chain_time) >= end
+        end = await self.chain.signin_end(epoch)
+        self._signin_closed_seen = await self.chain.chain_time() >= end
         return self._signin_closed_seen
 
     async def _everyone_submitted(self, r: RoundRow, accepted: set[bytes]) -> bool:
@@ -576,7 +583,7 @@ class RoundEngine:
             and row.rewards_root is not None
             and row.total_reward is not None
         )
-        on_chain = self.chain.call(self.chain.chain.round_result, row.epoch, row.round)
+        on_chain = self.chain.round_result(row.epoch, row.round)
         n = sum(1 for c in self.store.contributions(row.epoch, row.round) if c.reward > 0)
         if on_chain.finalized:
             if (bytes(on_chain.checkpoint_sha256), bytes(on_chain.rewards_root)) != (
@@ -600,8 +607,7 @@ class RoundEngine:
                 row.epoch, row.round, voted.hex()[:16],
             )
         else:
-            result = self.chain.call(
-                self.chain.chain.finalize_round,
+            result = self.chain.finalize_round(
                 row.epoch,
                 row.round,
                 row.checkpoint_sha256,
@@ -624,7 +630,7 @@ class RoundEngine:
         several aggregators not yet reached); None if it has not voted. A vote for another result than the
         recorded intent cannot happen without tampering with the store: refuse to go on."""
         assert row.checkpoint_sha256 is not None and row.rewards_root is not None and row.total_reward is not None
-        vote = self.chain.call(self.chain.chain.round_vote, row.epoch, row.round)
+        vote = self.chain.round_vote(row.epoch, row.round)
         if vote == bytes(32):
             return None
         mine = round_result_hash(row.checkpoint_sha256, row.rewards_root, n, row.total_reward)
@@ -639,18 +645,8 @@ class RoundEngine:
 
     def reward_tree(self, round_: int) -> RewardTree | None:
         if round_ not in self._trees:
-            rewards = [
-                (to_checksum_address(c.host), c.reward)
-                for c in self.store.contributions(self.ctx.epoch, round_)
-                if c.reward > 0
-            ]
-            self._trees[round_] = (
-                RewardTree(
-                    self.ctx.chain_id, to_checksum_address(self.ctx.registry), self.ctx.epoch, round_, rewards
-                )
-                if rewards
-                else None
-            )
+            rewards = {c.host: c.reward for c in self.store.contributions(self.ctx.epoch, round_)}
+            self._trees[round_] = reward_tree(self.ctx, self.ctx.epoch, round_, rewards)
         return self._trees[round_]
 
     async def run(self, stop: asyncio.Event, interval_s: float = 0.2) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from training.data import window_seed
 
 Batch = tuple[Tensor, Tensor]
 CONFIDENCE_Z = 2.0  # one-sided ~97.7%: noise scores > 0 about once in 44
@@ -47,10 +49,11 @@ class ScoringData:
     max_slots: int
     windows_per_host: int
     heldout_windows: int
+    beacon: Callable[[], bytes] | None = None  # the assignment's post-sign-in randomness, when the recipe asks
 
     def assigned(self, round_index: int, slot: int) -> Batch:
         ids = self.windows.assignment(
-            epoch_seed=self.epoch_seed,
+            epoch_seed=window_seed(self.epoch_seed, self.beacon() if self.beacon else b""),
             round_index=round_index,
             slot=slot,
             max_slots=self.max_slots,

@@ -136,8 +136,8 @@ class AggregatorService(pb_grpc.AggregatorServicer):
                 max_clock_skew_ms=int(s.max_clock_skew_s * 1000),
             ),
             aggregator_key=e.aggregator_key,
-            submissions=len(e.store.submissions(r.epoch, r.round)),
-            expected_hosts=len(await e.chain.acall(e.chain.chain.hosts, r.epoch)),
+            submissions=len(e.store.submitted_hosts(r.epoch, r.round)),
+            expected_hosts=len(await e.chain.hosts(r.epoch)),
         )
 
     async def Submit(
@@ -323,7 +323,7 @@ class CheckpointsService(cpb_grpc.CheckpointsServicer):
         for r in e.store.rounds(request.epoch):
             if r.state not in ("finalized", "skipped"):
                 continue
-            on_chain = await e.chain.acall(e.chain.chain.round_result, r.epoch, r.round)
+            on_chain = await asyncio.to_thread(e.chain.round_result, r.epoch, r.round)
             out.append(
                 cpb.RoundSummary(
                     epoch=r.epoch,

@@ -34,7 +34,7 @@ def version() -> str:
 # against what the modules register.
 VERB_MODULES = {
     "aggregator": "aggregator", "chain": "chain", "challenge": "challenge", "checkpoint": "checkpoint",
-    "devnet": "devnet", "explorer": "explorer", "gov": "gov", "init": "init", "keys": "keys", "rewards": "host",
+    "data": "data", "devnet": "devnet", "explorer": "explorer", "gov": "gov", "init": "init", "keys": "keys", "rewards": "host",
     "run": "host", "serve": "serve", "stake": "host", "status": "host", "train": "train", "transfer": "transfer",
 }
 

@@ -159,7 +159,7 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
     from gonka_node.aggregator.chain_view import ChainView
     from gonka_node.aggregator.checkpoints import TrainingCheckpoints
     from gonka_node.aggregator.store import Store
-    from gonka_node.epoch_setup import aggregator_context
+    from gonka_node.epoch_setup import aggregator_context, beacon_reader
     from gonka_node.keys import KeyStoreError, load_evm_account, load_node_key
     from gonka_node.recipe import Recipe, RecipeError
     from gonka_node.slashing import EvidenceLog
@@ -187,6 +187,7 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
             cache_dir=cfg.data_dir / "cache",
             heldout_windows=cfg.aggregation.heldout_windows,
             scoring=cfg.scoring,
+            beacon=beacon_reader(client.signin_beacon, epoch),
         )
     except (KeyStoreError, RecipeError, ChainError, ValueError) as exc:
         raise CliError(f"{where}: {exc}") from exc

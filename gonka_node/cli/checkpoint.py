@@ -95,6 +95,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--format", choices=("hf",), default="hf", help="output format (default hf)")
     export.add_argument("--out", type=Path, required=True, help="output folder (must not exist or be empty)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights")
+    export.add_argument("--tokenizer", type=Path, metavar="FILE",
+                        help="the epoch's tokenizer.json, shipped with the model (default: the byte tokenizer)")
     export.set_defaults(func=chain_errors(_export))
 
     generate = add_verb(
@@ -298,6 +300,7 @@ def pull_checkpoint(
     """
     from proto.gonka.v1 import checkpoints_pb2 as cpb
     from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
+    from training.durable import durable_replace
 
     stub = cpb_grpc.CheckpointsStub(channel)
     request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
@@ -311,7 +314,7 @@ def pull_checkpoint(
             os.fsync(handle.fileno())
         _verify_file(tmp, want)
         note = _settle_metadata(tmp, want, model, model_source)
-        os.replace(tmp, out)
+        durable_replace(tmp, out)
     except grpc.RpcError as exc:
         tmp.unlink(missing_ok=True)
         raise CliError(
@@ -494,13 +497,20 @@ def _recipe_model(path: Path, epoch: int | None, client: Any) -> Any:
 
 def _export(args: argparse.Namespace) -> int:
     from training.hf_export import EXPORT_DTYPES, ExportError, export_hf
+    from training.tokenizer import HFTokenizer, TokenizerError
 
     loaded = _load_verified(args)
     dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
+    tokenizer_json = None
+    if getattr(args, "tokenizer", None) is not None:
+        try:
+            tokenizer_json = HFTokenizer.from_file(args.tokenizer).raw
+        except TokenizerError as exc:
+            raise CliError(f"--tokenizer: {exc}") from None
     try:
         out = export_hf(
             loaded.tensors, loaded.config, args.out, source_sha256=loaded.sha256, source=loaded.source,
-            dtype=dtype,
+            dtype=dtype, tokenizer_json=tokenizer_json,
         )
     except ExportError as exc:
         raise CliError(f"--checkpoint {args.checkpoint}: {exc}") from None

@@ -12,6 +12,7 @@ from gonka_node.cli.verbs import add_verb
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES, codec_name
+    from gonka_node.recipe import recipe_help
 
     p = add_verb(
         subparsers, "devnet", help="run the whole network locally (chain, governance, aggregator, hosts) and report",
@@ -22,12 +23,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", type=Path, default=Path("devnet-out"), help="report folder (default devnet-out)")
     p.add_argument("--hosts", type=int, default=3, help="host processes (default 3, at most 8)")
-    p.add_argument("--rounds", type=int, default=8, help="outer rounds (default 8)")
-    p.add_argument("--inner-steps", type=int, default=20, help="H, AdamW steps per round (default 20)")
+    # Recipe settings: left unset here, DevnetOptions' defaults (gonka_node/devnet.py) decide, so that
+    # this parser need not import the devnet (chain, torch) to show them.
+    devnet = "the devnet's: gonka_node/devnet.py DevnetOptions"
+    p.add_argument("--rounds", type=int, help=recipe_help("n_rounds", devnet))
+    p.add_argument("--inner-steps", type=int, help=recipe_help("inner_steps", devnet))
     p.add_argument("--preset", default="devnet", choices=PRESET_NAMES,
                    help="model preset (default devnet, ~1M parameters)")
-    p.add_argument("--codec", default="int8", type=codec_name, metavar="CODEC",
-                   help=f"pseudo-gradient codec: one of {', '.join(CODEC_NAMES)} (default int8)")
+    p.add_argument("--codec", type=codec_name, metavar="CODEC",
+                   help=f"{recipe_help('codec', devnet)}; NAME one of {', '.join(CODEC_NAMES)}")
     p.add_argument("--serve", action="store_true",
                    help="after the epoch keep the chain and the aggregator running (and print their addresses) "
                    "until Ctrl-C, so the README's after-devnet commands work")
@@ -42,6 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
     )
+    p.add_argument("--dataset", metavar="DIR|s3://BUCKET/PREFIX",
+                   help="train on a prepared dataset (gonka-node data prepare) with its tokenizer; the model's "
+                   "vocabulary follows it (default: this Python's stdlib sources, byte tokenizer)")
+    p.add_argument("--tokenizer", type=Path, metavar="FILE",
+                   help="the dataset's tokenizer.json, checked against the dataset's manifest")
     p.set_defaults(func=_devnet)
 
 
@@ -54,10 +63,11 @@ def _devnet(args: argparse.Namespace) -> int:
     console = Console()
     if not 0.0 <= args.replay_fraction <= 1.0:
         raise CliError(f"--replay-fraction must be in [0, 1], got {args.replay_fraction}")
+    recipe = {"rounds": args.rounds, "inner_steps": args.inner_steps, "codec": args.codec}
     opts = DevnetOptions(
-        out=args.out, hosts=args.hosts, rounds=args.rounds, inner_steps=args.inner_steps,
-        preset=args.preset, codec=args.codec, timeout_s=args.timeout, chain_url=args.rpc_url,
-        replay_fraction=args.replay_fraction, serve=args.serve,
+        out=args.out, hosts=args.hosts, preset=args.preset, timeout_s=args.timeout, chain_url=args.rpc_url,
+        replay_fraction=args.replay_fraction, serve=args.serve, dataset=args.dataset, tokenizer=args.tokenizer,
+        **{k: v for k, v in recipe.items() if v is not None},
     )
     try:
         run_devnet(opts, say=lambda line: console.print(line), on_report=lambda r: _print_report(args, r))

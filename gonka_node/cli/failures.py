@@ -88,9 +88,12 @@ def _ours() -> tuple[type[BaseException], ...]:
     from gonka_node.config import ConfigError
     from gonka_node.keys import KeyStoreError
     from gonka_node.recipe import RecipeError
+    from gonka_node.storage import StoreError
     from gonka_node.tls import TlsError
+    from training.dataset import DatasetError
+    from training.tokenizer import TokenizerError
 
-    return (ConfigError, KeyStoreError, RecipeError, TlsError)
+    return (ConfigError, KeyStoreError, RecipeError, TlsError, StoreError, DatasetError, TokenizerError)
 
 
 def _say_os(exc: Any) -> str:

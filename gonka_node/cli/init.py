@@ -8,11 +8,15 @@ each one with the project's own loaders. Existing files are kept unless --force.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 from gonka_node.cli import CliError
-from gonka_node.cli.names import codec_name
+from gonka_node.cli.names import add_codec_flag
 from gonka_node.cli.verbs import add_group, add_verb
+from gonka_node.recipe import Recipe, field_help, recipe_default, recipe_help
 
 HOST = """\
 # A host's configuration: gonka-node run --config {name}
@@ -60,43 +64,27 @@ backend = "rpc"                   # an aggregator reaches the chain over JSON-RP
 rpc_url = "{rpc_url}"             # GONKA_RPC_URL overrides it
 
 [round]
-quorum = 1                        # accepted submissions needed to close at the deadline
-duration_s = 600                  # seconds a round stays open (the epoch's round_length is the chain's bound)
+quorum = 1                        # accepted submissions needed to close at the deadline (its length: the epoch's round_length on chain)
 
 [aggregation]
 rule = "clip_median"              # mean | clip_median | centered_clip
 heldout_windows = 8               # windows scoring each update
 """
 
-EPOCH = """\
+EPOCH_HEADER = """\
 # An epoch's recipe: the model, the data and the training schedule hosts and aggregators must agree on.
 # Its sha256 is the epoch's model_spec_hash on chain. Next:
 #   gonka-node gov build-spec --recipe {name} --aggregator 0xAGGREGATOR --reward-per-round 100 --out epoch.toml
 # which fills in the data manifest and writes the canonical recipe.json that hosts and aggregators load.
 
-model = "{preset}"                # a preset ({presets}) or a table of ModelConfig fields
-corpus = "builtin"                # "builtin" (this Python's standard library sources) or a file/folder path
-epoch_seed = 0                    # data assignment and held-out sampling
-init_seed = 0                     # the round-0 model
-seq_len = {seq_len}               # tokens per window (at most the model's max_seq_len)
-micro_batch = 8                   # windows per step per process
-grad_accum = 1                    # the chain records batch_size = micro_batch x grad_accum
-inner_steps = {inner_steps}       # H: AdamW steps per round
-inner_lr = 0.002                  # AdamW peak learning rate (warm-up, then cosine over the epoch)
-warmup_steps = {warmup}           # inner steps of linear warm-up
-weight_decay = 0.1                # AdamW decoupled weight decay
-grad_clip = 1.0                   # gradient norm clipping
-n_rounds = {rounds}               # outer rounds of the epoch
-codec = "{codec}"                 # pseudo-gradient compression: {codecs}
-ef_decay = 1.0                    # error feedback kept on the host
-outer_lr = 0.7                    # outer Nesterov step
-outer_momentum = 0.9              # its Nesterov momentum
-round_state = "fresh"             # fresh: rounds can be replayed (needed for replay probability > 0); carry
 """
+# The template's values where they differ from the recipe's defaults (its flags set more); the comment
+# on each line is the recipe field's help.
+EPOCH_TEMPLATE: dict[str, Any] = {"n_rounds": 8, "warmup_steps": 10, "round_state": "fresh"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES
+    from gonka_node.cli.names import PRESET_NAMES
 
     actions = add_group(subparsers, "init", help="write a commented host, aggregator or epoch template")
     host = add_verb(actions, "host", help="write a commented host config (host.toml)",
@@ -119,10 +107,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     epoch.add_argument("--out", type=Path, default=Path("recipe.toml"), help="file to write (default recipe.toml)")
     epoch.add_argument("--force", action="store_true", help="replace an existing file")
     epoch.add_argument("--preset", choices=PRESET_NAMES, default="devnet", help="model preset (default devnet)")
-    epoch.add_argument("--rounds", type=int, default=8, help="outer rounds (default 8)")
-    epoch.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
-    epoch.add_argument("--codec", default="int8", type=codec_name, metavar="CODEC",
-                       help=f"one of {', '.join(CODEC_NAMES)} (default int8)")
+    epoch.add_argument("--rounds", type=int, default=EPOCH_TEMPLATE["n_rounds"],
+                       help=recipe_help("n_rounds", EPOCH_TEMPLATE["n_rounds"]))
+    epoch.add_argument("--inner-steps", type=int, default=recipe_default("inner_steps"), help=recipe_help("inner_steps"))
+    add_codec_flag(epoch, recipe_default("codec"))
     epoch.set_defaults(func=_epoch)
 
 
@@ -176,10 +164,17 @@ def _epoch(args: argparse.Namespace) -> int:
 
     if args.rounds < 1 or args.inner_steps < 1:
         raise CliError("--rounds and --inner-steps must be >= 1")
-    text = EPOCH.format(name=args.out.name, preset=args.preset, presets=", ".join(sorted(PRESETS)),
-                        seq_len=min(64, PRESETS[args.preset].max_seq_len), inner_steps=args.inner_steps,
-                        warmup=min(10, args.inner_steps), rounds=args.rounds, codec=args.codec,
-                        codecs=", ".join(CODEC_NAMES))
+    values = {
+        **EPOCH_TEMPLATE, "model": args.preset, "n_rounds": args.rounds, "inner_steps": args.inner_steps,
+        "codec": args.codec, "seq_len": min(recipe_default("seq_len"), PRESETS[args.preset].max_seq_len),
+        "warmup_steps": min(EPOCH_TEMPLATE["warmup_steps"], args.inner_steps),
+    }
+    helps = {"model": f"a preset ({', '.join(sorted(PRESETS))}) or a table of ModelConfig fields",
+             "codec": f"{field_help('codec')}; NAME one of {', '.join(CODEC_NAMES)}"}
+    text = EPOCH_HEADER.format(name=args.out.name) + "".join(
+        f"{f'{f.name} = {json.dumps(values.get(f.name, f.default))}':<32}  # {helps.get(f.name, field_help(f.name))}\n"
+        for f in dataclasses.fields(Recipe) if f.name != "data_manifest_sha256"  # gov build-spec fills it in
+    )
     _write(args.out, text, args.force)
     print(f"next: gonka-node gov build-spec --recipe {args.out} --aggregator 0xAGGREGATOR --reward-per-round 100 "
           "--out epoch.toml")

@@ -7,6 +7,15 @@ import argparse
 
 PRESET_NAMES = ("tiny", "devnet", "10m", "12m", "1b", "8b", "30b")
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "topk", "mask")
+ROUND_STATES = ("carry", "fresh")  # training.inner's RoundState
+
+
+def add_codec_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    """--codec, checked by `codec_name`, its help the recipe field's with every codec named."""
+    from gonka_node.recipe import recipe_help
+
+    parser.add_argument("--codec", default=default, type=codec_name, metavar="CODEC",
+                        help=f"{recipe_help('codec', default)}; NAME one of {', '.join(CODEC_NAMES)}")
 
 
 def codec_name(text: str) -> str:

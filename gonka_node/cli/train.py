@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from gonka_node.cli import CliError
-from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES, codec_name
+from gonka_node.cli.names import PRESET_NAMES, ROUND_STATES, add_codec_flag
 from gonka_node.cli.verbs import add_verb
-from gonka_node.recipe import BUILTIN_CORPUS, Recipe
+from gonka_node.recipe import BUILTIN_CORPUS, Recipe, recipe_default, recipe_help
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from training.codecs import Codec, get_codec, round_seed, spec_of
 from training.data import TokenCorpus, Windows
@@ -58,29 +58,25 @@ class LocalRunConfig:
         return self.recipe.epoch_seed
 
 
-def local_recipe(
-    model: ModelConfig,
-    *,
-    rounds: int = 6,
-    inner_steps: int = 40,
-    micro_batch: int = 8,
-    seq_len: int = 64,
-    lr: float = 2e-3,
-    warmup_steps: int = 50,
-    codec: str = "int8",
-    ef_decay: float = 1.0,
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
-    seed: int = 0,
-    round_state: str = "carry",
-    corpus: str = BUILTIN_CORPUS,
-) -> Recipe:
-    """A recipe with the local run's defaults and one seed for both the model and the data."""
-    return Recipe(
-        model=model, corpus=corpus, epoch_seed=seed, init_seed=seed, seq_len=seq_len, micro_batch=micro_batch,
-        inner_steps=inner_steps, inner_lr=lr, warmup_steps=warmup_steps, n_rounds=rounds, codec=codec,
-        ef_decay=ef_decay, outer_lr=outer_lr, outer_momentum=outer_momentum, round_state=round_state,
-    )
+# A local run's schedule, where it differs from an epoch recipe's defaults (a few minutes on a CPU);
+# every other field, and every help text, is the recipe's.
+LOCAL_RUN: dict[str, Any] = {"n_rounds": 6, "inner_steps": 40, "warmup_steps": 50}
+# The flags of `gonka-node train` that set a recipe field (default and help from LOCAL_RUN and Recipe).
+RECIPE_FLAGS = {
+    "--rounds": "n_rounds", "--inner-steps": "inner_steps", "--micro-batch": "micro_batch", "--seq-len": "seq_len",
+    "--lr": "inner_lr", "--outer-lr": "outer_lr", "--round-state": "round_state",
+}
+
+
+def local_default(name: str) -> Any:
+    """A recipe field's default in a local run."""
+    return LOCAL_RUN.get(name, recipe_default(name))
+
+
+def local_recipe(model: ModelConfig, *, seed: int = 0, **fields: Any) -> Recipe:
+    """A recipe with the local run's schedule, `fields` (Recipe's names) on top, and one seed for both the
+    model and the data."""
+    return Recipe(model=model, epoch_seed=seed, init_seed=seed, **{**LOCAL_RUN, **fields})
 
 
 @dataclass
@@ -235,22 +231,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--preset", default="devnet", choices=PRESET_NAMES,
                         help="model preset (default: devnet, ~1M parameters)")
     parser.add_argument("--workers", type=int, default=2, help="simulated hosts (default: 2)")
-    parser.add_argument("--rounds", type=int, default=6, help="outer rounds (default: 6)")
-    parser.add_argument("--inner-steps", type=int, default=40, help="H, AdamW steps per round (default: 40)")
-    parser.add_argument("--codec", default="int8", type=codec_name, metavar="CODEC",
-                        help=f"one of {', '.join(CODEC_NAMES)}, options as NAME:key=value (default int8)")
+    for flag, name in RECIPE_FLAGS.items():
+        default = local_default(name)
+        choices = ROUND_STATES if name == "round_state" else None
+        parser.add_argument(flag, dest=name, type=type(default), default=default, help=recipe_help(name, default),
+                            choices=choices, metavar=None if choices else flag[2:].upper().replace("-", "_"))
+    add_codec_flag(parser, local_default("codec"))
     parser.add_argument("--corpus", type=Path, help="text file or folder (default: Python's stdlib sources)")
     parser.add_argument("--seed", type=int, default=0, help="model init and data assignment seed")
-    parser.add_argument("--micro-batch", type=int, default=8, help="windows per host per step (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per window (default: 64)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW peak learning rate")
-    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
-    parser.add_argument(
-        "--round-state",
-        choices=("carry", "fresh"),
-        default="carry",
-        help="carry AdamW state across rounds, or start each round fresh (replayable; see docs/SECURITY.md)",
-    )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: robust when cores are shared)"
     )
@@ -282,16 +270,10 @@ def _train(args: argparse.Namespace) -> int:
     try:
         recipe = local_recipe(
             ModelConfig.preset(args.preset),
-            rounds=args.rounds,
-            inner_steps=args.inner_steps,
-            micro_batch=args.micro_batch,
-            seq_len=args.seq_len,
-            lr=args.lr,
-            outer_lr=args.outer_lr,
-            codec=args.codec,
             seed=args.seed,
-            round_state=args.round_state,
+            codec=args.codec,
             corpus=str(args.corpus) if args.corpus is not None else BUILTIN_CORPUS,
+            **{name: getattr(args, name) for name in RECIPE_FLAGS.values()},
         )
         get_codec(recipe.codec)  # raises ValueError naming the choices
         config = LocalRunConfig(recipe=recipe, workers=args.workers)

@@ -11,16 +11,15 @@ from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
+from chain.units import NGONKA_PER_GNK
 from gonka_node.explorer.charts import bytes_chart, human_bytes, loss_chart, short
 from gonka_node.explorer.markup import Markup, el, join
-
-NGONKA_PER_GNK = Decimal(10**9)
 
 
 def gnk(ngonka: str | int | None) -> str:
     if ngonka is None:
         return "–"
-    value = Decimal(int(ngonka)) / NGONKA_PER_GNK
+    value = Decimal(int(ngonka)) / Decimal(NGONKA_PER_GNK)
     return f"{value:,.9f}".rstrip("0").rstrip(".")
 
 

@@ -30,6 +30,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from chain.units import NGONKA_PER_GNK
 from gonka_node.config import ConfigError, read_env, read_toml
 
 _HOST_KEYS = {
@@ -47,7 +48,7 @@ class HostConfig:
     deployment: Path
     rpc_url: str
     epoch: int = 0
-    stake: int = 10 * 10**9  # ngonka
+    stake: int = 10 * NGONKA_PER_GNK  # ngonka
     metrics_port: int = 0
     cache_dir: Path | None = None
     log_level: str = "INFO"
@@ -99,7 +100,7 @@ def _build(raw: dict[str, Any], base: Path, env: dict[str, str], passphrase: str
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"[host] {name} must be an integer >= 0, got {value!r}")
     try:
-        stake = int(Decimal(str(host.get("stake_gnk", 10))) * 10**9)
+        stake = int(Decimal(str(host.get("stake_gnk", 10))) * NGONKA_PER_GNK)
     except InvalidOperation as exc:
         raise ConfigError(f"[host] stake_gnk must be a number of GNK, got {host.get('stake_gnk')!r}") from exc
     if stake <= 0:

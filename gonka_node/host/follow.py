@@ -41,10 +41,6 @@ class GlobalModel:
     round_done: int
     outer: OuterOptimizer | None  # None: not mirrored (after a pulled checkpoint); updates can't apply
 
-    def refresh_hash(self) -> bytes:
-        self.sha256 = bytes.fromhex(canonical_sha256(self.params))
-        return self.sha256
-
 
 Fetch = Callable[[int], bytes]  # round -> safetensors file bytes
 

@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from chain.client import ChainClient
+from chain.errors import BeaconNotReady
 from chain.units import format_gnk
 from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
 from gonka_node.host.events import HostEvents, LogEvents
@@ -159,16 +160,15 @@ class HostNode:
         self.recipe.check_against_chain(spec)
         self.n_rounds = spec.n_rounds
         slot = self.ensure_joined()
-        self.rounds = self._rounds(Assignment(self.recipe.epoch_seed, slot, spec.max_hosts))
+        beacon = self._assignment_beacon()
+        self.rounds = self._rounds(Assignment(self.recipe.epoch_seed, slot, spec.max_hosts, beacon))
         snap = self.store.load()
         if snap is not None and snap.progress.epoch == self.settings.epoch:
             progress = snap.progress
             outer = None
             if progress.outer_in_sync:
                 outer = self._outer()
-                state = outer.state_dict()
-                state.update(steps=progress.outer_steps, momentum_buffer=snap.outer_buffers or {})
-                outer.load_state_dict(state)
+                outer.restore(progress.outer_steps, snap.outer_buffers or {})
             if snap.worker_state is not None:
                 try:
                     self.rounds.load_state_dict(snap.worker_state)
@@ -190,6 +190,21 @@ class HostNode:
         progress = Progress(self.settings.epoch, slot, 0, sha.hex())
         self.rounds.start()
         return GlobalModel(params, sha, 0, self._outer()), progress
+
+    def _assignment_beacon(self) -> bytes:
+        """The randomness the recipe's assignment waits for ("signin-block": exists once sign-in closed)."""
+        if self.recipe.assignment_seed != "signin-block":
+            return b""
+        said = False
+        while True:
+            try:
+                return self.chain.signin_beacon(self.settings.epoch)
+            except BeaconNotReady:
+                if not said:
+                    self.events.note("waiting for sign-in to close: the data assignment is drawn from the "
+                                     "first block after it")
+                    said = True
+                self.sleep(self.settings.poll_s)
 
     def _save(self, gm: GlobalModel, progress: Progress) -> None:
         progress.round_done, progress.model_sha256 = gm.round_done, gm.sha256.hex()

@@ -164,6 +164,7 @@ class RigSetup:
     mailbox: str
     state_dir: str
     parent_pid: int
+    beacon: str = ""  # hex; the assignment's post-sign-in randomness (training.worker.Assignment.beacon)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -199,7 +200,7 @@ class RigRounds:
             self.recipe.to_dict(), self.assignment.epoch_seed, self.assignment.slot, self.assignment.max_slots,
             str(self.cache_dir) if self.cache_dir is not None else None, self.options.sharding,
             self.options.checkpoint_activations, self.options.compile, str(self.mailbox.root),
-            str(self.work_dir / "state"), os.getpid(),
+            str(self.work_dir / "state"), os.getpid(), self.assignment.beacon.hex(),
         )
         setup.save(run / "setup.json")
         command = [
@@ -316,7 +317,7 @@ def build_rig_worker(setup: RigSetup, rig: Rig) -> tuple[RoundWorker, str]:
     """The worker of this rig process, on meta tensors first: nothing is initialised (every round
     loads the global model), and a sharded model is only ever allocated shard by shard."""
     recipe = Recipe.from_dict(setup.recipe)
-    assignment = Assignment(setup.epoch_seed, setup.slot, setup.max_slots)
+    assignment = Assignment(setup.epoch_seed, setup.slot, setup.max_slots, bytes.fromhex(setup.beacon))
     cache = Path(setup.cache_dir) if setup.cache_dir is not None else None
     model = Llama(recipe.model, device="meta")
     if not _sharded(setup, recipe, rig):

@@ -14,7 +14,6 @@ then an atomic rename of progress.json), so a crash at any point leaves the prev
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from training.checkpoint import canonical_sha256, fsync_path
+from training.checkpoint import canonical_sha256
+from training.durable import durable_replace, fsync_path
 
 PROGRESS = "progress.json"
 
@@ -106,15 +106,11 @@ class HostStore:
             torch.save(dict(worker_state), tmp / "worker.pt")
         for f in tmp.iterdir():
             fsync_path(f)
-        fsync_path(tmp)
         shutil.rmtree(snap, ignore_errors=True)
-        os.replace(tmp, snap)
-        fsync_path(self.root)
+        durable_replace(tmp, snap)
         staged = self.root / (PROGRESS + ".tmp")
         staged.write_text(json.dumps(asdict(progress), indent=2, sort_keys=True))
-        fsync_path(staged)
-        os.replace(staged, self.root / PROGRESS)
-        fsync_path(self.root)
+        durable_replace(staged, self.root / PROGRESS)
         # Older snapshots are no longer named by progress.json.
         for old in self.root.glob("snap-*"):
             if old != snap:

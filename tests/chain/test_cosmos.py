@@ -31,7 +31,6 @@ from eth_keys import keys as eth_keys
 from google.protobuf.any_pb2 import Any as AnyProto
 
 from chain.cosmos import (
-    NGONKA_PER_GNK,
     UINT64_MAX,
     AccountInfo,
     CosmosAccount,
@@ -47,6 +46,7 @@ from chain.cosmos import (
     gnk_to_ngonka,
     parse_address,
 )
+from chain.units import NGONKA_PER_GNK
 
 KEY = bytes.fromhex("4c0883a69102937d6231471b5dbb6204fe5129617082792ae468d01a3f362318")
 SECP256K1_N = 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFEBAAEDCE6AF48A03BBFD25E8CD0364141

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import typing
 from collections.abc import Iterator
 
 import pytest
 
 from gonka_node.cli import VERB_MODULES, build_parser, main, version
-from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES
+from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES, ROUND_STATES
 from training.codecs import CODEC_NAMES as TRAINING_CODECS
+from training.inner import RoundState
 from training.model import PRESETS
 
 
@@ -63,3 +65,11 @@ def test_the_verb_map_and_the_names_match_what_they_stand_for() -> None:
         (alone,) = [a for a in build_parser(verb)._actions if isinstance(a, argparse._SubParsersAction)]
         assert verb in alone.choices, (verb, module)
     assert set(PRESET_NAMES) == set(PRESETS) and CODEC_NAMES == TRAINING_CODECS
+    assert typing.get_args(RoundState) == ROUND_STATES
+
+
+@pytest.mark.parametrize("verb", [["train"], ["devnet"], ["init", "epoch"]])
+def test_every_codec_is_named_in_the_codec_flags_help(verb: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*verb, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "NAME one of " + ", ".join(TRAINING_CODECS) in text

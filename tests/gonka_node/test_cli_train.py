@@ -94,7 +94,7 @@ def test_init_that_does_not_fit_the_preset_is_refused_before_training(
 
 
 def _final_digest(corpus: Path, codec: str) -> str:
-    recipe = local_recipe(ModelConfig.preset("tiny"), rounds=2, inner_steps=3, micro_batch=4, seq_len=32, codec=codec)
+    recipe = local_recipe(ModelConfig.preset("tiny"), n_rounds=2, inner_steps=3, micro_batch=4, seq_len=32, codec=codec)
     config = LocalRunConfig(recipe=recipe, workers=2)
     run = LocalDiLoCo(config, load_windows(corpus, 32))
     run.run_round()

@@ -116,7 +116,7 @@ class AggregatorThread:
         )
         self.store = Store(self.root).open()
         engine = RoundEngine(
-            ctx, RoundSettings(quorum=2, duration_s=120), AggregationSettings(), self.store,
+            ctx, RoundSettings(quorum=2), AggregationSettings(), self.store,
             ChainView(chain), TrainingCheckpoints(), SigningKey(b"\x09" * 32),
         )
         self.thread.start()

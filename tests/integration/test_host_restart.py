@@ -31,6 +31,7 @@ from gonka_node.devnet import (
     Children,
     DevnetOptions,
     aggregator_client,
+    claim_rewards,
     close_signin,
     deploy_and_schedule,
     make_report,
@@ -99,7 +100,10 @@ def test_a_killed_host_process_rejoins_and_finishes_the_epoch(tmp_path: Path) ->
         for name in ("host1", "host2"):
             assert children.procs[name].wait(240) == 0, (logs / f"{name}.log").read_text()[-2000:]
         assert "resumed at round 1" in host1_log.read_text()
-        report = make_report(opts, chain.backend, sched.deployment, sched.recipe, sched.epoch, target, sched.init_sha)
+        claimed = claim_rewards(opts, chain.backend, sched.deployment, sched.epoch, target)
+        report = make_report(
+            opts, chain.backend, sched.deployment, sched.recipe, sched.epoch, target, sched.init_sha, claimed
+        )
 
         reader = ChainClient(chain.backend, chain.backend.dev_accounts()[GOVERNANCE], sched.deployment).connect()
         assert reader.latest_round(sched.epoch) == 2

@@ -26,6 +26,7 @@ from training.hf_export import (
     export_hf,
 )
 from training.model import Llama, ModelConfig, build_model
+from training.tokenizer import HFTokenizer, train_bpe
 
 SHA = "ab" * 32
 CONFIGS = {
@@ -100,6 +101,29 @@ def test_text_generation_pipeline_runs_on_the_folder(tmp_path, one_thread):
     text = generate("def main():", max_new_tokens=12, do_sample=False)[0]["generated_text"]
     ours = generate_tokens(model, list(b"def main():"), SamplingConfig(max_new_tokens=12, temperature=0.0, stop_token=0))
     assert text == "def main():" + bytes(ours).decode("utf-8", errors="replace")
+
+
+def test_a_bpe_tokenizer_ships_with_the_model(tmp_path, one_thread):
+    corpus = ["def add(a, b):\n    return a + b\n", "print('hello world')\n"] * 100
+    tok_json = train_bpe(iter(corpus), vocab_size=300)
+    ours = HFTokenizer(tok_json)
+    cfg = _changed(CONFIGS["gqa-untied"], vocab_size=300)
+    model = sharp_model(cfg, seed=4)
+    out = export_hf(model.state_dict(), cfg, tmp_path / "hf", source_sha256=SHA, tokenizer_json=tok_json)
+    assert (out / "tokenizer.json").read_bytes() == tok_json  # byte for byte: the recipe's sha256 names it
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = "def add(x, y):\n    return x * y  # é"
+    assert tokenizer(text)["input_ids"] == ours.encode(text) and tokenizer.decode(ours.encode(text)) == text
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == ours.eot_id == 0
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+    generate = pipeline("text-generation", model=str(out), device="cpu")
+    text = generate("def add(", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    prompt = ours.encode("def add(")
+    new = generate_tokens(model, prompt, SamplingConfig(max_new_tokens=8, temperature=0.0, stop_token=0))
+    assert text == ours.decode(prompt + list(new))
+    with pytest.raises(ExportError, match=f"the tokenizer has {ours.vocab_size} tokens, the model only 256"):
+        export_hf(build_model(CONFIGS["gqa-tied"], 0).state_dict(), CONFIGS["gqa-tied"], tmp_path / "small",
+                  source_sha256=SHA, tokenizer_json=tok_json)
 
 
 def test_folder_contents(tmp_path):

@@ -36,7 +36,7 @@ from gonka_node.aggregator.store import Store
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.slashing import EvidenceLog
 from gonka_node.tls import TlsIdentity, create_identity
-from training.codecs import CodecError, get_codec
+from training.codecs import get_codec
 from training.data import Windows
 from training.diloco import pseudo_gradient
 from training.model import ModelConfig, build_model
@@ -200,7 +200,6 @@ class Harness:
             epoch=self.epoch,
             codec_name=self.codec_name,
             codec=self.codec,
-            codec_error=CodecError,
             spec=self.spec,
             n_rounds=self.n_rounds,
             round_length_s=self.round_length_s,

@@ -128,13 +128,13 @@ def test_config_reads_and_validates(tmp_path: Path) -> None:
     cfg = load_aggregator_config(
         write(
             tmp_path,
-            '[aggregator]\ndata_dir = "state"\n[round]\nquorum = 3\nduration_s = 60\n'
+            '[aggregator]\ndata_dir = "state"\n[round]\nquorum = 3\nextend_s = 60\n'
             '[aggregation]\nrule = "mean"\n[aggregation.per_epoch]\n2 = "centered_clip"\n',
         ),
         environ={"GONKA_LISTEN": "127.0.0.1:7000"},
     )
     assert cfg.data_dir == tmp_path / "state" and cfg.listen == "127.0.0.1:7000"
-    assert cfg.round.quorum == 3 and cfg.round.duration_s == 60.0
+    assert cfg.round.quorum == 3 and cfg.round.extend_s == 60.0
     assert cfg.aggregation.rule_for(1) == "mean" and cfg.aggregation.rule_for(2) == "centered_clip"
 
 

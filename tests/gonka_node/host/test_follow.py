@@ -194,12 +194,6 @@ def test_a_pulled_checkpoint_is_held_in_fp32() -> None:
     assert all(torch.equal(model.params[n], half[n].float()) for n in half)
 
 
-def test_refresh_hash_rehashes_the_held_params() -> None:
-    model = fresh_model()
-    model.params["b"][0] = 7.0
-    assert model.refresh_hash() == sha(model.params) == model.sha256 != sha(tensors(0))
-
-
 def test_after_an_unreadable_update_and_a_refused_checkpoint_the_momentum_is_given_up() -> None:
     agg, model = two_rounds(), fresh_model()
     agg.updates[1] = b"not a safetensors file"
