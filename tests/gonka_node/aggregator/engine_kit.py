@@ -31,7 +31,7 @@ from gonka_node.aggregator.store import Store, now_ms
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.envelope import Submission
 from gonka_node.slashing import EvidenceLog
-from training.codecs import CodecError, get_codec
+from training.codecs import get_codec
 
 T = TypeVar("T")
 SECOND_AGGREGATOR = 8
@@ -140,7 +140,7 @@ class Kit:
         return EpochContext(
             chain_id=d.chain_id, registry=bytes.fromhex(d.registry[2:]),
             epoch=self.world.epoch if epoch is None else epoch, codec_name="fp32", codec=get_codec("fp32"),
-            codec_error=CodecError, spec=SPEC, n_rounds=N_ROUNDS, round_length_s=ROUND_S, outer_lr=0.5,
+            spec=SPEC, n_rounds=N_ROUNDS, round_length_s=ROUND_S, outer_lr=0.5,
             outer_momentum=0.5, reward_per_round=REWARD, initial_checkpoint=self.init_path,
             initial_sha256=self.world.init_sha,
         )

@@ -22,7 +22,7 @@ from gonka_node.aggregator.scoring import Scorer, ScoringData
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.config import AggregationSettings
-from training.codecs import CodecError, get_codec
+from training.codecs import get_codec
 from training.data import Windows
 from training.diloco import pseudo_gradient
 from training.inner import InnerConfig, evaluate
@@ -90,7 +90,7 @@ class ModelRound:
     def context(self, p: float, replay: bool = True) -> EpochContext:
         return EpochContext(
             chain_id=31337, registry=b"\x11" * 20, epoch=1, codec_name="fp32", codec=get_codec("fp32"),
-            codec_error=CodecError, spec={n: tuple(t.shape) for n, t in self.base.items()}, n_rounds=4,
+            spec={n: tuple(t.shape) for n, t in self.base.items()}, n_rounds=4,
             round_length_s=60.0, outer_lr=0.5, outer_momentum=0.5, reward_per_round=POOL,
             initial_checkpoint=self.init_path, initial_sha256=self.init_sha, epoch_seed=SEED, model_factory=model,
             scoring=self.scoring, replay=ReplayData(model, INNER, self.windows, SEED, SLOTS) if replay else None,

@@ -36,7 +36,7 @@ from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.config import AggregationSettings
 from training.checkpoint import CheckpointError, load_checkpoint
-from training.codecs import CodecError, get_codec
+from training.codecs import get_codec
 from training.data import Windows
 from training.hf_export import MODEL_CONFIG_KEY
 
@@ -88,7 +88,7 @@ class Round:
     def ctx(self, **changes: object) -> EpochContext:
         fields: dict[str, object] = dict(
             chain_id=31337, registry=REGISTRY, epoch=1, codec_name="fp32", codec=get_codec("fp32"),
-            codec_error=CodecError, spec=SPEC, n_rounds=40, round_length_s=60.0, outer_lr=0.5,
+            spec=SPEC, n_rounds=40, round_length_s=60.0, outer_lr=0.5,
             outer_momentum=0.5, reward_per_round=POOL, initial_checkpoint=self.init_path,
             initial_sha256=self.init_sha, model_config='{"dim": 16}',
         )
