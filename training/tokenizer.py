@@ -11,6 +11,7 @@ elsewhere must define `<|endoftext|>` or say which of its tokens ends a text.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
@@ -121,19 +122,17 @@ class HFTokenizer:
         if piece is None:
             return b""
         if self._byte_level:
-            return bytes(_BYTE_OF_CHAR.get(c, 0x3F) for c in piece)
+            table = _byte_of_symbol()
+            return bytes(table.get(c, 0x3F) for c in piece)
         return str(self.inner.decode([token], skip_special_tokens=False)).encode("utf-8")
 
 
-def _byte_level_chars() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written as -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+@functools.cache
+def _byte_of_symbol() -> dict[str, int]:
+    """GPT-2's byte-level table inverted: the printable character a byte is written as -> the byte."""
+    from training.hf_export import byte_symbols  # it imports this module: read here, when first needed
 
-
-_BYTE_OF_CHAR = _byte_level_chars()
+    return {symbol: byte for byte, symbol in enumerate(byte_symbols())}
 
 
 def check_hash(data: bytes, expected_sha256: str | None, source: str) -> None:

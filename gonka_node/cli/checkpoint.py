@@ -99,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--out", type=Path, required=True, help="output folder (must not exist or be empty)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights")
     export.add_argument("--tokenizer", type=Path, metavar="FILE",
-                        help="the epoch's tokenizer.json, shipped with the model (default: the byte tokenizer)")
+                        help="the epoch's tokenizer.json, shipped with the model and checked against the recipe's "
+                        "sha256 (default: the recipe's, from its dataset; none for the byte tokenizer)")
     export.set_defaults(func=chain_errors(_export))
 
     generate = add_verb(
@@ -554,16 +555,12 @@ def _recipe_file(path: Path, epoch: int | None, client: Any) -> Any:
 
 def _export(args: argparse.Namespace) -> int:
     from training.hf_export import EXPORT_DTYPES, ExportError, export_hf
-    from training.tokenizer import HFTokenizer, TokenizerError
+    from training.tokenizer import HFTokenizer
 
     loaded = _load_verified(args)
     dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-    tokenizer_json = None
-    if getattr(args, "tokenizer", None) is not None:
-        try:
-            tokenizer_json = HFTokenizer.from_file(args.tokenizer).raw
-        except TokenizerError as exc:
-            raise CliError(f"--tokenizer: {exc}") from None
+    tokenizer = recipe_tokenizer(loaded.recipe, loaded.recipe_source, args.tokenizer, loaded.config)
+    tokenizer_json = tokenizer.raw if isinstance(tokenizer, HFTokenizer) else None
     try:
         out = export_hf(
             loaded.tensors, loaded.config, args.out, source_sha256=loaded.sha256, source=loaded.source,

@@ -143,3 +143,10 @@ def test_a_tokenizer_file_with_another_hash_is_refused(bpe: tuple[Path, Path, HF
     assert code != 0 and "differs from the recipe's tokenizer" in capsys.readouterr().err
     with pytest.raises(Exception, match="differs from the recipe's tokenizer"):
         serve(bpe_world, tmp_path / "cache", round_="1", tokenizer=other)
+
+
+def test_checkpoint_export_ships_the_recipes_tokenizer(bpe: tuple[Path, Path, HFTokenizer], bpe_world: ServeWorld,
+                                                      tmp_path: Path):
+    assert main(["checkpoint", "export", "--deployment", str(bpe_world.deployment), "--checkpoint",
+                 str(bpe_world.files[1]), "--epoch", "1", "--round", "1", "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == bpe[1].read_bytes()
