@@ -1,16 +1,21 @@
-"""Benchmark the aggregator: one round with N simulated hosts of a ~10M-parameter model on loopback.
+"""Benchmark the aggregator: one round with N simulated hosts on loopback, against a bare gRPC stream.
 
-    .venv/bin/python scripts/bench_aggregator.py --hosts 4 16 64 --out bench_aggregator.json
+    .venv/bin/python scripts/bench_aggregator.py --out bench_aggregator.json          # 4 and 64 hosts, 10.1M
+    .venv/bin/python scripts/bench_aggregator.py --hosts 64 1000 --params 1e5 --checks --out close.json
+    .venv/bin/python scripts/bench_aggregator.py --stages                              # per-stage costs
 
 For each N, a fresh aggregator *process* (embedded chain, contracts deployed, an epoch with N hosts
 signed in) serves on 127.0.0.1:0; this process signs and streams N int8-coded pseudo-gradients
 (8 concurrent streams) and measures:
 - ingest_mb_s: payload bytes / seconds from the first stream opened to the last receipt;
-- finalize_latency_s: last receipt → round finalized on chain (robust aggregate, outer step,
-  checkpoint, rewards, Merkle root, finalize transaction);
-- peak_rss_mb: the aggregator process's peak resident memory (ru_maxrss), chain included;
+- finalize_latency_s: last receipt → round finalized on chain (every check, robust aggregate, outer
+  step, checkpoint, rewards, Merkle root, finalize transaction);
+- peak_rss_mb: the aggregator process's peak resident memory (VmHWM), chain included;
   rss_before_round_mb: the same just before the round (embedded chain with N hosts, model, imports).
-Scoring is off (it runs forward passes of the model per host; see docs/benchmarks.md).
+bare_grpc_mb_s: the same client, payloads and TLS against a server process whose Submit only reads
+and discards the stream: what loopback gRPC carries here, the ceiling for ingest_mb_s.
+Scoring is off unless `--checks` (it runs forward passes of the model per host); copies, mixtures
+and dissent always run. `--params P` sizes a Llama-shaped model near P parameters (default: 10.1M).
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -37,12 +45,37 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from chain.units import NGONKA_PER_GNK as GNK  # noqa: E402
-from gonka_node.aggregator.client import AggregatorClient  # noqa: E402
+from gonka_node.aggregator.client import AggregatorClient, _requests, header_for  # noqa: E402
+from proto.gonka.v1 import aggregator_pb2 as pb  # noqa: E402
 from training.codecs import get_codec  # noqa: E402
-from training.model import ModelConfig, build_model  # noqa: E402
+from training.model import ModelConfig  # noqa: E402
 
 CODEC = "int8"
+STREAMS = 8  # concurrent uploads from the client process
 BENCH_MODEL = ModelConfig(dim=320, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=864, max_seq_len=256)
+SEQ_LEN = 32  # scoring windows (--checks)
+
+
+def model_for(params: float | None) -> ModelConfig:
+    """A Llama-shaped model (byte vocabulary) with about `params` parameters; None: BENCH_MODEL."""
+    if params is None:
+        return BENCH_MODEL
+    best: ModelConfig | None = None
+    for dim in range(16, 8193, 16):
+        head = 64 if dim % 64 == 0 and dim >= 256 else 16
+        cfg = ModelConfig(dim=dim, n_layers=max(1, dim // 128), n_heads=dim // head, n_kv_heads=dim // head,
+                          ffn_dim=16 * round(dim * 8 / 3 / 16), max_seq_len=SEQ_LEN)  # fmt: skip
+        if best is None or abs(cfg.num_params() - params) < abs(best.num_params() - params):
+            best = cfg
+    assert best is not None
+    return best
+
+
+def spec_of(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from training.model import Llama
+
+    with torch.device("meta"):  # shapes only: nothing allocated or initialised
+        return {n: tuple(p.shape) for n, p in Llama(cfg).named_parameters()}
 
 
 def host_keys(i: int) -> tuple[bytes, SigningKey]:
@@ -51,30 +84,19 @@ def host_keys(i: int) -> tuple[bytes, SigningKey]:
     )
 
 
-def serve(n_hosts: int, workdir: Path) -> None:
-    """The aggregator process: chain + epoch + server; prints its port, then its peak RSS on SIGTERM."""
+def epoch_with_hosts(n_hosts: int, init_sha: bytes) -> tuple[Any, Any, Any, int]:
+    """The embedded chain with contracts, an epoch and `n_hosts` signed in (the window closed)."""
     from eth_account import Account
-    from nacl.signing import SigningKey as Key
     from web3.types import Wei
 
     from chain.backends import EmbeddedBackend
     from chain.client import ChainClient
     from chain.types import EpochSpec
-    from gonka_node.aggregator.chain_view import ChainView
-    from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-    from gonka_node.aggregator.rounds import EpochContext, RoundEngine
-    from gonka_node.aggregator.server import AggregatorServer
-    from gonka_node.aggregator.store import Store
-    from gonka_node.config import AggregationSettings, RoundSettings
-    from gonka_node.tls import create_identity
 
     backend = EmbeddedBackend()
     dev = backend.dev_accounts()
     gov = ChainClient(backend, dev[0]).connect()
     deployment = gov.deploy_all()
-    base = {n: p.detach() for n, p in build_model(BENCH_MODEL, 0).named_parameters()}
-    init_path = workdir / "init.safetensors"
-    init_sha = TrainingCheckpoints().save(init_path, base, {})
     reward = 1000 * GNK
     spec = EpochSpec(
         model_spec_hash=hashlib.sha256(b"bench").digest(), model_uri="bench", data_manifest_hash=hashlib.sha256(b"d").digest(),
@@ -92,118 +114,316 @@ def serve(n_hosts: int, workdir: Path) -> None:
         gov.transfer(account.address, reward)  # the stake rule: min_stake × p (1) covers the round's reward
         ChainClient(backend, account, deployment).connect().join(epoch, reward, bytes(node.verify_key))
     backend.increase_time(7201)
+    return backend, dev, deployment, epoch
+
+
+def scoring_inputs(cfg: ModelConfig, n_hosts: int) -> dict[str, Any]:
+    """Model and windows for `--checks`: random tokens (timing only; the scores mean nothing)."""
+    import numpy as np
+
+    from gonka_node.aggregator.scoring import ScoringData
+    from training.data import Windows
+    from training.model import build_model
+
+    tokens = np.random.RandomState(0).randint(0, 256, size=SEQ_LEN * 64 * (n_hosts + 8), dtype=np.int64)
+    windows = Windows(tokens.astype(np.uint16), SEQ_LEN)
+    return {
+        "model_factory": lambda: build_model(cfg, 0),
+        "scoring": ScoringData(windows, 0, n_hosts, 2, 8),
+    }
+
+
+def serve(n_hosts: int, workdir: Path, params: float | None, checks: bool) -> None:
+    """The aggregator process: chain + epoch + server; prints its port, then its peak RSS on SIGTERM."""
+    from nacl.signing import SigningKey as Key
+
+    from chain.client import ChainClient
+    from gonka_node.aggregator.chain_view import ChainView
+    from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+    from gonka_node.aggregator.rounds import EpochContext, RoundEngine
+    from gonka_node.aggregator.store import Store
+    from gonka_node.config import AggregationSettings, RoundSettings
+    from training.model import build_model
+
+    cfg = model_for(params)
+    base = {n: p.detach() for n, p in build_model(cfg, 0).named_parameters()}
+    init_path = workdir / "init.safetensors"
+    init_sha = TrainingCheckpoints().save(init_path, base, {})
+    backend, dev, deployment, epoch = epoch_with_hosts(n_hosts, init_sha)
     ctx = EpochContext(
         chain_id=deployment.chain_id, registry=bytes.fromhex(deployment.registry[2:]), epoch=epoch, codec_name=CODEC,
         codec=get_codec(CODEC), spec={n: tuple(t.shape) for n, t in base.items()}, n_rounds=2,
-        round_length_s=3600, outer_lr=0.7, outer_momentum=0.9, reward_per_round=reward, initial_checkpoint=init_path,
-        initial_sha256=init_sha,
+        round_length_s=3600, outer_lr=0.7, outer_momentum=0.9, reward_per_round=1000 * GNK, initial_checkpoint=init_path,
+        initial_sha256=init_sha, **(scoring_inputs(cfg, n_hosts) if checks else {}),
     )  # fmt: skip
     del base
     engine = RoundEngine(
-        ctx, RoundSettings(max_update_norm=1e6), AggregationSettings(rule="clip_median"), Store(workdir / "agg").open(),
-        ChainView(ChainClient(backend, dev[1], deployment).connect()), TrainingCheckpoints(), Key(b"\x01" * 32),
+        ctx, RoundSettings(max_update_norm=1e6, max_payload_bytes=max(512 << 20, 2 * cfg.num_params())), AggregationSettings(rule="clip_median"),
+        Store(workdir / "agg").open(), ChainView(ChainClient(backend, dev[1], deployment).connect()),
+        TrainingCheckpoints(), Key(b"\x01" * 32),
     )  # fmt: skip
+    asyncio.run(_serve_engine(engine))
+    print(json.dumps({"peak_rss_mb": peak_rss_mb()}), flush=True)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB: VmHWM, which starts afresh at exec (ru_maxrss does
+    not on Linux: a child starts from its parent's peak at fork, here the client holding the payloads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+async def _serve_engine(engine: Any) -> None:
+    from gonka_node.aggregator.server import AggregatorServer
+    from gonka_node.tls import create_identity
+
+    identity = create_identity()
+    server = AggregatorServer(engine, identity, "127.0.0.1:0")
+    port = await server.start()
+    print(json.dumps({"port": port, "tls_cert": identity.cert_pem.decode(), "setup_rss_mb": peak_rss_mb()}), flush=True)
+    await _until_sigterm()
+    await server.stop(0.5)
+
+
+async def _until_sigterm() -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+
+
+def serve_bare() -> None:
+    """A server whose Submit reads every message of the stream and discards it: the transport alone."""
+    from gonka_node.aggregator.server import MESSAGE_LIMIT
+    from gonka_node.tls import create_identity, server_credentials
+    from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
+
+    class Discard(pb_grpc.AggregatorServicer):
+        async def Submit(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.Receipt:
+            async for _ in request_iterator:
+                pass
+            return pb.Receipt(accepted=True)
 
     async def main() -> None:
         identity = create_identity()
-        server = AggregatorServer(engine, identity, "127.0.0.1:0")
-        port = await server.start()
-        setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps({"port": port, "tls_cert": identity.cert_pem.decode(), "setup_rss_mb": setup}), flush=True)
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        await stop.wait()
+        limits = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
+        server = grpc.aio.server(options=limits)
+        pb_grpc.add_AggregatorServicer_to_server(Discard(), server)
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(identity))
+        await server.start()
+        print(json.dumps({"port": port, "tls_cert": identity.cert_pem.decode(), "setup_rss_mb": 0}), flush=True)
+        await _until_sigterm()
         await server.stop(0.5)
 
     asyncio.run(main())
-    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 
 
-def payloads(n_hosts: int) -> list[bytes]:
-    """Distinct, plausible updates: a shared direction plus per-host noise of the same size."""
-    spec = {n: tuple(p.shape) for n, p in build_model(BENCH_MODEL, 0).named_parameters()}
-    gen = torch.Generator().manual_seed(0)
-    shared = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in spec.items()}
+def payloads(cfg: ModelConfig, n_hosts: int) -> list[bytes]:
+    """Distinct, plausible updates: a shared direction plus per-host noise of the same size, encoded
+    tensor by tensor (a payload's parts are independent), so only one fp32 tensor is held at a time."""
+    spec = spec_of(cfg)
     codec = get_codec(CODEC)
-    return [
-        codec.encode({n: shared[n] + torch.randn(s, generator=gen) * 1e-3 for n, s in spec.items()})
-        for _ in range(n_hosts)
-    ]
+    out = []
+    for i in range(n_hosts):
+        parts = [codec.header(spec)]
+        for name in sorted(spec):
+            shared = torch.randn(spec[name], generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+            noise = torch.randn(spec[name], generator=torch.Generator().manual_seed(i * 7919 + len(parts)))
+            parts.append(codec.encode_tensor(name, (shared + noise) * 1e-3))
+        out.append(b"".join(parts))
+    return out
 
 
-def run_one(n_hosts: int) -> dict[str, float]:
-    data = payloads(n_hosts)
+class Aggregator:
+    """A benchmark server process (`--serve` or `--serve-bare`), stopped by SIGTERM on exit."""
+
+    def __init__(self, args: list[str], workdir: Path | None = None) -> None:
+        extra = ["--workdir", str(workdir)] if workdir else []
+        self.proc = subprocess.Popen([sys.executable, __file__, *args, *extra], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert self.proc.stdout is not None
+        self.hello = json.loads(self.proc.stdout.readline())
+        self.target = f"127.0.0.1:{self.hello['port']}"
+
+    def client(self) -> AggregatorClient:
+        return AggregatorClient(self.target, self.hello["tls_cert"].encode(), timeout_s=3600)
+
+    def stop(self) -> dict[str, Any]:
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=300)
+        return dict(json.loads(out.strip().splitlines()[-1])) if out.strip() else {}
+
+
+def upload_all(n: int, submit: Callable[[int], None]) -> float:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(STREAMS) as pool:
+        list(pool.map(submit, range(n)))
+    return time.perf_counter() - start
+
+
+def bare_grpc_mb_s(data: list[bytes]) -> float:
+    server = Aggregator(["--serve-bare"])
+    info = pb.RoundInfo(chain_id=1, registry=bytes(20), epoch=1, round=1, base_checkpoint_sha256=bytes(32), codec=CODEC)
+    try:
+        with server.client() as client:
+
+            def submit(i: int) -> None:
+                evm, node = host_keys(i)
+                header = header_for(info, hashlib.sha256(evm).digest()[:20], data[i], 1000, node)
+                assert client.submit_raw(_requests(header, data[i], 1 << 20)).accepted
+
+            seconds = upload_all(len(data), submit)
+    finally:
+        server.stop()
+    return round(sum(map(len, data)) / 1e6 / seconds, 1)
+
+
+def run_one(cfg: ModelConfig, params: float | None, n_hosts: int, checks: bool, data: list[bytes]) -> dict[str, Any]:
+    from eth_account import Account
+
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(n_hosts), "--workdir", tmp],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        assert proc.stdout is not None
-        hello = json.loads(proc.stdout.readline())
-        port = hello["port"]
+        args = ["--serve", str(n_hosts), *(["--params", str(params)] if params else []), *(["--checks"] if checks else [])]
+        server = Aggregator(args, Path(tmp))
         try:
-            with AggregatorClient(f"127.0.0.1:{port}", hello["tls_cert"].encode()) as client:
+            with server.client() as client:
                 info = client.open_round()
 
                 def submit(i: int) -> None:
                     evm, node = host_keys(i)
-                    from eth_account import Account
-
                     addr = bytes.fromhex(Account.from_key(evm).address[2:])
                     assert client.submit(info, addr, data[i], node, 1000).accepted
 
-                start = time.perf_counter()
-                with ThreadPoolExecutor(8) as pool:
-                    list(pool.map(submit, range(n_hosts)))
+                seconds = upload_all(n_hosts, submit)
                 last = time.perf_counter()
-                while True:
-                    try:
-                        client.round_result(info.epoch, info.round)
-                        break
-                    except grpc.RpcError:  # NOT_FOUND until finalized
-                        time.sleep(0.05)
+                result = _wait_finalized(client, info.epoch, info.round)
                 done = time.perf_counter()
         finally:
-            proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=120)
-    rss = json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
+            rss = server.stop().get("peak_rss_mb", 0.0)
     total_mb = sum(len(d) for d in data) / 1e6
     return {
         "hosts": n_hosts,
-        "payload_mb": round(total_mb / n_hosts, 2),
-        "ingest_mb_s": round(total_mb / (last - start), 1),
+        "shards": 1,
+        "params": cfg.num_params(),
+        "payload_mb": round(total_mb / n_hosts, 3),
+        "ingest_mb_s": round(total_mb / seconds, 1),
         "finalize_latency_s": round(done - last, 2),
         "peak_rss_mb": round(rss, 1),
-        "rss_before_round_mb": round(hello["setup_rss_mb"], 1),  # chain, contracts, model, imports
+        "rss_before_round_mb": round(server.hello["setup_rss_mb"], 1),  # chain, contracts, model, imports
+        "aggregated": sum(1 for c in result.contributions if c.aggregated),
     }
 
 
+def _wait_finalized(client: AggregatorClient, epoch: int, round_: int) -> pb.RoundResult:
+    while True:
+        try:
+            return client.round_result(epoch, round_)
+        except grpc.RpcError:  # NOT_FOUND until finalized
+            time.sleep(0.05)
+
+
+def stages(cfg: ModelConfig) -> dict[str, float]:
+    """Per-stage cost of one payload in this process (best of 5, one torch thread), in ms."""
+    from gonka_node.aggregator.validate import Sketcher, mapped, scan_update, square_norm
+
+    torch.set_num_threads(1)
+    spec, codec = spec_of(cfg), get_codec(CODEC)
+    data = payloads(cfg, 1)[0]
+    update = codec.decode(data, spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / "payload.part"
+
+        def spool() -> None:
+            with open(part, "wb") as f:
+                for chunk in _chunked(data):
+                    f.write(chunk)
+
+        def sketch() -> None:
+            s = Sketcher()
+            for name in sorted(update):
+                s.add(update[name])
+
+        def scan() -> None:
+            with open(part, "rb") as f, mapped(f) as view:
+                scan_update(codec, view, spec, 1e9)
+
+        steps: dict[str, Callable[[], object]] = {
+            "sha256": lambda: hashlib.sha256(data).digest(),
+            "spool_write": spool,
+            "fsync": lambda: _fsync(part),
+            "decode": lambda: codec.decode(data, spec),
+            "norm_and_finite": lambda: [square_norm(n, update[n], spec[n]) for n in sorted(spec)],
+            "sketch": sketch,
+            "decode_check_sketch": scan,
+        }
+        out = {name: _best_ms(step) for name, step in steps.items()}
+    out["payload_mb"] = len(data) / 1e6
+    return out
+
+
+def _chunked(data: bytes) -> Iterator[bytes]:
+    view = memoryview(data)
+    for start in range(0, len(data), 1 << 20):
+        yield bytes(view[start : start + (1 << 20)])
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _best_ms(step: Callable[[], object], repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return round(best * 1000, 2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--hosts", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--out", type=Path, help="write {'runs': [...]} as JSON here")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, nargs="+", default=[4, 64])
+    parser.add_argument("--params", type=float, help="model size in parameters (default: the 10.1M bench model)")
+    parser.add_argument("--checks", action="store_true", help="score every host too (forward passes per host)")
+    parser.add_argument("--stages", action="store_true", help="print per-stage costs of one payload and exit")
+    parser.add_argument("--no-bare", action="store_true", help="skip the bare gRPC stream measurement")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    if args.serve:
-        serve(args.serve, args.workdir)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # client and server share the machine
+    if args.serve_bare:
+        serve_bare()
         return 0
-    params = BENCH_MODEL.num_params()
-    print(f"model: {params / 1e6:.1f}M parameters, codec {CODEC}", file=sys.stderr)
-    runs = []
-    for n in args.hosts:
-        runs.append(run_one(n))
-        print(json.dumps(runs[-1]), flush=True)
+    if args.serve:
+        serve(args.serve, args.workdir, args.params, args.checks)
+        return 0
+    cfg = model_for(args.params)
+    print(f"model: {cfg.num_params() / 1e6:.2f}M parameters, codec {CODEC}", file=sys.stderr)
+    if args.stages:
+        print(json.dumps(stages(cfg), indent=2))
+        return 0
+    report = measure(cfg, args)
     if args.out:
-        args.out.write_text(
-            json.dumps({"model_params": params, "codec": CODEC, "runs": runs}, indent=2) + "\n"
-        )
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def measure(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
+    data = payloads(cfg, max(args.hosts))
+    report: dict[str, Any] = {"model_params": cfg.num_params(), "codec": CODEC, "checks": args.checks}
+    if not args.no_bare:
+        report["bare_grpc_mb_s"] = bare_grpc_mb_s(data[: max(STREAMS * 4, min(len(data), 64))])
+        print(json.dumps({"bare_grpc_mb_s": report["bare_grpc_mb_s"]}), flush=True)
+    report["runs"] = []
+    for n in args.hosts:
+        report["runs"].append(run_one(cfg, args.params, n, args.checks, data[:n]))
+        print(json.dumps(report["runs"][-1]), flush=True)
+    return report
 
 
 if __name__ == "__main__":

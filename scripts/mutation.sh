@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut) of the modules where a silent bug costs money or trust, each against its
-# fast unit tests. Not part of CI: about half an hour on two cores. Results: docs/benchmarks.md.
+# fast unit tests. Not part of CI: ~75 CPU-minutes, ~40 min wall at two workers on two idle cores (far
+# longer on a loaded machine). Results: docs/benchmarks.md.
 #
 #   bash scripts/mutation.sh                 # every module below
 #   bash scripts/mutation.sh codecs follow   # some of them
+#   MUTANTS='*ǁauthenticate__* *ǁsubmit__*' bash scripts/mutation.sh rounds   # some functions of one module
 #
 # mutmut lives in its own throwaway venv (.mutation/venv, pinned below), so the project's pinned tree
 # is untouched; that venv sees the project's packages (torch, web3, ...) through a .pth file, but not
 # the project's editable install, so the tests import the mutated copy that mutmut writes. Each module
-# runs in its own scratch copy of the tree (.mutation/runs/NAME), one worker process, one torch
+# runs in its own scratch copy of the tree (.mutation/runs/NAME), $MUTATION_JOBS (default 2) worker processes, one torch
 # thread. Per module it prints the score (killed, timeouts counted as killed, over all mutants) and the
 # wall time, and writes .mutation/report/NAME.txt: the summary and the diff of every surviving mutant.
 set -euo pipefail
@@ -16,6 +18,9 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 WORK=${MUTATION_DIR:-$ROOT/.mutation}
 MUTMUT=mutmut==3.8.1
+# Worker processes per module (mutmut --max-children). Two: on a machine shared with other jobs, a second
+# worker takes its share of the cores (measured: docs/benchmarks.md); one torch thread each.
+JOBS=${MUTATION_JOBS:-2}
 
 # name | module | its fast unit tests | mutants to run (fnmatch globs of mutmut's names; empty: all)
 MODULES=(
@@ -24,14 +29,21 @@ MODULES=(
   "envelope|gonka_node/envelope.py|tests/gonka_node/test_envelope.py tests/gonka_node/test_fuzz_envelope.py tests/gonka_node/test_envelope_edges.py|"
   "merkle|chain/merkle.py|tests/chain/test_merkle.py tests/chain/test_merkle_refusals.py|"
   "follow|gonka_node/host/follow.py|tests/gonka_node/host/test_follow.py|"
-  # The round engine: its close rule (tick: deadline, quorum, extension), against the deadline tests.
-  # Each mutant there boots a real aggregator on the embedded chain (~13 s a mutant on the shared
-  # machine), so the acceptance checks (authenticate, 117 mutants) and submit/close (139) would add over
-  # an hour at one worker: add their globs (*RoundEngineǁauthenticate__mutmut_*) for a longer run.
-  # close.py: its pure parts (copies, the pool split); compute_outcome needs a closing round per mutant.
-  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_deadline_edges.py|*RoundEngineǁtick__mutmut_*"
-  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_units.py|"
-  "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_units.py|"
+  # The round engine, every function, against its server-less unit tests (engine_kit.py: a real store
+  # and the embedded chain, deployed once in the fork server and inherited by every mutant's run), in
+  # three disjoint parts: acceptance against the acceptance tests only (each of its mutants otherwise
+  # runs the close tests too, which submit), the close, and the rest (opening, resuming, the engine's
+  # state).
+  "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py|*ǁauthenticate__mutmut_* *ǁ_digest_owner__mutmut_* *ǁstream_guard__mutmut_* *ǁsubmit__mutmut_* *ǁ_check__mutmut_* *ǁreceipt__mutmut_* *ǁcodec_for__mutmut_*"
+  "rounds-close|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py|*ǁtick__mutmut_* *ǁclose__mutmut_* *ǁ_close_sync__mutmut_* *ǁ_finish__mutmut_* *ǁ_own_vote__mutmut_* *ǁ_everyone_submitted__mutmut_* *ǁ_signin_closed__mutmut_* *ǁ_revealed_seed__mutmut_* *ǁ_note_close_failure__mutmut_* *ǁ_report_closed__mutmut_* *ǁ_compute__mutmut_* *ǁ_prev_outer_state__mutmut_* *ǁ_open_next__mutmut_* *ǁreward_tree__mutmut_* *ǁrun__mutmut_* *.x__tx_bytes__mutmut_*"
+  "rounds-rest|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py|*ǁ__init____mutmut_* *ǁstart__mutmut_* *ǁ_resume_or_open__mutmut_* *ǁbase_path__mutmut_* *ǁ_open_after__mutmut_* *ǁ_commit__mutmut_* *ǁ_activate__mutmut_* *.x_clock_text__mutmut_*"
+  # close.py: compute_outcome and its checks on constructed rounds (no chain), with a micro model for
+  # the replay, the scores and the held-out losses; in two disjoint parts: the close's skeleton
+  # (compute_outcome, the public tensors, the gate) against the model-free tests only (its mutants
+  # otherwise run the micro-model closes too), and the checks, scores and files against all of them.
+  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py|*.x_compute_outcome__mutmut_* *.x_public_tensors__mutmut_* *.x_gate__mutmut_* *ǁClosingǁ*"
+  "close-checks|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|*.x_copies__mutmut_* *.x_resubmissions__mutmut_* *.x_departed__mutmut_* *.x_mixtures__mutmut_* *.x_replays__mutmut_* *.x_dissent__mutmut_* *.x_heldout_losses__mutmut_* *.x__loss__mutmut_* *.x__sketch_path__mutmut_* *.x__scores__mutmut_* *.x_score_step__mutmut_* *.x_equal_shares__mutmut_* *.x_reward_tree__mutmut_* *.x__save_durably__mutmut_* *.x__read_outer__mutmut_*"
+  "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_replay_pick.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
 )
 
 setup_venv() {
@@ -80,6 +92,15 @@ from hypothesis import Phase, settings as _mutation_settings  # noqa: E402  (add
 
 _mutation_settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 PY
+  # The fast aggregator tests share one embedded chain per process (engine_kit.shared_world): build it
+  # while the fork server collects, so that each mutant's forked run starts with it deployed (~2 s less).
+  cat >>"$dir/tests/gonka_node/aggregator/conftest.py" <<'PY'
+
+
+import engine_kit as _engine_kit  # noqa: E402  (added by scripts/mutation.sh)
+
+_engine_kit.shared_world()
+PY
   echo "$dir"
 }
 
@@ -88,20 +109,25 @@ run_module() {  # name module tests globs
   dir=$(prepare_run "$name" "$module" "$tests")
   echo "== $name: $module against $tests"
   start=$(date +%s)
+  cut -d' ' -f1-3 /proc/loadavg >"$WORK/report/$name.load"
   # shellcheck disable=SC2086  # globs are mutmut name patterns, passed as words
-  (cd "$dir" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$WORK/venv/bin/mutmut" run --max-children 1 $globs \
-    >"$WORK/report/$name.log" 2>&1) || { tail -c 4000 "$WORK/report/$name.log"; return 1; }
+  (cd "$dir" && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 /usr/bin/time -o "$WORK/report/$name.cpu" -f '%U %S' \
+    "$WORK/venv/bin/mutmut" run --max-children "$JOBS" $globs >"$WORK/report/$name.log" 2>&1) \
+    || { tail -c 4000 "$WORK/report/$name.log"; return 1; }
   end=$(date +%s)
+  cut -d' ' -f1-3 /proc/loadavg >>"$WORK/report/$name.load"
   report "$name" "$module" "$dir" "$globs" $((end - start))
 }
 
 report() {  # name module dir globs seconds
   local name=$1 module=$2 dir=$3 globs=$4 secs=$5 out=$WORK/report/$1.txt
   (cd "$dir" && "$WORK/venv/bin/mutmut" results --all true) >"$WORK/report/$name.results"
-  "$WORK/venv/bin/python" - "$WORK/report/$name.results" "$name" "$module" "$secs" "$globs" >"$out" <<'PY'
+  "$WORK/venv/bin/python" - "$WORK/report/$name.results" "$name" "$module" "$secs" "$globs" "$WORK/report/$name" >"$out" <<'PY'
 import fnmatch, sys
 from collections import Counter
 path, name, module, secs, globs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split()
+cpu = sum(float(x) for x in open(sys.argv[6] + ".cpu").read().split()[-2:])  # user + sys, all processes
+load = " → ".join(line.split()[0] for line in open(sys.argv[6] + ".load"))
 rows = [line.strip().rsplit(": ", 1) for line in open(path, encoding="utf-8") if ": " in line]
 rows = [(m, s) for m, s in rows if not globs or any(fnmatch.fnmatch(m, g) for g in globs)]
 count = Counter(s for _, s in rows)
@@ -109,7 +135,7 @@ detected = count["killed"] + count["timeout"]
 score = 100.0 * detected / len(rows) if rows else 0.0
 print(f"{name}: {module}: {len(rows)} mutants, {count['killed']} killed, {count['timeout']} timeouts, "
       f"{len(rows) - detected} not detected ({dict((k, v) for k, v in count.items() if k not in ('killed', 'timeout'))}); "
-      f"score {score:.1f}%; {secs // 60} min {secs % 60} s")
+      f"score {score:.1f}%; {secs // 60} min {secs % 60} s (CPU {cpu / 60:.1f} min, load {load})")
 for m, s in rows:
     if s not in ("killed", "timeout"):
         print(f"SURVIVOR {s}: {m}")
@@ -117,7 +143,8 @@ PY
   head -1 "$out"
   # Diffs of the survivors only (a module's "no tests" mutants are listed by name above).
   grep '^SURVIVOR survived' "$out" | while read -r _ _ mutant; do
-    (cd "$dir" && "$WORK/venv/bin/mutmut" show "$mutant") >>"$out" 2>&1 || true
+    # </dev/null: `mutmut show` must not read the survivor list this loop reads.
+    (cd "$dir" && "$WORK/venv/bin/mutmut" show "$mutant" </dev/null) >>"$out" 2>&1 || true
   done
 }
 
@@ -128,7 +155,7 @@ main() {
   for line in "${MODULES[@]}"; do
     IFS='|' read -r name module tests globs <<<"$line"
     if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " =~ " $name " ]]; then continue; fi
-    run_module "$name" "$module" "$tests" "$globs"
+    run_module "$name" "$module" "$tests" "${MUTANTS:-$globs}"
   done
   echo "== summary"
   for line in "${MODULES[@]}"; do

@@ -12,6 +12,7 @@ must sustain), and the stream ends as LATE the moment its round closes, whatever
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import time
@@ -108,6 +109,40 @@ class StreamGuard:
         )
 
 
+class _Spool:
+    """Hashes and writes a stream's chunks in a worker thread, one chunk behind the receive: the event
+    loop only hands chunks over (sha256 and file writes release the GIL), so other streams' messages
+    are read while this one's bytes are hashed, and at most two chunks per stream are in memory."""
+
+    def __init__(self, path: Path) -> None:
+        self.digest = hashlib.sha256()
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self._pending: asyncio.Future[None] | None = None
+
+    async def write(self, chunk: bytes) -> None:
+        await self.flush()
+        self._pending = asyncio.ensure_future(asyncio.to_thread(self._write, chunk))
+
+    def _write(self, chunk: bytes) -> None:
+        self.digest.update(chunk)
+        self._file.write(chunk)
+
+    async def flush(self) -> None:
+        if self._pending is not None:
+            await asyncio.shield(self._pending)  # a cancelled stream still lets the write finish (close)
+            self._pending = None
+
+    async def close(self) -> None:
+        """Wait for the write in flight (even when the stream was cancelled), then close the file."""
+        try:
+            if self._pending is not None:
+                with contextlib.suppress(Exception):  # a failed write was raised by flush already
+                    await asyncio.shield(self._pending)
+        finally:
+            self._pending = None
+            self._file.close()
+
+
 async def receive_payload(
     chunks: AsyncIterator[bytes],
     *,
@@ -119,11 +154,11 @@ async def receive_payload(
 ) -> Path:
     """Spool the stream to a new file in `incoming`; returns its path, or raises `Rejected` (file removed)."""
     part = incoming / f"{uuid.uuid4().hex}.part"
-    digest = hashlib.sha256()
     received = 0
     guard.allow_total(declared_length)
+    spool = _Spool(part)
     try:
-        with open(part, "wb") as f:
+        try:
             async for chunk in chunks:
                 guard.touch()
                 if len(chunk) > max_chunk_bytes:
@@ -136,17 +171,19 @@ async def receive_payload(
                     raise Rejected(
                         Reason.OVERSIZE, f"stream exceeds the declared payload_length {declared_length}"
                     )
-                digest.update(chunk)
-                f.write(chunk)
-            if received < declared_length:
-                raise Rejected(
-                    Reason.TRUNCATED, f"stream ended after {received} of {declared_length} declared bytes"
-                )
-            if not hmac.compare_digest(digest.digest(), declared_sha256):
-                raise Rejected(
-                    Reason.DIGEST_MISMATCH,
-                    f"payload sha256 is {digest.hexdigest()}, the signed header says {declared_sha256.hex()}",
-                )
+                await spool.write(chunk)
+            await spool.flush()
+        finally:
+            await spool.close()
+        if received < declared_length:
+            raise Rejected(
+                Reason.TRUNCATED, f"stream ended after {received} of {declared_length} declared bytes"
+            )
+        if not hmac.compare_digest(spool.digest.digest(), declared_sha256):
+            raise Rejected(
+                Reason.DIGEST_MISMATCH,
+                f"payload sha256 is {spool.digest.hexdigest()}, the signed header says {declared_sha256.hex()}",
+            )
     except BaseException:
         part.unlink(missing_ok=True)
         raise

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
-from gonka_node.aggregator.validate import Codec, check_update, decode_update
+from gonka_node.aggregator.validate import Codec, mapped, scan_update
 from gonka_node.config import AggregationSettings, RoundSettings
 from gonka_node.envelope import ReceiptBody, Submission
 from training.codecs import round_seed
@@ -54,6 +55,7 @@ from training.model import Llama
 
 log = logging.getLogger(__name__)
 ZERO32 = bytes(32)
+DECODE_SLOTS = max(1, min(4, os.cpu_count() or 1))  # payloads decoded and checked at once
 
 
 class CheckpointIO(Protocol):
@@ -151,7 +153,9 @@ class RoundEngine:
         self.stream_limits = StreamLimits(
             settings.stream_idle_s, settings.stream_setup_s, settings.min_upload_kib_per_s * 1024
         )
-        self._decode_slots = asyncio.Semaphore(1)  # one decoded update in memory at a time
+        # Payloads checked at once, each in a worker thread (torch and numpy release the GIL), each
+        # holding one decoded tensor (validate.scan_update): memory stays bounded by slots × a tensor.
+        self._decode_slots = asyncio.Semaphore(DECODE_SLOTS)
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()
         self._signin_closed_seen = False
@@ -179,7 +183,7 @@ class RoundEngine:
         if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(
                 "resumed open round %d/%d with %d accepted submissions (deadline %s)",
-                ctx.epoch, row.round, len(self.store.submissions(ctx.epoch, row.round)), clock_text(row.deadline_ms),
+                ctx.epoch, row.round, len(self.store.submitted_hosts(ctx.epoch, row.round)), clock_text(row.deadline_ms),
             )
         self._activate(row)
 
@@ -365,10 +369,15 @@ class RoundEngine:
         return self.receipt(sub, accepted=True, reason=0, received_ms=received)
 
     def _check(self, part: Path, round_: int) -> tuple[float, bytes]:
-        data = part.read_bytes()
-        update = decode_update(self.ctx.codec_for(round_), data, self.ctx.spec)
-        checked = check_update(update, self.ctx.spec, self.settings.max_update_norm)
-        return checked.norm, checked.sketch.numpy().tobytes()
+        """Decode and check the spooled payload (memory-mapped, not copied), then make it durable here,
+        off the event loop: the store's own fsync at `add_submission` then finds nothing to flush."""
+        with open(part, "rb+") as f:
+            with mapped(f) as data:
+                norm, sketch = scan_update(
+                    self.ctx.codec_for(round_), data, self.ctx.spec, self.settings.max_update_norm
+                )
+            os.fsync(f.fileno())
+        return norm, sketch.numpy().tobytes()
 
     def receipt(
         self, sub: Submission | None, accepted: bool, reason: int, received_ms: int | None = None
@@ -403,7 +412,7 @@ class RoundEngine:
             if self._close_failed is not None:
                 await self.close(skip=self._close_failed)
             return
-        accepted = {s.host for s in self.store.submissions(r.epoch, r.round)}
+        accepted = self.store.submitted_hosts(r.epoch, r.round)
         everyone = await self._everyone_submitted(r, accepted)
         if everyone or (self.clock() > r.deadline_ms and len(accepted) >= self.settings.quorum):
             await self.close(skip=False)

@@ -136,7 +136,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
                 max_clock_skew_ms=int(s.max_clock_skew_s * 1000),
             ),
             aggregator_key=e.aggregator_key,
-            submissions=len(e.store.submissions(r.epoch, r.round)),
+            submissions=len(e.store.submitted_hosts(r.epoch, r.round)),
             expected_hosts=len(await e.chain.hosts(r.epoch)),
         )
 

@@ -1,0 +1,117 @@
+"""Fragments of a model for sharded aggregators (docs/PROTOCOL.md "Sharded aggregators").
+
+An epoch with S aggregators splits the model's tensors into S fixed fragments, balanced by size; the
+round's checkpoint hash is a Merkle root over the fragments' canonical hashes, so a client verifies
+one fragment alone with log2(S) sibling hashes. Pure functions of the spec and S: hosts, shards and
+clients compute the same plan and the same root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Spec = Mapping[str, tuple[int, ...]]
+LEAF_TAG = b"gonka-fragment-v1\n"
+NODE_TAG = b"\x01"
+
+
+class FragmentError(ValueError):
+    """A plan or proof that cannot be: bad shard count, index or proof shape."""
+
+
+@dataclass(frozen=True)
+class Fragment:
+    index: int
+    names: tuple[str, ...]  # sorted
+    numel: int
+
+    def spec(self, spec: Spec) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(spec[name]) for name in self.names}
+
+
+def plan_fragments(spec: Spec, shards: int) -> list[Fragment]:
+    """Tensors in descending size (ties by name), each to the fragment with the fewest elements so far
+    (ties: lowest index): the largest fragment exceeds the mean by at most one tensor."""
+    if not 1 <= shards <= len(spec):
+        raise FragmentError(f"shards must be between 1 and the model's {len(spec)} tensors, got {shards}")
+    sizes = {name: math.prod(shape) for name, shape in spec.items()}
+    loads = [(0, i) for i in range(shards)]  # (elements, index): a heap
+    members: list[list[str]] = [[] for _ in range(shards)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        load, i = heapq.heappop(loads)
+        members[i].append(name)
+        heapq.heappush(loads, (load + sizes[name], i))
+    return [Fragment(i, tuple(sorted(m)), sum(sizes[n] for n in m)) for i, m in enumerate(members)]
+
+
+def global_offsets(spec: Spec) -> dict[str, int]:
+    """Each tensor's first coordinate in the whole update (tensors in sorted name order, as a payload
+    and the count sketch lay them out): what a shard's fragment sketch is computed at."""
+    offsets, at = {}, 0
+    for name in sorted(spec):
+        offsets[name] = at
+        at += math.prod(spec[name])
+    return offsets
+
+
+def fragment_leaf(index: int, shards: int, fragment_sha256: bytes) -> bytes:
+    if not 0 <= index < shards or len(fragment_sha256) != 32:
+        raise FragmentError(f"fragment {index} of {shards} with a {len(fragment_sha256)}-byte hash")
+    return hashlib.sha256(LEAF_TAG + index.to_bytes(4, "little") + shards.to_bytes(4, "little") + fragment_sha256).digest()
+
+
+def _parent(left: bytes, right: bytes) -> bytes:
+    return hashlib.sha256(NODE_TAG + left + right).digest()
+
+
+def _levels(hashes: Sequence[bytes]) -> list[list[bytes]]:
+    level = [fragment_leaf(i, len(hashes), h) for i, h in enumerate(hashes)]
+    levels = [level]
+    while len(level) > 1:
+        level = [_parent(level[j], level[j + 1]) if j + 1 < len(level) else level[j] for j in range(0, len(level), 2)]
+        levels.append(level)
+    return levels
+
+
+def fragment_root(hashes: Sequence[bytes]) -> bytes:
+    """The round's checkpoint hash from its fragments' canonical hashes, in fragment order; one
+    fragment (an unsharded epoch): its canonical hash itself."""
+    if not hashes:
+        raise FragmentError("no fragment hashes")
+    if len(hashes) == 1:
+        return bytes(hashes[0])
+    return _levels(hashes)[-1][0]
+
+
+def fragment_proof(hashes: Sequence[bytes], index: int) -> list[bytes]:
+    """Sibling hashes from fragment `index`'s leaf to the root (a carried-up odd node has none)."""
+    if not 0 <= index < len(hashes):
+        raise FragmentError(f"fragment {index} of {len(hashes)}")
+    proof = []
+    for level in _levels(hashes)[:-1]:
+        sibling = index ^ 1
+        if sibling < len(level):
+            proof.append(level[sibling])
+        index //= 2
+    return proof
+
+
+def verify_fragment(fragment_sha256: bytes, index: int, shards: int, proof: Sequence[bytes], root: bytes) -> bool:
+    """Whether fragment `index` of `shards` with this canonical hash is part of `root`."""
+    if shards == 1:
+        return index == 0 and not proof and fragment_sha256 == root
+    node, width = fragment_leaf(index, shards, fragment_sha256), shards
+    steps = iter(proof)
+    while width > 1:
+        sibling = index ^ 1
+        if sibling < width:
+            other = next(steps, None)
+            if other is None:
+                return False
+            node = _parent(other, node) if index & 1 else _parent(node, other)
+        index, width = index // 2, (width + 1) // 2
+    return next(steps, None) is None and node == root
