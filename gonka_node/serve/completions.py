@@ -70,7 +70,9 @@ class ChoiceSink:
             self._bare.append((token, logprobs))
         stopped = False
         for i, byte in enumerate(data):
-            starts, self._bare = ([*self._bare, (token, logprobs)], []) if i == 0 else ([], self._bare)
+            starts: list[Emitted] = []  # the tokens this byte reports when released
+            if i == 0:
+                starts, self._bare = [*self._bare, (token, logprobs)], []
             self._unreleased.append(starts)
             released = self._assembler.push(byte)
             self._take(released.text, released.offsets)
