@@ -31,6 +31,10 @@ if TYPE_CHECKING:  # imported where used: reading the fields' defaults and help 
 RECIPE_FORMAT = "gonka-recipe-v1"
 BUILTIN_CORPUS = "builtin"
 ASSIGNMENT_SEEDS = ("epoch", "signin-block")
+# What a recipe for a real epoch (`gonka-node init epoch`, `gov build-spec`, `gov check-spec`) gets for
+# a field its file leaves out, where that differs from the dataclass default: the default stays what
+# recipes written before the field meant, so their hashes do not change.
+EPOCH_DEFAULTS: dict[str, Any] = {"assignment_seed": "signin-block"}
 
 
 class RecipeError(ValueError):
@@ -243,8 +247,9 @@ class Recipe:
         path.write_bytes(self.canonical_json() + b"\n")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "recipe") -> Recipe:
-        data = dict(data)
+    def from_dict(cls, data: dict[str, Any], where: str = "recipe", defaults: dict[str, Any] | None = None) -> Recipe:
+        """`defaults`: values for fields `data` leaves out (EPOCH_DEFAULTS for a real epoch)."""
+        data = {**(defaults or {}), **data}
         fmt = data.pop("format", RECIPE_FORMAT)
         if fmt != RECIPE_FORMAT:
             raise RecipeError(f"{where}: format is {fmt!r}, this node reads {RECIPE_FORMAT!r}")
@@ -269,8 +274,8 @@ class Recipe:
             raise RecipeError(f"{where}: {exc}") from exc
 
     @classmethod
-    def load(cls, path: Path) -> Recipe:
-        """Read a recipe from JSON (the canonical form) or TOML (hand-written)."""
+    def load(cls, path: Path, defaults: dict[str, Any] | None = None) -> Recipe:
+        """Read a recipe from JSON (the canonical form) or TOML (hand-written); `defaults` as `from_dict`."""
         try:
             text = path.read_text()
         except OSError as exc:
@@ -281,7 +286,7 @@ class Recipe:
             raise RecipeError(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from exc
         if not isinstance(data, dict):
             raise RecipeError(f"{path}: a recipe is a table of fields")
-        return cls.from_dict(data, where=str(path))
+        return cls.from_dict(data, where=str(path), defaults=defaults)
 
     def check_against_chain(self, spec: Any) -> None:
         """Refuse to train an epoch whose on-chain record (a `chain.types.EpochSpec`) does not describe

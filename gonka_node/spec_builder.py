@@ -11,12 +11,13 @@ the recipe hosts will train, not only against its own syntax.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from chain.types import EpochSpec
 from gonka_node.epoch_setup import EpochTerms, epoch_spec
-from gonka_node.recipe import Recipe, RecipeError
+from gonka_node.recipe import EPOCH_DEFAULTS, Recipe, RecipeError
 from training.checkpoint import canonical_sha256
 from training.codecs import get_codec
 from training.model import build_model
@@ -27,6 +28,15 @@ class BuiltSpec:
     spec: EpochSpec
     recipe: Recipe  # the recipe with its data manifest filled in: what hosts and aggregators load
     init_sha256: bytes
+
+
+def load_epoch_recipe(path: Path, assignment_seed: str | None = None) -> Recipe:
+    """The recipe in `path` for a real epoch: a field the file leaves out takes EPOCH_DEFAULTS (the data
+    assignment seeded after sign-in, "signin-block"), and `assignment_seed`, when given, wins over both."""
+    recipe = Recipe.load(path, EPOCH_DEFAULTS)
+    if assignment_seed is None:
+        return recipe
+    return dataclasses.replace(recipe, assignment_seed=assignment_seed)
 
 
 def initial_sha256(recipe: Recipe) -> bytes:

@@ -38,6 +38,11 @@ class ObjectMissing(StoreError, KeyError):
         return str(self.args[0])
 
 
+class StoreUnavailable(StoreError, ConnectionError):
+    """A failure that may pass: the connection failed or timed out, or the service answered 5xx/slow
+    down. A `ConnectionError`, so readers in `training/` (which imports nothing of ours) retry it."""
+
+
 class BadKey(StoreError, ValueError):
     """A key that is empty, absolute, or climbs out of the store ("..")."""
 
@@ -157,6 +162,20 @@ class LocalStore:
         self._path(key).unlink(missing_ok=True)
 
 
+# S3 error codes that say "try again" (besides any 5xx status).
+TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+                             "ServiceUnavailable"})
+
+
+def _boto_error(exc: Exception, message: str) -> StoreError:
+    """A botocore failure as ours: connection failures, timeouts and broken streams may pass."""
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError, IncompleteReadError
+
+    transient = isinstance(exc, BotoConnectionError | HTTPClientError | IncompleteReadError)
+    return (StoreUnavailable if transient else StoreError)(message)
+
+
 class S3Store:
     """Objects under `s3://bucket/prefix` through boto3. `client` is passed in (tests, custom sessions)
     or made on first use from the environment's credentials."""
@@ -187,11 +206,13 @@ class S3Store:
             return getattr(self.client, what)(Bucket=self.bucket, **kwargs)
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise ObjectMissing(f"{self.uri}: no object {key!r}") from None
-            raise StoreError(f"{self.uri}: {what} {key!r} refused: {code or exc}") from None
+            kind = StoreUnavailable if status >= 500 or code in TRANSIENT_CODES else StoreError
+            raise kind(f"{self.uri}: {what} {key!r} refused: {code or exc}") from None
         except BotoCoreError as exc:
-            raise StoreError(f"{self.uri}: {what} {key!r} failed: {exc}") from None
+            raise _boto_error(exc, f"{self.uri}: {what} {key!r} failed: {exc}") from None
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._call(key, "put_object", Key=self._key(key), Body=data)
@@ -211,8 +232,13 @@ class S3Store:
         return bytes(self._call(key, "get_object", Key=self._key(key), Range=window)["Body"].read())
 
     def download(self, key: str, path: Path) -> None:
+        from botocore.exceptions import BotoCoreError
+
         body = self._call(key, "get_object", Key=self._key(key))["Body"]
-        durable_write(path, iter(lambda: body.read(CHUNK), b""))
+        try:
+            durable_write(path, iter(lambda: body.read(CHUNK), b""))
+        except BotoCoreError as exc:  # the connection broke while the body streamed
+            raise _boto_error(exc, f"{self.uri}: download {key!r} failed: {exc}") from None
 
     def exists(self, key: str) -> bool:
         try:

@@ -13,9 +13,12 @@ Each document is followed by the tokenizer's end-of-text token. A document is he
 only, so duplicated documents never straddle it. Windows are read over the concatenation of the train
 shards (in manifest order), then of the held-out shards; see `open_windows`.
 
-A host reads only the shards its windows fall in (`ShardCache`): each is downloaded once, checked
-against the manifest's sha256 before it is used, and kept in a local folder with a size limit (least
-recently used shards leave first). The window ids and the assignment are the same pure functions as
+A host reads only the shards its windows fall in (`ShardCache`): each is downloaded once (a transient
+store failure, a `ConnectionError` or `TimeoutError`, is retried a bounded number of times with
+doubling waits), checked against the manifest's sha256 before it is used, and kept in a local folder
+with a size limit (least recently used shards leave first). A file already in the folder (from an
+earlier process) is hashed again the first time this process opens it; one that no longer matches is
+deleted and fetched again, never read. The window ids and the assignment are the same pure functions as
 for an in-memory corpus (`training.data.Windows`), so anyone can recompute who trains on what.
 """
 
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +48,13 @@ DEFAULT_CACHE_BYTES = 4 << 30
 # Windows are assigned in blocks of about this many consecutive tokens (at least 64 blocks in all), so a
 # host's round touches a few shards rather than every one (training.data.assign_positions).
 ASSIGNMENT_BLOCK_TOKENS = 1 << 20
+FETCH_ATTEMPTS = 4  # downloads of one shard before a transient failure is raised
+FETCH_BACKOFF_S = 0.5  # wait before the second attempt; doubles after each failure
+
+log = logging.getLogger(__name__)
+# Cached files this process has hashed (path, inode, size): each is checked once, then trusted.
+_verified: set[tuple[str, int, int]] = set()
+_verified_lock = threading.Lock()
 
 
 class DatasetError(ValueError):
@@ -157,13 +169,19 @@ def read_manifest(source: ShardSource, expected_sha256: str = "") -> tuple[Manif
 class ShardCache:
     """Verified local copies of shards, named by their sha256, at most `max_bytes` in all (LRU)."""
 
-    def __init__(self, source: ShardSource, folder: Path, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(self, source: ShardSource, folder: Path, max_bytes: int = DEFAULT_CACHE_BYTES, *,
+                 attempts: int = FETCH_ATTEMPTS, backoff_s: float = FETCH_BACKOFF_S,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {attempts}")
         self.source = source
         self.folder = Path(folder)
         self.max_bytes = max_bytes
+        self.attempts, self.backoff_s, self._sleep = attempts, backoff_s, sleep
         self._open: OrderedDict[str, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
         self.downloads = 0
+        self.retries = 0  # downloads retried after a transient failure
 
     def tokens(self, shard: Shard, dtype: str) -> np.ndarray:
         """The shard as a read-only memory map, fetched and verified first if not cached."""
@@ -172,28 +190,61 @@ class ShardCache:
                 self._open.move_to_end(shard.sha256)
                 return self._open[shard.sha256]
             path = self.folder / f"{shard.sha256}.tok"
-            if not path.exists():
-                self._fetch(shard, path, np.dtype(dtype).itemsize)
+            itemsize = np.dtype(dtype).itemsize
+            if not path.exists() or not self._still_valid(path, shard, itemsize):
+                self._fetch(shard, path, itemsize)
             os.utime(path)  # recency for the eviction of files left by an earlier process
             mapped = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
             self._open[shard.sha256] = mapped
             self._evict(keep=shard.sha256)
             return mapped
 
+    def _still_valid(self, path: Path, shard: Shard, itemsize: int) -> bool:
+        """Whether a cached file is still the shard (hashed once per process; the disk may have rotted,
+        or someone written to it, since it was verified); a file that is not is deleted."""
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_ino, stat.st_size)
+        with _verified_lock:
+            if key in _verified:
+                return True
+        try:
+            _verify_file(path, shard, itemsize, str(path))
+        except ShardCorrupt as exc:
+            log.warning("%s; fetching it again", exc)
+            path.unlink(missing_ok=True)
+            return False
+        _remember(path)
+        return True
+
     def _fetch(self, shard: Shard, path: Path, itemsize: int) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".fetch.", suffix=".tmp")
         os.close(fd)
         try:
-            try:
-                self.source.download(shard.key, Path(tmp))
-            except KeyError:
-                raise ShardMissing(f"{self.source.uri}: shard {shard.key} named by the manifest is missing") from None
+            self._download(shard, Path(tmp))
             _verify_file(Path(tmp), shard, itemsize, self.source.uri)
             os.replace(tmp, path)  # only a verified file ever carries the sha256 name
+            _remember(path)
             self.downloads += 1
         finally:
             Path(tmp).unlink(missing_ok=True)
+
+    def _download(self, shard: Shard, tmp: Path) -> None:
+        """One shard into `tmp`, retried on transient failures (bounded, doubling waits)."""
+        for attempt in range(self.attempts):
+            try:
+                self.source.download(shard.key, tmp)
+                return
+            except KeyError:
+                raise ShardMissing(f"{self.source.uri}: shard {shard.key} named by the manifest is missing") from None
+            except (ConnectionError, TimeoutError) as exc:
+                if attempt + 1 == self.attempts:
+                    raise
+                wait = self.backoff_s * 2**attempt
+                log.warning("%s: shard %s: %s; retrying in %.1f s (%d of %d)", self.source.uri, shard.key, exc,
+                            wait, attempt + 2, self.attempts)
+                self.retries += 1
+                self._sleep(wait)
 
     def _evict(self, keep: str) -> None:
         files = sorted(self.folder.glob("*.tok"), key=lambda p: p.stat().st_mtime)
@@ -206,6 +257,12 @@ class ShardCache:
             total -= path.stat().st_size
             self._open.pop(path.stem, None)  # an array still in use keeps its pages (unlinked inode)
             path.unlink(missing_ok=True)
+
+
+def _remember(path: Path) -> None:
+    stat = path.stat()
+    with _verified_lock:
+        _verified.add((str(path.resolve()), stat.st_ino, stat.st_size))
 
 
 def _verify_file(path: Path, shard: Shard, itemsize: int, where: str) -> None:

@@ -16,12 +16,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from training.data import DOCUMENT_SEPARATOR, ByteTokenizer
 from training.model import Attention, Llama, apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from training.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,16 +146,26 @@ def generate_tokens(model: Llama, prompt: Sequence[int], sampling: SamplingConfi
         model.train(was_training)
 
 
-def generate_text(model: Llama, prompt: str, sampling: SamplingConfig) -> str:
-    """Continue `prompt` as the start of a document; stops at the document separator (not returned).
+def generate_ids(model: Llama, prompt: str, sampling: SamplingConfig, tokenizer: Tokenizer | None = None) -> list[int]:
+    """The ids continuing `prompt` as the start of a document, up to the end-of-text token (not returned).
 
-    Training documents follow a NUL separator, so the prompt is prefixed with one: an empty prompt
-    asks for a whole new document.
+    Training documents follow an end-of-text token (NUL for bytes), so the prompt is prefixed with one:
+    an empty prompt asks for a whole new document. Default tokenizer: bytes.
     """
-    tokenizer = ByteTokenizer()
+    from training.tokenizer import Bytes
+
+    tokenizer = tokenizer or Bytes()
     if sampling.stop_token is None:
-        sampling = dataclasses.replace(sampling, stop_token=DOCUMENT_SEPARATOR)
-    tokens = generate_tokens(model, [DOCUMENT_SEPARATOR, *tokenizer.encode(prompt)], sampling)
+        sampling = dataclasses.replace(sampling, stop_token=tokenizer.eot_id)
+    tokens = generate_tokens(model, [tokenizer.eot_id, *tokenizer.encode(prompt)], sampling)
     if tokens and tokens[-1] == sampling.stop_token:
         tokens = tokens[:-1]
-    return tokenizer.decode(tokens)
+    return tokens
+
+
+def generate_text(model: Llama, prompt: str, sampling: SamplingConfig, tokenizer: Tokenizer | None = None) -> str:
+    """`generate_ids`, decoded by the same tokenizer."""
+    from training.tokenizer import Bytes
+
+    tokenizer = tokenizer or Bytes()
+    return tokenizer.decode(generate_ids(model, prompt, sampling, tokenizer))

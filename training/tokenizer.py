@@ -11,7 +11,9 @@ elsewhere must define `<|endoftext|>` or say which of its tokens ends a text.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -46,6 +48,10 @@ class Tokenizer(Protocol):
 
     def decode(self, tokens: Iterable[int]) -> str: ...
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes `token` contributes to decoded text (b"" for an id outside the vocabulary)."""
+        ...
+
 
 class Bytes(ByteTokenizer):
     """`training.data.ByteTokenizer` with the rest of the `Tokenizer` interface."""
@@ -55,6 +61,9 @@ class Bytes(ByteTokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes((token,)) if 0 <= token < 256 else b""
 
 
 class HFTokenizer:
@@ -73,6 +82,10 @@ class HFTokenizer:
         if eot is None:
             raise TokenizerError(f"{source}: defines none of the end-of-text tokens {list(EOT_CANDIDATES)}")
         self.eot_id = int(eot)
+        spec = json.loads(data)
+        self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+        self._added = {int(t["id"]): str(t["content"]) for t in spec.get("added_tokens") or ()}
+        self._bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_file(cls, path: Path, expected_sha256: str | None = None) -> HFTokenizer:
@@ -91,6 +104,35 @@ class HFTokenizer:
 
     def decode(self, tokens: Iterable[int]) -> str:
         return str(self.inner.decode(list(tokens), skip_special_tokens=False))
+
+    def token_bytes(self, token: int) -> bytes:
+        """Exact for a byte-level tokenizer (GPT-2, Llama 3, those trained here): `decode(ids)` is the
+        concatenation of these bytes, decoded as UTF-8 with U+FFFD for invalid bytes. Otherwise the
+        token's own decoded text, which can differ from `decode` at piece boundaries (a SentencePiece
+        tokenizer's leading space)."""
+        known = self._bytes.get(token)
+        if known is None:
+            known = self._bytes[token] = self._token_bytes(token)
+        return known
+
+    def _token_bytes(self, token: int) -> bytes:
+        if token in self._added:
+            return self._added[token].encode("utf-8")
+        piece = self.inner.id_to_token(token)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            table = _byte_of_symbol()
+            return bytes(table.get(c, 0x3F) for c in piece)
+        return str(self.inner.decode([token], skip_special_tokens=False)).encode("utf-8")
+
+
+@functools.cache
+def _byte_of_symbol() -> dict[str, int]:
+    """GPT-2's byte-level table inverted: the printable character a byte is written as -> the byte."""
+    from training.hf_export import byte_symbols  # it imports this module: read here, when first needed
+
+    return {symbol: byte for byte, symbol in enumerate(byte_symbols())}
 
 
 def check_hash(data: bytes, expected_sha256: str | None, source: str) -> None:

@@ -30,7 +30,7 @@ import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -38,6 +38,9 @@ from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
 from gonka_node.cli.verbs import add_group, add_verb
 from gonka_node.tls import TlsError, check_peer, pinned_channel
+
+if TYPE_CHECKING:
+    from training.tokenizer import Tokenizer
 
 # A chunk is at most 1 MiB; the default 4 MiB receive limit leaves room for the protobuf framing.
 MESSAGE_LIMIT = 4 << 20
@@ -96,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--out", type=Path, required=True, help="output folder (must not exist or be empty)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights")
     export.add_argument("--tokenizer", type=Path, metavar="FILE",
-                        help="the epoch's tokenizer.json, shipped with the model (default: the byte tokenizer)")
+                        help="the epoch's tokenizer.json, shipped with the model and checked against the recipe's "
+                        "sha256 (default: the recipe's, from its dataset; none for the byte tokenizer)")
     export.set_defaults(func=chain_errors(_export))
 
     generate = add_verb(
@@ -106,11 +110,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_checkpoint_args(generate, PRESETS)
     generate.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    generate.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate (default 200)")
+    generate.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
     generate.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    generate.add_argument("--top-k", type=int, help="sample among the k most likely bytes only")
+    generate.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    generate.add_argument("--greedy", action="store_true", help="always take the most likely byte")
+    generate.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    generate.add_argument("--tokenizer", type=Path, metavar="FILE",
+                          help="the epoch's tokenizer.json, checked against the recipe's sha256 (default: the "
+                          "recipe's, from its dataset; bytes when the recipe names none)")
     generate.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     generate.set_defaults(func=chain_errors(_generate))
 
@@ -259,6 +266,12 @@ def _pull(args: argparse.Namespace) -> int:
 def epoch_model(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any, str]:
     """The epoch's ModelConfig from a source the chain vouches for (the recipe published on chain, else
     `recipe_file` checked against the epoch's model_spec_hash) and where it came from; (None, "") if none."""
+    recipe, where = epoch_recipe(client, epoch, recipe_file)
+    return (None, "") if recipe is None else (recipe.model, where)
+
+
+def epoch_recipe(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any, str]:
+    """The epoch's `Recipe` as `epoch_model` finds it, and where it came from; (None, "") if none."""
     import json
 
     from gonka_node.recipe import Recipe, RecipeError
@@ -267,12 +280,40 @@ def epoch_model(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any,
     if published is not None:
         where = f"epoch {epoch}'s recipe on chain"
         try:
-            return Recipe.from_dict(json.loads(published), where=where).model, where
+            return Recipe.from_dict(json.loads(published), where=where), where
         except (RecipeError, ValueError) as exc:
             raise CliError(f"{where} cannot be read by this node: {exc}") from None
     if recipe_file is not None:
-        return _recipe_model(recipe_file, epoch, client), f"--recipe {recipe_file}"
+        return _recipe_file(recipe_file, epoch, client), f"--recipe {recipe_file}"
     return None, ""
+
+
+def recipe_tokenizer(recipe: Any, where: str, tokenizer_file: Path | None, model: Any = None) -> Tokenizer:
+    """The tokenizer the checkpoint's ids are in: the recipe's (bytes, or its tokenizer.json: the file
+    `tokenizer_file`, else the one stored with the recipe's dataset, refused unless its sha256 is the
+    recipe's); with no recipe, `tokenizer_file` as it is, else bytes. Checked to fit `model`'s vocabulary."""
+    from gonka_node.recipe import RecipeError
+    from training.tokenizer import Bytes, HFTokenizer, TokenizerError
+
+    named = None if recipe is None else recipe.tokenizer
+    if named == "" and tokenizer_file is not None:
+        raise CliError(f"--tokenizer {tokenizer_file}: {where} names the byte tokenizer; leave --tokenizer out")
+    tokenizer: Tokenizer
+    try:
+        if tokenizer_file is not None:
+            tokenizer = HFTokenizer.from_file(tokenizer_file, named or None)
+        elif named:
+            tokenizer = recipe.load_tokenizer()
+        else:
+            tokenizer = Bytes()
+    except TokenizerError as exc:
+        raise CliError(f"--tokenizer: {exc}") from None
+    except RecipeError as exc:
+        raise CliError(f"{where}: {exc}; give the epoch's tokenizer.json with --tokenizer FILE") from None
+    if model is not None and tokenizer.vocab_size > model.vocab_size:
+        raise CliError(f"the tokenizer has {tokenizer.vocab_size:,} tokens, more than the model's vocab_size "
+                       f"{model.vocab_size:,}: not this model's tokenizer")
+    return tokenizer
 
 
 def _check_aggregator(target: str, pin: bytes, timeout_s: float) -> None:
@@ -417,6 +458,8 @@ class Verified:
     config: Any  # training.model.ModelConfig
     sha256: str
     source: dict[str, str]  # provenance for the model card
+    recipe: Any = None  # the epoch's Recipe (on chain, else --recipe), when there is one
+    recipe_source: str = ""
 
 
 def _load_verified(args: argparse.Namespace) -> Verified:
@@ -438,7 +481,17 @@ def _load_verified(args: argparse.Namespace) -> Verified:
         source |= {"epoch": str(want.epoch), "round": str(want.round), "chain id": str(want.chain_id),
                    "registry": want.registry}
     config = _model_config(args, checkpoint.metadata, client)
-    return Verified(checkpoint.tensors, config, checkpoint.sha256, source)
+    recipe, where = _known_recipe(args, client)
+    return Verified(checkpoint.tensors, config, checkpoint.sha256, source, recipe, where)
+
+
+def _known_recipe(args: argparse.Namespace, client: Any) -> tuple[Any, str]:
+    """The epoch's recipe: on chain (with --epoch), else --recipe (checked against the chain then)."""
+    if client is not None:
+        return epoch_recipe(client, args.epoch, args.recipe)
+    if args.recipe is not None:
+        return _recipe_file(args.recipe, None, None), f"--recipe {args.recipe}"
+    return None, ""
 
 
 def _model_config(args: argparse.Namespace, metadata: dict[str, str], client: Any) -> Any:
@@ -476,6 +529,11 @@ def _model_config(args: argparse.Namespace, metadata: dict[str, str], client: An
 
 
 def _recipe_model(path: Path, epoch: int | None, client: Any) -> Any:
+    return _recipe_file(path, epoch, client).model
+
+
+def _recipe_file(path: Path, epoch: int | None, client: Any) -> Any:
+    """The recipe in `path`, checked against epoch `epoch`'s model_spec_hash when a chain is given."""
     from gonka_node.recipe import Recipe, RecipeError
 
     try:
@@ -489,7 +547,7 @@ def _recipe_model(path: Path, epoch: int | None, client: Any) -> Any:
                 f"--recipe {path}: hashes to {recipe.sha256().hex()}, epoch {epoch}'s "
                 f"model_spec_hash on chain is {spec_hash.hex()}: not this epoch's recipe"
             )
-    return recipe.model
+    return recipe
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -497,16 +555,12 @@ def _recipe_model(path: Path, epoch: int | None, client: Any) -> Any:
 
 def _export(args: argparse.Namespace) -> int:
     from training.hf_export import EXPORT_DTYPES, ExportError, export_hf
-    from training.tokenizer import HFTokenizer, TokenizerError
+    from training.tokenizer import HFTokenizer
 
     loaded = _load_verified(args)
     dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-    tokenizer_json = None
-    if getattr(args, "tokenizer", None) is not None:
-        try:
-            tokenizer_json = HFTokenizer.from_file(args.tokenizer).raw
-        except TokenizerError as exc:
-            raise CliError(f"--tokenizer: {exc}") from None
+    tokenizer = recipe_tokenizer(loaded.recipe, loaded.recipe_source, args.tokenizer, loaded.config)
+    tokenizer_json = tokenizer.raw if isinstance(tokenizer, HFTokenizer) else None
     try:
         out = export_hf(
             loaded.tensors, loaded.config, args.out, source_sha256=loaded.sha256, source=loaded.source,
@@ -524,7 +578,7 @@ def _export(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from training.generate import SamplingConfig, generate_text
+    from training.generate import SamplingConfig, generate_ids
 
     try:
         sampling = SamplingConfig(
@@ -536,10 +590,25 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     loaded = _load_verified(args)
+    tokenizer = recipe_tokenizer(loaded.recipe, loaded.recipe_source, args.tokenizer, loaded.config)
+    _check_prompt(args.prompt, tokenizer)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(loaded.tensors, loaded.config, device)
-    print(args.prompt + terminal_safe(generate_text(model, args.prompt, sampling)))
+    ids = generate_ids(model, args.prompt, sampling, tokenizer)
+    print(args.prompt + terminal_safe(tokenizer.decode(ids)))
     return 0
+
+
+def _check_prompt(prompt: str, tokenizer: Tokenizer) -> None:
+    """What the server answers 400 for: a prompt holding the end-of-text token, or text the tokenizer
+    does not take back unchanged."""
+    tokens = tokenizer.encode(prompt)
+    if tokenizer.eot_id in tokens:
+        raise CliError(f"--prompt holds the end-of-text token (id {tokenizer.eot_id}), the document separator "
+                       "the model was trained with; remove it")
+    if tokenizer.decode(tokens) != prompt:
+        raise CliError("--prompt holds text the epoch's tokenizer cannot represent (it does not decode back to "
+                       "itself); remove or replace those characters")
 
 
 def terminal_safe(text: str) -> str:

@@ -18,6 +18,7 @@ from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client, parse_amount
 from gonka_node.cli.fmt import amount, when
 from gonka_node.cli.verbs import add_group, add_verb
+from gonka_node.recipe import ASSIGNMENT_SEEDS
 
 VOTE_NEXT = "gonka-node gov vote --proposal N --support yes (voters), then gonka-node gov proposals"
 
@@ -39,7 +40,8 @@ def _register_planning(actions: Any) -> None:
         description="Complete the recipe (its data manifest, from the corpus on this machine), compute the "
         "hashes the chain records (model spec, data manifest, initial checkpoint) and write the epoch spec "
         "TOML with the terms given here, plus the completed recipe (JSON) that hosts and aggregators load. "
-        "min_stake defaults to the least the stake rule allows (reward per round / replay probability).",
+        "min_stake defaults to the least the stake rule allows (reward per round / replay probability). A "
+        "recipe that names no assignment_seed gets \"signin-block\" (docs/DATA.md).",
     )
     build.add_argument("--recipe", type=Path, required=True, help="recipe file (TOML or JSON; gonka-node init epoch)")
     build.add_argument("--aggregator", action="append", required=True, metavar="ADDRESS",
@@ -61,6 +63,9 @@ def _register_planning(actions: Any) -> None:
     build.add_argument("--recipe-out", type=Path,
                        help="the completed recipe, JSON (default: recipe.json next to --out)")
     build.add_argument("--cache-dir", type=Path, help="token cache for the corpus (default: none)")
+    build.add_argument("--assignment-seed", choices=ASSIGNMENT_SEEDS,
+                       help="override the recipe's assignment_seed (default: the recipe file's; signin-block, so no "
+                       "host knows its data before sign-in closes, when the file names none)")
     build.add_argument("--force", action="store_true", help="replace existing output files")
     build.set_defaults(func=chain_errors(_build_spec))
 
@@ -181,12 +186,11 @@ def _propose_or_send(args: argparse.Namespace, client: Any, actions: list[Any], 
 
 def _build_spec(args: argparse.Namespace) -> int:
     from chain.spec_file import format_epoch_spec
-    from gonka_node.recipe import Recipe
-    from gonka_node.spec_builder import build_spec
+    from gonka_node.spec_builder import build_spec, load_epoch_recipe
 
     recipe_out = args.recipe_out or args.out.with_name("recipe.json")
     _refuse_overwrite(args.out, args.force)
-    built = build_spec(Recipe.load(args.recipe), _terms(args), args.model_uri or f"file:{recipe_out.name}",
+    built = build_spec(load_epoch_recipe(args.recipe, args.assignment_seed), _terms(args), args.model_uri or f"file:{recipe_out.name}",
                        args.cache_dir)
     _write_recipe(recipe_out, built.recipe.canonical_json() + b"\n", args.force)
     header = (f"Epoch spec built by `gonka-node gov build-spec` from {args.recipe}.\n"
@@ -257,11 +261,10 @@ def _write_recipe(path: Path, content: bytes, force: bool) -> None:
 
 def _check_spec(args: argparse.Namespace) -> int:
     from chain.spec_file import load_epoch_spec
-    from gonka_node.recipe import Recipe
-    from gonka_node.spec_builder import check_spec
+    from gonka_node.spec_builder import check_spec, load_epoch_recipe
 
     spec = load_epoch_spec(args.spec)  # SpecError: names the file and field
-    recipe = Recipe.load(args.recipe) if args.recipe is not None else None
+    recipe = load_epoch_recipe(args.recipe) if args.recipe is not None else None
     problems = check_spec(spec, recipe, args.cache_dir)
     if problems:
         raise CliError("\n".join(f"{args.spec}: {p}" for p in problems))

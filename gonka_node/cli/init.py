@@ -16,7 +16,14 @@ from typing import Any
 from gonka_node.cli import CliError
 from gonka_node.cli.names import add_codec_flag
 from gonka_node.cli.verbs import add_group, add_verb
-from gonka_node.recipe import Recipe, field_help, recipe_default, recipe_help
+from gonka_node.recipe import (
+    ASSIGNMENT_SEEDS,
+    EPOCH_DEFAULTS,
+    Recipe,
+    field_help,
+    recipe_default,
+    recipe_help,
+)
 
 HOST = """\
 # A host's configuration: gonka-node run --config {name}
@@ -80,7 +87,7 @@ EPOCH_HEADER = """\
 """
 # The template's values where they differ from the recipe's defaults (its flags set more); the comment
 # on each line is the recipe field's help.
-EPOCH_TEMPLATE: dict[str, Any] = {"n_rounds": 8, "warmup_steps": 10, "round_state": "fresh"}
+EPOCH_TEMPLATE: dict[str, Any] = {"n_rounds": 8, "warmup_steps": 10, "round_state": "fresh", **EPOCH_DEFAULTS}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -111,6 +118,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help=recipe_help("n_rounds", EPOCH_TEMPLATE["n_rounds"]))
     epoch.add_argument("--inner-steps", type=int, default=recipe_default("inner_steps"), help=recipe_help("inner_steps"))
     add_codec_flag(epoch, recipe_default("codec"))
+    epoch.add_argument("--assignment-seed", choices=ASSIGNMENT_SEEDS, default=EPOCH_TEMPLATE["assignment_seed"],
+                       help=recipe_help("assignment_seed", EPOCH_TEMPLATE["assignment_seed"]))
     epoch.set_defaults(func=_epoch)
 
 
@@ -168,6 +177,7 @@ def _epoch(args: argparse.Namespace) -> int:
         **EPOCH_TEMPLATE, "model": args.preset, "n_rounds": args.rounds, "inner_steps": args.inner_steps,
         "codec": args.codec, "seq_len": min(recipe_default("seq_len"), PRESETS[args.preset].max_seq_len),
         "warmup_steps": min(EPOCH_TEMPLATE["warmup_steps"], args.inner_steps),
+        "assignment_seed": args.assignment_seed,
     }
     helps = {"model": f"a preset ({', '.join(sorted(PRESETS))}) or a table of ModelConfig fields",
              "codec": f"{field_help('codec')}; NAME one of {', '.join(CODEC_NAMES)}"}

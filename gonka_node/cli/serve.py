@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: the OS picks one)")
     p.add_argument("--recipe", type=Path, help="the epoch's recipe file, when the chain publishes none")
+    p.add_argument("--tokenizer", type=Path, metavar="FILE",
+                   help="the epoch's tokenizer.json, checked against the recipe's sha256 (default: the recipe's, "
+                   "from its dataset; bytes when the recipe names none)")
     p.add_argument("--aggregator", metavar="HOST:PORT", help="pull from this aggregator (default: from the chain)")
     p.add_argument("--tls-cert", type=Path, metavar="FILE", help="trust this aggregator certificate file")
     p.add_argument("--cache-dir", type=Path, help="keep verified checkpoints here (default: a temporary folder)")
@@ -45,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is fastest for tiny models)")
     p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (default 32)")
     p.add_argument("--max-waiting", type=int, default=64, help="sequences queued beyond that; more get 429")
-    p.add_argument("--max-prompt-bytes", type=int, default=8192, help="longest prompt (default 8192)")
+    p.add_argument("--max-prompt-bytes", type=int, default=8192,
+                   help="longest prompt in tokens (bytes for the byte tokenizer; default 8192)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a completion may take (default 120)")
     p.add_argument("--keep-rounds", type=int, default=2, help="rounds served at once when following (default 2)")
@@ -112,7 +116,7 @@ def _serve_until(args: argparse.Namespace, settings: ServeSettings, stop: thread
         handle = start_model_server(
             args.rpc_url, args.deployment, args.epoch, args.port, round_=args.round, host=args.host,
             recipe=args.recipe, aggregator=args.aggregator, tls_cert=args.tls_cert, cache_dir=args.cache_dir,
-            settings=settings,
+            settings=settings, tokenizer=args.tokenizer,
         )
     except ListenError as exc:
         raise CliError(f"--host/--port: {exc}") from None

@@ -27,7 +27,7 @@ from gonka_node.serve.errors import (
     RouteNotFound,
 )
 from gonka_node.serve.models import ModelRegistry
-from gonka_node.serve.protocol import Limits, parse_completion
+from gonka_node.serve.protocol import Limits, parse_completion, requested_model
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,12 @@ async def _model(request: web.Request) -> web.Response:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    settings = request.app[SETTINGS]
-    parsed = parse_completion(await _json_body(request), settings.limits)
-    completion = Completion(parsed, asyncio.get_running_loop()).submit(request.app[REGISTRY])
+    settings, registry = request.app[SETTINGS], request.app[REGISTRY]
+    body = await _json_body(request)
+    # Every round of the epoch has the recipe's tokenizer: the one found here is the answering model's.
+    tokenizer = registry.get(requested_model(body)).tokenizer
+    parsed = parse_completion(body, settings.limits, tokenizer)
+    completion = Completion(parsed, asyncio.get_running_loop(), tokenizer).submit(registry)
     return await respond(request, completion, settings.request_timeout_s)
 
 

@@ -11,13 +11,14 @@ model that answered and carries its chain provenance in `gonka`; `system_fingerp
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -27,7 +28,11 @@ from gonka_node.serve.models import ModelRegistry, ServedModel
 from gonka_node.serve.protocol import CompletionRequest
 from gonka_node.serve.sampling import SamplingParams, TokenLogprobs
 from gonka_node.serve.text import TextAssembler, token_text
-from training.data import DOCUMENT_SEPARATOR
+
+if TYPE_CHECKING:
+    from training.tokenizer import Tokenizer
+
+Emitted = tuple[int, TokenLogprobs | None]
 
 
 @dataclass
@@ -44,30 +49,47 @@ class ChoiceEvent:
 
 
 class ChoiceSink:
-    """Turns one sequence's tokens into text (stop sequences, UTF-8) and hands events to the loop:
-    every token when streaming, else once at the end."""
+    """Turns one sequence's tokens into text (their bytes through stop sequences and UTF-8) and hands
+    events to the loop: every token when streaming, else once at the end. A token is reported (in
+    `tokens`, `logprobs`) with its first byte, at that byte's character offset; a token with no bytes
+    with the next byte released, or at the end."""
 
     def __init__(self, index: int, request: CompletionRequest, loop: asyncio.AbstractEventLoop,
-                 queue: asyncio.Queue[ChoiceEvent]) -> None:
+                 queue: asyncio.Queue[ChoiceEvent], tokenizer: Tokenizer) -> None:
         self._assembler = TextAssembler(request.stop)
+        self._tokenizer = tokenizer
         self._stream = request.stream
         self._loop, self._queue = loop, queue
         self._event = ChoiceEvent(index)
-        self._unreleased: list[tuple[int, TokenLogprobs | None]] = []  # held back with their bytes
+        self._unreleased: collections.deque[list[Emitted]] = collections.deque()  # per held byte: tokens it starts
+        self._bare: list[Emitted] = []  # tokens without bytes, waiting for the next byte
 
     def on_token(self, token: int, logprobs: TokenLogprobs | None) -> bool:
-        self._unreleased.append((token, logprobs))
-        released = self._assembler.push(token)
-        self._take(released.text, released.offsets)
-        if self._stream and released.offsets:
+        data = self._tokenizer.token_bytes(token)
+        if not data:
+            self._bare.append((token, logprobs))
+        stopped = False
+        for i, byte in enumerate(data):
+            starts: list[Emitted] = []  # the tokens this byte reports when released
+            if i == 0:
+                starts, self._bare = [*self._bare, (token, logprobs)], []
+            self._unreleased.append(starts)
+            released = self._assembler.push(byte)
+            self._take(released.text, released.offsets)
+            if released.stopped:
+                stopped = True
+                break
+        if self._stream and (self._event.tokens or self._event.text):
             self._send()
-        return released.stopped
+        return stopped
 
     def on_finish(self, reason: str) -> None:
         # Held bytes that no stop sequence completed are text; after a match nothing is held (its bytes,
         # still in `_unreleased`, are dropped with it).
         released = self._assembler.close()
         self._take(released.text, released.offsets)
+        if not self._unreleased:  # tokens without bytes at the very end (not after a stop sequence)
+            self._emit(self._bare, self._assembler.text_length)
         self._event.finish_reason = reason
         self._send()
 
@@ -76,10 +98,13 @@ class ChoiceSink:
         self._send()
 
     def _take(self, text: str, offsets: tuple[int, ...]) -> None:
-        event = self._event
-        event.text += text
+        self._event.text += text
         for offset in offsets:
-            token, logprobs = self._unreleased.pop(0)
+            self._emit(self._unreleased.popleft(), offset)
+
+    def _emit(self, tokens: list[Emitted], offset: int) -> None:
+        event = self._event
+        for token, logprobs in tokens:
             event.tokens.append(token)
             event.offsets.append(offset)
             if logprobs is not None:
@@ -94,15 +119,17 @@ class ChoiceSink:
 class Completion:
     """One request in flight: its sequences, and (once submitted) the model that answers it."""
 
-    def __init__(self, request: CompletionRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request: CompletionRequest, loop: asyncio.AbstractEventLoop, tokenizer: Tokenizer) -> None:
         self.request = request
+        self.tokenizer = tokenizer
         self.queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        eot = tokenizer.eot_id
         self.sequences = [
             Sequence(
-                [DOCUMENT_SEPARATOR, *prompt], request.max_tokens,
+                [eot, *prompt], request.max_tokens,
                 SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed + j,
                                logprobs=request.logprobs),
-                ChoiceSink(i * request.n + j, request, loop, self.queue), stop_token=DOCUMENT_SEPARATOR,
+                ChoiceSink(i * request.n + j, request, loop, self.queue, tokenizer), stop_token=eot,
             )
             for i, prompt in enumerate(request.prompts) for j in range(request.n)
         ]
@@ -158,15 +185,18 @@ class Completion:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def choice_json(event: ChoiceEvent, with_logprobs: bool) -> dict[str, Any]:
+def choice_json(event: ChoiceEvent, with_logprobs: bool, tokenizer: Tokenizer) -> dict[str, Any]:
     return {"text": event.text, "index": event.index, "finish_reason": event.finish_reason,
-            "logprobs": _logprobs_json(event) if with_logprobs else None}
+            "logprobs": _logprobs_json(event, tokenizer) if with_logprobs else None}
 
 
-def _logprobs_json(event: ChoiceEvent) -> dict[str, Any]:
-    top = [{token_text(t): lp for t, lp in (*entry.top, (token, entry.logprob))}
+def _logprobs_json(event: ChoiceEvent, tokenizer: Tokenizer) -> dict[str, Any]:
+    def name(token: int) -> str:
+        return token_text(tokenizer.token_bytes(token))
+
+    top = [{name(t): lp for t, lp in (*entry.top, (token, entry.logprob))}
            for token, entry in zip(event.tokens, event.logprobs, strict=True)]
-    return {"tokens": [token_text(t) for t in event.tokens], "token_logprobs": [e.logprob for e in event.logprobs],
+    return {"tokens": [name(t) for t in event.tokens], "token_logprobs": [e.logprob for e in event.logprobs],
             "top_logprobs": top, "text_offset": event.offsets}
 
 
@@ -198,7 +228,7 @@ async def _whole(completion: Completion, timeout_s: float) -> web.Response:
         whole.offsets += event.offsets
         whole.finish_reason = event.finish_reason
     want_logprobs = completion.request.logprobs is not None
-    choices = [choice_json(merged[i], want_logprobs) for i in sorted(merged)]
+    choices = [choice_json(merged[i], want_logprobs, completion.tokenizer) for i in sorted(merged)]
     return web.json_response(completion.body(choices, usage=True), headers=completion.served.provenance.headers())
 
 
@@ -209,7 +239,8 @@ async def _stream(request: web.Request, completion: Completion, timeout_s: float
     want_logprobs = completion.request.logprobs is not None
     try:
         async for event in completion.events(timeout_s):
-            await _send(response, completion.body([choice_json(event, want_logprobs)], usage=False))
+            await _send(response, completion.body([choice_json(event, want_logprobs, completion.tokenizer)],
+                                                  usage=False))
     except ApiError as exc:  # the status line is sent: the error goes in the stream, as OpenAI does
         await _send(response, {**exc.body(), "gonka": completion.served.provenance.field()})
         return response

@@ -3,9 +3,10 @@
 `load_round` is `gonka-node checkpoint pull` (gonka_node/cli/checkpoint.py) followed by the load that
 `checkpoint generate --epoch --round` does: the chain's hash for the round, the aggregator and its
 certificate from the chain (or the ones given), the streamed file checked against that hash, and the
-model config from the epoch's recipe on chain (or a recipe file checked against the epoch's
-model_spec_hash). A model config nothing on chain vouches for is refused: this server serves only
-what the chain describes. A file already in the cache is used when its tensors hash to the chain's.
+model config and tokenizer from the epoch's recipe on chain (or a recipe file checked against the
+epoch's model_spec_hash). A model config nothing on chain vouches for is refused: this server serves
+only what the chain describes. The tokenizer is the file the recipe names by sha256: the one given
+(`--tokenizer`) or the one stored with the recipe's dataset, refused if its hash differs. A file already in the cache is used when its tensors hash to the chain's.
 
 `ChainFollower` polls the epoch's latest finalized round and, when it moves, loads that round and adds
 it to the registry (which retires the oldest served round after its requests finish). A failed pull
@@ -18,7 +19,7 @@ import argparse
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,14 @@ from gonka_node.cli.checkpoint import (
     MESSAGE_LIMIT,
     ChainCheckpoint,
     chain_checkpoint,
-    epoch_model,
+    epoch_recipe,
     load_model,
     pull_checkpoint,
+    recipe_tokenizer,
 )
 from gonka_node.serve.models import ModelRegistry, Provenance
 from training.model import Llama
+from training.tokenizer import Bytes, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +54,14 @@ class CheckpointSource:
     tls_cert: Path | None = None  # default: the certificate announced on chain for that aggregator
     pull_timeout_s: float = 600.0
     max_bytes: int = DEFAULT_MAX_BYTES
+    tokenizer: Path | None = None  # the recipe's tokenizer.json; default: the one with its dataset
 
 
 @dataclass(frozen=True)
 class VerifiedModel:
     provenance: Provenance
     model: Llama
+    tokenizer: Tokenizer = field(default_factory=Bytes)
 
 
 def open_chain(source: CheckpointSource) -> Any:
@@ -69,11 +74,13 @@ def open_chain(source: CheckpointSource) -> Any:
 def load_round(client: Any, source: CheckpointSource, round_text: str, device: str) -> VerifiedModel:
     """The round's model, every tensor checked against the chain's hash and its config the chain's."""
     want = chain_checkpoint(client, source.epoch, round_text)
-    config, where = epoch_model(client, source.epoch, source.recipe)
-    if config is None:
+    recipe, where = epoch_recipe(client, source.epoch, source.recipe)
+    if recipe is None:
         raise CliError(
             f"epoch {source.epoch} has no recipe on chain to take the model config from: give the epoch's "
             "recipe file (--recipe), which is checked against its model_spec_hash")
+    config = recipe.model
+    tokenizer = recipe_tokenizer(recipe, where, source.tokenizer, config)
     path = source.cache_dir / f"epoch-{want.epoch}-round-{want.round}.safetensors"
     tensors = _cached(path, want)
     if tensors is None:
@@ -82,7 +89,7 @@ def load_round(client: Any, source: CheckpointSource, round_text: str, device: s
     if tensors is None:
         raise CliError(f"{path}: the pulled file no longer verifies against the chain")
     provenance = Provenance(want.epoch, want.round, want.sha256.hex(), want.chain_id, want.registry)
-    return VerifiedModel(provenance, load_model(tensors, config, device))
+    return VerifiedModel(provenance, load_model(tensors, config, device), tokenizer)
 
 
 def _cached(path: Path, want: ChainCheckpoint) -> dict[str, Any] | None:

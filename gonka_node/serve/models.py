@@ -13,10 +13,13 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gonka_node.serve.engine import BatchEngine, Saturated, Sequence
 from gonka_node.serve.errors import ModelNotFound, NoModelLoaded, QueueFull
+
+if TYPE_CHECKING:
+    from training.tokenizer import Tokenizer
 
 ID_PREFIX = "gonka-epoch-"
 
@@ -54,6 +57,7 @@ class ServedModel:
     provenance: Provenance
     engine: BatchEngine
     created: int  # unix seconds it was loaded
+    tokenizer: Tokenizer  # the epoch recipe's: prompts are encoded and tokens decoded with it
 
     @property
     def id(self) -> str:
@@ -73,8 +77,8 @@ class ModelRegistry:
         self._models: list[ServedModel] = []  # oldest first
         self._lock = threading.Lock()
 
-    def add(self, provenance: Provenance, engine: BatchEngine) -> ServedModel:
-        served = ServedModel(provenance, engine.start(), int(time.time()))
+    def add(self, provenance: Provenance, engine: BatchEngine, tokenizer: Tokenizer) -> ServedModel:
+        served = ServedModel(provenance, engine.start(), int(time.time()), tokenizer)
         with self._lock:
             self._models.append(served)
             retired, self._models = self._models[: -self.keep], self._models[-self.keep :]

@@ -1,11 +1,12 @@
 """`POST /v1/completions` bodies: parsed and checked into a `CompletionRequest`, or `InvalidRequest`.
 
 Fields follow OpenAI's legacy completions API. `prompt` is a string, a list of strings, a list of
-token ids or a list of such lists (the byte tokenizer's ids are the bytes 0..255). A prompt must be
-UTF-8 text without U+0000: NUL is the document separator the model was trained with (the server puts
-one before every prompt, as `checkpoint generate` does), and a string holding lone surrogates (valid
-JSON, invalid Unicode) has no bytes. Fields that this server cannot honour are refused unless they
-hold their neutral value; unknown fields are refused, as OpenAI refuses them.
+token ids or a list of such lists, in the served epoch's tokenizer (the recipe's; for the byte tokenizer
+the ids are the bytes 0..255). A prompt must be text the tokenizer takes back unchanged and must not
+hold the end-of-text token: it is the document separator the model was trained with (the server puts
+one before every prompt, as `checkpoint generate` does); for bytes that is U+0000. A string holding
+lone surrogates (valid JSON, invalid Unicode) has no bytes. Fields that this server cannot honour are
+refused unless they hold their neutral value; unknown fields are refused, as OpenAI refuses them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gonka_node.serve.errors import InvalidRequest, PromptTooLong
+
+if TYPE_CHECKING:
+    from training.tokenizer import Tokenizer
 
 MAX_STOPS = 4
 MAX_STOP_BYTES = 64
@@ -29,7 +33,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 class Limits:
     """What one request may ask for (the server's `ServeSettings` sets them)."""
 
-    max_prompt_bytes: int = 8192
+    max_prompt_bytes: int = 8192  # tokens (bytes, for the byte tokenizer)
     max_tokens: int = 1024
     max_choices: int = 8  # prompts × n
 
@@ -37,7 +41,7 @@ class Limits:
 @dataclass(frozen=True)
 class CompletionRequest:
     model: str
-    prompts: tuple[tuple[int, ...], ...]  # bytes of each prompt, without the separator
+    prompts: tuple[tuple[int, ...], ...]  # token ids of each prompt, without the separator
     max_tokens: int
     temperature: float
     top_p: float
@@ -63,9 +67,16 @@ FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", 
           "stream_options", *NEUTRAL}
 
 
-def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
+def requested_model(body: Any) -> str:
+    """The model a body names (checked first: its tokenizer reads the prompt)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    return _model(body)
+
+
+def parse_completion(body: Any, limits: Limits, tokenizer: Tokenizer) -> CompletionRequest:
+    """`body` checked, its prompts encoded by `tokenizer` (the served model's)."""
+    requested_model(body)
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
@@ -74,7 +85,7 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
             raise InvalidRequest(f"{name}={body[name]!r} is not supported by this server", name)
     stream = _boolean(body, "stream", False)
     n = _integer(body, "n", 1, 1, limits.max_choices)
-    prompts = _prompts(body.get("prompt", ""), limits)
+    prompts = _prompts(body.get("prompt", ""), limits, tokenizer)
     if len(prompts) * n > limits.max_choices:
         raise InvalidRequest(
             f"{len(prompts)} prompts × n={n} asks for {len(prompts) * n} completions; at most "
@@ -165,19 +176,19 @@ def _stops(value: Any) -> tuple[bytes, ...]:
     return encoded
 
 
-def _prompts(value: Any, limits: Limits) -> tuple[tuple[int, ...], ...]:
+def _prompts(value: Any, limits: Limits, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
     if isinstance(value, str) or (isinstance(value, list) and value and all(_is_token(t) for t in value)):
         value = [value]
     if not isinstance(value, list) or not value:
         raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
                              "lists of token ids", "prompt")
-    prompts = tuple(_prompt_bytes(item) for item in value)
+    prompts = tuple(_prompt_tokens(item, tokenizer) for item in value)
     for index, prompt in enumerate(prompts):
         if len(prompt) > limits.max_prompt_bytes:
             where = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
             raise PromptTooLong(
-                f"{where} is {len(prompt)} tokens (bytes) long; this server takes at most "
-                f"{limits.max_prompt_bytes}", "prompt")
+                f"{where} is {len(prompt)} tokens long; this server takes at most {limits.max_prompt_bytes}",
+                "prompt")
     return prompts
 
 
@@ -185,21 +196,33 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _prompt_bytes(item: Any) -> tuple[int, ...]:
+def _prompt_tokens(item: Any, tokenizer: Tokenizer) -> tuple[int, ...]:
     if isinstance(item, str):
-        tokens = tuple(_utf8(item, "prompt"))
+        _utf8(item, "prompt")
+        tokens = tuple(tokenizer.encode(item))
+        if tokenizer.decode(tokens) != item and tokenizer.eot_id not in tokens:
+            raise InvalidRequest("the prompt holds text this model's tokenizer cannot represent (it does not "
+                                 "decode back to itself); remove or replace those characters", "prompt")
     elif isinstance(item, list) and all(_is_token(t) for t in item):
         tokens = tuple(item)
-        if any(not 0 <= t <= 255 for t in tokens):
-            bad = next(t for t in tokens if not 0 <= t <= 255)
-            raise InvalidRequest(f"prompt token {bad} is not a byte: this model's tokens are 0..255", "prompt")
+        bad = next((t for t in tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token {bad} is not in this model's tokenizer (ids 0.."
+                                 f"{tokenizer.vocab_size - 1})", "prompt")
     else:
         raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
                              "lists of token ids", "prompt")
-    if 0 in tokens:
-        raise InvalidRequest("the prompt holds byte 0 (U+0000), the document separator this model was "
+    if tokenizer.eot_id in tokens:
+        raise InvalidRequest(f"the prompt holds {_eot_name(tokenizer)}, the document separator this model was "
                              "trained with; remove it", "prompt")
     return tokens
+
+
+def _eot_name(tokenizer: Tokenizer) -> str:
+    text = tokenizer.token_bytes(tokenizer.eot_id)
+    if text == b"\0":
+        return "byte 0 (U+0000)"
+    return f"{text.decode('utf-8', 'replace')!r} (token {tokenizer.eot_id})"
 
 
 def _utf8(text: str, param: str) -> bytes:

@@ -68,7 +68,7 @@ def serve_model(registry: ModelRegistry, loaded: VerifiedModel, settings: ServeS
     """Put a verified model behind its own batching engine in `registry`."""
     name = f"epoch-{loaded.provenance.epoch}-round-{loaded.provenance.round}"
     engine = BatchEngine(loaded.model, max_batch=settings.max_batch, max_waiting=settings.max_waiting, name=name)
-    return registry.add(loaded.provenance, engine)
+    return registry.add(loaded.provenance, engine, loaded.tokenizer)
 
 
 class HttpThread:
@@ -146,17 +146,20 @@ def start_model_server(
     rpc_url: str | None, deployment: Path, epoch: int, port: int = 0, *, round_: str = ROUND_LATEST,
     host: str = "127.0.0.1", recipe: Path | None = None, aggregator: str | None = None,
     tls_cert: Path | None = None, cache_dir: Path | None = None, settings: ServeSettings | None = None,
+    tokenizer: Path | None = None,
 ) -> ModelServerHandle:
     """Serve epoch `epoch`'s round `round_` (a number, or "latest" to follow the chain) over the OpenAI
     API; returns once the first verified checkpoint is served. Raises CliError (a one-line reason) if
-    the chain, the checkpoint or its verification fails, ListenError if the port cannot be bound."""
+    the chain, the checkpoint or its verification fails, ListenError if the port cannot be bound.
+    Prompts and completions use the epoch recipe's tokenizer: `tokenizer` (a tokenizer.json checked
+    against the recipe's sha256), else the one stored with the recipe's dataset."""
     settings = settings or ServeSettings()
     temporary = None
     if cache_dir is None:
         temporary = tempfile.TemporaryDirectory(prefix="gonka-serve-")
         cache_dir = Path(temporary.name)
     source = CheckpointSource(deployment, epoch, cache_dir,
-                              rpc_url, recipe, aggregator, tls_cert)
+                              rpc_url, recipe, aggregator, tls_cert, tokenizer=tokenizer)
     device = settings.resolved_device()
     try:
         client = open_chain(source)

@@ -180,3 +180,28 @@ def test_spec_toml_round_trips(chain: Chain, recipe_toml: Path, tmp_path: Path) 
     spec = load_epoch_spec(spec_file)
     assert (spec.challenge_bond, spec.min_stake) == (2_500_000_000, 123_456_789_000)
     assert parse_epoch_spec(tomllib.loads(format_epoch_spec(spec, header="x\ny"))) == spec
+
+
+def test_build_spec_seeds_the_assignment_after_sign_in_unless_told(
+    chain: Chain, recipe_toml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bare = tmp_path / "bare.toml"  # a hand-written recipe that names no assignment_seed
+    bare.write_text("".join(line for line in recipe_toml.read_text().splitlines(keepends=True)
+                            if not line.startswith("assignment_seed")))
+    assert Recipe.load(bare).assignment_seed == "epoch"  # the dataclass default: old recipes keep their hash
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    build(chain, bare, tmp_path / "a" / "epoch.toml")
+    completed = Recipe.load(tmp_path / "a" / "recipe.json")
+    assert completed.assignment_seed == "signin-block"
+    assert load_epoch_spec(tmp_path / "a" / "epoch.toml").model_spec_hash == completed.sha256()
+    stripped = tmp_path / "a" / "stripped.json"  # check-spec reads a recipe as build-spec does
+    stripped.write_text((tmp_path / "a" / "recipe.json").read_text().replace('"assignment_seed":"signin-block",', ""))
+    assert "assignment_seed" not in stripped.read_text()
+    assert main(["gov", "check-spec", "--spec", str(tmp_path / "a" / "epoch.toml"), "--recipe", str(stripped)]) == 0
+    build(chain, bare, tmp_path / "b" / "epoch.toml", "--assignment-seed", "epoch")
+    assert Recipe.load(tmp_path / "b" / "recipe.json").assignment_seed == "epoch"
+    explicit = tmp_path / "explicit.toml"  # a file that asks for "epoch" keeps it
+    explicit.write_text(bare.read_text() + 'assignment_seed = "epoch"\n')
+    build(chain, explicit, tmp_path / "c" / "epoch.toml")
+    assert (tmp_path / "c" / "recipe.json").read_bytes() == (tmp_path / "b" / "recipe.json").read_bytes()

@@ -57,6 +57,9 @@ def test_epoch_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert recipe.model == ModelConfig.preset("tiny")
     assert (recipe.n_rounds, recipe.inner_steps, recipe.codec, recipe.round_state) == (4, 6, "int4", "fresh")
     assert recipe.data_manifest_sha256 == ""  # gov build-spec fills it in
+    assert recipe.assignment_seed == "signin-block"  # a real epoch: no host knows its windows before sign-in
     commented(out)
+    assert main(["init", "epoch", "--out", str(tmp_path / "e.toml"), "--assignment-seed", "epoch"]) == 0
+    assert Recipe.load(tmp_path / "e.toml").assignment_seed == "epoch"
     assert main(["init", "epoch", "--out", str(tmp_path / "x.toml"), "--codec", "zip"]) == 2
     assert "unknown codec 'zip'" in capsys.readouterr().err

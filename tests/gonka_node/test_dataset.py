@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gonka_node.storage import LocalStore, open_store
+from gonka_node.storage import LocalStore, StoreError, StoreUnavailable, open_store
+from training import dataset
 from training.dataset import (
     DatasetError,
     ManifestMismatch,
@@ -193,3 +194,80 @@ def _sha(data: bytes) -> str:
     import hashlib
 
     return hashlib.sha256(data).hexdigest()
+
+
+class Flaky:
+    """A real LocalStore behind a link that fails: each download raises `errors` in turn, then goes through
+    (a network fault, which cannot be produced on demand against a store here)."""
+
+    def __init__(self, store: LocalStore, errors: list[Exception]) -> None:
+        self.store, self.errors, self.uri, self.calls = store, errors, store.uri, 0
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.store.get_bytes(key)
+
+    def download(self, key: str, path: Path) -> None:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        self.store.download(key, path)
+
+
+def test_a_transient_store_failure_is_retried_with_backoff(tmp_path: Path, inputs: list[Path],
+                                                           tokenizer_json: bytes) -> None:
+    store = _prepared(tmp_path, inputs, tokenizer_json)
+    manifest, _ = read_manifest(store)
+    flaky = Flaky(store, [StoreUnavailable("s3: get_object failed: read timeout"), TimeoutError("timed out")])
+    waits: list[float] = []
+    cache = ShardCache(flaky, tmp_path / "cache", backoff_s=0.25, sleep=waits.append)
+    row = open_windows(manifest, cache, seq_len=15).stack([0])
+    assert row[0].tolist() == np.frombuffer(store.get_bytes(manifest.train[0].key), dtype="<u2")[:16].tolist()
+    assert (waits, cache.retries, cache.downloads, flaky.calls) == ([0.25, 0.5], 2, 1, 3)
+
+
+def test_retries_are_bounded_and_only_for_transient_failures(tmp_path: Path, inputs: list[Path],
+                                                             tokenizer_json: bytes) -> None:
+    store = _prepared(tmp_path, inputs, tokenizer_json)
+    manifest, _ = read_manifest(store)
+    down = Flaky(store, [StoreUnavailable(f"s3: attempt {i}") for i in range(10)])
+    waits: list[float] = []
+    cache = ShardCache(down, tmp_path / "cache", attempts=3, backoff_s=1.0, sleep=waits.append)
+    with pytest.raises(StoreUnavailable, match="attempt 2"):
+        open_windows(manifest, cache, seq_len=15).stack([0])
+    assert (down.calls, waits) == (3, [1.0, 2.0])
+    assert not list((tmp_path / "cache").iterdir())  # nothing half-fetched left behind
+    refused = Flaky(store, [StoreError("s3: get_object refused: AccessDenied")])
+    cache = ShardCache(refused, tmp_path / "cache", sleep=waits.append)
+    with pytest.raises(StoreError, match="AccessDenied"):
+        open_windows(manifest, cache, seq_len=15).stack([0])
+    assert refused.calls == 1  # a refusal does not pass by waiting: not retried
+
+
+def test_an_unreachable_s3_endpoint_is_a_transient_failure(tmp_path: Path, s3_endpoint: str) -> None:
+    store = open_store("s3://bucket/ds?endpoint=http://127.0.0.1:1")  # nothing listens on port 1
+    with pytest.raises(StoreUnavailable, match="Could not connect"):
+        store.download("train/00000.tok", tmp_path / "x")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupted_cached_shard_is_fetched_again_after_a_restart(
+    tmp_path: Path, inputs: list[Path], tokenizer_json: bytes, damage: str
+) -> None:
+    store = _prepared(tmp_path, inputs, tokenizer_json)
+    manifest, _ = read_manifest(store)
+    truth = np.frombuffer(store.get_bytes(manifest.train[0].key), dtype="<u2")[:16].tolist()
+    open_windows(manifest, ShardCache(store, tmp_path / "cache"), seq_len=15).stack([0])
+    cached = tmp_path / "cache" / f"{manifest.train[0].sha256}.tok"
+    data = bytearray(cached.read_bytes())
+    if damage == "flip":
+        data[5] ^= 0xFF
+    else:
+        del data[-2:]
+    cached.unlink()  # another inode: what a new process would see; and the process's memory of it is gone
+    cached.write_bytes(bytes(data))
+    dataset._verified.clear()  # the restart
+    cache = ShardCache(store, tmp_path / "cache")
+    assert open_windows(manifest, cache, seq_len=15).stack([0])[0].tolist() == truth
+    assert cache.downloads == 1 and _sha(cached.read_bytes()) == manifest.train[0].sha256
+    again = ShardCache(store, tmp_path / "cache")  # verified once in this process: opened without a fetch
+    assert open_windows(manifest, again, seq_len=15).stack([0])[0].tolist() == truth and again.downloads == 0

@@ -68,3 +68,17 @@ def test_mistakes_get_specific_errors(tmp_path: Path) -> None:
         load_tokenizer(junk)
     with pytest.raises(TokenizerError, match="at least 258"):
         train_bpe(iter(CORPUS), vocab_size=200)
+
+
+def test_token_bytes_concatenate_to_what_decode_returns(bpe_file: Path) -> None:
+    import random
+
+    tok = HFTokenizer.from_file(bpe_file)
+    draw = random.Random(0)
+    for _ in range(500):  # any ids, the end-of-text token and bytes that split a character included
+        ids = [draw.randrange(tok.vocab_size) for _ in range(draw.randrange(1, 12))]
+        assert b"".join(tok.token_bytes(t) for t in ids).decode("utf-8", "replace") == tok.decode(ids)
+    assert tok.token_bytes(tok.eot_id) == END_OF_TEXT.encode()
+    assert b"".join(tok.token_bytes(t) for t in tok.encode("ünï ✓")) == "ünï ✓".encode()
+    assert tok.token_bytes(10_000) == b""  # outside the vocabulary: no text, as decode gives none
+    assert [Bytes().token_bytes(t) for t in (65, 0xE9, 256)] == [b"A", b"\xe9", b""]

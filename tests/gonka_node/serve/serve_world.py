@@ -66,11 +66,12 @@ class ServeWorld:
     servicer: FileServer
     aggregator: ChainClient  # the aggregator's account: finalizes rounds
     stops: list[Any]
+    model: ModelConfig = TINY
 
     def write_round(self, round_: int) -> str:
         path = self.root / f"served-{round_}.safetensors"
-        tensors = build_model(TINY, seed=round_).state_dict()
-        sha = save_checkpoint(path, tensors, {MODEL_CONFIG_KEY: json.dumps(TINY.to_dict())})
+        tensors = build_model(self.model, seed=round_).state_dict()
+        sha = save_checkpoint(path, tensors, {MODEL_CONFIG_KEY: json.dumps(self.model.to_dict())})
         self.files[round_], self.shas[round_] = path, sha
         self.servicer.files[(self.epoch, round_)] = (path, bytes.fromhex(sha))
         return sha
@@ -89,8 +90,9 @@ class ServeWorld:
             stop()
 
 
-def build_world(root: Path, rounds: int = 2, n_rounds: int = 6) -> ServeWorld:
-    recipe = Recipe(model=TINY)
+def build_world(root: Path, rounds: int = 2, n_rounds: int = 6, recipe: Recipe | None = None) -> ServeWorld:
+    """`recipe` (default: the tiny model on bytes) is published on chain; its model is served."""
+    recipe = recipe or Recipe(model=TINY)
     backend = EmbeddedBackend()
     chain_server = ChainServer(backend).start()
     accounts = backend.dev_accounts()
@@ -100,7 +102,7 @@ def build_world(root: Path, rounds: int = 2, n_rounds: int = 6) -> ServeWorld:
     deployment.save(root / "deployment.json")
     servicer = FileServer()
     world = ServeWorld(root, root / "deployment.json", chain_server.url, 0, {}, {}, servicer,
-                       gov.with_account(accounts[1]), [chain_server.stop])
+                       gov.with_account(accounts[1]), [chain_server.stop], recipe.model)
     init_sha = world.write_round(0)
     spec = EpochSpec(
         model_spec_hash=recipe.sha256(), model_uri="file:recipe.json", data_manifest_hash=bytes(range(32)),
@@ -126,9 +128,10 @@ def build_world(root: Path, rounds: int = 2, n_rounds: int = 6) -> ServeWorld:
     return world
 
 
-def serve(world: ServeWorld, cache: Path, round_: str = "latest", **settings: Any) -> ModelServerHandle:
+def serve(world: ServeWorld, cache: Path, round_: str = "latest", tokenizer: Path | None = None,
+          **settings: Any) -> ModelServerHandle:
     """A model server on 127.0.0.1 port 0 for `world`'s epoch, found through the chain."""
     return start_model_server(
         None, world.deployment, world.epoch, 0, round_=round_, cache_dir=cache,
-        settings=ServeSettings(device="cpu", **settings),
+        settings=ServeSettings(device="cpu", **settings), tokenizer=tokenizer,
     )

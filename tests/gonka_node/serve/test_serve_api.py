@@ -140,10 +140,10 @@ def test_sha256_header_and_field_equal_the_chain(world: ServeWorld, client: open
     [
         ({"model": "gpt-4"}, "model", "model_not_found", "The model 'gpt-4' does not exist"),
         ({"max_tokens": -1}, "max_tokens", None, "max_tokens must be between 0 and 1024, got -1"),
-        ({"prompt": "x" * 8193}, "prompt", "context_length_exceeded", "8193 tokens (bytes) long"),
+        ({"prompt": "x" * 8193}, "prompt", "context_length_exceeded", "8193 tokens long"),
         ({"prompt": "ok \ud800"}, "prompt", None, "lone surrogate"),
         ({"prompt": "a\u0000b"}, "prompt", None, "document separator"),
-        ({"prompt": [104, 300]}, "prompt", None, "prompt token 300 is not a byte"),
+        ({"prompt": [104, 300]}, "prompt", None, "prompt token 300 is not in this model's tokenizer (ids 0..255)"),
         ({"temperature": 2.5}, "temperature", None, "temperature must be between 0.0 and 2.0"),
         ({"top_p": 0}, "top_p", None, "top_p must be greater than 0"),
         ({"n": 9}, "n", None, "n must be between 1 and 8"),

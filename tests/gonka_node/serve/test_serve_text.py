@@ -62,6 +62,6 @@ def test_multibyte_characters_wait_for_their_last_byte():
 
 
 def test_every_byte_token_has_its_own_name():
-    names = [token_text(t) for t in range(256)]
+    names = [token_text(bytes((t,))) for t in range(256)]
     assert len(set(names)) == 256
     assert (names[65], names[10], names[0xE9]) == ("A", "\n", "bytes:\\xe9")
