@@ -18,8 +18,9 @@ import torch
 from nacl.signing import SigningKey
 from torch import Tensor
 
-from gonka_node.aggregator.client import SubmitRejected, header_pb
-from gonka_node.envelope import Submission
+from gonka_node.aggregator.client import SubmitRejected
+from gonka_node.core.envelope import Submission
+from gonka_node.core.wire import header_pb
 from gonka_node.host.follow import GlobalModel
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import Codec, get_codec, round_seed

@@ -37,14 +37,14 @@ from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store, now_ms
-from gonka_node.config import AggregationSettings, RoundSettings
+from gonka_node.core.config import AggregationSettings, RoundSettings
+from gonka_node.core.keys import NodeKeys, NodeSigningKey
+from gonka_node.core.recipe import Recipe
+from gonka_node.core.tls import create_identity
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
 from gonka_node.host.events import LogEvents
 from gonka_node.host.node import HostNode, HostSettings
-from gonka_node.keys import NodeKeys, NodeSigningKey
-from gonka_node.recipe import Recipe
 from gonka_node.slashing import EvidenceLog, RoundIdentity, SlashDecision, challenge_all, collect_evidence
-from gonka_node.tls import create_identity
 from training.inner import evaluate
 from training.model import build_model
 

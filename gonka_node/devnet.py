@@ -44,13 +44,13 @@ from chain.server import ChainServer
 from chain.types import Deployment
 from chain.units import NGONKA_PER_GNK as GNK
 from gonka_node.aggregator.client import AggregatorClient
-from gonka_node.config import TLS_DIR
+from gonka_node.core.config import TLS_DIR
+from gonka_node.core.keys import init_keys
+from gonka_node.core.recipe import Recipe, recipe_default
+from gonka_node.core.storage import StoreError, open_store
+from gonka_node.core.tls import CERT_FILE, load_certificate
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.store import HostStore
-from gonka_node.keys import init_keys
-from gonka_node.recipe import Recipe, recipe_default
-from gonka_node.storage import StoreError, open_store
-from gonka_node.tls import CERT_FILE, load_certificate
 from training.checkpoint import canonical_sha256
 from training.dataset import DatasetError, read_manifest
 from training.inner import evaluate
@@ -88,7 +88,7 @@ class DevnetOptions:
     chain_url: str | None = None  # an external dev node (anvil); None: the embedded chain, served here
     replay_fraction: float = 1.0  # the epoch's replay probability p; > 0: fresh rounds; 0: no replays, no pay
     serve: bool = False  # keep the chain, the aggregator and the extra services running until stopped
-    link: str | None = None  # every host's link, "DOWN/UP" Mbit/s (gonka_node/link.py); None: loopback as is
+    link: str | None = None  # every host's link, "DOWN/UP" Mbit/s (gonka_node/core/link.py); None: loopback as is
     overlap: str = "off"  # the recipe's overlap rule (training/overlap.py)
     broadcast: str = "dense"  # the recipe's download: "dense" fp32 or "codec" (gonka_node/aggregator/broadcast.py)
     services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)

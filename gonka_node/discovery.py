@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gonka_node.tls import TlsError, load_certificate
+from gonka_node.core.tls import TlsError, load_certificate
 
 
 class MissingPinError(TlsError):

@@ -20,7 +20,7 @@ from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
-from gonka_node.recipe import Recipe, RecipeError
+from gonka_node.core.recipe import Recipe, RecipeError
 from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import build_model

@@ -40,7 +40,7 @@ from gonka_node.aggregator.checks import arrival_order
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.replay import MISMATCH
 from gonka_node.aggregator.store import Store, SubmissionRow
-from gonka_node.envelope import Submission
+from gonka_node.core.envelope import Submission
 
 # Evidence kinds and why each is proof: a signature over a digest that honest software never signs.
 KIND_COPY = "copy"  # signed a payload whose digest another host had signed earlier (any round)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chain.types import EpochSpec
+from gonka_node.core.recipe import EPOCH_DEFAULTS, Recipe, RecipeError
 from gonka_node.epoch_setup import EpochTerms, epoch_spec
-from gonka_node.recipe import EPOCH_DEFAULTS, Recipe, RecipeError
 from training.checkpoint import canonical_sha256
 from training.codecs import get_codec
 from training.model import build_model

@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from chain.units import NGONKA_PER_GNK as GNK  # noqa: E402
-from gonka_node.aggregator.client import AggregatorClient, _requests, header_for  # noqa: E402
+from gonka_node.aggregator.client import AggregatorClient, _requests  # noqa: E402
+from gonka_node.core.wire import header_for  # noqa: E402
 from proto.gonka.v1 import aggregator_pb2 as pb  # noqa: E402
 from training.codecs import get_codec  # noqa: E402
 from training.model import ModelConfig  # noqa: E402
@@ -142,7 +143,7 @@ def serve(n_hosts: int, workdir: Path, params: float | None, checks: bool) -> No
     from gonka_node.aggregator.checkpoints import TrainingCheckpoints
     from gonka_node.aggregator.rounds import EpochContext, RoundEngine
     from gonka_node.aggregator.store import Store
-    from gonka_node.config import AggregationSettings, RoundSettings
+    from gonka_node.core.config import AggregationSettings, RoundSettings
     from training.model import build_model
 
     cfg = model_for(params)
@@ -180,7 +181,7 @@ def peak_rss_mb() -> float:
 
 async def _serve_engine(engine: Any) -> None:
     from gonka_node.aggregator.server import AggregatorServer
-    from gonka_node.tls import create_identity
+    from gonka_node.core.tls import create_identity
 
     identity = create_identity()
     server = AggregatorServer(engine, identity, "127.0.0.1:0")
@@ -199,7 +200,7 @@ async def _until_sigterm() -> None:
 def serve_bare() -> None:
     """A server whose Submit reads every message of the stream and discards it: the transport alone."""
     from gonka_node.aggregator.server import MESSAGE_LIMIT
-    from gonka_node.tls import create_identity, server_credentials
+    from gonka_node.core.tls import create_identity, server_credentials
     from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 
     class Discard(pb_grpc.AggregatorServicer):

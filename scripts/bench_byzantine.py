@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gonka_node.adversary import BEHAVIOURS
 from gonka_node.byzantine import GNK, EpochPlan, EpochReport, run_epoch
-from gonka_node.config import AggregationSettings
-from gonka_node.recipe import BUILTIN_CORPUS, Recipe
+from gonka_node.core.config import AggregationSettings
+from gonka_node.core.recipe import BUILTIN_CORPUS, Recipe
 from training.model import ModelConfig
 
 TARGET_LOSS_RATIO = 1.02

@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gonka_node.storage import LocalStore, copy_tree, open_store  # noqa: E402
+from gonka_node.core.storage import LocalStore, copy_tree, open_store  # noqa: E402
 from training.dataset import ShardCache, open_windows, read_manifest  # noqa: E402
 from training.tokenizer import train_bpe  # noqa: E402
 

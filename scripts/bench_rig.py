@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from safetensors.torch import save_file
 
+from gonka_node.core.recipe import Recipe
 from gonka_node.host.rig_round import LocalRounds, RigOptions, RigRounds, make_worker
-from gonka_node.recipe import Recipe
 from training.model import ModelConfig, build_model
 from training.plan import Dtypes, activation_bytes, measure_activation_bytes, plan_rig
 from training.worker import Assignment

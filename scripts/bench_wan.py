@@ -4,7 +4,7 @@ For Llama-3.2-1B's tensor shapes (1.236B parameters; the `1b` preset with its 12
 and tied embeddings), each codec's payload size is the real codec's (`Codec.encoded_size`, exact and
 data-independent, checked against `encode` on real tensors of a few of the shapes). A round's compute is
 simulated as H × the measured H200 step time (0.237 s per 16k-token step at 1.2B). Transfers run through
-the host's own link limiter (`gonka_node.link.TokenBucket`, 1 MiB chunks as the gRPC client sends them)
+the host's own link limiter (`gonka_node.core.link.TokenBucket`, 1 MiB chunks as the gRPC client sends them)
 on a simulated clock, so no time scaling is needed and the run takes seconds.
 
 The timeline is the host daemon's (gonka_node/host/node.py), per round r:
@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gonka_node.link import LinkSpec, TokenBucket
+from gonka_node.core.link import LinkSpec, TokenBucket
 from training.codecs import Codec, get_codec
 from training.model import Llama, ModelConfig
 

@@ -92,8 +92,8 @@ def _fsdp(args: argparse.Namespace) -> int:
 def _rig(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
+    from gonka_node.core.recipe import Recipe
     from gonka_node.host.rig_round import RigOptions, RigRounds
-    from gonka_node.recipe import Recipe
     from training.codecs import get_codec, round_seed
     from training.model import build_model
     from training.worker import Assignment

@@ -26,7 +26,7 @@ JOBS=${MUTATION_JOBS:-2}
 MODULES=(
   "diloco|training/diloco.py|tests/training/test_diloco.py tests/training/test_diloco_edges.py|"
   "codecs|training/codecs.py|tests/training/test_codecs.py tests/training/test_fuzz_codecs.py tests/training/test_codec_contract.py tests/training/test_codec_refusals.py|"
-  "envelope|gonka_node/envelope.py|tests/gonka_node/test_envelope.py tests/gonka_node/test_fuzz_envelope.py tests/gonka_node/test_envelope_edges.py|"
+  "envelope|gonka_node/core/envelope.py|tests/gonka_node/test_envelope.py tests/gonka_node/test_fuzz_envelope.py tests/gonka_node/test_envelope_edges.py|"
   "merkle|chain/merkle.py|tests/chain/test_merkle.py tests/chain/test_merkle_refusals.py|"
   "follow|gonka_node/host/follow.py|tests/gonka_node/host/test_follow.py|"
   # The round engine, every function, against its server-less unit tests (engine_kit.py: a real store

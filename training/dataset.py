@@ -74,7 +74,7 @@ class ManifestMismatch(DatasetError):
 
 
 class ShardSource(Protocol):
-    """The part of `gonka_node.storage.ObjectStore` a reader needs (a missing key raises KeyError)."""
+    """The part of `gonka_node.core.storage.ObjectStore` a reader needs (a missing key raises KeyError)."""
 
     uri: str
 

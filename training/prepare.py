@@ -45,7 +45,7 @@ Piece = tuple[str, bool]  # (text, ends a document)
 
 
 class ShardSink(Protocol):
-    """The part of `gonka_node.storage.ObjectStore` that preparation writes through."""
+    """The part of `gonka_node.core.storage.ObjectStore` that preparation writes through."""
 
     uri: str
 

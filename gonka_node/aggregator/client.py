@@ -4,7 +4,7 @@ Submitting: `submit(round_info, payload, ...)` signs the envelope with the node 
 payload in chunks of the round's `max_chunk_bytes`. A refusal comes back as `SubmitRejected` carrying
 the machine-readable reason, the gRPC status and the aggregator's signed receipt.
 
-The channel is TLS and trusts exactly the pinned certificate (`gonka_node.tls`). When a call fails
+The channel is TLS and trusts exactly the pinned certificate (`gonka_node.core.tls`). When a call fails
 UNAVAILABLE, the client looks at what the server presents: another certificate raises
 `PeerCertificateError`, a server without TLS `PlaintextPeerError` (neither is worth retrying); an
 unreachable server leaves the gRPC error as it was.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,9 +21,9 @@ from typing import TypeVar
 import grpc
 from nacl.signing import SigningKey
 
-from gonka_node.envelope import ReceiptBody, Submission
-from gonka_node.link import Link, TokenBucket
-from gonka_node.tls import check_peer, pinned_channel
+from gonka_node.core.link import Link, TokenBucket
+from gonka_node.core.tls import check_peer, pinned_channel
+from gonka_node.core.wire import header_for, verify_receipt
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import common_pb2 as common
@@ -46,67 +45,6 @@ class Downloaded:
     data: bytes
 
 
-def receipt_body(r: pb.Receipt) -> ReceiptBody:
-    return ReceiptBody(
-        chain_id=r.chain_id,
-        registry=r.registry,
-        epoch=r.epoch,
-        round=r.round,
-        host=r.host,
-        payload_sha256=r.payload_sha256,
-        payload_length=r.payload_length,
-        accepted=r.accepted,
-        reason=r.reason,
-        received_ms=r.received_unix_ms,
-    )
-
-
-def verify_receipt(r: pb.Receipt, aggregator_key: bytes) -> bool:
-    """True when `r` is signed by `aggregator_key` (learned from GetOpenRound or configuration)."""
-    return receipt_body(r).verify(r.signature, aggregator_key)
-
-
-def header_for(
-    info: pb.RoundInfo,
-    host: bytes,
-    payload: bytes,
-    tokens_trained: int,
-    key: SigningKey,
-    timestamp_ms: int | None = None,
-) -> pb.SubmitHeader:
-    sub = Submission(
-        chain_id=info.chain_id,
-        registry=info.registry,
-        epoch=info.epoch,
-        round=info.round,
-        host=host,
-        base_checkpoint_sha256=info.base_checkpoint_sha256,
-        codec=info.codec,
-        payload_sha256=hashlib.sha256(payload).digest(),
-        payload_length=len(payload),
-        tokens_trained=tokens_trained,
-        timestamp_ms=time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms,
-    )
-    return header_pb(sub, sub.sign(key))
-
-
-def header_pb(sub: Submission, signature: bytes) -> pb.SubmitHeader:
-    return pb.SubmitHeader(
-        chain_id=sub.chain_id,
-        registry=sub.registry,
-        epoch=sub.epoch,
-        round=sub.round,
-        host=sub.host,
-        base_checkpoint_sha256=sub.base_checkpoint_sha256,
-        codec=sub.codec,
-        payload_sha256=sub.payload_sha256,
-        payload_length=sub.payload_length,
-        tokens_trained=sub.tokens_trained,
-        timestamp_unix_ms=sub.timestamp_ms,
-        signature=signature,
-    )
-
-
 def _requests(
     header: pb.SubmitHeader, payload: bytes, chunk: int, up: TokenBucket | None = None
 ) -> Iterator[pb.SubmitRequest]:
@@ -125,7 +63,7 @@ class AggregatorClient:
 
     def __init__(self, target: str, tls_cert_pem: bytes, timeout_s: float = 120.0, link: Link | None = None) -> None:
         self.target = target
-        self.link = link  # payload uploads and file downloads paced like this link (gonka_node/link.py)
+        self.link = link  # payload uploads and file downloads paced like this link (gonka_node/core/link.py)
         self.tls_cert_pem = tls_cert_pem
         self.timeout_s = timeout_s
         self.channel = pinned_channel(

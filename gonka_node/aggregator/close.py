@@ -38,7 +38,7 @@ from gonka_node.aggregator.replay import chosen_for_replay, replay_comparison, v
 from gonka_node.aggregator.scoring import Scorer
 from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch, decode_update
-from gonka_node.config import AggregationSettings
+from gonka_node.core.config import AggregationSettings
 from training.codecs import round_seed
 from training.diloco import OuterOptimizer
 from training.durable import atomic_write, durable_replace

@@ -49,8 +49,8 @@ from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
 from gonka_node.aggregator.validate import Codec, mapped, scan_update
-from gonka_node.config import AggregationSettings, RoundSettings
-from gonka_node.envelope import ReceiptBody, Submission
+from gonka_node.core.config import AggregationSettings, RoundSettings
+from gonka_node.core.envelope import ReceiptBody, Submission
 from training.codecs import round_seed
 from training.model import Llama
 from training.overlap import base_round

@@ -20,9 +20,9 @@ from grpc_reflection.v1alpha import reflection
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
 from gonka_node.aggregator.store import RoundRow
-from gonka_node.config import RoundSettings
-from gonka_node.envelope import EnvelopeError, Submission
-from gonka_node.tls import TlsIdentity, server_credentials
+from gonka_node.core.config import RoundSettings
+from gonka_node.core.envelope import EnvelopeError, Submission
+from gonka_node.core.tls import TlsIdentity, server_credentials
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import checkpoints_pb2 as cpb

@@ -17,9 +17,9 @@ from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.cli import CliError
 from gonka_node.cli.verbs import add_verb
-from gonka_node.config import AggregatorConfig, ConfigError, load_aggregator_config, read_env
+from gonka_node.core.config import AggregatorConfig, ConfigError, load_aggregator_config, read_env
+from gonka_node.core.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_identity
 from gonka_node.slashing import EvidenceLog
-from gonka_node.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_identity
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +159,9 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
     from gonka_node.aggregator.chain_view import ChainView
     from gonka_node.aggregator.checkpoints import TrainingCheckpoints
     from gonka_node.aggregator.store import Store
+    from gonka_node.core.keys import KeyStoreError, load_evm_account, load_node_key
+    from gonka_node.core.recipe import Recipe, RecipeError
     from gonka_node.epoch_setup import aggregator_context, beacon_reader
-    from gonka_node.keys import KeyStoreError, load_evm_account, load_node_key
-    from gonka_node.recipe import Recipe, RecipeError
     from gonka_node.slashing import EvidenceLog
 
     if cfg.chain.backend != "rpc":

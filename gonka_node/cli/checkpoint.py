@@ -37,7 +37,7 @@ import grpc
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
 from gonka_node.cli.verbs import add_group, add_verb
-from gonka_node.tls import TlsError, check_peer, pinned_channel
+from gonka_node.core.tls import TlsError, check_peer, pinned_channel
 
 if TYPE_CHECKING:
     from training.tokenizer import Tokenizer
@@ -274,7 +274,7 @@ def epoch_recipe(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any
     """The epoch's `Recipe` as `epoch_model` finds it, and where it came from; (None, "") if none."""
     import json
 
-    from gonka_node.recipe import Recipe, RecipeError
+    from gonka_node.core.recipe import Recipe, RecipeError
 
     published = client.published_recipe(epoch)
     if published is not None:
@@ -292,7 +292,7 @@ def recipe_tokenizer(recipe: Any, where: str, tokenizer_file: Path | None, model
     """The tokenizer the checkpoint's ids are in: the recipe's (bytes, or its tokenizer.json: the file
     `tokenizer_file`, else the one stored with the recipe's dataset, refused unless its sha256 is the
     recipe's); with no recipe, `tokenizer_file` as it is, else bytes. Checked to fit `model`'s vocabulary."""
-    from gonka_node.recipe import RecipeError
+    from gonka_node.core.recipe import RecipeError
     from training.tokenizer import Bytes, HFTokenizer, TokenizerError
 
     named = None if recipe is None else recipe.tokenizer
@@ -534,7 +534,7 @@ def _recipe_model(path: Path, epoch: int | None, client: Any) -> Any:
 
 def _recipe_file(path: Path, epoch: int | None, client: Any) -> Any:
     """The recipe in `path`, checked against epoch `epoch`'s model_spec_hash when a chain is given."""
-    from gonka_node.recipe import Recipe, RecipeError
+    from gonka_node.core.recipe import Recipe, RecipeError
 
     try:
         recipe = Recipe.load(path)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gonka_node.cli import CliError
 from gonka_node.cli.verbs import add_group, add_verb
-from gonka_node.storage import LocalStore, open_store
+from gonka_node.core.storage import LocalStore, open_store
 from training.data import corpus_files
 from training.dataset import read_manifest, verify_all
 from training.prepare import DEFAULT_UNIT_BYTES, Progress, prepare

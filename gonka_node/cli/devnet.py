@@ -12,7 +12,7 @@ from gonka_node.cli.verbs import add_verb
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES, codec_name
-    from gonka_node.recipe import recipe_help
+    from gonka_node.core.recipe import recipe_help
 
     p = add_verb(
         subparsers, "devnet", help="run the whole network locally (chain, governance, aggregator, hosts) and report",
@@ -86,7 +86,7 @@ def _devnet(args: argparse.Namespace) -> int:
         **{k: v for k, v in recipe.items() if v is not None},
     )
     if args.link is not None:
-        from gonka_node.link import LinkError, LinkSpec
+        from gonka_node.core.link import LinkError, LinkSpec
 
         try:
             LinkSpec.parse(args.link)

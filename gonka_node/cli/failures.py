@@ -85,11 +85,11 @@ def _say_grpc(exc: Any) -> str:
 
 
 def _ours() -> tuple[type[BaseException], ...]:
-    from gonka_node.config import ConfigError
-    from gonka_node.keys import KeyStoreError
-    from gonka_node.recipe import RecipeError
-    from gonka_node.storage import StoreError
-    from gonka_node.tls import TlsError
+    from gonka_node.core.config import ConfigError
+    from gonka_node.core.keys import KeyStoreError
+    from gonka_node.core.recipe import RecipeError
+    from gonka_node.core.storage import StoreError
+    from gonka_node.core.tls import TlsError
     from training.dataset import DatasetError
     from training.tokenizer import TokenizerError
 

@@ -18,7 +18,7 @@ from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client, parse_amount
 from gonka_node.cli.fmt import amount, when
 from gonka_node.cli.verbs import add_group, add_verb
-from gonka_node.recipe import ASSIGNMENT_SEEDS
+from gonka_node.core.recipe import ASSIGNMENT_SEEDS
 
 VOTE_NEXT = "gonka-node gov vote --proposal N --support yes (voters), then gonka-node gov proposals"
 

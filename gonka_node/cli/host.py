@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--link", metavar="DOWN/UP[@MS]",
         help="pace this host's downloads and uploads like a link of DOWN/UP Mbit/s (and MS ms of latency per "
-        "transfer), e.g. 100/10: a home connection reproduced on loopback (gonka_node/link.py)",
+        "transfer), e.g. 100/10: a home connection reproduced on loopback (gonka_node/core/link.py)",
     )
     run.set_defaults(func=_run)
 
@@ -93,8 +93,8 @@ class HostSession:
         from chain.client import ChainClient
         from chain.types import Deployment
         from gonka_node.cli.keys import read_passphrase_file
+        from gonka_node.core.keys import load_keys
         from gonka_node.host.config import load_host_config
-        from gonka_node.keys import load_keys
 
         passphrase = read_passphrase_file(args.passphrase_file) if args.passphrase_file else None
         self.cfg = load_host_config(args.config, passphrase=passphrase)
@@ -109,7 +109,7 @@ class HostSession:
     @property
     def recipe(self) -> Any:
         """The recipe file (loaded on first use: reading it imports the training engine)."""
-        from gonka_node.recipe import Recipe
+        from gonka_node.core.recipe import Recipe
 
         if self._recipe is None:
             self._recipe = Recipe.load(self.cfg.recipe)
@@ -150,8 +150,8 @@ def _check_epoch_exists(session: HostSession) -> None:
 
 def preflight(session: HostSession) -> list[str]:
     """Every reason this host should not stake now, one line each (see gonka_node/host/preflight.py)."""
+    from gonka_node.core.tls import TlsError
     from gonka_node.host import preflight as checks
-    from gonka_node.tls import TlsError
 
     _check_epoch_exists(session)
     plan = session.plan()
@@ -174,7 +174,7 @@ def preflight(session: HostSession) -> list[str]:
 
 
 def _shaped_link(text: str | None) -> Any:
-    from gonka_node.link import LinkError, LinkSpec
+    from gonka_node.core.link import LinkError, LinkSpec
 
     if text is None:
         return None
@@ -273,9 +273,9 @@ def _ledger(session: HostSession, say: Callable[[str], None]) -> list[Any]:
     """The rewards per round; from the local state folder only for what the aggregator cannot tell."""
     import grpc
 
+    from gonka_node.core.tls import TlsError
     from gonka_node.host.ledger import rewards
     from gonka_node.host.store import HostStore
-    from gonka_node.tls import TlsError
 
     try:
         return rewards(session.chain, session.aggregator(), session.epoch)
@@ -382,7 +382,7 @@ def _stake_text(args: argparse.Namespace, me: Any) -> str:
 def _next_deadline(session: HostSession, info: Any, now: int) -> str:
     import grpc
 
-    from gonka_node.tls import TlsError
+    from gonka_node.core.tls import TlsError
 
     chain, epoch = session.chain, session.epoch
     if now < info.signin_end and info.latest_round == 0:

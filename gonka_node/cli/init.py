@@ -16,7 +16,7 @@ from typing import Any
 from gonka_node.cli import CliError
 from gonka_node.cli.names import add_codec_flag
 from gonka_node.cli.verbs import add_group, add_verb
-from gonka_node.recipe import (
+from gonka_node.core.recipe import (
     ASSIGNMENT_SEEDS,
     EPOCH_DEFAULTS,
     Recipe,

@@ -2,7 +2,7 @@
 
 Secrets never come from argv (process lists show it to every user): keys are imported from a file or
 stdin, passphrases come from a prompt, `--passphrase-file` or GONKA_KEY_PASSPHRASE (read through
-`gonka_node.config`, the one module that reads the environment).
+`gonka_node.core.config`, the one module that reads the environment).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gonka_node import config, keys
 from gonka_node.cli import CliError
 from gonka_node.cli.verbs import add_group, add_verb
+from gonka_node.core import config, keys
 
 PASSPHRASE_ENV = "GONKA_KEY_PASSPHRASE"
 _MAX_SECRET_FILE_BYTES = 4096

@@ -12,7 +12,7 @@ ROUND_STATES = ("carry", "fresh")  # training.inner's RoundState
 
 def add_codec_flag(parser: argparse.ArgumentParser, default: str) -> None:
     """--codec, checked by `codec_name`, its help the recipe field's with every codec named."""
-    from gonka_node.recipe import recipe_help
+    from gonka_node.core.recipe import recipe_help
 
     parser.add_argument("--codec", default=default, type=codec_name, metavar="CODEC",
                         help=f"{recipe_help('codec', default)}; NAME one of {', '.join(CODEC_NAMES)}")

@@ -25,7 +25,7 @@ import torch
 from gonka_node.cli import CliError
 from gonka_node.cli.names import PRESET_NAMES, ROUND_STATES, add_codec_flag
 from gonka_node.cli.verbs import add_verb
-from gonka_node.recipe import BUILTIN_CORPUS, Recipe, recipe_default, recipe_help
+from gonka_node.core.recipe import BUILTIN_CORPUS, Recipe, recipe_default, recipe_help
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from training.codecs import Codec, get_codec, round_seed, spec_of
 from training.data import TokenCorpus, Windows

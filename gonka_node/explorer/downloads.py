@@ -14,7 +14,7 @@ import grpc
 
 from chain.types import AggregatorEndpoint
 from gonka_node.aggregator.client import MESSAGE_LIMIT
-from gonka_node.tls import pinned_channel
+from gonka_node.core.tls import pinned_channel
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 

@@ -15,8 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from gonka_node.core.recipe import Recipe, RecipeError
 from gonka_node.explorer.db import EventRow, ReportRow, read_cursor, read_events, read_reports, read_spec
-from gonka_node.recipe import Recipe, RecipeError
 
 ALLREDUCE_BYTES_PER_PARAM = 4  # fp32 gradients all-reduced at every inner step: the baseline DiLoCo avoids
 REPLAY = re.compile(r"cosine ([+-]?[0-9.]+), norm ratio ([0-9.]+|inf)")

@@ -20,7 +20,7 @@ rpc_url = "http://127.0.0.1:8545"
 ```
 
 Relative paths are relative to the file (or to $GONKA_HOME). Environment: GONKA_RPC_URL overrides
-[chain] rpc_url; GONKA_KEY_PASSPHRASE unlocks encrypted keys (both read by gonka_node.config).
+[chain] rpc_url; GONKA_KEY_PASSPHRASE unlocks encrypted keys (both read by gonka_node.core.config).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from chain.units import NGONKA_PER_GNK
-from gonka_node.config import ConfigError, read_env, read_toml
+from gonka_node.core.config import ConfigError, read_env, read_toml
 
 _HOST_KEYS = {
     "key_dir", "state_dir", "aggregator", "recipe", "deployment", "epoch", "stake_gnk", "metrics_port",

@@ -26,13 +26,13 @@ from chain.client import ChainClient
 from chain.errors import BeaconNotReady
 from chain.units import format_gnk
 from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
+from gonka_node.core.keys import NodeKeys
+from gonka_node.core.recipe import Recipe
 from gonka_node.host.events import HostEvents, LogEvents
 from gonka_node.host.follow import GlobalModel, NextModel, adopt, dense_update, follow_to, step_ahead
 from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRounds, Rounds, make_worker
 from gonka_node.host.store import HostStore, Progress
 from gonka_node.host.upload import PendingUpload
-from gonka_node.keys import NodeKeys
-from gonka_node.recipe import Recipe
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import canonical_sha256
 from training.codecs import get_codec, round_seed

@@ -11,6 +11,6 @@ __all__ = ["AggregatorAddress", "MissingPinError", "aggregator_pin"]
 
 def aggregator_pin(cfg: HostConfig, chain: ChainClient, epoch: int) -> AggregatorAddress:
     """The aggregator the host dials and the PEM certificate its client trusts, and nothing else
-    (gonka_node/tls.py): the file `[aggregator] tls_cert` names, else the certificate the aggregator
+    (gonka_node/core/tls.py): the file `[aggregator] tls_cert` names, else the certificate the aggregator
     announced on chain for the configured endpoint (`[host] aggregator`; empty: the one it announced)."""
     return resolve_aggregator(chain, epoch, cfg.aggregator or None, cfg.aggregator_tls_cert)

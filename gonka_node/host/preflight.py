@@ -18,8 +18,8 @@ from pathlib import Path
 
 from chain.client import ChainClient
 from chain.units import gnk_decimal
-from gonka_node.recipe import Recipe, RecipeError
-from gonka_node.tls import TlsError, check_peer
+from gonka_node.core.recipe import Recipe, RecipeError
+from gonka_node.core.tls import TlsError, check_peer
 
 # Gas a host spends over an epoch with a margin: approve + sign-in (~250k), a claim per round (~80k
 # each, a handful of rounds), the stake withdrawal. Priced at the fee cap the host signs with.

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gonka_node.recipe import Recipe
+from gonka_node.core.recipe import Recipe
 from training.codecs import get_codec
 from training.model import Llama, build_model
 from training.plan import choose_sharding

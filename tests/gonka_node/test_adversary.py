@@ -18,9 +18,9 @@ from gonka_node.adversary import KitSettings, Tap, make_behaviour, reasons_by_at
 from gonka_node.adversary_open import Grinder
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.byzantine import STAKE, EpochPlan, EpochReport, run_epoch
-from gonka_node.envelope import Submission
-from gonka_node.keys import NodeSigningKey
-from gonka_node.recipe import Recipe
+from gonka_node.core.envelope import Submission
+from gonka_node.core.keys import NodeSigningKey
+from gonka_node.core.recipe import Recipe
 from gonka_node.slashing import (
     KIND_COPY,
     KIND_GARBAGE,

@@ -20,8 +20,8 @@ from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import EpochSpec
 from gonka_node.cli import main
-from gonka_node.envelope import Submission
-from gonka_node.keys import NodeSigningKey
+from gonka_node.core.envelope import Submission
+from gonka_node.core.keys import NodeSigningKey
 from gonka_node.slashing import Evidence, header_fields
 
 GNK = 10**9

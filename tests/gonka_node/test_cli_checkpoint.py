@@ -26,8 +26,8 @@ from chain.seed import new_secret, seed_commitment
 from chain.server import ChainServer
 from chain.types import EpochSpec
 from gonka_node.cli import main
-from gonka_node.recipe import Recipe
-from gonka_node.tls import create_identity, server_credentials
+from gonka_node.core.recipe import Recipe
+from gonka_node.core.tls import create_identity, server_credentials
 from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
 from proto.gonka.v1 import common_pb2 as common
 from training.checkpoint import save_checkpoint

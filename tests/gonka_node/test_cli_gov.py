@@ -21,7 +21,7 @@ from chain.server import ChainServer
 from chain.spec_file import load_epoch_spec
 from chain.types import Deployment
 from gonka_node.cli import main
-from gonka_node.recipe import Recipe
+from gonka_node.core.recipe import Recipe
 from gonka_node.spec_builder import initial_sha256
 
 GNK = 10**9

@@ -15,8 +15,8 @@ from test_host_node import AGG, GNK, TLS, AggregatorThread, World, make_node, rp
 
 from chain.types import Deployment
 from gonka_node.cli import main
+from gonka_node.core.keys import init_keys, load_keys
 from gonka_node.epoch_setup import EpochTerms, epoch_spec
-from gonka_node.keys import init_keys, load_keys
 
 UNLOCK_RE = r"unlocks \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+ \(in \d+ (h|min)[^)]*\)"  # a date, and how far
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from gonka_node.cli import main
-from gonka_node.config import load_aggregator_config
+from gonka_node.core.config import load_aggregator_config
+from gonka_node.core.recipe import Recipe
 from gonka_node.host.config import load_host_config
-from gonka_node.recipe import Recipe
 from training.model import ModelConfig
 
 

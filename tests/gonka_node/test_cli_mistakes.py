@@ -20,7 +20,7 @@ import pytest
 from chain.backends import EmbeddedBackend
 from chain.server import ChainServer
 from gonka_node.cli import main
-from gonka_node.keys import INTERACTIVE_KDF, init_keys
+from gonka_node.core.keys import INTERACTIVE_KDF, init_keys
 
 GNK = 10**9
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gonka_node.config import (
+from gonka_node.core.config import (
     AGGREGATOR_KEYS,
     MOVED,
     AggregationSettings,

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gonka_node.storage import LocalStore, StoreError, StoreUnavailable, open_store
+from gonka_node.core.storage import LocalStore, StoreError, StoreUnavailable, open_store
 from training import dataset
 from training.dataset import (
     DatasetError,

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 from nacl.signing import SigningKey
 
-from gonka_node.envelope import (
+from gonka_node.core.envelope import (
     RECEIPT_BYTES,
     SUBMISSION_BYTES,
     EnvelopeError,

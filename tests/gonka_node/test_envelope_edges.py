@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from gonka_node.envelope import EnvelopeError, ReceiptBody, Submission, encode_codec
+from gonka_node.core.envelope import EnvelopeError, ReceiptBody, Submission, encode_codec
 
 
 def submission(**overrides: object) -> Submission:

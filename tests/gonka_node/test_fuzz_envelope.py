@@ -19,7 +19,7 @@ from nacl.signing import SigningKey
 
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.server import submission_from_pb
-from gonka_node.envelope import (
+from gonka_node.core.envelope import (
     RECEIPT_BYTES,
     SUBMISSION_BYTES,
     SUBMISSION_TAG,

@@ -26,11 +26,12 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent / "aggregator"))  # the aggregator tests' harness
 from agg_harness import Harness, ServerThread, chain_world, windows
 
-from gonka_node.aggregator.client import SubmitRejected, header_pb, verify_receipt
+from gonka_node.aggregator.client import SubmitRejected
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.server import STATUS
-from gonka_node.envelope import EnvelopeError, Submission
-from gonka_node.tls import pinned_channel
+from gonka_node.core.envelope import EnvelopeError, Submission
+from gonka_node.core.tls import pinned_channel
+from gonka_node.core.wire import header_pb, verify_receipt
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import checkpoints_pb2 as cpb

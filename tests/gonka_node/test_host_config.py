@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gonka_node.config import ConfigError
+from gonka_node.core.config import ConfigError
 from gonka_node.host.config import load_host_config
 
 BASE = (

@@ -36,14 +36,14 @@ from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store
 from gonka_node.cli import main
-from gonka_node.config import AggregationSettings, RoundSettings
+from gonka_node.core.config import AggregationSettings, RoundSettings
+from gonka_node.core.keys import NodeKeys, NodeSigningKey, init_keys
+from gonka_node.core.recipe import Recipe
+from gonka_node.core.tls import PeerCertificateError, create_identity
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
 from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
 from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.store import HostStore
-from gonka_node.keys import NodeKeys, NodeSigningKey, init_keys
-from gonka_node.recipe import Recipe
-from gonka_node.tls import PeerCertificateError, create_identity
 from training.checkpoint import canonical_sha256
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate

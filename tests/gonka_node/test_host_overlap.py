@@ -19,11 +19,11 @@ from torch import Tensor
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
+from gonka_node.core.recipe import Recipe, RecipeError
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.events import HostEvents
 from gonka_node.host.node import next_overlapped_round
 from gonka_node.host.store import Progress
-from gonka_node.recipe import Recipe, RecipeError
 from training.checkpoint import canonical_sha256, load_checkpoint
 from training.codecs import get_codec
 from training.model import ModelConfig, build_model

@@ -26,6 +26,7 @@ from test_host_node import World
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
 from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.recipe import Recipe
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.host.rig_round import (
@@ -37,7 +38,6 @@ from gonka_node.host.rig_round import (
     make_worker,
 )
 from gonka_node.host.store import HostStore, Progress
-from gonka_node.recipe import Recipe
 from training.codecs import get_codec, round_seed
 from training.model import ModelConfig, build_model
 from training.worker import Assignment, replay_round

@@ -23,10 +23,10 @@ from test_host_node import AGG, GNK, World, host_keys, world
 
 from chain.seed import new_secret, seed_commitment
 from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.tls import create_identity, server_credentials
 from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import FollowError
 from gonka_node.host.node import HostError, HostNode, HostSettings
-from gonka_node.tls import create_identity, server_credentials
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import common_pb2 as common

@@ -15,9 +15,9 @@ from eth_keys import keys as eth_keys
 from nacl.signing import SigningKey
 
 from chain.cosmos import address_from_public_key
-from gonka_node import keys
 from gonka_node.cli import main
-from gonka_node.keys import (
+from gonka_node.core import keys
+from gonka_node.core.keys import (
     INTERACTIVE_KDF,
     InsecurePermissionsError,
     KeyFileFormatError,

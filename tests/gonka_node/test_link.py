@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gonka_node.cli import main
-from gonka_node.link import MBIT, LinkError, LinkSpec, TokenBucket
+from gonka_node.core.link import MBIT, LinkError, LinkSpec, TokenBucket
 
 
 def test_a_bucket_paces_bytes_at_its_rate_after_the_latency() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gonka_node.recipe import Recipe, RecipeError
-from gonka_node.storage import LocalStore
+from gonka_node.core.recipe import Recipe, RecipeError
+from gonka_node.core.storage import LocalStore
 from training.model import ModelConfig
 from training.prepare import prepare
 from training.tokenizer import HFTokenizer, train_bpe

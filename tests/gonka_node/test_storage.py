@@ -1,4 +1,4 @@
-"""gonka_node/storage.py against a real directory and a real S3-speaking server on 127.0.0.1."""
+"""gonka_node/core/storage.py against a real directory and a real S3-speaking server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gonka_node.storage import (
+from gonka_node.core.storage import (
     BadKey,
     LocalStore,
     ObjectMissing,

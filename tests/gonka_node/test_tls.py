@@ -22,7 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gonka_node.tls import (
+from gonka_node.core.tls import (
     CERT_FILE,
     KEY_FILE,
     SERVER_NAME,

@@ -37,11 +37,11 @@ from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
 from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.keys import NodeKeys, init_keys, load_keys
+from gonka_node.core.recipe import Recipe
+from gonka_node.core.tls import load_certificate
 from gonka_node.devnet import aggregator_cert
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
-from gonka_node.keys import NodeKeys, init_keys, load_keys
-from gonka_node.recipe import Recipe
-from gonka_node.tls import load_certificate
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import get_codec
 from training.model import ModelConfig, build_model

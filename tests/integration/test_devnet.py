@@ -17,7 +17,7 @@ import pytest
 
 from gonka_node.aggregator.store import Store
 from gonka_node.cli import main
-from gonka_node.tls import load_identity
+from gonka_node.core.tls import load_identity
 
 
 @pytest.mark.slow

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from gonka_node.cli import main
+from gonka_node.core.recipe import Recipe
 from gonka_node.host.store import HostStore
-from gonka_node.recipe import Recipe
 from training.checkpoint import canonical_sha256
 from training.hf_export import export_hf
 

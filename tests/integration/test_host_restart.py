@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from chain.client import ChainClient
+from gonka_node.core.keys import load_keys
 from gonka_node.devnet import (
     GOVERNANCE,
     Children,
@@ -40,7 +41,6 @@ from gonka_node.devnet import (
     start_host,
 )
 from gonka_node.host.store import HostStore
-from gonka_node.keys import load_keys
 from training.codecs import get_codec
 from training.model import build_model
 from training.worker import Assignment, DiLoCoWorker

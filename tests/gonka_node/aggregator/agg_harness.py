@@ -33,9 +33,9 @@ from gonka_node.aggregator.rounds import EpochContext, RoundEngine
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store
-from gonka_node.config import AggregationSettings, RoundSettings
+from gonka_node.core.config import AggregationSettings, RoundSettings
+from gonka_node.core.tls import TlsIdentity, create_identity
 from gonka_node.slashing import EvidenceLog
-from gonka_node.tls import TlsIdentity, create_identity
 from training.codecs import get_codec
 from training.data import Windows
 from training.diloco import pseudo_gradient

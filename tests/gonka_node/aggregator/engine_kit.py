@@ -28,8 +28,8 @@ from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.rounds import EpochContext, RoundEngine, SignedReceipt
 from gonka_node.aggregator.store import Store, now_ms
-from gonka_node.config import AggregationSettings, RoundSettings
-from gonka_node.envelope import Submission
+from gonka_node.core.config import AggregationSettings, RoundSettings
+from gonka_node.core.envelope import Submission
 from gonka_node.slashing import EvidenceLog
 from training.codecs import get_codec
 

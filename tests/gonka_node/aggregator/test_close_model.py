@@ -21,7 +21,7 @@ from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import Scorer, ScoringData
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
-from gonka_node.config import AggregationSettings
+from gonka_node.core.config import AggregationSettings
 from training.codecs import get_codec
 from training.data import Windows
 from training.diloco import pseudo_gradient

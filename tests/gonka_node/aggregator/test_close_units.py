@@ -34,7 +34,7 @@ from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
-from gonka_node.config import AggregationSettings
+from gonka_node.core.config import AggregationSettings
 from training.checkpoint import CheckpointError, load_checkpoint
 from training.codecs import get_codec
 from training.data import Windows

@@ -19,7 +19,7 @@ from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.client import SubmitRejected
 from gonka_node.aggregator.rounds import RoundEngine, clock_text
 from gonka_node.aggregator.store import RoundRow, Store, now_ms
-from gonka_node.config import RoundSettings
+from gonka_node.core.config import RoundSettings
 
 
 class HeldClock:

@@ -7,7 +7,7 @@ import logging
 from agg_harness import Harness
 from test_round import wait_open, wait_state
 
-from gonka_node.config import RoundSettings
+from gonka_node.core.config import RoundSettings
 
 
 def test_below_quorum_the_round_is_extended_then_skipped(harness: Harness, caplog) -> None:

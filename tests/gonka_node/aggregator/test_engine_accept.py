@@ -23,7 +23,7 @@ from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, clock_text
 from gonka_node.aggregator.validate import count_sketch
-from gonka_node.envelope import Submission
+from gonka_node.core.envelope import Submission
 from gonka_node.slashing import KIND_COPY, KIND_GARBAGE
 from training.codecs import get_codec
 

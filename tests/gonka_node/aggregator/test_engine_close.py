@@ -20,7 +20,7 @@ from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, _tx_bytes, clock_text
 from gonka_node.aggregator.store import RoundRow
-from gonka_node.envelope import Submission
+from gonka_node.core.envelope import Submission
 from training.checkpoint import load_checkpoint
 
 

@@ -16,7 +16,7 @@ from chain.client import round_result_hash
 from chain.merkle import reward_leaf, verify_proof
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.client import AggregatorClient
-from gonka_node.config import AggregationSettings
+from gonka_node.core.config import AggregationSettings
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.diloco import OuterOptimizer
 from training.inner import evaluate

@@ -15,7 +15,7 @@ from gonka_node.aggregator.replay import chosen_for_replay
 from gonka_node.aggregator.robust import aggregate
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import cosine, count_sketch
-from gonka_node.config import ConfigError, load_aggregator_config, read_env
+from gonka_node.core.config import ConfigError, load_aggregator_config, read_env
 
 SPEC = {"a": (64, 32), "b": (100,)}
 

@@ -22,9 +22,9 @@ from chain.client import ChainClient
 from chain.seed import new_secret, seed_commitment
 from chain.server import ChainServer
 from chain.types import EpochSpec
-from gonka_node.recipe import Recipe
+from gonka_node.core.recipe import Recipe
+from gonka_node.core.tls import create_identity, server_credentials
 from gonka_node.serve.server import ModelServerHandle, ServeSettings, start_model_server
-from gonka_node.tls import create_identity, server_credentials
 from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
 from proto.gonka.v1 import common_pb2 as common
 from training.checkpoint import save_checkpoint

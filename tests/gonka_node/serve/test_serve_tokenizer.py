@@ -16,10 +16,10 @@ from test_serve_api import post
 
 from gonka_node.cli import main
 from gonka_node.cli.checkpoint import terminal_safe
-from gonka_node.recipe import Recipe
+from gonka_node.core.recipe import Recipe
+from gonka_node.core.storage import LocalStore
 from gonka_node.serve.server import ModelServerHandle
 from gonka_node.serve.text import token_text
-from gonka_node.storage import LocalStore
 from training.generate import SamplingConfig, generate_tokens
 from training.model import build_model
 from training.prepare import prepare

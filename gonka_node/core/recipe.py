@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gonka_node.storage import StoreError, open_store
+from gonka_node.core.storage import StoreError, open_store
 
 if TYPE_CHECKING:  # imported where used: reading the fields' defaults and help (CLI parsers) needs no torch
     from training.data import TokenCorpus, Windows

@@ -106,7 +106,7 @@ class NodeSigningKey:
 
     @property
     def signing_key(self) -> SigningKey:
-        """The pynacl key, for code that takes one (e.g. `gonka_node.envelope`)."""
+        """The pynacl key, for code that takes one (e.g. `gonka_node.core.envelope`)."""
         return self._key
 
     def sign(self, message: bytes) -> bytes:

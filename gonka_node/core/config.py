@@ -21,7 +21,7 @@ KNOWN_ENV: dict[str, str] = {
     "GONKA_RPC_URL": "[chain] rpc_url",
     "GONKA_LISTEN": "[aggregator] listen",
     "GONKA_LOG_LEVEL": "log level (DEBUG, INFO, WARNING, ERROR)",
-    "GONKA_KEY_PASSPHRASE": "passphrase of the encrypted key files (`gonka-node keys`, gonka_node/keys.py)",
+    "GONKA_KEY_PASSPHRASE": "passphrase of the encrypted key files (`gonka-node keys`, gonka_node/core/keys.py)",
 }
 AGGREGATION_RULES = ("mean", "clip_median", "centered_clip")
 MAX_CHUNK_BYTES = 1 << 20
@@ -171,7 +171,7 @@ class AggregatorConfig:
 
     @property
     def tls_dir(self) -> Path:
-        """The aggregator's TLS identity (cert.pem, key.pem; gonka_node/tls.py), made at its first start."""
+        """The aggregator's TLS identity (cert.pem, key.pem; gonka_node/core/tls.py), made at its first start."""
         return self.data_dir / TLS_DIR
 
 
