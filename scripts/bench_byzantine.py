@@ -1,7 +1,7 @@
 """Byzantine benchmark: the same epoch honest-only, then with 25% of hosts adversarial (each behaviour
 of the adversary kit, and `rotate`: a different one each round). Each epoch runs in its own process
 (`--jobs` at once) with its own embedded chain, aggregator gRPC server and host threads
-(gonka_node/byzantine.py). By default the recipe's rounds start fresh and the aggregator replays every
+(gonka_node/testing/byzantine.py). By default the recipe's rounds start fresh and the aggregator replays every
 host's round (`--round-state`, `--replay-fraction`).
 
 Reports, per run: final held-out loss and its ratio to the honest-only run, GNK paid to adversaries
@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gonka_node.adversary import BEHAVIOURS
-from gonka_node.byzantine import GNK, EpochPlan, EpochReport, run_epoch
 from gonka_node.core.config import AggregationSettings
 from gonka_node.core.recipe import BUILTIN_CORPUS, Recipe
+from gonka_node.testing.adversary import BEHAVIOURS
+from gonka_node.testing.byzantine import GNK, EpochPlan, EpochReport, run_epoch
 from training.model import ModelConfig
 
 TARGET_LOSS_RATIO = 1.02

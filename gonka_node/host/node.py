@@ -329,7 +329,7 @@ class HostNode:
         self, worker: DiLoCoWorker | None, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
     ) -> None:
         """Train the round and upload it. `worker`: the one-process worker (None on a rig), what a
-        subclass that replaces the honest round works with (`gonka_node.adversary`); this one goes
+        subclass that replaces the honest round works with (`gonka_node.testing.adversary`); this one goes
         through `self.rounds`, which holds the same worker."""
         before = copy.deepcopy(self.rounds.state_dict())
         result = self._train(info.round, gm, progress)

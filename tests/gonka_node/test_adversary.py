@@ -14,10 +14,7 @@ import pytest
 import torch
 from stdlib_corpus import write_small_corpus
 
-from gonka_node.adversary import KitSettings, Tap, make_behaviour, reasons_by_attack
-from gonka_node.adversary_open import Grinder
 from gonka_node.aggregator.reasons import Reason
-from gonka_node.byzantine import STAKE, EpochPlan, EpochReport, run_epoch
 from gonka_node.core.envelope import Submission
 from gonka_node.core.keys import NodeSigningKey
 from gonka_node.core.recipe import Recipe
@@ -30,6 +27,9 @@ from gonka_node.slashing import (
     decide,
     verify_evidence,
 )
+from gonka_node.testing.adversary import KitSettings, Tap, make_behaviour, reasons_by_attack
+from gonka_node.testing.adversary_open import Grinder
+from gonka_node.testing.byzantine import STAKE, EpochPlan, EpochReport, run_epoch
 from training.model import ModelConfig
 
 torch.set_num_threads(1)

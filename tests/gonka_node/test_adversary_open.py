@@ -1,4 +1,4 @@
-"""The attacks of strangers (gonka_node/adversary_open.py) against the real aggregator, chain and hosts.
+"""The attacks of strangers (gonka_node/testing/adversary_open.py) against the real aggregator, chain and hosts.
 
 Two epochs of two rounds, tiny model, three honest hosts each (host 1's uploads are the victim's):
 
@@ -25,11 +25,11 @@ from eth_utils import to_checksum_address
 from safetensors.torch import load_file
 from test_adversary import tiny_recipe
 
-from gonka_node.adversary import Outcome, predict_pick
-from gonka_node.adversary_open import nudged
-from gonka_node.adversary_tap import Tap
 from gonka_node.aggregator.store import Store, SubmissionRow
-from gonka_node.byzantine import GNK, EpochPlan, EpochReport, run_epoch
+from gonka_node.testing.adversary import Outcome, predict_pick
+from gonka_node.testing.adversary_open import nudged
+from gonka_node.testing.adversary_tap import Tap
+from gonka_node.testing.byzantine import GNK, EpochPlan, EpochReport, run_epoch
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import Codec, get_codec, round_seed
 from training.model import build_model

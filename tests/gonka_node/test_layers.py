@@ -54,3 +54,14 @@ def test_the_check_sees_an_import_from_above(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import os\nfrom gonka_node.aggregator.client import AggregatorClient\nimport training.diloco\n")
     assert imported(module) == {"os", "gonka_node.aggregator.client", "training.diloco"}
+
+
+def test_no_role_imports_the_testing_kit() -> None:
+    """`gonka_node.testing` (the adversary kit, the Byzantine runner) sits on top: tests and scripts
+    import it, nothing that ships in a node does."""
+    found = {
+        m: {n for n in names if n.startswith("gonka_node.testing")}
+        for m, names in ours("gonka_node").items()
+        if not m.startswith("gonka_node/testing/")
+    }
+    assert {m: names for m, names in found.items() if names} == {}

@@ -3,7 +3,7 @@
 An `AdversarialHost` is a `HostNode` whose "train and submit" step is replaced by a `Behaviour`; the
 rest of the loop (sign in, follow the chain's model, wait for finalization) is the honest one, so an
 adversary stays in step with the epoch. Honest code carries no attack flag: everything hostile is here
-(and in `gonka_node.adversary_tap`, the network tap; `gonka_node.adversary_open`, the attacks of
+(and in `gonka_node.testing.adversary_tap`, the network tap; `gonka_node.testing.adversary_open`, the attacks of
 strangers who skip or fake the work).
 
 Behaviours (`BEHAVIOURS`, by name):
@@ -18,7 +18,7 @@ Behaviours (`BEHAVIOURS`, by name):
 - copies, from a network tap on other hosts' traffic (`TappedClient`): `copy` (re-signs the
   victim's payload), `copy_perturbed` (adds noise of 1e-3 of its norm), `replay` (resends the
   victim's previous signed request byte for byte).
-- no training at all (gonka_node/adversary_open.py): `mix` (the average of two honest hosts'
+- no training at all (gonka_node/testing/adversary_open.py): `mix` (the average of two honest hosts'
   updates), `aggregate_reuse` (the previous round's public aggregate), `grind` (that, varied until
   the public replay pick passes it over), `front_run` (the victim's payload, finished before the
   victim's own upload), `stall` (half an honest upload, then a stream held open).
@@ -44,7 +44,10 @@ import torch
 from eth_account import Account
 from nacl.signing import SigningKey
 
-from gonka_node.adversary_open import (
+from gonka_node.host.follow import GlobalModel
+from gonka_node.host.node import HostNode
+from gonka_node.host.store import Progress
+from gonka_node.testing.adversary_open import (
     FrontRunner,
     Grinder,
     KitSettings,
@@ -53,11 +56,15 @@ from gonka_node.adversary_open import (
     aggregate_reuse,
     predict_pick,
 )
-from gonka_node.adversary_tap import Tap, TappedClient
-from gonka_node.adversary_view import Behaviour, Outcome, RoundView, Tensors, matched_noise, submit_requests
-from gonka_node.host.follow import GlobalModel
-from gonka_node.host.node import HostNode
-from gonka_node.host.store import Progress
+from gonka_node.testing.adversary_tap import Tap, TappedClient
+from gonka_node.testing.adversary_view import (
+    Behaviour,
+    Outcome,
+    RoundView,
+    Tensors,
+    matched_noise,
+    submit_requests,
+)
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import HEADER_SIZE, get_codec
 from training.worker import DiLoCoWorker

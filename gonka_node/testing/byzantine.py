@@ -31,7 +31,6 @@ from eth_utils import to_checksum_address
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
 from chain.units import NGONKA_PER_GNK as GNK
-from gonka_node.adversary import AdversarialHost, KitSettings, Outcome, Tap, TappedClient, make_behaviour
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.rounds import RoundEngine
@@ -45,6 +44,14 @@ from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, i
 from gonka_node.host.events import LogEvents
 from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.slashing import EvidenceLog, RoundIdentity, SlashDecision, challenge_all, collect_evidence
+from gonka_node.testing.adversary import (
+    AdversarialHost,
+    KitSettings,
+    Outcome,
+    Tap,
+    TappedClient,
+    make_behaviour,
+)
 from training.inner import evaluate
 from training.model import build_model
 

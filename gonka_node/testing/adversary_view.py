@@ -1,6 +1,6 @@
 """What an adversary's behaviour works with: its view of the round, and signing and sending as it likes.
 
-`RoundView` is handed to a behaviour once per round (gonka_node/adversary.py runs it in place of the
+`RoundView` is handed to a behaviour once per round (gonka_node/testing/adversary.py runs it in place of the
 honest train-and-submit step); `send` signs a header for any payload (every field overridable) and
 streams any body; `Outcome` is what the attempt did and how the aggregator answered.
 """
@@ -28,7 +28,7 @@ from training.diloco import pseudo_gradient
 from training.worker import DiLoCoWorker
 
 if TYPE_CHECKING:
-    from gonka_node.adversary import AdversarialHost
+    from gonka_node.testing.adversary import AdversarialHost
 
 Tensors = dict[str, Tensor]
 

@@ -1,7 +1,7 @@
 """Attacks of strangers on an open network: earn without training, or hold up the round.
 
-Each is a behaviour (gonka_node/adversary_view.py) that uses only what such a host can see: the
-tap on plaintext uploads (gonka_node/adversary_tap.py), what the aggregator serves to everyone, and
+Each is a behaviour (gonka_node/testing/adversary_view.py) that uses only what such a host can see: the
+tap on plaintext uploads (gonka_node/testing/adversary_tap.py), what the aggregator serves to everyone, and
 the public rules. None trains except `Staller`, which needs a real upload to send half of.
 
 - `Mixer` (`mix`): the average 0.5·(Δa + Δb) of two honest hosts' decoded updates of this round,
@@ -30,8 +30,15 @@ import grpc
 import torch
 from safetensors.torch import load as load_safetensors
 
-from gonka_node.adversary_tap import Sighting, Tap
-from gonka_node.adversary_view import Outcome, RoundView, Tensors, matched_noise, signed_header, stream_of
+from gonka_node.testing.adversary_tap import Sighting, Tap
+from gonka_node.testing.adversary_view import (
+    Outcome,
+    RoundView,
+    Tensors,
+    matched_noise,
+    signed_header,
+    stream_of,
+)
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 SETTLE_S = 1.0  # a staller's pause after its half: the aggregator has taken the header by then
