@@ -38,9 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, ddp_bytes_per_worker, load_windows, local_recipe
+from gonka_node.cli.train import load_windows, local_recipe
 from training.data import Windows
 from training.inner import Batch, InnerTrainer, evaluate
+from training.local import LocalDiLoCo, LocalRunConfig, ddp_bytes_per_worker
 from training.model import Llama, ModelConfig, build_model
 
 StateDict = dict[str, torch.Tensor]

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from gonka_node.cli import main
-from gonka_node.cli.train import LocalDiLoCo, LocalRunConfig, load_windows, local_recipe
+from gonka_node.cli.train import load_windows, local_recipe
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
+from training.local import LocalDiLoCo, LocalRunConfig
 from training.model import ModelConfig, build_model
 
 TRAINING = Path(__file__).resolve().parents[2] / "training"
