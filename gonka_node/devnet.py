@@ -43,7 +43,7 @@ from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
 from chain.units import NGONKA_PER_GNK as GNK
-from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.client import AggregatorClient
 from gonka_node.core.config import TLS_DIR
 from gonka_node.core.keys import init_keys
 from gonka_node.core.recipe import Recipe, recipe_default

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from chain.units import NGONKA_PER_GNK as GNK  # noqa: E402
-from gonka_node.aggregator.client import AggregatorClient, _requests  # noqa: E402
+from gonka_node.core.client import AggregatorClient, _requests  # noqa: E402
 from gonka_node.core.wire import header_for  # noqa: E402
 from proto.gonka.v1 import aggregator_pb2 as pb  # noqa: E402
 from training.codecs import get_codec  # noqa: E402

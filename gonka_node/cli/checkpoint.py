@@ -2,7 +2,7 @@
 
 `list` reads epochs and round results from the chain. `pull` streams a checkpoint from an
 aggregator's Checkpoints service (TLS, trusting only the certificate the aggregator announced on chain,
-or the file `--tls-cert` names; gonka_node/discovery.py) into a temporary file next to the target, checks the transfer
+or the file `--tls-cert` names; gonka_node/core/discovery.py) into a temporary file next to the target, checks the transfer
 (length and file sha256 announced by the stream) and then the canonical tensor sha256 against the
 hash the chain records for that round; only a verified file is renamed into place, anything else is
 deleted. `export --format hf` writes a Hugging Face Llama folder and `generate` samples text; both
@@ -236,7 +236,7 @@ def _sources(epochs: list[int], client: Any) -> list[str]:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from gonka_node.discovery import resolve_aggregator
+    from gonka_node.core.discovery import resolve_aggregator
 
     client = open_client(args)
     want = chain_checkpoint(client, args.epoch, args.round)

@@ -128,7 +128,7 @@ class HostSession:
         return aggregator_pin(self.cfg, self.chain, self.epoch)
 
     def aggregator(self) -> Any:
-        from gonka_node.aggregator.client import AggregatorClient
+        from gonka_node.core.client import AggregatorClient
 
         if self._aggregator is None:
             found = self.address()

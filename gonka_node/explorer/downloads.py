@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from chain.types import AggregatorEndpoint
-from gonka_node.aggregator.client import MESSAGE_LIMIT
+from gonka_node.core.client import MESSAGE_LIMIT
 from gonka_node.core.tls import pinned_channel
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc

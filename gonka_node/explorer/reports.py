@@ -24,7 +24,7 @@ from chain.client import ChainClient
 from chain.errors import ChainError
 from chain.merkle import RewardTree
 from chain.types import AggregatorEndpoint
-from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.client import AggregatorClient
 from gonka_node.explorer.db import ContributionRow, IndexDb, ReportRow
 from proto.gonka.v1 import aggregator_pb2 as pb
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from chain.client import ChainClient
-from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.client import AggregatorClient
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from chain.client import ChainClient
 from chain.errors import BeaconNotReady
 from chain.units import format_gnk
-from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
+from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.keys import NodeKeys
 from gonka_node.core.recipe import Recipe
 from gonka_node.host.events import HostEvents, LogEvents

@@ -1,9 +1,9 @@
-"""Which certificate a host trusts for its aggregator (gonka_node/discovery.py decides)."""
+"""Which certificate a host trusts for its aggregator (gonka_node/core/discovery.py decides)."""
 
 from __future__ import annotations
 
 from chain.client import ChainClient
-from gonka_node.discovery import AggregatorAddress, MissingPinError, resolve_aggregator
+from gonka_node.core.discovery import AggregatorAddress, MissingPinError, resolve_aggregator
 from gonka_node.host.config import HostConfig
 
 __all__ = ["AggregatorAddress", "MissingPinError", "aggregator_pin"]

@@ -105,8 +105,8 @@ def _cached(path: Path, want: ChainCheckpoint) -> dict[str, Any] | None:
 
 
 def _pull(client: Any, source: CheckpointSource, want: ChainCheckpoint, out: Path, config: Any, where: str) -> None:
+    from gonka_node.core.discovery import resolve_aggregator
     from gonka_node.core.tls import TlsError, check_peer, pinned_channel
-    from gonka_node.discovery import resolve_aggregator
 
     try:
         found = resolve_aggregator(client, source.epoch, source.aggregator, source.tls_cert)

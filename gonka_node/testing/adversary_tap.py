@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
+from gonka_node.core.client import AggregatorClient, SubmitRejected
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 T = TypeVar("T")

@@ -18,7 +18,7 @@ import torch
 from nacl.signing import SigningKey
 from torch import Tensor
 
-from gonka_node.aggregator.client import SubmitRejected
+from gonka_node.core.client import SubmitRejected
 from gonka_node.core.envelope import Submission
 from gonka_node.core.wire import header_pb
 from gonka_node.host.follow import GlobalModel

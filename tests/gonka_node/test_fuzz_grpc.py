@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent / "aggregator"))  # the aggregator tests' harness
 from agg_harness import Harness, ServerThread, chain_world, windows
 
-from gonka_node.aggregator.client import SubmitRejected
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.server import STATUS
+from gonka_node.core.client import SubmitRejected
 from gonka_node.core.envelope import EnvelopeError, Submission
 from gonka_node.core.tls import pinned_channel
 from gonka_node.core.wire import header_pb, verify_receipt

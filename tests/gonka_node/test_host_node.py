@@ -31,11 +31,11 @@ from chain.server import ChainServer
 from chain.types import Deployment
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store
 from gonka_node.cli import main
+from gonka_node.core.client import AggregatorClient
 from gonka_node.core.config import AggregationSettings, RoundSettings
 from gonka_node.core.keys import NodeKeys, NodeSigningKey, init_keys
 from gonka_node.core.recipe import Recipe

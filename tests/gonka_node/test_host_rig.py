@@ -25,7 +25,7 @@ from test_host_node import World
 
 from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
-from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.client import AggregatorClient
 from gonka_node.core.recipe import Recipe
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.node import HostNode, HostSettings

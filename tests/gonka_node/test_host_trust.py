@@ -22,7 +22,7 @@ from safetensors.torch import save
 from test_host_node import AGG, GNK, World, host_keys, world
 
 from chain.seed import new_secret, seed_commitment
-from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.client import AggregatorClient
 from gonka_node.core.tls import create_identity, server_credentials
 from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import FollowError

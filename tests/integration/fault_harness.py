@@ -36,7 +36,7 @@ from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
-from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.client import AggregatorClient
 from gonka_node.core.keys import NodeKeys, init_keys, load_keys
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.tls import load_certificate

@@ -19,7 +19,7 @@ import pytest
 from fault_harness import AGGREGATOR, FINALIZE_TX, FaultNet, TcpProxy
 
 from chain.errors import ChainError
-from gonka_node.aggregator.client import SubmitRejected
+from gonka_node.core.client import SubmitRejected
 from gonka_node.core.wire import header_for
 from proto.gonka.v1 import aggregator_pb2 as pb
 

@@ -28,11 +28,11 @@ from chain.client import ChainClient
 from chain.types import Deployment, EpochSpec
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.client import AggregatorClient
 from gonka_node.aggregator.rounds import EpochContext, RoundEngine
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store
+from gonka_node.core.client import AggregatorClient
 from gonka_node.core.config import AggregationSettings, RoundSettings
 from gonka_node.core.tls import TlsIdentity, create_identity
 from gonka_node.slashing import EvidenceLog

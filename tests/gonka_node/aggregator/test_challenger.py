@@ -18,7 +18,7 @@ from test_round import wait_state
 
 from chain.types import CHALLENGER_SHARE_BPS
 from gonka_node.aggregator.challenger import Challenger
-from gonka_node.aggregator.client import SubmitRejected
+from gonka_node.core.client import SubmitRejected
 
 
 def test_garbage_is_challenged_and_slashed_after_the_round(harness: Harness) -> None:

@@ -11,10 +11,10 @@ from nacl.signing import SigningKey
 from prometheus_client.parser import text_string_to_metric_families
 from test_round import wait_state
 
-from gonka_node.aggregator.client import SubmitRejected
 from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.replay import MISMATCH, PASSED
 from gonka_node.aggregator.store import ContributionRow, RoundRow
+from gonka_node.core.client import SubmitRejected
 
 
 def scrape(port: int) -> dict[str, float]:

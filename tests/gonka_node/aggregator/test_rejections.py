@@ -14,8 +14,8 @@ import torch
 from agg_harness import Harness, Host, ServerThread
 from nacl.signing import SigningKey
 
-from gonka_node.aggregator.client import AggregatorClient, SubmitRejected
 from gonka_node.aggregator.reasons import Reason
+from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.envelope import Submission
 from gonka_node.core.wire import header_pb, receipt_body, verify_receipt
 from proto.gonka.v1 import aggregator_pb2 as pb

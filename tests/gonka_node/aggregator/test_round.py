@@ -15,7 +15,7 @@ from safetensors.torch import load as load_safetensors
 from chain.client import round_result_hash
 from chain.merkle import reward_leaf, verify_proof
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.client import AggregatorClient
 from gonka_node.core.config import AggregationSettings
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.diloco import OuterOptimizer

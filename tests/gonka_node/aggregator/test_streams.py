@@ -18,7 +18,7 @@ from agg_harness import Harness, ServerThread
 from test_rejections import envelope, good_payload, stream
 from test_round import wait_state
 
-from gonka_node.aggregator.client import SubmitRejected
+from gonka_node.core.client import SubmitRejected
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 

@@ -9,7 +9,7 @@ import pytest
 from agg_harness import Harness
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gonka_node.aggregator.client import AggregatorClient
+from gonka_node.core.client import AggregatorClient
 from gonka_node.core.tls import PeerCertificateError, create_identity, pinned_channel
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import checkpoints_pb2 as cpb
