@@ -107,6 +107,8 @@ def test_a_killed_host_process_rejoins_and_finishes_the_epoch(tmp_path: Path) ->
 
         reader = ChainClient(chain.backend, chain.backend.dev_accounts()[GOVERNANCE], sched.deployment).connect()
         assert reader.latest_round(sched.epoch) == 2
+        # The devnet seeds the assignment after sign-in (recipe assignment_seed "signin-block").
+        beacon = reader.signin_beacon(sched.epoch) if sched.recipe.assignment_seed == "signin-block" else b""
         with aggregator_client(out, target) as agg:
             for r in (1, 2):
                 hosts = [bytes(c.host) for c in agg.round_result(sched.epoch, r).contributions]
@@ -128,7 +130,7 @@ def test_a_killed_host_process_rejoins_and_finishes_the_epoch(tmp_path: Path) ->
     torch.set_num_threads(1)  # as in the host processes (OMP_NUM_THREADS=1)
     model = build_model(recipe.model, recipe.init_seed)
     worker = DiLoCoWorker(model, recipe.inner_config(), get_codec(recipe.codec), recipe.windows(out / "cache"),
-                          Assignment(recipe.epoch_seed, progress.progress.slot, 8), recipe.ef_decay)
+                          Assignment(recipe.epoch_seed, progress.progress.slot, 8, beacon), recipe.ef_decay)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     for r, params in ((1, init), (2, round1)):
         payload = worker.train_round(r, params).payload
