@@ -27,7 +27,6 @@ from chain.backends import ChainBackend
 from chain.errors import BeaconNotReady, ChainError, DeploymentError
 from chain.tx import TxSender, translate_call
 from chain.types import (
-    CHALLENGE_STATUSES,
     Action,
     AggregatorEndpoint,
     Challenge,
@@ -319,11 +318,7 @@ class ChainClient:
         )
 
     def round_result(self, epoch: int, round_: int) -> RoundResult:
-        t = self.read(self.registry, "round_result", epoch, round_)
-        return RoundResult(
-            epoch=epoch, round=round_, checkpoint_sha256=bytes(t[0]), rewards_root=bytes(t[1]),
-            n_contributors=t[2], total_reward=t[3], claimed=t[4], finalized_at=t[5], seed=bytes(t[6]),
-        )
+        return RoundResult.from_abi(self.read(self.registry, "round_result", epoch, round_), epoch=epoch, round_=round_)
 
     def round_vote(self, epoch: int, round_: int, aggregator: str | None = None) -> bytes:
         """The result hash `aggregator` (default: this account) voted for the round; 32 zero bytes if none."""
@@ -376,8 +371,7 @@ class ChainClient:
         return self.transact(self.registry, "reveal_round_seed", epoch, round_, _bytes32("secret", secret))
 
     def round_seed(self, epoch: int, round_: int) -> RoundSeed:
-        t = self.read(self.registry, "round_seed", epoch, round_)
-        return RoundSeed(epoch=epoch, round=round_, seed=bytes(t[0]), commits=t[1], reveals=t[2])
+        return RoundSeed.from_abi(self.read(self.registry, "round_seed", epoch, round_), epoch=epoch, round_=round_)
 
     def seed_commitment(self, epoch: int, round_: int, aggregator: str | None = None) -> bytes:
         """`aggregator`'s (default: this account) commitment for the round; 32 zero bytes if none."""
@@ -409,14 +403,11 @@ class ChainClient:
 
     def get_challenge(self, challenge_id: int) -> Challenge:
         t = self.read(self.registry, "get_challenge", challenge_id)
-        if t[6] == 0:
+        if not Challenge.filed(t):
             raise ChainError(f"no challenge {challenge_id} on this Registry")
         logs = self._logs("ChallengeFiled", {"challenge_id": challenge_id})
-        return Challenge(
-            challenge_id=challenge_id, epoch=t[0], host=to_checksum_address(t[1]), challenger=to_checksum_address(t[2]),
-            bond=t[3], evidence_hash=bytes(t[4]), evidence_uri=logs[0]["args"]["evidence_uri"] if logs else "",
-            filed_at=t[5], status=CHALLENGE_STATUSES[t[6]], uphold_votes=t[7], reject_votes=t[8], slashed=t[9],
-        )
+        uri = logs[0]["args"]["evidence_uri"] if logs else ""
+        return Challenge.from_abi(t, challenge_id=challenge_id, evidence_uri=uri)
 
     def challenges(self, epoch: int) -> list[Challenge]:
         """Every challenge filed in `epoch`, oldest first."""
@@ -527,11 +518,8 @@ class ChainClient:
         return self.gnk_balance(self.governor.address) - int(self.read(self.governor, "total_escrow"))
 
     def proposal(self, proposal_id: int) -> Proposal:
-        t = self.read(self.governor, "proposals", proposal_id)
-        return Proposal(
-            proposal_id=proposal_id, proposer=t[0], actions_hash=bytes(t[1]), vote_end=t[2], quorum=t[3],
-            for_votes=t[4], against_votes=t[5], executed=t[6], state=self.read(self.governor, "state", proposal_id),
-        )
+        state = self.read(self.governor, "state", proposal_id)
+        return Proposal.from_abi(self.read(self.governor, "proposals", proposal_id), proposal_id=proposal_id, state=state)
 
     # Actions a proposal can carry (governance through a vote).
 

@@ -239,6 +239,14 @@ class RoundResult:
     finalized_at: int
     seed: bytes  # the round seed when it was finalized (zero when the epoch's p is 0 and none was revealed)
 
+    @classmethod
+    def from_abi(cls, t: tuple[Any, ...], *, epoch: int, round_: int) -> RoundResult:
+        """From Registry.round_result's tuple (the round is the call's key, not part of the result)."""
+        return cls(
+            epoch=epoch, round=round_, checkpoint_sha256=bytes(t[0]), rewards_root=bytes(t[1]),
+            n_contributors=t[2], total_reward=t[3], claimed=t[4], finalized_at=t[5], seed=bytes(t[6]),
+        )
+
     @property
     def finalized(self) -> bool:
         return self.finalized_at != 0
@@ -257,6 +265,11 @@ class RoundSeed:
     seed: bytes
     commits: int
     reveals: int
+
+    @classmethod
+    def from_abi(cls, t: tuple[Any, ...], *, epoch: int, round_: int) -> RoundSeed:
+        """From Registry.round_seed's tuple."""
+        return cls(epoch=epoch, round=round_, seed=bytes(t[0]), commits=t[1], reveals=t[2])
 
     @property
     def complete(self) -> bool:
@@ -280,6 +293,20 @@ class Challenge:
     uphold_votes: int
     reject_votes: int
     slashed: int  # ngonka slashed when upheld
+
+    @classmethod
+    def from_abi(cls, t: tuple[Any, ...], *, challenge_id: int, evidence_uri: str) -> Challenge:
+        """From Registry.get_challenge's tuple of a filed challenge (status != 0); the URI lives only in its event."""
+        return cls(
+            challenge_id=challenge_id, epoch=t[0], host=to_checksum_address(t[1]), challenger=to_checksum_address(t[2]),
+            bond=t[3], evidence_hash=bytes(t[4]), evidence_uri=evidence_uri,
+            filed_at=t[5], status=CHALLENGE_STATUSES[t[6]], uphold_votes=t[7], reject_votes=t[8], slashed=t[9],
+        )
+
+    @staticmethod
+    def filed(t: tuple[Any, ...]) -> bool:
+        """Whether Registry.get_challenge's tuple is a filed challenge (an unknown id reads as status 0)."""
+        return bool(t[6] != 0)
 
 
 @dataclass(frozen=True)
@@ -312,6 +339,14 @@ class Proposal:
     against_votes: int
     executed: bool
     state: str  # voting | no-quorum | defeated | passed | executed
+
+    @classmethod
+    def from_abi(cls, t: tuple[Any, ...], *, proposal_id: int, state: str) -> Proposal:
+        """From Governor.proposals' tuple; the state is Governor.state's separate read."""
+        return cls(
+            proposal_id=proposal_id, proposer=t[0], actions_hash=bytes(t[1]), vote_end=t[2], quorum=t[3],
+            for_votes=t[4], against_votes=t[5], executed=t[6], state=state,
+        )
 
 
 @dataclass(frozen=True)
