@@ -104,6 +104,29 @@ class ChainView:
         self._members[(epoch, host)] = (now + (self._member_ttl if ok else self._unknown_ttl), member)
         return member
 
+    @property
+    def address(self) -> str:
+        """This aggregator's account."""
+        return self.chain.address
+
+    def as_account(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(account, *args)` under the lock, for helpers that act as this aggregator's account (the
+        slashing rule's `challenge_all` files and votes through it)."""
+        with self._lock:
+            return fn(self.chain, *args)
+
+    def aggregator_endpoints(self, epoch: int) -> list[AggregatorEndpoint]:
+        return self.call(self.chain.aggregator_endpoints, epoch)
+
+    def announce_aggregator(self, epoch: int, endpoint: str, tls_cert_pem: bytes) -> Any:
+        return self.call(self.chain.announce_aggregator, epoch, endpoint, tls_cert_pem)
+
+    def published_recipe(self, epoch: int) -> bytes | None:
+        return self.call(self.chain.published_recipe, epoch)
+
+    def publish_recipe(self, epoch: int, recipe_json: bytes) -> Any:
+        return self.call(self.chain.publish_recipe, epoch, recipe_json)
+
     def round_result(self, epoch: int, round_: int) -> RoundResult:
         return self.call(self.chain.round_result, epoch, round_)
 

@@ -13,13 +13,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from eth_utils import to_checksum_address
 
 from gonka_node.aggregator.rounds import RoundEngine
-from gonka_node.slashing import EvidenceLog, RoundIdentity, SlashDecision, challenge_all, collect_evidence
+from gonka_node.slashing import (
+    Evidence,
+    EvidenceLog,
+    RoundIdentity,
+    SlashDecision,
+    challenge_all,
+    collect_evidence,
+)
 
 log = logging.getLogger(__name__)
+
+
+def _challenge_all_as(account: Any, epoch: int, records: Sequence[Evidence], evidence_uri: str) -> list[SlashDecision]:
+    """This aggregator files the challenges and is their one voter from here (others vote on their own)."""
+    return challenge_all(account, [account], epoch, records, evidence_uri)
 
 
 class Challenger:
@@ -31,8 +45,7 @@ class Challenger:
         e = self.engine
         ident = RoundIdentity(e.ctx.chain_id, e.ctx.registry, e.ctx.codec_name)
         records = collect_evidence(e.store, e.ctx.epoch, ident, self.evidence)
-        client = e.chain.chain
-        decisions = e.chain.call(challenge_all, client, [client], e.ctx.epoch, records, self.evidence_uri)
+        decisions = e.chain.as_account(_challenge_all_as, e.ctx.epoch, records, self.evidence_uri)
         for d in decisions:
             log.warning(
                 "challenged %s's stake in epoch %d on %s evidence %s… (round %d)",

@@ -129,13 +129,13 @@ def _announce(cfg: AggregatorConfig, identity: TlsIdentity, engine: RoundEngine,
         "aggregator serving epoch %d on %s, TLS certificate sha256 %s (%s)",
         epoch, endpoint, identity.sha256.hex(), cfg.tls_dir / CERT_FILE,
     )
-    mine = {(a.address.lower(), a.endpoint, a.tls_cert_sha256) for a in chain.call(chain.chain.aggregator_endpoints, epoch)}
-    if (chain.chain.address.lower(), endpoint, identity.sha256) not in mine:
-        chain.call(chain.chain.announce_aggregator, epoch, endpoint, identity.cert_pem)
+    mine = {(a.address.lower(), a.endpoint, a.tls_cert_sha256) for a in chain.aggregator_endpoints(epoch)}
+    if (chain.address.lower(), endpoint, identity.sha256) not in mine:
+        chain.announce_aggregator(epoch, endpoint, identity.cert_pem)
         log.info("announced %s and the certificate on chain for epoch %d", endpoint, epoch)
     recipe = engine.ctx.recipe_json
-    if recipe is not None and chain.call(chain.chain.published_recipe, epoch) is None:
-        chain.call(chain.chain.publish_recipe, epoch, recipe)
+    if recipe is not None and chain.published_recipe(epoch) is None:
+        chain.publish_recipe(epoch, recipe)
         log.info("published epoch %d's recipe on chain", epoch)
 
 
