@@ -4,8 +4,8 @@ here is recovered by running it again. Peak memory: the base model, the new mode
 scoring model and one decoded update — independent of the number of hosts (updates are decoded from
 disk one at a time; the similarity checks read 16 KB sketches).
 
-A close is a `Closing` record passed through `CHECKS` in order, each returning the hosts it excludes
-and why; then the survivors are scored (a gate: the score must be positive) and the round's reward is
+The caller gathers a round's inputs in one `ClosingInputs`; a close is then a `Closing` record passed
+through `CHECKS` in order, each returning the hosts it excludes and why; then the survivors are scored (a gate: the score must be positive) and the round's reward is
 split equally among those that pass (`equal_shares`).
 """
 
@@ -159,31 +159,38 @@ def dissent(c: Closing) -> Mapping[bytes, str]:
 CHECKS: tuple[Check, ...] = (copies, resubmissions, departed, replays, mixtures, dissent)
 
 
-def compute_outcome(
-    *,
-    ctx: EpochContext,
-    round_row: RoundRow,
-    seed: bytes,
-    submissions: list[SubmissionRow],
-    slots: Mapping[bytes, int],
-    base_path: Path,
-    step_base: tuple[Path, bytes] | None = None,
-    prev_residual: Path | None = None,
-    earlier: list[SubmissionRow] | None = None,
-    prev_outer_state: Path | None,
-    store: Store,
-    checkpoints: CheckpointIO,
-    aggregation: AggregationSettings,
-) -> RoundOutcome:
+@dataclass(frozen=True, kw_only=True)
+class ClosingInputs:
+    """Everything one close reads, gathered by the caller (`RoundEngine`) before anything is computed."""
+
+    ctx: EpochContext
+    round_row: RoundRow
+    seed: bytes  # the round's commit–reveal seed (chain): decides the replay pick
+    submissions: list[SubmissionRow]
+    slots: Mapping[bytes, int]  # the epoch's members now: a host missing here has left or was slashed
+    base_path: Path  # the round's training base
+    step_base: tuple[Path, bytes] | None = None  # the model the outer step applies to, if not the base
+    prev_residual: Path | None = None  # the compressed broadcast's residual after the previous round
+    earlier: list[SubmissionRow] = field(default_factory=list)  # every submission of earlier rounds
+    prev_outer_state: Path | None  # the outer momentum after the previous round (None: fresh)
+    store: Store
+    checkpoints: CheckpointIO
+    aggregation: AggregationSettings
+
+
+def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
+    i = inputs
+    ctx, round_row, submissions, store, aggregation = i.ctx, i.round_row, i.submissions, i.store, i.aggregation
+    checkpoints, step_base = i.checkpoints, i.step_base
     epoch, round_ = round_row.epoch, round_row.round
-    base = checkpoints.load(base_path, round_row.base_sha256)
+    base = checkpoints.load(i.base_path, round_row.base_sha256)
 
     def decode(sub: SubmissionRow) -> dict[str, Tensor]:
         update = decode_update(ctx.codec_for(round_), Path(sub.path).read_bytes(), ctx.spec)
         return {name: t.float() for name, t in update.items()}
 
     public = public_tensors(store, epoch, round_, base)
-    c = Closing(ctx, round_row, seed, submissions, earlier or [], slots, base, public, decode, aggregation)
+    c = Closing(ctx, round_row, i.seed, submissions, i.earlier, i.slots, base, public, decode, aggregation)
     for check in CHECKS:
         c.exclude(check(c))
     consensus_checked = len(c.live()) >= 4 and aggregation.consensus_fraction > 0  # dissent could run
@@ -211,11 +218,11 @@ def compute_outcome(
     update, payload, residual = agg.update, None, None
     if ctx.broadcast == "codec":  # the model is defined by the decoded broadcast (aggregator/broadcast.py)
         payload, update, residual = compress_broadcast(
-            agg.update, ctx.codec_name, round_seed(ctx.epoch_seed, round_), prev_residual
+            agg.update, ctx.codec_name, round_seed(ctx.epoch_seed, round_), i.prev_residual
         )
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
-    if prev_outer_state is not None:
-        outer.restore(*_read_outer(prev_outer_state))
+    if i.prev_outer_state is not None:
+        outer.restore(*_read_outer(i.prev_outer_state))
     outer.step(params, update)
     meta = {
         "epoch": str(epoch),

@@ -41,7 +41,7 @@ from chain.merkle import RewardTree
 from chain.seed import new_secret
 from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.chain_view import ChainView, Member
-from gonka_node.aggregator.close import RoundOutcome, compute_outcome, reward_tree
+from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, reward_tree
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.metrics import RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
@@ -571,7 +571,7 @@ class RoundEngine:
 
     def _compute(self, r: RoundRow, seed: bytes) -> RoundOutcome:
         ctx = self.ctx
-        return compute_outcome(
+        return compute_outcome(ClosingInputs(
             ctx=ctx,
             round_row=r,
             seed=seed,
@@ -586,7 +586,7 @@ class RoundEngine:
             store=self.store,
             checkpoints=self.checkpoints,
             aggregation=self.aggregation,
-        )
+        ))
 
     def _prev_residual(self, round_: int) -> Path | None:
         """The compressed broadcast's residual after the last finalized round before `round_`."""

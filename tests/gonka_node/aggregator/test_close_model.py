@@ -15,7 +15,7 @@ import torch
 from stdlib_corpus import small_corpus_bytes
 
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.close import RoundOutcome, compute_outcome, score_step
+from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, score_step
 from gonka_node.aggregator.replay import ReplayData, chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import Scorer, ScoringData
@@ -81,11 +81,11 @@ class ModelRound:
         ), part)
 
     def outcome(self, slots: dict[bytes, int], p: float, replay: bool = True) -> RoundOutcome:
-        return compute_outcome(
+        return compute_outcome(ClosingInputs(
             ctx=self.context(p, replay), round_row=self.row, seed=b"\x03" * 32,
             submissions=self.store.submissions(1, 1), slots=slots, base_path=self.init_path, prev_outer_state=None,
             store=self.store, checkpoints=TrainingCheckpoints(), aggregation=AggregationSettings(rule="mean"),
-        )
+        ))
 
     def context(self, p: float, replay: bool = True) -> EpochContext:
         return EpochContext(
@@ -215,11 +215,11 @@ def test_scores_under_the_assignment_gap_rule_take_the_whole_clipped_update(
     for i, (h, u) in enumerate(ups.items()):
         rd.add(h, u, started=i)
     ctx_rule = AggregationSettings(rule="mean", score_rule="assignment_gap")
-    out = compute_outcome(
+    out = compute_outcome(ClosingInputs(
         ctx=rd.context(p=0.0), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
         slots={addr(1): 1, addr(2): 2}, base_path=rd.init_path, prev_outer_state=None, store=rd.store,
         checkpoints=TrainingCheckpoints(), aggregation=ctx_rule,
-    )
+    ))
     tau = float(np.median([norm(u) for u in ups.values()]))
     heldout = rd.scoring.heldout(1, rd.init_sha)
     for c in out.contributions:
@@ -268,11 +268,11 @@ def test_a_host_whose_replay_passed_is_not_excluded_by_a_statistic(
     strict = AggregationSettings(rule="mean", mix_residual=0.99)  # a bar every honest update fails
 
     def outcome(p: float) -> RoundOutcome:
-        return compute_outcome(
+        return compute_outcome(ClosingInputs(
             ctx=rd.context(p), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
             slots=slots, base_path=rd.init_path, prev_outer_state=None, store=rd.store,
             checkpoints=TrainingCheckpoints(), aggregation=strict,
-        )
+        ))
 
     unchecked = outcome(0.0)
     assert any(c.reasons[0].startswith("mix: ") and not c.aggregated for c in unchecked.contributions)

@@ -23,6 +23,7 @@ from gonka_node.aggregator.close import (
     MIN_SCORE_STEP,
     PUBLIC_ROUNDS,
     Closing,
+    ClosingInputs,
     compute_outcome,
     equal_shares,
     gate,
@@ -110,12 +111,12 @@ class Round:
     def outcome(self, slots: dict[bytes, int], aggregation: AggregationSettings | None = None,
                 earlier: list[SubmissionRow] | None = None, prev_outer_state: Path | None = None,
                 ctx: EpochContext | None = None):  # type: ignore[no-untyped-def]
-        return compute_outcome(
+        return compute_outcome(ClosingInputs(
             ctx=ctx or self.ctx(), round_row=self.row, seed=b"\x07" * 32,
             submissions=self.store.submissions(1, self.round), slots=slots, base_path=self.init_path,
-            earlier=earlier, prev_outer_state=prev_outer_state, store=self.store, checkpoints=TrainingCheckpoints(),
+            earlier=earlier or [], prev_outer_state=prev_outer_state, store=self.store, checkpoints=TrainingCheckpoints(),
             aggregation=aggregation or AggregationSettings(rule="mean"),
-        )
+        ))
 
 
 def test_four_honest_hosts_are_aggregated_stepped_and_paid_equally(tmp_path: Path) -> None:
@@ -171,12 +172,12 @@ def test_the_next_round_steps_on_from_the_stored_momentum(tmp_path: Path) -> Non
     ups2 = [honest(i) for i in (5, 6)]
     for i, u in enumerate(ups2):
         rd.add(addr(i + 1), u, started=10 + i)
-    second = compute_outcome(
+    second = compute_outcome(ClosingInputs(
         ctx=rd.ctx(), round_row=rd.row, seed=b"\x07" * 32, submissions=rd.store.submissions(1, 2), slots=slots,
         base_path=rd.store.checkpoint_path(1, 1), earlier=rd.store.submissions(1, 1),
         prev_outer_state=rd.store.outer_state_path(1, 1), store=rd.store, checkpoints=TrainingCheckpoints(),
         aggregation=AggregationSettings(rule="mean", consensus_fraction=0.0),
-    )
+    ))
     m1 = {n: (ups[0][n] + ups[1][n]) / 2 for n in SPEC}
     m2 = {n: (ups2[0][n] + ups2[1][n]) / 2 for n in SPEC}
     theta1 = load_checkpoint(rd.store.checkpoint_path(1, 1)).tensors
