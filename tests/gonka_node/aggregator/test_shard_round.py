@@ -1,0 +1,152 @@
+"""Sharded aggregators over the real engine (engine_kit.py): the same hosts' updates closed by one
+aggregator (S = 1) and by two shards of an epoch with two aggregators and quorum 2 (S = 2). Each shard
+accepts only its fragment; its fragment of the new model, the aggregate and the momentum equal the
+unsharded ones bit for bit; the round finalizes on chain once, with the Merkle-of-fragments root."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from agg_harness import AGGREGATOR
+from engine_kit import SECOND_AGGREGATOR, Kit, payload, update
+from nacl.signing import SigningKey
+
+from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.fragments import fragment_proof, fragment_root, verify_fragment
+from gonka_node.aggregator.reasons import Reason, Rejected
+from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.shard import LocalExchange, ShardConfigError, Verdict, shard_role
+from gonka_node.aggregator.shard_close import read_fragment_hashes
+from gonka_node.aggregator.store import Store
+from gonka_node.core.config import AggregationSettings
+from training.checkpoint import load_checkpoint
+
+ORDER = (AGGREGATOR, SECOND_AGGREGATOR)  # epoch4's aggregators on chain: shard 0, shard 1
+
+
+def address(kit: Kit, i: int) -> bytes:
+    return bytes.fromhex(kit.world.chain.accounts[i].address[2:])
+
+
+def shard_engine(kit: Kit, i: int, exchange: LocalExchange) -> RoundEngine:
+    whole = kit.context(kit.world.epoch4)
+    role = shard_role(whole.spec, [address(kit, a) for a in ORDER], address(kit, ORDER[i]), kit.aggregation.rule)
+    assert role is not None
+    ctx = dataclasses.replace(whole, spec=role.spec, shard=role)
+    e = RoundEngine(
+        ctx, kit.settings, kit.aggregation, Store(kit.tmp / f"shard{i}").open(),
+        ChainView(kit.world.chain.client(ORDER[i])), TrainingCheckpoints(), SigningKey(bytes([ORDER[i]]) * 32),
+        clock=kit.clock, exchange=exchange,
+    )
+    kit.engines.append(e)
+    e.start()
+    return e
+
+
+def fragment_payload(u: dict[str, torch.Tensor], e: RoundEngine) -> bytes:
+    return payload({n: u[n] for n in e.ctx.spec})
+
+
+def run_round(kit: Kit, whole: RoundEngine, shards: list[RoundEngine], ups: list[dict[str, torch.Tensor]]) -> None:
+    for h, u in zip(kit.hosts, ups, strict=True):
+        assert kit.submit(whole, h, payload(u)).body.accepted
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    kit.run(whole.tick())
+    for _ in range(3):  # seeds, reports, verdict, hashes: each shard waits on the other once at most
+        for s in shards:
+            kit.run(s.tick())
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path).tensors
+
+
+@pytest.fixture
+def clipped(kit: Kit) -> Kit:
+    kit.aggregation = AggregationSettings(rule="clip_median")
+    return kit
+
+
+def test_two_shards_equal_one_aggregator_bit_for_bit_and_finalize_once_with_the_root(clipped: Kit) -> None:
+    kit, exchange = clipped, LocalExchange()
+    whole = kit.engine()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    assert [s.ctx.spec for s in shards] == [{"w": (2, 4)}, {"b": (3,)}]
+    for rnd, seed in ((1, 10), (2, 20)):
+        # the third host's update is 3x larger than the others: the median clip scales it down
+        ups = [update(seed), update(seed + 1), {n: t * 3 for n, t in update(seed + 2).items()}]
+        run_round(kit, whole, shards, ups)
+        unsharded = whole.store.get_round(kit.world.epoch, rnd)
+        assert unsharded is not None and unsharded.state == "finalized"
+        model = tensors(whole.store.checkpoint_path(kit.world.epoch, rnd))
+        agg = tensors(whole.store.update_path(kit.world.epoch, rnd))
+        momentum = tensors(whole.store.outer_state_path(kit.world.epoch, rnd))
+        hashes = read_fragment_hashes(shards[0].store.checkpoint_path(kit.world.epoch4, rnd))
+        root = fragment_root(hashes)
+        for i, s in enumerate(shards):
+            got = s.store.get_round(kit.world.epoch4, rnd)
+            assert got is not None and got.state == "finalized" and got.checkpoint_sha256 == root
+            frag = tensors(s.store.checkpoint_path(kit.world.epoch4, rnd))
+            assert set(frag) == set(s.ctx.spec)
+            for name, t in frag.items():
+                assert torch.equal(t, model[name]), name
+                assert torch.equal(tensors(s.store.update_path(kit.world.epoch4, rnd))[name], agg[name])
+                assert torch.equal(tensors(s.store.outer_state_path(kit.world.epoch4, rnd))[name], momentum[name])
+            own = TrainingCheckpoints().sha256(frag)
+            assert hashes[i] == own and verify_fragment(own, i, 2, fragment_proof(hashes, i), root)
+            assert [(c.host, c.reward, c.aggregated) for c in s.store.contributions(kit.world.epoch4, rnd)] == [
+                (c.host, c.reward, c.aggregated) for c in whole.store.contributions(kit.world.epoch, rnd)
+            ]
+        result = kit.world.chain.client(0).round_result(kit.world.epoch4, rnd)
+        assert result.finalized and bytes(result.checkpoint_sha256) == root != unsharded.checkpoint_sha256
+    verdict = exchange.verdict(kit.world.epoch4, 2)
+    assert verdict is not None and verdict.tau is not None
+    assert verdict.clip_norms[kit.hosts[2].address] > verdict.tau  # the clip was exercised
+    assert Verdict.from_json(verdict.to_json()) == verdict
+
+
+def test_a_shard_accepts_only_its_fragment(kit: Kit) -> None:
+    e = shard_engine(kit, 1, LocalExchange())
+    u = update(3)
+    assert kit.submit(e, kit.hosts[0], fragment_payload(u, e)).body.accepted
+    with pytest.raises(Rejected) as info:
+        kit.submit(e, kit.hosts[1], payload(u))  # the whole update, not fragment 1
+    assert info.value.reason is Reason.WRONG_SHAPE
+
+
+def test_a_host_one_shard_refused_is_aggregated_by_none(kit: Kit) -> None:
+    exchange = LocalExchange()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    ups = [update(40 + i) for i in range(3)]
+    for h, u in zip(kit.hosts, ups, strict=True):
+        assert kit.submit(shards[0], h, fragment_payload(u, shards[0])).body.accepted
+    for h, u in zip(kit.hosts[:2], ups[:2], strict=True):
+        assert kit.submit(shards[1], h, fragment_payload(u, shards[1])).body.accepted
+    kit.clock.ms = max(s.current.deadline_ms for s in shards if s.current) + 1  # shard 1 closes at its deadline
+    for _ in range(3):
+        for s in shards:
+            kit.run(s.tick())
+    for s in shards:
+        rows = {c.host: c for c in s.store.contributions(kit.world.epoch4, 1)}
+        missing = rows[kit.hosts[2].address]
+        assert not missing.aggregated and missing.reward == 0
+        assert missing.reasons == ["fragment refused or missing at shard(s) [1]: not aggregated"]
+        assert [h for h, c in rows.items() if c.aggregated] == [kit.hosts[0].address, kit.hosts[1].address]
+
+
+def test_shard_role_reads_the_epochs_aggregator_list() -> None:
+    spec = {"a": (4,), "b": (2, 2), "c": (3,)}
+    me, other = hashlib.sha256(b"me").digest()[:20], hashlib.sha256(b"other").digest()[:20]
+    assert shard_role(spec, [me], me, "mean") is None
+    role = shard_role(spec, [other, me], me, "mean")
+    assert role is not None and (role.index, role.count, role.offsets) == (1, 2, {"b": 4})
+    with pytest.raises(ShardConfigError, match="is not one of the epoch's 2 aggregators"):
+        shard_role(spec, [other, other], me, "mean")
+    with pytest.raises(ShardConfigError, match="rule 'centered_clip' cannot run sharded"):
+        shard_role(spec, [other, me], me, "centered_clip")
