@@ -13,13 +13,15 @@ run unscored; `shard_role` says so).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -33,6 +35,7 @@ from gonka_node.aggregator.close import (
 from gonka_node.aggregator.fragments import Fragment, Spec, global_offsets, plan_fragments
 from gonka_node.aggregator.store import ContributionRow, RoundRow, SubmissionRow
 from gonka_node.core.config import AggregationSettings
+from training.durable import atomic_write
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.rounds import EpochContext
@@ -107,6 +110,37 @@ class FragmentReport:
     hosts: tuple[HostFragment, ...]
     earlier: tuple[tuple[int, bytes, bytes], ...]  # (round, host, fragment sketch) of earlier rounds
     public: tuple[tuple[str, bytes], ...]  # (label, fragment sketch): the base model, earlier aggregates
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "epoch": self.epoch, "round": self.round, "index": self.index, "count": self.count,
+            "names": list(self.names), "skip": self.skip,
+            "hosts": [[h.host.hex(), h.started_ms, h.received_ms, list(h.scan_sq), list(h.clip_sq), _b64(h.sketch)]
+                      for h in self.hosts],
+            "earlier": [[n, h.hex(), _b64(s)] for n, h, s in self.earlier],
+            "public": [[label, _b64(s)] for label, s in self.public],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> FragmentReport:
+        d: dict[str, Any] = json.loads(text)
+        hosts = tuple(
+            HostFragment(bytes.fromhex(h), a, b, tuple(map(float, sq)), tuple(map(float, cl)), _unb64(k))
+            for h, a, b, sq, cl, k in d["hosts"]
+        )
+        return cls(
+            d["epoch"], d["round"], d["index"], d["count"], tuple(d["names"]), bool(d["skip"]), hosts,
+            tuple((n, bytes.fromhex(h), _unb64(s)) for n, h, s in d["earlier"]),
+            tuple((label, _unb64(s)) for label, s in d["public"]),
+        )
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
 
 
 @dataclass(frozen=True)
@@ -184,6 +218,43 @@ class LocalExchange:
 
     def hashes(self, epoch: int, round_: int) -> dict[int, bytes]:
         return dict(self._hashes.get((epoch, round_), {}))
+
+
+class DirExchange:
+    """Shards on one machine (the devnet, the benchmark): a shared directory, one file per report,
+    verdict and fragment hash, each written atomically (a reader sees a whole file or none)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _dir(self, epoch: int, round_: int) -> Path:
+        path = self.root / str(epoch) / str(round_)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def put_report(self, report: FragmentReport) -> None:
+        text = report.to_json()
+        atomic_write(self._dir(report.epoch, report.round) / f"report-{report.index}.json", lambda t: t.write_text(text))
+
+    def reports(self, epoch: int, round_: int) -> list[FragmentReport]:
+        found = sorted(self._dir(epoch, round_).glob("report-*.json"))
+        return sorted((FragmentReport.from_json(p.read_text()) for p in found), key=lambda r: r.index)
+
+    def put_verdict(self, verdict: Verdict) -> None:
+        path, text = self._dir(verdict.epoch, verdict.round) / "verdict.json", verdict.to_json()
+        if not path.exists():  # the first verdict stands: a retried close re-sends, never replaces
+            atomic_write(path, lambda t: t.write_text(text))
+
+    def verdict(self, epoch: int, round_: int) -> Verdict | None:
+        path = self._dir(epoch, round_) / "verdict.json"
+        return Verdict.from_json(path.read_text()) if path.exists() else None
+
+    def put_hash(self, epoch: int, round_: int, index: int, sha256: bytes) -> None:
+        atomic_write(self._dir(epoch, round_) / f"hash-{index}", lambda t: t.write_text(sha256.hex()))
+
+    def hashes(self, epoch: int, round_: int) -> dict[int, bytes]:
+        found = self._dir(epoch, round_).glob("hash-*")
+        return {int(p.name.split("-")[1]): bytes.fromhex(p.read_text()) for p in found if p.name[5:].isdigit()}
 
 
 # ---- the verifier --------------------------------------------------------------------------------

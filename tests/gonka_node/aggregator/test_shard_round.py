@@ -20,7 +20,15 @@ from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.fragments import fragment_proof, fragment_root, verify_fragment
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine
-from gonka_node.aggregator.shard import LocalExchange, ShardConfigError, Verdict, shard_role
+from gonka_node.aggregator.shard import (
+    DirExchange,
+    FragmentReport,
+    LocalExchange,
+    ShardConfigError,
+    ShardExchange,
+    Verdict,
+    shard_role,
+)
 from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.store import Store
 from gonka_node.core.config import AggregationSettings
@@ -33,7 +41,8 @@ def address(kit: Kit, i: int) -> bytes:
     return bytes.fromhex(kit.world.chain.accounts[i].address[2:])
 
 
-def shard_engine(kit: Kit, i: int, exchange: LocalExchange) -> RoundEngine:
+def shard_engine(kit: Kit, i: int, exchange: ShardExchange) -> RoundEngine:
+    """Shard i of epoch4 on its own store (a second call: the same shard restarted)."""
     whole = kit.context(kit.world.epoch4)
     role = shard_role(whole.spec, [address(kit, a) for a in ORDER], address(kit, ORDER[i]), kit.aggregation.rule)
     assert role is not None
@@ -108,7 +117,6 @@ def test_two_shards_equal_one_aggregator_bit_for_bit_and_finalize_once_with_the_
     verdict = exchange.verdict(kit.world.epoch4, 2)
     assert verdict is not None and verdict.tau is not None
     assert verdict.clip_norms[kit.hosts[2].address] > verdict.tau  # the clip was exercised
-    assert Verdict.from_json(verdict.to_json()) == verdict
 
 
 def test_a_shard_accepts_only_its_fragment(kit: Kit) -> None:
@@ -150,3 +158,64 @@ def test_shard_role_reads_the_epochs_aggregator_list() -> None:
         shard_role(spec, [other, other], me, "mean")
     with pytest.raises(ShardConfigError, match="rule 'centered_clip' cannot run sharded"):
         shard_role(spec, [other, me], me, "centered_clip")
+
+
+def test_a_shard_killed_mid_round_and_mid_close_resumes_from_its_store(kit: Kit) -> None:
+    """Shards meeting through a directory (separate processes on one machine): shard 1 restarts after two
+    hosts' fragments were accepted, and again after it sent its close report; nothing it accepted is
+    lost, and the round's fragments equal one aggregator's over the same updates."""
+    exchange = DirExchange(kit.tmp / "exchange")
+    whole = kit.engine()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    ups = [update(60 + i) for i in range(3)]
+    for h, u in zip(kit.hosts[:2], ups[:2], strict=True):
+        assert kit.submit(whole, h, payload(u)).body.accepted
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    shards[1].store.close()
+    shards[1] = shard_engine(kit, 1, DirExchange(kit.tmp / "exchange"))  # killed and restarted
+    assert shards[1].store.submitted_hosts(kit.world.epoch4, 1) == {h.address for h in kit.hosts[:2]}
+    assert kit.submit(whole, kit.hosts[2], payload(ups[2])).body.accepted
+    for s in shards:
+        assert kit.submit(s, kit.hosts[2], fragment_payload(ups[2], s)).body.accepted
+    kit.run(whole.tick())
+    kit.run(shards[0].tick())  # revealed its seed; shard 1's is not revealed yet: no report
+    kit.run(shards[1].tick())  # its report is in the exchange; no verdict yet (shard 0 has not retried)
+    assert [r.index for r in exchange.reports(kit.world.epoch4, 1)] == [1]
+    assert exchange.verdict(kit.world.epoch4, 1) is None
+    shards[1].store.close()
+    shards[1] = shard_engine(kit, 1, DirExchange(kit.tmp / "exchange"))  # killed while closing
+    for _ in range(3):
+        for s in shards:
+            kit.run(s.tick())
+    model = tensors(whole.store.checkpoint_path(kit.world.epoch, 1))
+    for s in shards:
+        got = s.store.get_round(kit.world.epoch4, 1)
+        assert got is not None and got.state == "finalized"
+        assert [c.aggregated for c in s.store.contributions(kit.world.epoch4, 1)] == [True, True, True]
+        for name, t in tensors(s.store.checkpoint_path(kit.world.epoch4, 1)).items():
+            assert torch.equal(t, model[name]), name
+    result = kit.world.chain.client(0).round_result(kit.world.epoch4, 1)
+    assert result.finalized and bytes(result.checkpoint_sha256) == shards[1].store.get_round(kit.world.epoch4, 1).checkpoint_sha256
+
+
+def test_reports_and_verdicts_survive_their_json_form(kit: Kit, tmp_path: Path) -> None:
+    exchange = LocalExchange()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    for h, u in zip(kit.hosts, [update(70 + i) for i in range(3)], strict=True):
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    for _ in range(2):
+        for s in shards:
+            kit.run(s.tick())
+    reports = exchange.reports(kit.world.epoch4, 1)
+    assert len(reports) == 2 and all(len(r.hosts) == 3 for r in reports)
+    assert [FragmentReport.from_json(r.to_json()) for r in reports] == reports
+    verdict = exchange.verdict(kit.world.epoch4, 1)
+    assert verdict is not None and Verdict.from_json(verdict.to_json()) == verdict
+    on_disk = DirExchange(tmp_path / "x")
+    on_disk.put_verdict(verdict)
+    on_disk.put_verdict(dataclasses.replace(verdict, total_reward=1))  # the first verdict stands
+    assert on_disk.verdict(kit.world.epoch4, 1) == verdict
+    on_disk.put_hash(kit.world.epoch4, 1, 1, b"\x07" * 32)
+    assert on_disk.hashes(kit.world.epoch4, 1) == {1: b"\x07" * 32} and on_disk.verdict(9, 9) is None
