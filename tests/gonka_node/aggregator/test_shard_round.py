@@ -32,7 +32,10 @@ from gonka_node.aggregator.shard import (
 from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.store import Store
 from gonka_node.core.config import AggregationSettings
+from gonka_node.core.recipe import Recipe, RecipeError
+from gonka_node.epoch_setup import shard_context
 from training.checkpoint import load_checkpoint
+from training.model import ModelConfig
 
 ORDER = (AGGREGATOR, SECOND_AGGREGATOR)  # epoch4's aggregators on chain: shard 0, shard 1
 
@@ -219,3 +222,22 @@ def test_reports_and_verdicts_survive_their_json_form(kit: Kit, tmp_path: Path) 
     assert on_disk.verdict(kit.world.epoch4, 1) == verdict
     on_disk.put_hash(kit.world.epoch4, 1, 1, b"\x07" * 32)
     assert on_disk.hashes(kit.world.epoch4, 1) == {1: b"\x07" * 32} and on_disk.verdict(9, 9) is None
+
+
+def test_a_sharded_recipe_makes_each_aggregator_of_the_epoch_its_shard(kit: Kit) -> None:
+    recipe = Recipe(model=ModelConfig.preset("tiny"))
+    assert b"shards" not in recipe.canonical_json()  # unsharded epochs' model spec hashes are unchanged
+    sharded = dataclasses.replace(recipe, shards=2)
+    assert b'"shards":2' in sharded.canonical_json()
+    with pytest.raises(RecipeError, match="shards: must be a positive integer, got 0"):
+        dataclasses.replace(recipe, shards=0)
+    chain = kit.world.chain.client(0)
+    whole = kit.context(kit.world.epoch4)
+    assert shard_context(whole, recipe, chain.get_epoch(kit.world.epoch4), address(kit, AGGREGATOR), "mean") is whole
+    for i, a in enumerate(ORDER):
+        ctx = shard_context(whole, sharded, chain.get_epoch(kit.world.epoch4), address(kit, a), "mean")
+        assert ctx.shard is not None and ctx.shard.index == i and ctx.spec == [{"w": (2, 4)}, {"b": (3,)}][i]
+        assert ctx.model_factory is None and ctx.replay is None
+    with pytest.raises(ShardConfigError, match=f"epoch {kit.world.epoch2}: the recipe has 2 shards, but the epoch "
+                       "names 2 aggregators with quorum 1"):
+        shard_context(whole, sharded, chain.get_epoch(kit.world.epoch2), address(kit, AGGREGATOR), "mean")
