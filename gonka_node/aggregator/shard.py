@@ -32,9 +32,9 @@ from gonka_node.aggregator.close import (
     gate,
     reward_tree,
 )
-from gonka_node.aggregator.fragments import Fragment, Spec, global_offsets, plan_fragments
 from gonka_node.aggregator.store import ContributionRow, RoundRow, SubmissionRow
 from gonka_node.core.config import AggregationSettings
+from gonka_node.core.fragments import Fragment, Spec, global_offsets, plan_fragments
 from training.durable import atomic_write
 
 if TYPE_CHECKING:

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, _read_outer, _save_durably, _sketch_path
-from gonka_node.aggregator.fragments import fragment_root
 from gonka_node.aggregator.shard import (
     FragmentReport,
     HostFragment,
@@ -32,6 +31,7 @@ from gonka_node.aggregator.shard import (
 )
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
+from gonka_node.core.fragments import fragment_root
 from training.diloco import OuterOptimizer, StreamingAverager
 from training.durable import atomic_write
 from training.hf_export import MODEL_CONFIG_KEY

@@ -7,7 +7,8 @@ import hashlib
 import pytest
 import torch
 
-from gonka_node.aggregator.fragments import (
+from gonka_node.aggregator.validate import Sketcher, count_sketch
+from gonka_node.core.fragments import (
     FragmentError,
     fragment_leaf,
     fragment_proof,
@@ -16,7 +17,6 @@ from gonka_node.aggregator.fragments import (
     plan_fragments,
     verify_fragment,
 )
-from gonka_node.aggregator.validate import Sketcher, count_sketch
 from training.checkpoint import canonical_sha256
 from training.model import Llama, ModelConfig
 

@@ -17,7 +17,6 @@ from nacl.signing import SigningKey
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.fragments import fragment_proof, fragment_root, verify_fragment
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import (
@@ -32,6 +31,7 @@ from gonka_node.aggregator.shard import (
 from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.store import Store
 from gonka_node.core.config import AggregationSettings
+from gonka_node.core.fragments import fragment_proof, fragment_root, verify_fragment
 from gonka_node.core.recipe import Recipe, RecipeError
 from gonka_node.epoch_setup import shard_context
 from training.checkpoint import load_checkpoint
