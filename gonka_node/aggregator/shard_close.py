@@ -10,11 +10,12 @@ its fragment's base, new parameters, aggregate and momentum.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, _read_outer, _save_durably, _sketch_path
@@ -32,6 +33,7 @@ from gonka_node.aggregator.shard import (
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
 from gonka_node.core.fragments import fragment_root
+from training.checkpoint import canonical_sha256
 from training.diloco import OuterOptimizer, StreamingAverager
 from training.durable import atomic_write
 from training.hf_export import MODEL_CONFIG_KEY
@@ -57,12 +59,37 @@ def load_fragment(
     """This shard's tensors of a global model: the epoch's initial checkpoint is whole (verified whole,
     then cut); a round's is this shard's fragment file, verified against the root through its leaves."""
     if path == initial:
-        whole = checkpoints.load(path, expected)
-        return {n: whole[n] for n in role.fragment.names}
+        return _fragment_of_whole(path, expected, role)
     hashes = read_fragment_hashes(path)
     if len(hashes) != role.count or fragment_root(hashes) != expected:
         raise ShardMismatch(f"{path}: its recorded fragment hashes do not make the root {expected.hex()}")
     return checkpoints.load(path, hashes[role.index])
+
+
+class _FileTensors(Mapping[str, Tensor]):
+    """A safetensors file's tensors read one at a time: hashing the whole initial model holds one tensor."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle, self._names = handle, list(handle.keys())
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _fragment_of_whole(path: Path, expected: bytes, role: ShardRole) -> dict[str, Tensor]:
+    """This shard's tensors of a whole checkpoint, the whole verified against `expected` without ever
+    holding more than one tensor of the other fragments (what keeps a shard's memory to its fragment)."""
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = _FileTensors(handle)
+        if bytes.fromhex(canonical_sha256(tensors)) != expected:
+            raise ShardMismatch(f"{path} is not the checkpoint {expected.hex()}")
+        return {n: tensors[n] for n in role.fragment.names}
 
 
 def close_fragment(
@@ -71,7 +98,8 @@ def close_fragment(
     ctx, row = i.ctx, i.round_row
     epoch, round_ = row.epoch, row.round
     base = load_fragment(i.checkpoints, i.base_path, row.base_sha256, role, ctx.initial_checkpoint)
-    exchange.put_report(report(i, role, base, skip))
+    if not _reported(exchange, i, role, skip):  # a close waiting on the others does not decode again
+        exchange.put_report(report(i, role, base, skip))
     verdict = exchange.verdict(epoch, round_)
     if verdict is None and role.index == 0:
         verifier = VerifierInputs(ctx, role, row, i.seed, i.slots, i.aggregation, max_update_norm)
@@ -82,8 +110,10 @@ def close_fragment(
     _check_verdict(verdict, i.submissions, role)
     if not verdict.aggregated:
         return RoundOutcome(row.base_sha256, bytes(32), 0, verdict.rule, list(verdict.rows), 0)
-    own = step_fragment(i, role, verdict, base)
-    exchange.put_hash(epoch, round_, role.index, own)
+    own = _stepped(exchange, i, role)
+    if own is None:
+        own = step_fragment(i, role, verdict, base)
+        exchange.put_hash(epoch, round_, role.index, own)
     hashes = exchange.hashes(epoch, round_)
     if len(hashes) < role.count:
         raise ShardPending(f"round {epoch}/{round_}: {len(hashes)} of {role.count} fragment hashes in")
@@ -96,6 +126,22 @@ def close_fragment(
         fragment_root(leaves), verdict.rewards_root, verdict.total_reward, verdict.rule, list(verdict.rows),
         len(verdict.aggregated),
     )
+
+
+def _reported(exchange: ShardExchange, i: ClosingInputs, role: ShardRole, skip: bool) -> bool:
+    """Whether the exchange already holds this shard's report of exactly these submissions."""
+    row = i.round_row
+    mine = next((r for r in exchange.reports(row.epoch, row.round) if r.index == role.index), None)
+    return mine is not None and mine.skip == skip and [h.host for h in mine.hosts] == [s.host for s in i.submissions]
+
+
+def _stepped(exchange: ShardExchange, i: ClosingInputs, role: ShardRole) -> bytes | None:
+    """This shard's fragment hash if an earlier attempt of this close stepped and wrote everything (the
+    hash is sent only after the last file is durable), else None."""
+    row = i.round_row
+    own = exchange.hashes(row.epoch, row.round).get(role.index)
+    done = i.store.outer_state_path(row.epoch, row.round).exists() and i.store.checkpoint_path(row.epoch, row.round).exists()
+    return own if done else None
 
 
 def _check_verdict(verdict: Verdict, submissions: list[SubmissionRow], role: ShardRole) -> None:

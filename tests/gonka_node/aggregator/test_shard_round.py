@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from agg_harness import AGGREGATOR
-from engine_kit import SECOND_AGGREGATOR, Kit, payload, update
+from engine_kit import SECOND_AGGREGATOR, SPEC, Kit, initial_tensors, payload, update
 from nacl.signing import SigningKey
 
 from gonka_node.aggregator.chain_view import ChainView
@@ -25,10 +26,11 @@ from gonka_node.aggregator.shard import (
     LocalExchange,
     ShardConfigError,
     ShardExchange,
+    ShardMismatch,
     Verdict,
     shard_role,
 )
-from gonka_node.aggregator.shard_close import read_fragment_hashes
+from gonka_node.aggregator.shard_close import load_fragment, read_fragment_hashes
 from gonka_node.aggregator.store import Store
 from gonka_node.core.config import AggregationSettings
 from gonka_node.core.fragments import fragment_proof, fragment_root, verify_fragment
@@ -241,3 +243,20 @@ def test_a_sharded_recipe_makes_each_aggregator_of_the_epoch_its_shard(kit: Kit)
     with pytest.raises(ShardConfigError, match=f"epoch {kit.world.epoch2}: the recipe has 2 shards, but the epoch "
                        "names 2 aggregators with quorum 1"):
         shard_context(whole, sharded, chain.get_epoch(kit.world.epoch2), address(kit, AGGREGATOR), "mean")
+
+
+def test_a_shard_reads_its_fragment_of_a_verified_whole_model_only(kit: Kit) -> None:
+    role = shard_role(SPEC, [b"\x01" * 20, b"\x02" * 20], b"\x02" * 20, "mean")
+    assert role is not None
+    got = load_fragment(TrainingCheckpoints(), kit.init_path, kit.world.init_sha, role, kit.init_path)
+    assert set(got) == {"b"} and torch.equal(got["b"], initial_tensors()["b"])
+    with pytest.raises(ShardMismatch, match=f"is not the checkpoint {'05' * 32}"):
+        load_fragment(TrainingCheckpoints(), kit.init_path, b"\x05" * 32, role, kit.init_path)
+    # A round's fragment file is checked through the recorded leaves against the root it must make.
+    path = kit.tmp / "r1.safetensors"
+    own = TrainingCheckpoints().save(path, {"b": torch.ones(3)}, {})
+    (kit.tmp / "r1.fragments.json").write_text(json.dumps([("07" * 32), own.hex()]))
+    root = fragment_root([b"\x07" * 32, own])
+    assert torch.equal(load_fragment(TrainingCheckpoints(), path, root, role, kit.init_path)["b"], torch.ones(3))
+    with pytest.raises(ShardMismatch, match="its recorded fragment hashes do not make the root"):
+        load_fragment(TrainingCheckpoints(), path, own, role, kit.init_path)
