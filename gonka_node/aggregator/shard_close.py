@@ -9,10 +9,12 @@ its fragment's base, new parameters, aggregate and momentum.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterator, Mapping
+import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -33,7 +35,7 @@ from gonka_node.aggregator.shard import (
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
 from gonka_node.core.fragments import fragment_root
-from training.checkpoint import canonical_sha256
+from training.checkpoint import HASH_FORMAT
 from training.diloco import OuterOptimizer, StreamingAverager
 from training.durable import atomic_write
 from training.hf_export import MODEL_CONFIG_KEY
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from gonka_node.aggregator.rounds import CheckpointIO
 
 PUBLIC_ROUNDS = 16  # as close.PUBLIC_ROUNDS: earlier aggregates in the mixture check's span
+HASH_CHUNK = 8 << 20  # bytes read at a time when hashing a checkpoint file
 
 
 def fragments_path(checkpoint: Path) -> Path:
@@ -66,30 +69,35 @@ def load_fragment(
     return checkpoints.load(path, hashes[role.index])
 
 
-class _FileTensors(Mapping[str, Tensor]):
-    """A safetensors file's tensors read one at a time: hashing the whole initial model holds one tensor."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle, self._names = handle, list(handle.keys())
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self._handle.get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
+def file_sha256(path: Path) -> bytes:
+    """`training.checkpoint.canonical_sha256` of a safetensors file, read in chunks through the page
+    cache: no tensor is materialised and no page is mapped into this process (a mapped file's pages
+    count in its resident memory), so hashing the whole initial model costs a shard nothing."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        digest = hashlib.sha256(HASH_FORMAT + struct.pack("<Q", len(entries)))
+        for name in sorted(entries, key=lambda n: n.encode("utf-8")):
+            entry, raw_name = entries[name], name.encode("utf-8")
+            dtype, shape = entry["dtype"].encode("ascii"), entry["shape"]
+            digest.update(struct.pack("<I", len(raw_name)) + raw_name + struct.pack("<I", len(dtype)) + dtype)
+            digest.update(struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape))
+            begin, end = entry["data_offsets"]
+            digest.update(struct.pack("<Q", end - begin))
+            f.seek(8 + size + begin)
+            for at in range(begin, end, HASH_CHUNK):
+                digest.update(f.read(min(HASH_CHUNK, end - at)))
+    return digest.digest()
 
 
 def _fragment_of_whole(path: Path, expected: bytes, role: ShardRole) -> dict[str, Tensor]:
-    """This shard's tensors of a whole checkpoint, the whole verified against `expected` without ever
-    holding more than one tensor of the other fragments (what keeps a shard's memory to its fragment)."""
+    """This shard's tensors of a whole checkpoint, the whole verified against `expected` without
+    holding (or mapping) the other fragments: what keeps a shard's memory to its fragment."""
+    if file_sha256(path) != expected:
+        raise ShardMismatch(f"{path} is not the checkpoint {expected.hex()}")
     with safe_open(str(path), framework="pt") as handle:
-        tensors = _FileTensors(handle)
-        if bytes.fromhex(canonical_sha256(tensors)) != expected:
-            raise ShardMismatch(f"{path} is not the checkpoint {expected.hex()}")
-        return {n: tensors[n] for n in role.fragment.names}
+        return {n: handle.get_tensor(n) for n in role.fragment.names}
 
 
 def close_fragment(

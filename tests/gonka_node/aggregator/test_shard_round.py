@@ -30,7 +30,7 @@ from gonka_node.aggregator.shard import (
     Verdict,
     shard_role,
 )
-from gonka_node.aggregator.shard_close import load_fragment, read_fragment_hashes
+from gonka_node.aggregator.shard_close import file_sha256, load_fragment, read_fragment_hashes
 from gonka_node.aggregator.store import Store
 from gonka_node.core.config import AggregationSettings
 from gonka_node.core.fragments import fragment_proof, fragment_root, verify_fragment
@@ -246,6 +246,11 @@ def test_a_sharded_recipe_makes_each_aggregator_of_the_epoch_its_shard(kit: Kit)
 
 
 def test_a_shard_reads_its_fragment_of_a_verified_whole_model_only(kit: Kit) -> None:
+    mixed = {"z": torch.arange(6, dtype=torch.int32).reshape(2, 3), "é": torch.ones(2, dtype=torch.bfloat16),
+             "a": torch.randn(5, 1)}
+    TrainingCheckpoints().save(kit.tmp / "mixed.safetensors", mixed, {"k": "v"})
+    assert file_sha256(kit.tmp / "mixed.safetensors") == TrainingCheckpoints().sha256(mixed)
+    assert file_sha256(kit.init_path) == kit.world.init_sha
     role = shard_role(SPEC, [b"\x01" * 20, b"\x02" * 20], b"\x02" * 20, "mean")
     assert role is not None
     got = load_fragment(TrainingCheckpoints(), kit.init_path, kit.world.init_sha, role, kit.init_path)
