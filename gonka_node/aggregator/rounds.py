@@ -47,7 +47,7 @@ from gonka_node.aggregator.metrics import RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
-from gonka_node.aggregator.shard import ShardExchange, ShardRole
+from gonka_node.aggregator.shard import ShardExchange, ShardPending, ShardRole
 from gonka_node.aggregator.shard_close import close_fragment
 from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
 from gonka_node.aggregator.validate import Codec, mapped, scan_update
@@ -481,17 +481,21 @@ class RoundEngine:
         self._closing_since = self._closing_since or time.monotonic()
         try:
             row = await asyncio.to_thread(self._close_sync, r, skip)
+        except ShardPending as exc:  # a shard waiting on the others is not failing: retried quietly
+            self._close_failed = skip
+            log.debug("round %d/%d: %s", r.epoch, r.round, exc)
+            return
         except Exception as exc:  # the chain (or a disk) failed: keep refusing, retry at the next tick
             self._note_close_failure(r, skip, exc)
             return
         self._report_closed(row)
-        if self._close_failed is not None:
+        if self._close_failures[0]:
             log.warning(
                 "round %d/%d: closing completed after %d failed attempts over %.1f s (state %s)",
                 r.epoch, r.round, self._close_failures[0], (self.clock() - self._close_failures[1]) / 1000,
                 row.state,
             )
-            self._close_failed, self._close_failures = None, (0, 0)
+        self._close_failed, self._close_failures = None, (0, 0)
         # `current` stays the closed round (closing: late uploads hear LATE) until the next round's seed
         # commitment is on chain and it takes submissions.
         self.round_closed.set()
