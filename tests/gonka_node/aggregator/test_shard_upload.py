@@ -12,6 +12,7 @@ import pytest
 import torch
 from agg_harness import AGGREGATOR, Harness, ServerThread
 from nacl.signing import SigningKey
+from safetensors.torch import load as safetensors_load
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
@@ -19,9 +20,11 @@ from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import DirExchange, shard_role
 from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.store import Store
-from gonka_node.core.client import AggregatorClient
-from gonka_node.core.fragments import fragment_root, plan_fragments
-from gonka_node.host.shards import SplitError, split_payload, submit_fragments
+from gonka_node.core.client import AggregatorClient, SubmitRejected
+from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
+from gonka_node.host.shards import ShardedAggregator, SplitError, split_payload, submit_fragments
+from proto.gonka.v1 import aggregator_pb2 as pb
+from training.checkpoint import load_checkpoint
 from training.codecs import get_codec
 
 SECOND = 8
@@ -89,8 +92,29 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
         rows = {c.host: c for c in s.engine.store.contributions(h.epoch, 1)}
         assert [a for a, c in rows.items() if c.aggregated] == sorted(x.address for x in h.hosts[:2])
         assert rows[h.hosts[2].address].reasons == ["fragment refused or missing at shard(s) [1]: not aggregated"]
-    for c in clients:
-        c.close()
+    # The host's view of the shards: one aggregator whose files are every fragment merged.
+    both = ShardedAggregator(clients, lambda r: h.codec, h.spec)
+    merged = both.checkpoint(h.epoch, 1)
+    model = safetensors_load(merged.data)
+    (h.tmp / "merged.safetensors").write_bytes(merged.data)
+    pulled = load_checkpoint(h.tmp / "merged.safetensors")  # no fragment's own recorded hash left in it
+    assert pulled.metadata["round"] == "1" and "fragment" not in pulled.metadata
+    assert set(model) == set(h.spec) and model_root(model, 2) == bytes(result.checkpoint_sha256)
+    assert set(safetensors_load(both.round_update(h.epoch, 1).data)) == set(h.spec)
+    info = both.open_round()
+    assert info.round == 2
+    host = h.hosts[0]
+    both.submit(info, host.address, h.payload(updates[0]), host.key, 64)
+    both.submit(info, host.address, h.payload(updates[0]), host.key, 64)  # every shard: DUPLICATE
+    for s in servers:
+        assert s.engine.store.submitted_hosts(h.epoch, 2) == {host.address}
+    closed = pb.RoundInfo()
+    closed.CopyFrom(info)
+    closed.round = 1
+    with pytest.raises(SubmitRejected) as refused:
+        both.submit(closed, h.hosts[1].address, h.payload(updates[1]), h.hosts[1].key, 64)
+    assert refused.value.reason == "LATE" and refused.value.message.startswith("shard 0: round 1 is not open there")
+    both.close()
 
 
 async def _expire(engine: RoundEngine) -> None:
