@@ -14,15 +14,19 @@ import json
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
+import torch
 from nacl.signing import SigningKey
 from safetensors.torch import load, save
 from torch import Tensor
 
 from gonka_node.core.client import AggregatorClient, Downloaded, SubmitRejected
+from gonka_node.core.discovery import MissingPinError
 from gonka_node.core.fragments import plan_fragments
+from gonka_node.core.link import Link
+from gonka_node.core.recipe import Recipe
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import common_pb2 as common
 from training.codecs import HEADER_SIZE, Codec
@@ -93,6 +97,25 @@ def _submit_one(
     except SubmitRejected as exc:
         return None if exc.reason == "DUPLICATE" else exc
     return None
+
+
+def sharded_aggregator(chain: Any, epoch: int, recipe: Recipe, link: Link | None = None) -> ShardedAggregator:
+    """The epoch's shards as announced on chain (the spec's order is the shards' order), each pinned to
+    its announced certificate; refused with one line until every shard has announced."""
+    from training.codecs import get_codec, round_seed
+    from training.model import Llama
+
+    announced = chain.aggregator_endpoints(epoch)
+    if len(announced) != recipe.shards:
+        raise MissingPinError(
+            f"epoch {epoch} has {recipe.shards} aggregator shards and {len(announced)} announced their endpoint "
+            "on chain: a host uploads to every shard, so it waits until all have announced"
+        )
+    with torch.device("meta"):  # shapes only
+        spec = {n: tuple(p.shape) for n, p in Llama(recipe.model).named_parameters()}
+    codec = get_codec(recipe.codec)
+    clients = [AggregatorClient(a.endpoint, a.tls_cert_pem, link=link) for a in announced]
+    return ShardedAggregator(clients, lambda r: codec.for_round(round_seed(recipe.epoch_seed, r)), spec)
 
 
 class ShardedAggregator:

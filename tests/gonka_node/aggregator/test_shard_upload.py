@@ -21,8 +21,16 @@ from gonka_node.aggregator.shard import DirExchange, shard_role
 from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.store import Store
 from gonka_node.core.client import AggregatorClient, SubmitRejected
+from gonka_node.core.discovery import MissingPinError
 from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
-from gonka_node.host.shards import ShardedAggregator, SplitError, split_payload, submit_fragments
+from gonka_node.core.recipe import Recipe
+from gonka_node.host.shards import (
+    ShardedAggregator,
+    SplitError,
+    sharded_aggregator,
+    split_payload,
+    submit_fragments,
+)
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import load_checkpoint
 from training.codecs import get_codec
@@ -129,3 +137,16 @@ def test_one_client_per_fragment() -> None:
     no_clients: list[AggregatorClient] = []
     with pytest.raises(SplitError, match="2 fragments for 0 shards"):
         submit_fragments(no_clients, 1, [b"", b""], bytes(20), SigningKey(bytes(32)), 0)
+
+
+def test_a_host_dials_every_shard_the_chain_announced_in_the_epochs_order(harness: Harness) -> None:
+    h = harness
+    h.schedule(n_hosts=1, aggregators=ORDER, quorum=2)
+    recipe = dataclasses.replace(Recipe(model=h.cfg), shards=2)
+    with pytest.raises(MissingPinError, match=f"epoch {h.epoch} has 2 aggregator shards and 0 announced"):
+        sharded_aggregator(h.world.client(0), h.epoch, recipe)
+    for port, account in ((7002, SECOND), (7001, AGGREGATOR)):  # announced out of order
+        h.world.client(account).announce_aggregator(h.epoch, f"127.0.0.1:{port}", h.identity.cert_pem)
+    both = sharded_aggregator(h.world.client(0), h.epoch, recipe)
+    assert both.target == "127.0.0.1:7001, 127.0.0.1:7002" and both.spec == h.spec
+    both.close()
