@@ -44,12 +44,20 @@ from chain.server import ChainServer
 from chain.types import Deployment
 from chain.units import NGONKA_PER_GNK as GNK
 from gonka_node.core.client import AggregatorClient
-from gonka_node.core.config import TLS_DIR
+from gonka_node.core.config import (
+    TLS_DIR,
+    AggregationSettings,
+    AggregatorConfig,
+    ChainSettings,
+    RoundSettings,
+)
+from gonka_node.core.config_file import write_config
 from gonka_node.core.keys import init_keys
 from gonka_node.core.recipe import Recipe, recipe_default
 from gonka_node.core.storage import StoreError, open_store
 from gonka_node.core.tls import CERT_FILE, load_certificate
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
+from gonka_node.host.config import HostConfig, load_host_config
 from gonka_node.host.store import HostStore
 from training.checkpoint import canonical_sha256
 from training.dataset import DatasetError, read_manifest
@@ -260,24 +268,33 @@ def aggregator_client(out: Path, target: str, timeout_s: float = 120.0) -> Aggre
     return AggregatorClient(target, load_certificate(aggregator_cert(out)), timeout_s)
 
 
-def _write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int) -> None:
-    out = opts.out
-    (out / "aggregator.toml").write_text(
-        "[aggregator]\n"
-        f'listen = "127.0.0.1:0"\ndata_dir = "{AGGREGATOR_DIR}"\nnode_key = "keys/aggregator/node_key.json"\n'
-        'evm_key = "keys/aggregator/evm_key.json"\nrecipe = "recipe.json"\ndeployment = "deployment.json"\n'
-        f"epoch = {epoch}\n\n[chain]\nbackend = \"rpc\"\nrpc_url = \"{rpc_url}\"\n\n"
-        f"[round]\nquorum = {opts.hosts}\n\n"
-        f"[aggregation]\nheldout_windows = {opts.heldout_windows}\n"
+def aggregator_config(opts: DevnetOptions, rpc_url: str, epoch: int) -> AggregatorConfig:
+    """The devnet aggregator's config: listening on a free loopback port, a quorum of every host."""
+    out, keys = opts.out, opts.out / "keys" / "aggregator"
+    return AggregatorConfig(
+        data_dir=out / AGGREGATOR_DIR, listen="127.0.0.1:0", node_key=keys / "node_key.json",
+        evm_key=keys / "evm_key.json", recipe=out / "recipe.json", deployment=out / "deployment.json", epoch=epoch,
+        chain=ChainSettings(backend="rpc", rpc_url=rpc_url), round=RoundSettings(quorum=opts.hosts),
+        aggregation=AggregationSettings(heldout_windows=opts.heldout_windows),
     )
+
+
+def host_config(opts: DevnetOptions, i: int, rpc_url: str, epoch: int, stake_gnk: int) -> HostConfig:
+    """Host i's config, pinning the aggregator's certificate; its endpoint is set when the aggregator
+    listens (`start_host`)."""
+    out = opts.out
+    return HostConfig(
+        key_dir=out / "keys" / f"host{i}", state_dir=out / f"host{i}", aggregator="", recipe=out / "recipe.json",
+        deployment=out / "deployment.json", rpc_url=rpc_url, epoch=epoch, stake=stake_gnk * GNK,
+        cache_dir=out / "cache", aggregator_tls_cert=aggregator_cert(out),
+    )
+
+
+def write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int) -> None:
+    """out/aggregator.toml and out/host<i>.toml, rendered from the typed configs."""
+    write_config(aggregator_config(opts, rpc_url, epoch), opts.out / "aggregator.toml")
     for i in range(1, opts.hosts + 1):
-        (out / f"host{i}.toml").write_text(
-            "[host]\n"
-            f'key_dir = "keys/host{i}"\nstate_dir = "host{i}"\naggregator = "AGGREGATOR"\n'
-            f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {epoch}\nstake_gnk = {stake_gnk}\n'
-            f'cache_dir = "cache"\n\n[aggregator]\ntls_cert = "{aggregator_cert(out).relative_to(out)}"\n\n'
-            f'[chain]\nrpc_url = "{rpc_url}"\n'
-        )
+        write_config(host_config(opts, i, rpc_url, epoch, stake_gnk), opts.out / f"host{i}.toml")
 
 
 @dataclass
@@ -358,7 +375,7 @@ def deploy_and_schedule(
     for name, index in [("aggregator", AGGREGATOR)] + [(f"host{i}", i) for i in range(1, opts.hosts + 1)]:
         init_keys(out / "keys" / name, None, insecure_plaintext=True, force=True,
                   evm_private_key=bytes(accounts[index].key))
-    _write_configs(opts, chain.url, epoch, -(-terms.min_stake // GNK))
+    write_configs(opts, chain.url, epoch, -(-terms.min_stake // GNK))
     return ScheduledEpoch(deployment, recipe, epoch, init_sha)
 
 
@@ -380,10 +397,16 @@ def start_aggregator(out: Path, children: Children, timeout_s: float = 120.0) ->
     return f"127.0.0.1:{port_file.read_text().strip()}"
 
 
+def point_host_at(out: Path, i: int, target: str) -> Path:
+    """Set host i's aggregator endpoint (HOST:PORT) in its config file, which it returns."""
+    cfg = out / f"host{i}.toml"
+    write_config(dataclasses.replace(load_host_config(cfg, environ={}), aggregator=target), cfg)
+    return cfg
+
+
 def start_host(out: Path, i: int, target: str, children: Children, extra: tuple[str, ...] = ()) -> None:
     """Start (or restart: same config, same state dir) host i as `gonka-node run`; log appended."""
-    cfg = out / f"host{i}.toml"
-    cfg.write_text(cfg.read_text().replace("AGGREGATOR", target))
+    cfg = point_host_at(out, i, target)
     children.start(f"host{i}", ["run", "--config", str(cfg), "--quiet", *extra], out / "logs" / f"host{i}.log",
                    child_env())
 

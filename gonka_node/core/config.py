@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gonka_node.core.config_file import TomlTables, TomlValue, toml_path
+
 # name -> what it overrides. Precedence: CLI flag > environment > TOML file > default.
 KNOWN_ENV: dict[str, str] = {
     "GONKA_HOME": "base folder for relative data paths (default: the config file's folder)",
@@ -173,6 +175,29 @@ class AggregatorConfig:
     def tls_dir(self) -> Path:
         """The aggregator's TLS identity (cert.pem, key.pem; gonka_node/core/tls.py), made at its first start."""
         return self.data_dir / TLS_DIR
+
+    def toml_tables(self, base: Path) -> TomlTables:
+        """What `load_aggregator_config` reads this config from, in a file in folder `base`
+        (gonka_node/core/config_file.py renders it); settings at their defaults are left out."""
+        paths = {"node_key": self.node_key, "evm_key": self.evm_key, "recipe": self.recipe,
+                 "deployment": self.deployment, "initial_checkpoint": self.initial_checkpoint}
+        aggregator: dict[str, TomlValue] = {
+            "listen": self.listen, "public_endpoint": self.public_endpoint, "data_dir": toml_path(self.data_dir, base),
+            **{k: toml_path(p, base) for k, p in paths.items() if p is not None},
+            "epoch": self.epoch, "scoring": self.scoring, "metrics_port": self.metrics_port, "log_level": self.log_level,
+        }
+        aggregation = _changed(self.aggregation, skip="per_epoch")
+        if self.aggregation.per_epoch:
+            aggregation["per_epoch"] = {str(e): rule for e, rule in sorted(self.aggregation.per_epoch.items())}
+        return {"aggregator": aggregator, "chain": _changed(self.chain), "round": _changed(self.round),
+                "aggregation": aggregation}
+
+
+def _changed(settings: Any, skip: str = "") -> dict[str, TomlValue]:
+    """The fields of a settings dataclass that differ from their defaults (what a file must say)."""
+    default = type(settings)()
+    return {f.name: getattr(settings, f.name) for f in fields(settings)
+            if f.name != skip and getattr(settings, f.name) != getattr(default, f.name)}
 
 
 def read_toml(path: Path) -> dict[str, Any]:
