@@ -266,7 +266,8 @@ def test_pull_refuses_a_model_config_the_hash_does_not_cover(world: World, serve
 def test_pulled_metadata_nothing_vouches_for_is_stripped(world: World, tmp_path):
     """Without a recipe on chain or --recipe, a file's model config is an unverified claim: the pull
     removes it (the tensors, and so the hash, are untouched)."""
-    from gonka_node.cli.checkpoint import ChainCheckpoint, _settle_metadata
+    from gonka_node.cli.checkpoint_chain import ChainCheckpoint
+    from gonka_node.cli.checkpoint_pull import _settle_metadata
     from training.checkpoint import load_checkpoint
 
     path = tmp_path / "x.safetensors"

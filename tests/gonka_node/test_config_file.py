@@ -18,7 +18,8 @@ from gonka_node.core.config import (
     load_aggregator_config,
 )
 from gonka_node.core.config_file import render_config, render_tables, write_config
-from gonka_node.devnet import DevnetOptions, aggregator_cert, point_host_at, write_configs
+from gonka_node.devnet import DevnetOptions, write_configs
+from gonka_node.devnet_procs import aggregator_cert, point_host_at
 from gonka_node.host.config import HostConfig, load_host_config, stake_gnk
 
 # Quotes, backslashes, a TOML comment sign, a newline, a control character, non-ASCII, an emoji.

@@ -42,7 +42,7 @@ from gonka_node.core.config_file import write_config
 from gonka_node.core.keys import NodeKeys, init_keys, load_keys
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.tls import load_certificate
-from gonka_node.devnet import aggregator_cert
+from gonka_node.devnet_procs import aggregator_cert
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.config import HostConfig
 from proto.gonka.v1 import aggregator_pb2 as pb
