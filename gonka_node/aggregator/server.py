@@ -22,6 +22,7 @@ from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.config import RoundSettings
 from gonka_node.core.envelope import EnvelopeError, Submission
+from gonka_node.core.storage import StoreError
 from gonka_node.core.tls import TlsIdentity, server_credentials
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
@@ -245,6 +246,24 @@ class AggregatorService(pb_grpc.AggregatorServicer):
     ) -> AsyncIterator[common.FileChunk]:
         async for chunk in checkpoint_stream(self.engine, request.epoch, request.round, context):
             yield chunk
+
+    async def LocateRound(self, request: pb.RoundRef, context: grpc.aio.ServicerContext) -> pb.RoundLocation:
+        row = await self._done_round(request.epoch, request.round, context)
+        out = pb.RoundLocation(epoch=row.epoch, round=row.round)
+        publisher = self.engine.publisher
+        if publisher is None or row.state != "finalized":
+            return out
+        try:
+            found = await asyncio.to_thread(publisher.locate, row.epoch, row.round, self.engine.clock())
+        except StoreError as exc:  # cannot sign URLs (no credentials): clients stream over gRPC instead
+            log.warning("round %d/%d: no download URLs handed out: %s", row.epoch, row.round, exc)
+            return out
+        for kind, where in found.items():
+            getattr(out, kind).CopyFrom(pb.StoredObject(
+                url=where.url, key=where.key, length=where.length, file_sha256=where.file_sha256,
+                expires_unix_ms=where.expires_ms,
+            ))
+        return out
 
     async def _done_round(self, epoch: int, round_: int, context: grpc.aio.ServicerContext) -> RoundRow:
         row = self.engine.store.get_round(epoch, round_)

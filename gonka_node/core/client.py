@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,12 +24,14 @@ import grpc
 from nacl.signing import SigningKey
 
 from gonka_node.core.link import Link, TokenBucket
+from gonka_node.core.storage import StoreError, download_url
 from gonka_node.core.tls import check_peer, pinned_channel
 from gonka_node.core.wire import header_for, verify_receipt
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import common_pb2 as common
 
+log = logging.getLogger(__name__)
 MESSAGE_LIMIT = 4 << 20
 PEER_CHECK_S = 10.0  # at most this long to look at the certificate a failing server presents
 T = TypeVar("T")
@@ -140,12 +144,50 @@ class AggregatorClient:
         return self._call(lambda: self.stub.GetRewardProof(request, timeout=self.timeout_s))
 
     def round_update(self, epoch: int, round_: int) -> Downloaded:
+        """The round's broadcast update: from the aggregator's object store when it names a URL for it,
+        else (or when that download fails or is not what was announced) streamed from the aggregator."""
         ref = pb.RoundRef(epoch=epoch, round=round_)
+        stored = self._from_store(ref, "update")
+        if stored is not None:
+            return stored
         return self._call(lambda: download(self.stub.GetRoundUpdate(ref, timeout=self.timeout_s), self._down()))
 
     def checkpoint(self, epoch: int, round_: int) -> Downloaded:
+        """The round's checkpoint, from the store first as `round_update`. Not verified here: the caller
+        checks it against the chain's hash before using it (host/follow.py)."""
         ref = pb.RoundRef(epoch=epoch, round=round_)
+        stored = self._from_store(ref, "checkpoint") if round_ > 0 else None
+        if stored is not None:
+            return stored
         return self._call(lambda: download(self.stub.GetCheckpoint(ref, timeout=self.timeout_s), self._down()))
+
+    def locate(self, epoch: int, round_: int) -> pb.RoundLocation | None:
+        """Where the round's files are published; None from an aggregator that does not say (older
+        versions: UNIMPLEMENTED) or for a round it has not finalized."""
+        ref = pb.RoundRef(epoch=epoch, round=round_)
+        try:
+            return self.stub.LocateRound(ref, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
+                return None
+            self._explain(exc)
+            raise
+
+    def _from_store(self, ref: pb.RoundRef, kind: str) -> Downloaded | None:
+        location = self.locate(ref.epoch, ref.round)
+        if location is None or not location.HasField(kind) or not getattr(location, kind).url:
+            return None
+        obj: pb.StoredObject = getattr(location, kind)
+        sink = io.BytesIO()
+        try:
+            download_url(obj.url, sink, obj.length, obj.file_sha256, self.timeout_s)
+        except StoreError as exc:  # expired, unreachable or changed in the store: the aggregator serves it
+            log.warning("round %d/%d: %s from the store failed (%s); streaming it from the aggregator",
+                        ref.epoch, ref.round, kind, exc)
+            return None
+        meta = common.FileMeta(length=obj.length, file_sha256=obj.file_sha256, epoch=ref.epoch, round=ref.round,
+                               format="safetensors")
+        return Downloaded(meta, sink.getvalue())
 
     def _down(self) -> TokenBucket | None:
         return self.link.down if self.link is not None else None

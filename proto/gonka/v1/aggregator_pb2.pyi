@@ -191,3 +191,29 @@ class RewardProof(_message.Message):
     proof: _containers.RepeatedScalarFieldContainer[bytes]
     rewards_root: bytes
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., host: _Optional[bytes] = ..., amount: _Optional[int] = ..., proof: _Optional[_Iterable[bytes]] = ..., rewards_root: _Optional[bytes] = ...) -> None: ...
+
+class StoredObject(_message.Message):
+    __slots__ = ("url", "key", "length", "file_sha256", "expires_unix_ms")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FILE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    key: str
+    length: int
+    file_sha256: bytes
+    expires_unix_ms: int
+    def __init__(self, url: _Optional[str] = ..., key: _Optional[str] = ..., length: _Optional[int] = ..., file_sha256: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class RoundLocation(_message.Message):
+    __slots__ = ("epoch", "round", "checkpoint", "update")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    checkpoint: StoredObject
+    update: StoredObject
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[StoredObject, _Mapping]] = ..., update: _Optional[_Union[StoredObject, _Mapping]] = ...) -> None: ...

@@ -65,6 +65,11 @@ class AggregatorStub(object):
                 request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
                 response_deserializer=proto_dot_gonka_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.LocateRound = channel.unary_unary(
+                '/gonka.v1.Aggregator/LocateRound',
+                request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
+                response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer(object):
@@ -113,6 +118,14 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocateRound(self, request, context):
+        """Where a finalized round's checkpoint and update can be downloaded from object storage (a presigned
+        or public URL each; empty: not in a store, use GetCheckpoint / GetRoundUpdate). NOT_FOUND: not finalized.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +158,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.GetCheckpoint,
                     request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.FromString,
                     response_serializer=proto_dot_gonka_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'LocateRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateRound,
+                    request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.FromString,
+                    response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +327,33 @@ class Aggregator(object):
             '/gonka.v1.Aggregator/GetCheckpoint',
             proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
             proto_dot_gonka_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gonka.v1.Aggregator/LocateRound',
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.FromString,
             options,
             channel_credentials,
             insecure,

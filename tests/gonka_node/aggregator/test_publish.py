@@ -1,19 +1,25 @@
 """Finalized rounds written through the object store (aggregator/publish.py) and pulled from it: the
-engine kit's real SQLite store, real EVM and real checkpoint files, and a real S3-speaking server on
-127.0.0.1 (moto, once per session: tests/conftest.py)."""
+engine kit's real SQLite store, real EVM and real checkpoint files, a real S3-speaking server on
+127.0.0.1 (moto, once per session: tests/conftest.py), and a real TLS gRPC server for the clients."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import grpc
 import pytest
+from agg_harness import ServerThread
 from engine_kit import Kit
 from test_engine_close import row, submit_all
 
 from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.cli import CliError
+from gonka_node.cli.checkpoint import ChainCheckpoint, pull_checkpoint
 from gonka_node.core.config import ConfigError, load_aggregator_config
 from gonka_node.core.storage import LocalStore, S3Store, open_store
+from gonka_node.core.tls import create_identity, pinned_channel
 from training.checkpoint import canonical_sha256, tensors_view
 
 CKPT, UPDATE = "checkpoints/{e}/000001.safetensors", "updates/{e}/000001.safetensors"
@@ -95,6 +101,84 @@ def test_a_public_url_names_each_key_without_expiry(kit: Kit, tmp_path: Path) ->
     assert (got.url, got.expires_ms, got.length) == (
         f"https://cdn.example/run/{CKPT.format(e=kit.world.epoch)}", 0, path.stat().st_size)
     assert (tmp_path / "public" / got.key).read_bytes() == path.read_bytes()
+
+
+@pytest.fixture
+def served(kit: Kit, bucket_store: S3Store) -> tuple[ServerThread, ChainCheckpoint]:
+    """Round 1 finalized and published to S3, then the aggregator restarted behind a TLS gRPC server."""
+    finalized_round(kit, bucket_store)
+    ep = kit.world.epoch
+    server = ServerThread(lambda: publishing_unstarted(kit, bucket_store), create_identity()).start()
+    d = kit.world.chain.deployment
+    sha = bytes(kit.world.chain.client(0).round_result(ep, 1).checkpoint_sha256)
+    try:
+        yield server, ChainCheckpoint(ep, 1, sha, d.chain_id, d.registry)
+    finally:
+        server.stop()
+
+
+def publishing_unstarted(kit: Kit, objects: S3Store) -> RoundEngine:
+    e = kit.engine(start=False)
+    e.publisher = RoundPublisher(e.store, objects, url_expiry_s=600)
+    return e
+
+
+def pull(server: ServerThread, want: ChainCheckpoint, out: Path) -> int:
+    with pinned_channel(server.target, server.identity.cert_pem) as channel:
+        size, _note = pull_checkpoint(channel, want, out, timeout_s=20, max_bytes=1 << 20)
+    return size
+
+
+def test_a_client_pulls_the_checkpoint_from_s3_and_verifies_it_against_the_chain(
+    served: tuple[ServerThread, ChainCheckpoint], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server, want = served
+    with server.client(20) as client:
+        location = client.locate(want.epoch, 1)
+    assert location is not None and location.checkpoint.url.startswith("http://127.0.0.1:")
+    assert "Signature=" in location.checkpoint.url and location.checkpoint.expires_unix_ms > 0
+    out = tmp_path / "pulled.safetensors"
+    size = pull(server, want, out)
+    assert "from the aggregator's object store" in capsys.readouterr().err
+    assert size == out.stat().st_size == location.checkpoint.length
+    assert bytes.fromhex(canonical_sha256(tensors_view(out.read_bytes()))) == want.sha256
+
+
+def test_a_tampered_store_object_is_refused_and_the_aggregator_streams_it(
+    served: tuple[ServerThread, ChainCheckpoint], bucket_store: S3Store, kit: Kit, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+) -> None:
+    server, want = served
+    key = CKPT.format(e=want.epoch)
+    bucket_store.put_bytes(key, kit.init_path.read_bytes())  # another real checkpoint, same kind of file
+    out = tmp_path / "pulled.safetensors"
+    pull(server, want, out)
+    assert "the object store's copy was refused" in capsys.readouterr().err
+    assert bytes.fromhex(canonical_sha256(tensors_view(out.read_bytes()))) == want.sha256
+    caplog.set_level(logging.WARNING, "gonka_node.core.client")
+    with server.client(20) as client:  # the host's follower downloads the same way
+        got = client.checkpoint(want.epoch, 1).data
+    assert bytes.fromhex(canonical_sha256(tensors_view(got))) == want.sha256
+    assert any("checkpoint from the store failed" in m for m in caplog.messages)
+
+
+def test_a_checkpoint_the_chain_does_not_record_leaves_nothing(
+    served: tuple[ServerThread, ChainCheckpoint], bucket_store: S3Store, tmp_path: Path
+) -> None:
+    server, want = served
+    out = tmp_path / "client" / "pulled.safetensors"
+    wrong = ChainCheckpoint(want.epoch, want.round, b"\x01" * 32, want.chain_id, want.registry)
+    with pytest.raises(CliError, match="fails verification against the chain"):
+        pull(server, wrong, out)
+    assert list(out.parent.iterdir()) == []  # the download was deleted, nothing at `out`
+
+
+def test_locate_of_a_round_not_finalized_is_none(served: tuple[ServerThread, ChainCheckpoint]) -> None:
+    server, want = served
+    with server.client(20) as client:
+        assert client.locate(want.epoch, 2) is None
+        with pytest.raises(grpc.RpcError):
+            client.checkpoint(want.epoch, 2)
 
 
 @pytest.mark.parametrize(("line", "message"), [
