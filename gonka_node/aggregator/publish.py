@@ -11,6 +11,10 @@ transaction, on the first attempt and on every resume: it writes each object unl
 holds one of the same length, so a restart re-writes what a crash left out, and nothing finalized on chain
 names an object the store lacks (the files it copies are durable before the intent is recorded).
 
+With `[store] direct_upload`, hosts PUT their payloads to `uploads/<epoch>/<round>/<host hex>.bin`
+through a presigned URL per host and round (`upload_slot`), and Submit names the object instead of
+streaming it; the server reads it back in chunks through the same ingest as a stream.
+
 A URL per object is handed out by `locate`: `public_url` + key when the store is served publicly (a CDN
 in front of an R2 or S3 bucket: cacheable, no signing per request), else a presigned GET valid for
 `url_expiry_s` for an S3 store, else none (a local store: clients stream over gRPC as before).
@@ -44,10 +48,12 @@ class RoundPublisher:
     """Writes a round's files from the aggregator's `Store` into `objects`, and says where they are."""
 
     def __init__(self, rounds: Store, objects: LocalStore | S3Store, public_url: str = "",
-                 url_expiry_s: int = 3600) -> None:
+                 url_expiry_s: int = 3600, direct_upload: bool = False) -> None:
         self.rounds, self.objects = rounds, objects
         self.public_url = public_url.rstrip("/")
         self.url_expiry_s = url_expiry_s
+        # Hosts PUT payloads into `objects` (an S3 store) through `upload_slot`; the config checks the kind.
+        self.direct_upload = direct_upload and isinstance(objects, S3Store)
         self._digests: dict[Path, bytes] = {}  # file sha256 per published file (they never change)
         self._lock = threading.Lock()
 
@@ -104,3 +110,17 @@ class RoundPublisher:
         with self._lock:
             self._digests[path] = h.digest()
         return h.digest()
+
+    # ---- direct uploads ------------------------------------------------------------------------------
+
+    @staticmethod
+    def upload_key(epoch: int, round_: int, host: bytes) -> str:
+        """Where a host's payload of a round goes (not under `payloads/`: the data directory's own)."""
+        return f"uploads/{epoch}/{round_}/{host.hex()}.bin"
+
+    def upload_slot(self, epoch: int, round_: int, host: bytes, now_ms: int) -> Located:
+        """A presigned PUT for the host's payload of the round (the header was authenticated already)."""
+        assert isinstance(self.objects, S3Store) and self.direct_upload
+        key = self.upload_key(epoch, round_, host)
+        url = self.objects.presigned_url(key, "PUT", self.url_expiry_s)
+        return Located(key, url, 0, b"", now_ms + self.url_expiry_s * 1000)

@@ -106,7 +106,8 @@ def _publisher(cfg: AggregatorConfig, engine: RoundEngine) -> RoundPublisher:
         raise CliError(f"[store] uri: {exc}") from None
     if cfg.store.uri:
         log.info("finalized checkpoints and updates are published to %s", objects.uri)
-    return RoundPublisher(engine.store, objects, cfg.store.public_url, cfg.store.url_expiry_s)
+    return RoundPublisher(engine.store, objects, cfg.store.public_url, cfg.store.url_expiry_s,
+                          cfg.store.direct_upload)
 
 
 def _metrics(port: int) -> PrometheusMetrics:

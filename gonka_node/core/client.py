@@ -24,7 +24,7 @@ import grpc
 from nacl.signing import SigningKey
 
 from gonka_node.core.link import Link, TokenBucket
-from gonka_node.core.storage import StoreError, download_url
+from gonka_node.core.storage import StoreError, download_url, upload_url
 from gonka_node.core.tls import check_peer, pinned_channel
 from gonka_node.core.wire import header_for, verify_receipt
 from proto.gonka.v1 import aggregator_pb2 as pb
@@ -127,13 +127,34 @@ class AggregatorClient:
         tokens_trained: int = 0,
     ) -> pb.Receipt:
         header = header_for(info, host, payload, tokens_trained, key)
-        up = self.link.up if self.link is not None else None
-        receipt = self.submit_raw(_requests(header, payload, info.limits.max_chunk_bytes or (1 << 20), up))
+        if info.direct_upload:
+            receipt = self.submit_raw(iter(self.put_payload(header, payload)))
+        else:
+            up = self.link.up if self.link is not None else None
+            receipt = self.submit_raw(_requests(header, payload, info.limits.max_chunk_bytes or (1 << 20), up))
         if not verify_receipt(receipt, info.aggregator_key):
             raise SubmitRejected(
                 grpc.StatusCode.UNAUTHENTICATED, "BAD_RECEIPT", "receipt signature does not verify", receipt
             )
         return receipt
+
+    def upload_slot(self, header: pb.SubmitHeader) -> pb.UploadSlot:
+        """A presigned PUT for this header's payload (RoundInfo.direct_upload); refusals as Submit's."""
+        try:
+            return self.stub.GetUploadSlot(header, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            self._explain(exc)
+            raise _rejected(exc) from exc
+
+    def put_payload(self, header: pb.SubmitHeader, payload: bytes) -> list[pb.SubmitRequest]:
+        """Upload the payload into the aggregator's store; returns the Submit stream that names it. A
+        store that refuses the PUT is `SubmitRejected` UNAVAILABLE (nothing was judged: retry)."""
+        slot = self.upload_slot(header)
+        try:
+            upload_url(slot.url, payload, self.timeout_s)
+        except StoreError as exc:
+            raise SubmitRejected(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"payload upload: {exc}", None) from exc
+        return [pb.SubmitRequest(header=header), pb.SubmitRequest(stored=pb.StoredPayload(key=slot.key))]
 
     def round_result(self, epoch: int, round_: int) -> pb.RoundResult:
         ref = pb.RoundRef(epoch=epoch, round=round_)

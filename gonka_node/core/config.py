@@ -156,12 +156,19 @@ class StoreSettings:
     uri: str = ""  # a directory or s3://bucket/prefix[?endpoint=URL]; "": the data directory (no copy)
     public_url: str = ""  # http(s) base under which the store's keys are served publicly; "": presign
     url_expiry_s: int = 3600  # how long a presigned GET handed to a host or client stays valid
+    direct_upload: bool = False  # hosts PUT payloads into the (S3) store; Submit then names the object
 
     def __post_init__(self) -> None:
         if not 1 <= self.url_expiry_s <= 604_800:  # S3's limit for a presigned URL: 7 days
             raise ConfigError(f"[store] url_expiry_s must be in [1, 604800], got {self.url_expiry_s}")
         if self.public_url and not self.public_url.startswith(("http://", "https://")):
             raise ConfigError(f"[store] public_url must start with http:// or https://, got {self.public_url!r}")
+        if self.direct_upload and not self.uri.startswith("s3://"):
+            raise ConfigError("[store] direct_upload needs an s3:// uri (hosts PUT to presigned URLs)")
+        if self.direct_upload and self.public_url:
+            # A publicly readable bucket would show a payload before its host's header claims it (copies).
+            raise ConfigError("[store] direct_upload and public_url exclude each other: uploads would be public "
+                              "before their headers arrive; publish through presigned URLs instead")
 
 
 @dataclass(frozen=True)

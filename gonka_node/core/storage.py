@@ -177,6 +177,7 @@ def _boto_error(exc: Exception, message: str) -> StoreError:
 
 
 PRESIGNED_OPERATIONS = {"GET": "get_object", "PUT": "put_object"}
+UPLOAD_CONTENT_TYPE = "application/octet-stream"
 
 
 class S3Store:
@@ -274,6 +275,8 @@ class S3Store:
 
         operation = PRESIGNED_OPERATIONS[method]
         params = {"Bucket": self.bucket, "Key": self._key(key)}
+        if method == "PUT":  # the signature covers the content type: `upload_url` sends this one
+            params["ContentType"] = UPLOAD_CONTENT_TYPE
         try:
             return str(self.client.generate_presigned_url(operation, Params=params, ExpiresIn=expires_s))
         except BotoCoreError as exc:  # no credentials to sign with
@@ -338,6 +341,24 @@ def download_url(url: str, sink: IO[bytes], length: int, sha256: bytes, timeout_
     return size
 
 
+def upload_url(url: str, data: bytes, timeout_s: float = 60.0) -> None:
+    """PUT `data` to a presigned `url` (http(s) only); a refusal or a broken connection is a StoreError."""
+    import urllib.error
+    import urllib.request
+
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise UrlRefused(f"upload address {url[:60]!r}: only http:// and https:// URLs are followed")
+    request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": UPLOAD_CONTENT_TYPE})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        kind = StoreUnavailable if exc.code >= 500 else StoreError
+        raise kind(f"{_where(url)}: PUT refused: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise StoreUnavailable(f"{_where(url)}: PUT failed: {getattr(exc, 'reason', exc)}") from None
+
+
 def _where(url: str) -> str:
     """A URL as messages show it: without its query (a presigned URL's signature stays out of logs)."""
     parts = urlsplit(url)
@@ -357,5 +378,5 @@ def copy_tree(src: LocalStore | S3Store, dst: LocalStore | S3Store, prefix: str 
 
 __all__ = [
     "BadKey", "LocalStore", "ObjectMismatch", "ObjectMissing", "ObjectStore", "S3Store", "StoreError",
-    "StoreUriError", "UrlRefused", "copy_tree", "download_url", "durable_write", "open_store",
+    "StoreUriError", "UrlRefused", "copy_tree", "download_url", "durable_write", "open_store", "upload_url",
 ]

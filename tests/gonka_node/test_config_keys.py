@@ -68,6 +68,7 @@ AGGREGATOR: dict[tuple[str, str], tuple[str, str, str]] = {
     ("store", "uri"): ('uri = "s3://bucket/run"', CLI_AGG, "uri"),
     ("store", "public_url"): ('public_url = "https://cdn.example/run"', CLI_AGG, "public_url"),
     ("store", "url_expiry_s"): ("url_expiry_s = 60", CLI_AGG, "url_expiry_s"),
+    ("store", "direct_upload"): ('uri = "s3://b/run"\ndirect_upload = true', CLI_AGG, "direct_upload"),
 }
 AGGREGATOR_BASE = {"aggregator": {"data_dir": 'data_dir = "state"'}, "chain": {"rpc_url": 'rpc_url = "http://127.0.0.1:8545"'}}
 

@@ -70,6 +70,11 @@ class AggregatorStub(object):
                 request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
                 response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.FromString,
                 _registered_method=True)
+        self.GetUploadSlot = channel.unary_unary(
+                '/gonka.v1.Aggregator/GetUploadSlot',
+                request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.SerializeToString,
+                response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer(object):
@@ -126,6 +131,15 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUploadSlot(self, request, context):
+        """A presigned PUT for this host's payload of the open round in the aggregator's object store, when
+        RoundInfo.direct_upload: the request is the signed header Submit will carry, checked the same way
+        (refusals as Submit's). Then PUT the payload and Submit the header followed by `stored`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +177,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.LocateRound,
                     request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.FromString,
                     response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.SerializeToString,
+            ),
+            'GetUploadSlot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUploadSlot,
+                    request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.FromString,
+                    response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +373,33 @@ class Aggregator(object):
             '/gonka.v1.Aggregator/LocateRound',
             proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
             proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUploadSlot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gonka.v1.Aggregator/GetUploadSlot',
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.SerializeToString,
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.FromString,
             options,
             channel_credentials,
             insecure,
