@@ -1,8 +1,14 @@
 """A small typed client of the Aggregator service, for hosts, tests and the benchmark.
 
 Submitting: `submit(round_info, payload, ...)` signs the envelope with the node key and streams the
-payload in chunks of the round's `max_chunk_bytes`. A refusal comes back as `SubmitRejected` carrying
-the machine-readable reason, the gRPC status and the aggregator's signed receipt.
+payload in chunks of the round's `max_chunk_bytes`, or, when the round says `direct_upload`, PUTs it to
+the presigned URL `GetUploadSlot` hands out and submits the header naming the object. A refusal comes
+back as `SubmitRejected` carrying the machine-readable reason, the gRPC status and the aggregator's
+signed receipt.
+
+Downloads (`round_update`, `checkpoint`) come from the aggregator's object store when `LocateRound`
+names a URL (checked against the announced length and sha256), else from its gRPC stream; the caller
+verifies them against the chain (host/follow.py).
 
 The channel is TLS and trusts exactly the pinned certificate (`gonka_node.core.tls`). When a call fails
 UNAVAILABLE, the client looks at what the server presents: another certificate raises
@@ -150,6 +156,8 @@ class AggregatorClient:
         """Upload the payload into the aggregator's store; returns the Submit stream that names it. A
         store that refuses the PUT is `SubmitRejected` UNAVAILABLE (nothing was judged: retry)."""
         slot = self.upload_slot(header)
+        if self.link is not None:  # a shaped uplink: the PUT leaves once the link could have carried it
+            self.link.up.pace(len(payload), first=True)
         try:
             upload_url(slot.url, payload, self.timeout_s)
         except StoreError as exc:
@@ -206,6 +214,9 @@ class AggregatorClient:
             log.warning("round %d/%d: %s from the store failed (%s); streaming it from the aggregator",
                         ref.epoch, ref.round, kind, exc)
             return None
+        down = self._down()
+        if down is not None:  # a shaped downlink: taken once the link could have carried it
+            down.pace(obj.length, first=True)
         meta = common.FileMeta(length=obj.length, file_sha256=obj.file_sha256, epoch=ref.epoch, round=ref.round,
                                format="safetensors")
         return Downloaded(meta, sink.getvalue())
