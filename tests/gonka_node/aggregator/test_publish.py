@@ -4,6 +4,8 @@ engine kit's real SQLite store, real EVM and real checkpoint files, a real S3-sp
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from pathlib import Path
 
@@ -74,6 +76,20 @@ def test_a_restart_between_writing_and_finalizing_rewrites_what_the_store_lost(
     assert bytes.fromhex(canonical_sha256(tensors_view(stored))) == on_chain
     assert stored == e.store.checkpoint_path(ep, 1).read_bytes()
     assert bucket_store.list() == keys
+
+
+def test_a_codec_broadcast_is_published_as_the_bytes_hosts_decode(kit: Kit, bucket_store: S3Store) -> None:
+    e = kit.engine(start=False)
+    e.ctx = dataclasses.replace(e.ctx, broadcast="codec")
+    e.publisher = RoundPublisher(e.store, bucket_store)
+    e.start()
+    submit_all(kit, e, 3)
+    kit.run(e.tick())
+    assert row(e).state == "finalized"
+    stored = bucket_store.get_bytes(UPDATE.format(e=kit.world.epoch))
+    assert stored == e.store.update_path(kit.world.epoch, 1).read_bytes()
+    assert stored[:4] == b"GNKC"  # the codec's payload (the upload format), not safetensors
+    assert bucket_store.list() == [CKPT.format(e=kit.world.epoch), UPDATE.format(e=kit.world.epoch)]
 
 
 def test_the_default_store_is_the_data_directory_and_copies_nothing(kit: Kit) -> None:
@@ -158,8 +174,14 @@ def test_a_tampered_store_object_is_refused_and_the_aggregator_streams_it(
     caplog.set_level(logging.WARNING, "gonka_node.core.client")
     with server.client(20) as client:  # the host's follower downloads the same way
         got = client.checkpoint(want.epoch, 1).data
+        update = client.round_update(want.epoch, 1).data  # untouched in the store: taken from there
     assert bytes.fromhex(canonical_sha256(tensors_view(got))) == want.sha256
-    assert any("checkpoint from the store failed" in m for m in caplog.messages)
+    assert [m for m in caplog.messages if "from the store failed" in m] == [
+        f"round {want.epoch}/1: checkpoint from the store failed (http://{bucket_store.endpoint_url[7:]}/"
+        f"{bucket_store.bucket}/agg/{key}: {len(kit.init_path.read_bytes()):,} bytes that do not hash to the "
+        f"announced sha256 {hashlib.sha256(server.engine.store.checkpoint_path(want.epoch, 1).read_bytes()).hexdigest()[:16]}… "
+        f"({server.engine.store.checkpoint_path(want.epoch, 1).stat().st_size:,} bytes)); streaming it from the aggregator"]
+    assert update == bucket_store.get_bytes(UPDATE.format(e=want.epoch))
 
 
 def test_a_checkpoint_the_chain_does_not_record_leaves_nothing(
@@ -185,6 +207,8 @@ def test_locate_of_a_round_not_finalized_is_none(served: tuple[ServerThread, Cha
     ("url_expiry_s = 0", r"\[store\] url_expiry_s must be in \[1, 604800\], got 0"),
     ('public_url = "ftp://cdn.example"', r"\[store\] public_url must start with http:// or https://"),
     ('bucket = "b"', "bucket"),
+    ('uri = "/data/store"\ndirect_upload = true', r"direct_upload needs an s3:// uri"),
+    ('uri = "s3://b"\ndirect_upload = true\npublic_url = "https://cdn.example"', "exclude each other"),
 ])
 def test_bad_store_settings_are_refused(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "agg.toml"
