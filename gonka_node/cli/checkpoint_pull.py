@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,18 +48,14 @@ def pull_checkpoint(
     Nothing is left behind unless verified: the stream goes to a temporary file in `out`'s folder,
     which is renamed onto `out` only after the canonical sha256 matches the chain.
     """
-    from proto.gonka.v1 import checkpoints_pb2 as cpb
-    from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
     from training.durable import durable_replace
 
-    stub = cpb_grpc.CheckpointsStub(channel)
-    request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            size = _receive(stub.StreamCheckpoint(request, timeout=timeout_s), want, handle, max_bytes)
+        with os.fdopen(fd, "w+b") as handle:
+            size = _fetch(channel, want, handle, timeout_s, max_bytes)
             handle.flush()
             os.fsync(handle.fileno())
         _verify_file(tmp, want)
@@ -74,6 +71,51 @@ def pull_checkpoint(
         tmp.unlink(missing_ok=True)
         raise
     return size, note
+
+
+def _fetch(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s: float, max_bytes: int) -> int:
+    """The checkpoint's bytes into `handle`: from the aggregator's object store when it names a URL for
+    the round, else (or when that download fails or is not the object announced) its gRPC stream."""
+    from proto.gonka.v1 import checkpoints_pb2 as cpb
+    from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
+
+    stored = _from_store(channel, want, handle, timeout_s, max_bytes)
+    if stored is not None:
+        return stored
+    handle.seek(0)
+    handle.truncate()  # whatever a failed store download left
+    request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
+    stream = cpb_grpc.CheckpointsStub(channel).StreamCheckpoint(request, timeout=timeout_s)
+    return _receive(stream, want, handle, max_bytes)
+
+
+def _from_store(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s: float,
+                max_bytes: int) -> int | None:
+    """Download the round's checkpoint from the URL the aggregator's LocateRound names; None (saying why
+    on stderr) when it names none or the download fails. Verified against the chain afterwards, as any."""
+    from gonka_node.core.storage import StoreError, download_url
+    from proto.gonka.v1 import aggregator_pb2 as pb
+    from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
+
+    try:
+        location = pb_grpc.AggregatorStub(channel).LocateRound(
+            pb.RoundRef(epoch=want.epoch, round=want.round), timeout=timeout_s)
+    except grpc.RpcError:  # an older aggregator, or a round it does not hold: its stream says why
+        return None
+    obj = location.checkpoint
+    if not obj.url:
+        return None
+    if obj.length > max_bytes:
+        raise CliError(f"the store's checkpoint of epoch {want.epoch} round {want.round} is {obj.length:,} bytes, "
+                       f"more than --max-bytes {max_bytes:,}")
+    try:
+        size = download_url(obj.url, handle, obj.length, obj.file_sha256, timeout_s)
+    except StoreError as exc:
+        print(f"warning: the object store's copy was refused ({exc}); streaming from the aggregator instead",
+              file=sys.stderr)
+        return None
+    print(f"downloaded {obj.key} from the aggregator's object store", file=sys.stderr)
+    return size
 
 
 def _settle_metadata(path: Path, want: ChainCheckpoint, model: Any, model_source: str) -> str:

@@ -15,6 +15,7 @@ from gonka_node.core.config import (
     ChainSettings,
     ConfigError,
     RoundSettings,
+    StoreSettings,
     load_aggregator_config,
 )
 from gonka_node.core.config_file import render_config, render_tables, write_config
@@ -49,6 +50,8 @@ def aggregator_everything_changed(base: Path) -> AggregatorConfig:
                                         mix_residual=0.0, challenge=False, replay_min_cosine=0.75,
                                         replay_norm_tolerance=0.3),
         log_level="DEBUG",
+        store=StoreSettings(uri='s3://bucket/pre"fix?endpoint=http://127.0.0.1:9000', url_expiry_s=60,
+                            direct_upload=True),
     )
 
 
@@ -79,7 +82,7 @@ def test_every_aggregator_setting_round_trips(tmp_path: Path) -> None:
 def test_an_aggregator_config_at_its_defaults_round_trips(tmp_path: Path) -> None:
     config = AggregatorConfig(data_dir=tmp_path / "aggregator-data")
     text = render_config(config, tmp_path)
-    assert "[round]" not in text and "[aggregation]" not in text  # defaults are left to the loader
+    assert "[round]" not in text and "[aggregation]" not in text and "[store]" not in text  # defaults: the loader's
     (tmp_path / "a.toml").write_text(text)
     assert load_aggregator_config(tmp_path / "a.toml", environ={}) == config
 
