@@ -18,7 +18,8 @@ from test_engine_close import row, submit_all
 from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.cli import CliError
-from gonka_node.cli.checkpoint import ChainCheckpoint, pull_checkpoint
+from gonka_node.cli.checkpoint_chain import ChainCheckpoint
+from gonka_node.cli.checkpoint_pull import pull_checkpoint
 from gonka_node.core.config import ConfigError, load_aggregator_config
 from gonka_node.core.storage import LocalStore, S3Store, open_store
 from gonka_node.core.tls import create_identity, pinned_channel
