@@ -9,7 +9,10 @@ its funded dev accounts play the same roles and its clock moves by `evm_increase
 epoch's last round is finalized it claims every host's rewards with Merkle proofs, pulls each round's
 checkpoint and checks it against the hash on chain, and writes `report.json` and `loss.png`.
 With `serve` the chain and the aggregator keep running after the report, beside extra services
-(`devnet_serve.py`), until Ctrl-C or SIGTERM.
+(`devnet_serve.py`), until Ctrl-C or SIGTERM. With `shards` S > 1 the epoch names S aggregators (quorum
+S), the recipe has `shards = S`, and S aggregator processes share one exchange directory; each round's
+checkpoint hash is then the Merkle root over fragments (`core/fragments.py`). Sharded aggregators cannot
+score or replay hosts yet, so that epoch has replay probability 0 and pays no rewards (the stake rule).
 
 This module holds the devnet's options, its recipe, its configs (rendered from the typed configs) and
 the run itself; the steps live beside it, one job each: `devnet_chain.py` (the chain, the vote, the
@@ -57,6 +60,7 @@ from gonka_node.devnet_procs import (
     Children,
     DevnetError,
     aggregator_cert,
+    aggregator_name,
     start_aggregator,
     start_host,
     wait_for,
@@ -96,6 +100,7 @@ class DevnetOptions:
     services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)
     dataset: str | None = None  # a prepared dataset (folder or s3://…); None: the stdlib corpus, bytes
     tokenizer: Path | None = None  # the dataset's tokenizer.json, checked against it (optional)
+    shards: int = 1  # aggregator processes, each owning a fragment of the model (recipe `shards`)
 
 
 def _data_fields(opts: DevnetOptions) -> dict[str, Any]:
@@ -132,15 +137,41 @@ def make_recipe(opts: DevnetOptions) -> Recipe:
         round_state="fresh" if opts.replay_fraction > 0 else "carry",
         overlap=opts.overlap,
         broadcast=opts.broadcast,
+        shards=opts.shards,
     ).with_data_manifest()
 
 
-def aggregator_config(opts: DevnetOptions, rpc_url: str, epoch: int) -> AggregatorConfig:
-    """The devnet aggregator's config: listening on a free loopback port, a quorum of every host."""
-    out, keys = opts.out, opts.out / "keys" / "aggregator"
+def check_shards(opts: DevnetOptions) -> None:
+    """What a sharded devnet cannot do yet, refused in one line before anything starts."""
+    if opts.shards < 1 or opts.hosts + opts.shards > AGGREGATOR:
+        raise DevnetError(f"--shards must be at least 1, and hosts + shards at most {AGGREGATOR} (dev accounts "
+                          f"1..{AGGREGATOR}), got {opts.hosts} hosts and {opts.shards} shards")
+    if opts.shards > 1 and opts.replay_fraction > 0:
+        raise DevnetError("--shards: sharded aggregators cannot score or replay hosts yet; run it with "
+                          "--replay-fraction 0 (an unreplayed epoch, which by the stake rule pays no rewards)")
+    if opts.shards > 1 and opts.broadcast != "dense":
+        raise DevnetError("--shards: a sharded epoch serves its update dense; leave --broadcast at dense")
+    if opts.shards > 1 and opts.serve:
+        raise DevnetError("--shards with --serve: the services --serve starts (checkpoint pull, serve) cannot "
+                          "read a sharded epoch's fragments yet; run it without --serve")
+
+
+def aggregator_account(shard: int) -> int:
+    """Shard `shard`'s dev account: 9, 8, ... downwards (hosts are 1..N from below)."""
+    return AGGREGATOR - shard
+
+
+def aggregator_config(opts: DevnetOptions, rpc_url: str, epoch: int, shard: int = 0) -> AggregatorConfig:
+    """The config of the devnet's aggregator (shard `shard` of `opts.shards`): listening on a free
+    loopback port, a quorum of every host; shards meet in out/shard-exchange and do not score (they
+    cannot yet: epoch_setup.shard_context)."""
+    out, name = opts.out, aggregator_name(shard)
+    keys = out / "keys" / name
+    sharded = opts.shards > 1
     return AggregatorConfig(
-        data_dir=out / AGGREGATOR_DIR, listen="127.0.0.1:0", node_key=keys / "node_key.json",
+        data_dir=out / name, listen="127.0.0.1:0", node_key=keys / "node_key.json",
         evm_key=keys / "evm_key.json", recipe=out / "recipe.json", deployment=out / "deployment.json", epoch=epoch,
+        scoring=not sharded, shard_exchange=out / "shard-exchange" if sharded else None,
         chain=ChainSettings(backend="rpc", rpc_url=rpc_url), round=RoundSettings(quorum=opts.hosts),
         aggregation=AggregationSettings(heldout_windows=opts.heldout_windows),
     )
@@ -158,8 +189,10 @@ def host_config(opts: DevnetOptions, i: int, rpc_url: str, epoch: int, stake_gnk
 
 
 def write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int) -> None:
-    """out/aggregator.toml and out/host<i>.toml, rendered from the typed configs."""
-    write_config(aggregator_config(opts, rpc_url, epoch), opts.out / "aggregator.toml")
+    """out/aggregator.toml (and out/aggregator-shard<i>.toml) and out/host<i>.toml, rendered from the
+    typed configs."""
+    for shard in range(opts.shards):
+        write_config(aggregator_config(opts, rpc_url, epoch, shard), opts.out / f"{aggregator_name(shard)}.toml")
     for i in range(1, opts.hosts + 1):
         write_config(host_config(opts, i, rpc_url, epoch, stake_gnk), opts.out / f"host{i}.toml")
 
@@ -192,7 +225,8 @@ def deploy_and_schedule(
     reward = opts.reward_per_round_gnk * GNK if opts.replay_fraction > 0 else 0
     terms = EpochTerms.staked_for(
         reward, opts.replay_fraction,
-        aggregators=[accounts[AGGREGATOR].address],
+        aggregators=[accounts[aggregator_account(s)].address for s in range(opts.shards)],
+        aggregator_quorum=opts.shards,
         round_length_s=600,
         signin_window_s=SIGNIN_WINDOW_S,
         max_hosts=max(8, opts.hosts),
@@ -203,10 +237,15 @@ def deploy_and_schedule(
         f"parameters, {opts.rounds} rounds × H={opts.inner_steps}, codec {opts.codec}, replay probability "
         f"{opts.replay_fraction:g}, stake {terms.min_stake / GNK:g} GNK per host"
         + (")" if reward else "; no replay check, so no rewards: the stake rule needs p > 0)"))
-    for name, index in [("aggregator", AGGREGATOR)] + [(f"host{i}", i) for i in range(1, opts.hosts + 1)]:
+    if opts.shards > 1:
+        say(f"sharded: {opts.shards} aggregators, each owning a fragment of the model; checkpoint hashes are "
+            "Merkle roots over fragments; hosts are not scored nor replayed (sharded epochs cannot replay yet)")
+    roles = [(aggregator_name(s), aggregator_account(s)) for s in range(opts.shards)]
+    for name, index in roles + [(f"host{i}", i) for i in range(1, opts.hosts + 1)]:
         init_keys(out / "keys" / name, None, insecure_plaintext=True, force=True,
                   evm_private_key=bytes(accounts[index].key))
-    write_configs(opts, chain.url, epoch, -(-terms.min_stake // GNK))
+    # a host stakes at least 1 GNK: its config refuses 0, which is the minimum of an unpaid (p = 0) epoch
+    write_configs(opts, chain.url, epoch, max(1, -(-terms.min_stake // GNK)))
     return ScheduledEpoch(deployment, recipe, epoch, init_sha)
 
 
@@ -215,26 +254,31 @@ def run_devnet(
     say: Callable[[str], None] = print,
     on_report: Callable[[dict[str, Any]], None] | None = None,
     stop: threading.Event | None = None,
+    children: Children | None = None,
 ) -> dict[str, Any]:
     """Run the epoch and return its report (also given to `on_report` as soon as it is written); with
-    `opts.serve`, then keep serving until `stop` is set, SIGTERM or Ctrl-C."""
+    `opts.serve`, then keep serving until `stop` is set, SIGTERM or Ctrl-C. `children`: where the child
+    processes are kept (a test that stops and restarts one passes its own)."""
     out = opts.out
     if opts.hosts < 1 or opts.hosts > 8:
         raise DevnetError("--hosts must be between 1 and 8 (dev accounts 1..8)")
+    check_shards(opts)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     chain = start_chain(opts.chain_url)
-    children = Children()
+    children = Children() if children is None else children
     started = time.monotonic()
     try:
         sched = deploy_and_schedule(opts, chain, say)
         epoch = sched.epoch
-        target = start_aggregator(out, children)
+        targets = [start_aggregator(out, children, shard=s) for s in range(opts.shards)]
+        target = targets[0]
         for i in range(1, opts.hosts + 1):
             start_host(out, i, target, children, ("--link", opts.link) if opts.link else ())
-        say(f"aggregator on {target} (TLS, certificate {aggregator_cert(out)}); {opts.hosts} hosts started "
-            f"(logs in {logs})")
+        say(f"aggregator{'s' if opts.shards > 1 else ''} on {', '.join(targets)} (TLS, certificate "
+            f"{aggregator_cert(out)}{' and beside it in each shard' if opts.shards > 1 else ''}); {opts.hosts} "
+            f"hosts started (logs in {logs})")
         close_signin(chain, sched, opts.hosts, children, out)
         reader = ChainClient(chain.backend, chain.backend.dev_accounts()[GOVERNANCE], sched.deployment).connect()
         last = 0

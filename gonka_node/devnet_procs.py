@@ -2,6 +2,8 @@
 appended under out/logs, watched while the devnet waits (`wait_for` fails with a child's log tail
 when it exits), and all stopped on the way out. The aggregator serves TLS only: it writes its
 certificate at its first start (`aggregator_cert(out)`), which hosts and the devnet's own clients pin.
+A sharded devnet starts one aggregator per shard (`aggregator_name`); `restart_aggregator` brings a
+stopped one back on the port it had, which the chain already announces to hosts.
 """
 
 from __future__ import annotations
@@ -11,18 +13,24 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gonka_node.core.client import AggregatorClient
-from gonka_node.core.config import TLS_DIR
+from gonka_node.core.config import TLS_DIR, load_aggregator_config
 from gonka_node.core.config_file import write_config
 from gonka_node.core.tls import CERT_FILE, load_certificate
 from gonka_node.host.config import load_host_config
 
-AGGREGATOR_DIR = "aggregator"  # the aggregator's data_dir under the devnet folder
+AGGREGATOR_DIR = "aggregator"  # the aggregator's (shard 0's) data_dir under the devnet folder
+
+
+def aggregator_name(shard: int) -> str:
+    """Shard `shard`'s name: its data_dir, key folder, config (NAME.toml), log and child name."""
+    return AGGREGATOR_DIR if shard == 0 else f"{AGGREGATOR_DIR}-shard{shard}"
 
 
 class DevnetError(RuntimeError):
@@ -32,18 +40,22 @@ class DevnetError(RuntimeError):
 @dataclass
 class Children:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # held by `check` and by whoever stops and restarts a child from another thread, so that the
+    # devnet's watch never sees the child between the two (re-entrant: a restart waits with `check`)
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def start(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
-        with open(log, "ab") as sink:  # append: a restarted child keeps its earlier log
+        with self.lock, open(log, "ab") as sink:  # append: a restarted child keeps its earlier log
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "gonka_node", *args], stdout=sink, stderr=subprocess.STDOUT, env=env
             )
 
     def check(self, logs: Path) -> None:
-        for name, p in self.procs.items():
-            if p.poll() not in (None, 0):
-                tail = (logs / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise DevnetError(f"{name} exited with status {p.returncode}; its log ends:\n{tail}")
+        with self.lock:
+            for name, p in self.procs.items():
+                if p.poll() not in (None, 0):
+                    tail = (logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise DevnetError(f"{name} exited with status {p.returncode}; its log ends:\n{tail}")
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -84,15 +96,27 @@ def aggregator_client(out: Path, target: str, timeout_s: float = 120.0) -> Aggre
     return AggregatorClient(target, load_certificate(aggregator_cert(out)), timeout_s)
 
 
-def start_aggregator(out: Path, children: Children, timeout_s: float = 120.0) -> str:
-    """Start `gonka-node aggregator` on out/aggregator.toml; returns its HOST:PORT once it listens."""
-    logs = out / "logs"
-    port_file = out / "aggregator.port"
+def start_aggregator(out: Path, children: Children, timeout_s: float = 120.0, shard: int = 0) -> str:
+    """Start `gonka-node aggregator` on out/NAME.toml (NAME: `aggregator_name(shard)`); returns its
+    HOST:PORT once it listens."""
+    logs, name = out / "logs", aggregator_name(shard)
+    port_file = out / f"{name}.port"
     port_file.unlink(missing_ok=True)
-    children.start("aggregator", ["aggregator", "--config", str(out / "aggregator.toml"),
-                                  "--port-file", str(port_file)], logs / "aggregator.log", child_env())
-    wait_for("the aggregator to listen", port_file.exists, timeout_s, children, logs)
+    children.start(name, ["aggregator", "--config", str(out / f"{name}.toml"), "--port-file", str(port_file)],
+                   logs / f"{name}.log", child_env())
+    wait_for(f"{name} to listen", port_file.exists, timeout_s, children, logs)
     return f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def restart_aggregator(out: Path, children: Children, shard: int, timeout_s: float = 120.0) -> str:
+    """Start shard `shard` again (same config, data_dir and log) on the port it listened on before:
+    hosts keep dialling the endpoint the chain announced. Its process must have ended."""
+    name = aggregator_name(shard)
+    port = (out / f"{name}.port").read_text().strip()
+    cfg_file = out / f"{name}.toml"
+    write_config(dataclasses.replace(load_aggregator_config(cfg_file, environ={}), listen=f"127.0.0.1:{port}"),
+                 cfg_file)
+    return start_aggregator(out, children, timeout_s, shard)
 
 
 def point_host_at(out: Path, i: int, target: str) -> Path:

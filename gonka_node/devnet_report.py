@@ -1,12 +1,14 @@
 """What a finished devnet epoch did: each host claims the rounds it earned by Merkle proof
 (`claim_rewards`, the only part that sends transactions), then `make_report` reads the chain, the
 aggregator (every round's checkpoint pulled and checked against the hash on chain, its held-out loss)
-and the hosts' recorded progress into `report.json`'s dict and `loss.png`.
+and the hosts' recorded progress into `report.json`'s dict and `loss.png`. A sharded epoch's checkpoint
+is every shard's fragment merged, checked by the Merkle root over fragments the chain records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,15 +17,17 @@ from safetensors.torch import load as load_safetensors
 from chain.backends import ChainBackend
 from chain.client import ChainClient
 from chain.types import Deployment
+from gonka_node.core.fragments import model_root
 from gonka_node.core.recipe import Recipe
 from gonka_node.devnet_chain import GOVERNANCE
 from gonka_node.devnet_procs import DevnetError, aggregator_client
+from gonka_node.host.shards import ShardedAggregator, sharded_aggregator
 from gonka_node.host.store import HostStore
-from training.checkpoint import canonical_sha256
 from training.inner import evaluate
 from training.model import build_model
 
 if TYPE_CHECKING:
+    from gonka_node.core.client import AggregatorClient
     from gonka_node.devnet import DevnetOptions
 
 def _earned(opts: DevnetOptions, host: int) -> tuple[dict[int, int], int]:
@@ -61,6 +65,18 @@ def claim_rewards(
     return claimed
 
 
+@contextmanager
+def _checkpoints(
+    opts: DevnetOptions, reader: ChainClient, recipe: Recipe, epoch: int, target: str
+) -> Iterator[AggregatorClient | ShardedAggregator]:
+    """Where the report pulls checkpoints: the aggregator, or every shard announced on chain as one."""
+    agg = aggregator_client(opts.out, target) if recipe.shards == 1 else sharded_aggregator(reader, epoch, recipe)
+    try:
+        yield agg
+    finally:
+        agg.close()
+
+
 def make_report(
     opts: DevnetOptions, backend: ChainBackend, deployment: Deployment, recipe: Recipe,
     epoch: int, target: str, init_sha: bytes, claimed: Mapping[str, int],
@@ -74,11 +90,11 @@ def make_report(
     model = build_model(recipe.model, recipe.init_seed)
     losses = [evaluate(model, windows.batches(heldout, 32))]
     hashes = [init_sha.hex()]
-    with aggregator_client(opts.out, target) as agg:
+    with _checkpoints(opts, reader, recipe, epoch, target) as agg:
         for r in range(1, opts.rounds + 1):
             want = reader.round_result(epoch, r).checkpoint_sha256
             params = load_safetensors(agg.checkpoint(epoch, r).data)
-            got = bytes.fromhex(canonical_sha256(params))
+            got = model_root(params, recipe.shards)  # one shard: the canonical hash itself
             if got != want:
                 raise DevnetError(f"round {r}: pulled checkpoint hashes to {got.hex()}, chain says {want.hex()}")
             model.load_state_dict(params)
@@ -109,6 +125,9 @@ def make_report(
         "link": opts.link or "loopback",
         "overlap": opts.overlap,
         "broadcast": opts.broadcast,
+        "shards": recipe.shards,
+        # sharded aggregators cannot score or replay hosts yet (docs/PROTOCOL.md "Sharded aggregators")
+        "scored": recipe.shards == 1,
         "bytes_per_host": bytes_per_host,
         "download_bytes_per_host": received_per_host,
         "utilisation": utilisation,  # per host: per round and "all" (inner-step seconds / wall seconds)

@@ -213,7 +213,7 @@ class HostNode:
                 self.sleep(self.settings.poll_s)
 
     def _save(self, gm: GlobalModel, progress: Progress) -> None:
-        progress.round_done, progress.model_sha256 = gm.round_done, gm.sha256.hex()
+        progress.round_done, progress.model_sha256, progress.shards = gm.round_done, gm.sha256.hex(), gm.shards
         progress.outer_steps = gm.outer.steps if gm.outer is not None else -1
         buffers = gm.outer.buffers if gm.outer is not None else None
         self.store.save(progress, gm.params, buffers, self.rounds.state_dict())

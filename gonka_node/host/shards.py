@@ -76,6 +76,8 @@ def _refusals(
 ) -> list[tuple[int, SubmitRejected]]:
     if len(clients) != len(fragments):
         raise SplitError(f"{len(fragments)} fragments for {len(clients)} shards")
+    if not clients:  # every shard holds it already (a retry)
+        return []
 
     def one(i: int) -> SubmitRejected | None:
         return _submit_one(clients[i], round_, fragments[i], host, key, tokens)
@@ -87,8 +89,13 @@ def _refusals(
 def _submit_one(
     client: ShardClient, round_: int, fragment: bytes, host: bytes, key: SigningKey, tokens: int
 ) -> SubmitRejected | None:
-    """None when the shard holds the fragment (now, or from an earlier upload: DUPLICATE); else its refusal."""
-    info = client.open_round()
+    """None when the shard holds the fragment (now, or from an earlier upload: DUPLICATE); else its refusal.
+    A shard that cannot be reached (down, restarting) is a refusal with its gRPC code, which the host
+    daemon retries like any UNAVAILABLE upload, rather than an error that would end it."""
+    try:
+        info = client.open_round()
+    except grpc.RpcError as exc:
+        return SubmitRejected(exc.code(), "", f"open_round: {exc.details() or exc.code().name}", None)
     if info.round != round_:
         why = f"round {round_} is not open there (it is at round {info.round})"
         return SubmitRejected(grpc.StatusCode.FAILED_PRECONDITION, "LATE" if info.round > round_ else "", why, None)
@@ -127,6 +134,9 @@ class ShardedAggregator:
     def __init__(self, clients: Sequence[AggregatorClient], codec_for: Callable[[int], Codec], spec: Spec) -> None:
         self.clients, self.codec_for, self.spec = list(clients), codec_for, dict(spec)
         self.target = ", ".join(c.target for c in self.clients)
+        # (round, host) -> the shards that hold its fragment: a retry skips them (one that reached its
+        # quorum is closing and refuses even to open the round, so it cannot answer DUPLICATE)
+        self._held: dict[tuple[int, bytes], set[int]] = {}
 
     def close(self) -> None:
         for c in self.clients:
@@ -139,12 +149,27 @@ class ShardedAggregator:
         self, info: pb.RoundInfo, host: bytes, payload: bytes, key: SigningKey, tokens_trained: int = 0
     ) -> None:
         """Every shard's fragment accepted, or the first refusal raised (its code and reason kept, so a
-        retry re-sends only what is missing: the others answer DUPLICATE)."""
+        retry re-sends only what is missing: shards that accepted it before are skipped)."""
         fragments = split_payload(self.codec_for(info.round), payload, self.spec, len(self.clients))
-        refusals = _refusals(self.clients, info.round, fragments, host, key, tokens_trained)
+        held = self._held.setdefault((info.round, host), set())
+        todo = [i for i in range(len(self.clients)) if i not in held]
+        found = _refusals([self.clients[i] for i in todo], info.round, [fragments[i] for i in todo], host, key,
+                          tokens_trained)
+        refusals = [(todo[j], r) for j, r in found]
+        held.update(set(todo) - {i for i, _ in refusals})
+        for i, r in refusals:
+            if r.code == grpc.StatusCode.UNAVAILABLE:
+                self._redial(i)
         if refusals:
             i, first = refusals[0]
             raise SubmitRejected(first.code, first.reason, f"shard {i}: {first.message}", first.receipt)
+
+    def _redial(self, i: int) -> None:
+        """A fresh channel to shard i, so that a restarted shard is reached at the host's next retry
+        rather than after the old channel's reconnect backoff (gRPC's grows towards minutes)."""
+        old = self.clients[i]
+        self.clients[i] = AggregatorClient(old.target, old.tls_cert_pem, old.timeout_s, old.link)
+        old.close()
 
     def round_result(self, epoch: int, round_: int) -> pb.RoundResult:
         return self.clients[0].round_result(epoch, round_)

@@ -3,7 +3,7 @@
 Layout under the host's state directory:
 
     progress.json              which snapshot is current, and the round bookkeeping (written last)
-    snap-<round>/global.safetensors   the global model after <round> (canonical sha256 in progress.json)
+    snap-<round>/global.safetensors   the global model after <round> (its chain hash in progress.json)
     snap-<round>/outer.safetensors    the outer momentum the host mirrors (absent when not in sync)
     snap-<round>/worker.pt            inner AdamW state and the error-feedback residual
 
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from training.checkpoint import canonical_sha256
+from gonka_node.core.fragments import model_root
 from training.durable import durable_replace, fsync_path
 
 PROGRESS = "progress.json"
@@ -35,7 +35,7 @@ class Progress:
     epoch: int
     slot: int
     round_done: int  # last round whose result is applied to the held model (0: the initial model)
-    model_sha256: str  # canonical sha256 (hex) of the held global model
+    model_sha256: str  # the held global model's hash as the chain records it (hex; `shards` below)
     outer_steps: int = 0  # outer steps mirrored locally; -1 once a pulled checkpoint broke the mirror
     submitted: dict[str, str] = field(default_factory=dict)  # round -> payload sha256 accepted
     rewards: dict[str, int] = field(default_factory=dict)  # round -> ngonka earned (from the result)
@@ -43,6 +43,9 @@ class Progress:
     bytes_received: int = 0  # aggregated-update bytes downloaded to follow the global model
     # round -> [seconds in inner steps, wall seconds since the previous round's training ended]
     utilisation: dict[str, list[float]] = field(default_factory=dict)
+    # the epoch's aggregator shards: model_sha256 is the Merkle root over that many fragments
+    # (core/fragments.model_root; 1: the canonical sha256 itself)
+    shards: int = 1
 
     @property
     def outer_in_sync(self) -> bool:
@@ -79,7 +82,8 @@ class HostStore:
             raise ValueError(f"{path}: unreadable host progress ({exc}); move it aside to start over") from exc
         snap = self._snap(progress.round_done)
         params = load_file(str(snap / "global.safetensors"))
-        if canonical_sha256(params) != progress.model_sha256:
+        # round 0 is the epoch's initial checkpoint, which the chain records by its canonical hash
+        if model_root(params, progress.shards if progress.round_done else 1).hex() != progress.model_sha256:
             raise ValueError(f"{snap}/global.safetensors does not hash to {progress.model_sha256}")
         outer = snap / "outer.safetensors"
         worker = snap / "worker.pt"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import grpc
 import pytest
 import torch
 from agg_harness import AGGREGATOR, Harness, ServerThread
@@ -24,9 +25,11 @@ from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.discovery import MissingPinError
 from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
 from gonka_node.core.recipe import Recipe
+from gonka_node.core.tls import create_identity
 from gonka_node.host.shards import (
     ShardedAggregator,
     SplitError,
+    _refusals,
     sharded_aggregator,
     split_payload,
     submit_fragments,
@@ -113,7 +116,7 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
     assert info.round == 2
     host = h.hosts[0]
     both.submit(info, host.address, h.payload(updates[0]), host.key, 64)
-    both.submit(info, host.address, h.payload(updates[0]), host.key, 64)  # every shard: DUPLICATE
+    both.submit(info, host.address, h.payload(updates[0]), host.key, 64)  # every shard holds it: none re-sent
     for s in servers:
         assert s.engine.store.submitted_hosts(h.epoch, 2) == {host.address}
     closed = pb.RoundInfo()
@@ -150,3 +153,15 @@ def test_a_host_dials_every_shard_the_chain_announced_in_the_epochs_order(harnes
     both = sharded_aggregator(h.world.client(0), h.epoch, recipe)
     assert both.target == "127.0.0.1:7001, 127.0.0.1:7002" and both.spec == h.spec
     both.close()
+
+
+def test_an_unreachable_shard_is_a_retryable_refusal_not_an_error() -> None:
+    """A shard down or restarting when a host uploads: the daemon's submit loop retries UNAVAILABLE
+    refusals, so the outage must come back as one (an RpcError would end the daemon)."""
+    down = AggregatorClient("127.0.0.1:1", create_identity(["localhost"]).cert_pem, timeout_s=5)
+    try:
+        refusals = _refusals([down], 1, [b"fragment"], bytes(20), SigningKey(bytes(32)), 0)
+    finally:
+        down.close()
+    assert [(i, r.code) for i, r in refusals] == [(0, grpc.StatusCode.UNAVAILABLE)]
+    assert refusals[0][1].message.startswith("open_round: ")
