@@ -20,7 +20,7 @@ from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
-from gonka_node.core.recipe import Recipe, RecipeError
+from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import build_model
@@ -61,6 +61,7 @@ def _model_json(recipe: Recipe) -> str:
 
 
 def epoch_spec(recipe: Recipe, init_sha256: bytes, terms: EpochTerms, model_uri: str) -> EpochSpec:
+    check_network_overlap(recipe)
     if not recipe.data_manifest_sha256:
         raise RecipeError("data_manifest_sha256: fill it in (Recipe.with_data_manifest) before scheduling")
     return EpochSpec(
@@ -103,6 +104,7 @@ def aggregator_context(
     """The aggregator's view of an epoch, checked against the chain's record of it. `beacon` reads the
     assignment's post-sign-in randomness (`signin_beacon`); required when the recipe's assignment_seed
     is "signin-block", so that scoring and replay read the windows the hosts trained on."""
+    check_network_overlap(recipe)
     if recipe.assignment_seed == "signin-block" and beacon is None and scoring:
         raise RecipeError("assignment_seed: 'signin-block' needs the chain's sign-in beacon to score hosts")
     spec = info.spec
