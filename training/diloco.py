@@ -252,7 +252,7 @@ class OuterOptimizer:
                 if self.momentum != 0.0:
                     buf = self.buffers.get(name)
                     # torch: buf = g first, then buf.mul_(μ).add_(g): two roundings (alpha=1 fuses nothing).
-                    buf = g.clone() if buf is None else buf * mu.to(buf.device) + g
+                    buf = g.clone() if buf is None else torch.mul(buf, mu.to(buf.device)).add_(g)
                     self.buffers[name] = buf
                     update = fma32(buf, self.momentum, g) if self.nesterov else buf
                 p.copy_(fma32(update, -self.lr, p))
@@ -268,7 +268,9 @@ class OuterOptimizer:
                 raise ValueError(
                     f"OuterOptimizer.step: {name} must be fp32 with shape {tuple(p.shape)} (got {p.dtype}, {tuple(g.shape)})"
                 )
-            if not bool(torch.isfinite(g).all()):
+            # All finite iff the fp64 sum is: finite fp32 values cannot overflow it, and a NaN or an
+            # infinity survives it (inf − inf is NaN). Cheaper than a mask of the whole tensor.
+            if not math.isfinite(float(g.sum(dtype=torch.float64))):
                 raise ValueError(
                     f"OuterOptimizer.step: the averaged pseudo-gradient of {name} has NaN or infinity"
                 )
