@@ -44,6 +44,7 @@ from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, reward_tree
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.metrics import RoundMetrics
+from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
@@ -168,6 +169,9 @@ class RoundEngine:
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
         self._opening_failed = 0  # failed attempts to open the next round (its seed commitment): retried
         self.metrics = RoundMetrics()  # what it reports (aggregator/metrics.py); set by whoever serves them
+        # Writes each finalized round's files to the object store before the chain names them
+        # (aggregator/publish.py); None: the data directory is the store (nothing to copy).
+        self.publisher: RoundPublisher | None = None
         self._closing_since: float | None = None  # monotonic time the open round's close began
 
     @property
@@ -608,6 +612,8 @@ class RoundEngine:
             and row.rewards_root is not None
             and row.total_reward is not None
         )
+        if self.publisher is not None and row.state == "finalizing":  # every attempt: a resume re-writes
+            self.publisher.publish(row.epoch, row.round)
         on_chain = self.chain.round_result(row.epoch, row.round)
         n = sum(1 for c in self.store.contributions(row.epoch, row.round) if c.reward > 0)
         if on_chain.finalized:

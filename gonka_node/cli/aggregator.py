@@ -14,10 +14,12 @@ from pathlib import Path
 
 from gonka_node.aggregator.challenger import Challenger
 from gonka_node.aggregator.metrics import PrometheusMetrics
+from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.cli import CliError
 from gonka_node.cli.verbs import add_verb
 from gonka_node.core.config import AggregatorConfig, ConfigError, load_aggregator_config, read_env
+from gonka_node.core.storage import StoreError, open_store
 from gonka_node.core.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_identity
 from gonka_node.slashing import EvidenceLog
 
@@ -71,6 +73,7 @@ async def _serve(
 
     if cfg.metrics_port:
         engine.metrics = _metrics(cfg.metrics_port)
+    engine.publisher = _publisher(cfg, engine)
 
     server = AggregatorServer(engine, identity, cfg.listen)
     port = await server.start()
@@ -92,6 +95,19 @@ async def _serve(
         await challenger
     await server.stop(2.0)
     engine.store.close()
+
+
+def _publisher(cfg: AggregatorConfig, engine: RoundEngine) -> RoundPublisher:
+    """The store finalized rounds are written to before the chain names them ([store]; default: the data
+    directory itself, today's layout, nothing copied)."""
+    try:
+        objects = open_store(cfg.store.uri or cfg.data_dir)
+    except StoreError as exc:
+        raise CliError(f"[store] uri: {exc}") from None
+    if cfg.store.uri:
+        log.info("finalized checkpoints and updates are published to %s", objects.uri)
+    return RoundPublisher(engine.store, objects, cfg.store.public_url, cfg.store.url_expiry_s,
+                          cfg.store.direct_upload)
 
 
 def _metrics(port: int) -> PrometheusMetrics:
