@@ -57,7 +57,7 @@ def test_an_eager_local_run_trains_from_the_forecast_that_public_inputs_reproduc
     torch.set_num_threads(1)
     recipe = local_recipe(ModelConfig.preset("tiny"), n_rounds=3, inner_steps=3, micro_batch=4, seq_len=32,
                           codec="int8:block=64", round_state="fresh", overlap="eager")
-    run = LocalDiLoCo(LocalRunConfig(recipe=recipe, workers=2), small_windows)
+    run = LocalDiLoCo(LocalRunConfig(recipe=recipe, workers=2, eval_windows=4), small_windows)
     models: list[dict[str, Tensor]] = []  # the global model before each round (public: checkpoints)
     outers: list[OuterOptimizer] = []  # the outer momentum there (public: the aggregator's state)
     sent: list[Mapping[str, Tensor]] = []  # slot 0's decoded payload of each round (public: what it sent)
