@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -112,6 +113,11 @@ def _fma32_cpu(a: Tensor, b: Tensor | float, c: Tensor) -> Tensor:
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="fma32")
+
+
+# A forked child (a bench's worker process, a rig's) has none of the parent's pool threads: a pool
+# inherited from the parent would take its work and never run it.
+os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def _fma32_blocks(
