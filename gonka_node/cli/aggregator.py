@@ -100,6 +100,8 @@ async def _serve(
 def _publisher(cfg: AggregatorConfig, engine: RoundEngine) -> RoundPublisher:
     """The store finalized rounds are written to before the chain names them ([store]; default: the data
     directory itself, today's layout, nothing copied)."""
+    if cfg.store.uri and engine.ctx.shard is not None:  # every shard would write its fragment to the round's keys
+        raise CliError("[store] uri: a sharded epoch's shards cannot publish to an object store yet; leave it unset")
     try:
         objects = open_store(cfg.store.uri or cfg.data_dir)
     except StoreError as exc:
@@ -174,10 +176,11 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
     from chain.types import Deployment
     from gonka_node.aggregator.chain_view import ChainView
     from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+    from gonka_node.aggregator.shard import DirExchange
     from gonka_node.aggregator.store import Store
     from gonka_node.core.keys import KeyStoreError, load_evm_account, load_node_key
     from gonka_node.core.recipe import Recipe, RecipeError
-    from gonka_node.epoch_setup import aggregator_context, beacon_reader
+    from gonka_node.epoch_setup import aggregator_context, beacon_reader, shard_context
     from gonka_node.slashing import EvidenceLog
 
     if cfg.chain.backend != "rpc":
@@ -205,6 +208,8 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
             scoring=cfg.scoring,
             beacon=beacon_reader(client.signin_beacon, epoch),
         )
+        me = bytes.fromhex(account.address[2:])
+        ctx = shard_context(ctx, recipe, info, me, cfg.aggregation.rule_for(epoch))
     except (KeyStoreError, RecipeError, ChainError, ValueError) as exc:
         raise CliError(f"{where}: {exc}") from exc
     if not cfg.scoring:
@@ -220,6 +225,7 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
             TrainingCheckpoints(),
             node_key.signing_key,
             evidence=EvidenceLog(cfg.data_dir / "evidence"),  # signed copies/garbage, for slashing
+            exchange=None if ctx.shard is None else DirExchange(cfg.shard_exchange or cfg.data_dir.parent / "shard-exchange"),
         )
     except ValueError as exc:
         raise CliError(f"{where}: {exc}") from exc

@@ -188,6 +188,9 @@ class AggregatorConfig:
     initial_checkpoint: Path | None = None  # round-0 weights; made from the recipe when absent
     scoring: bool = True
     metrics_port: int = 0  # Prometheus (gonka_aggregator_*) on 127.0.0.1:PORT; 0: off
+    # a sharded epoch's shards meet here (reports, verdict, fragment hashes: aggregator/shard.py
+    # DirExchange), a directory every shard of the epoch can write; None: data_dir's parent/shard-exchange
+    shard_exchange: Path | None = None
     chain: ChainSettings = field(default_factory=ChainSettings)
     round: RoundSettings = field(default_factory=RoundSettings)
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
@@ -203,7 +206,8 @@ class AggregatorConfig:
         """What `load_aggregator_config` reads this config from, in a file in folder `base`
         (gonka_node/core/config_file.py renders it); settings at their defaults are left out."""
         paths = {"node_key": self.node_key, "evm_key": self.evm_key, "recipe": self.recipe,
-                 "deployment": self.deployment, "initial_checkpoint": self.initial_checkpoint}
+                 "deployment": self.deployment, "initial_checkpoint": self.initial_checkpoint,
+                 "shard_exchange": self.shard_exchange}
         aggregator: dict[str, TomlValue] = {
             "listen": self.listen, "public_endpoint": self.public_endpoint, "data_dir": toml_path(self.data_dir, base),
             **{k: toml_path(p, base) for k, p in paths.items() if p is not None},
@@ -247,7 +251,7 @@ def load_aggregator_config(
 
 AGGREGATOR_KEYS = frozenset({
     "listen", "public_endpoint", "data_dir", "node_key", "evm_key", "log_level", "recipe", "deployment", "epoch",
-    "initial_checkpoint", "scoring", "metrics_port",
+    "initial_checkpoint", "scoring", "metrics_port", "shard_exchange",
 })
 
 
@@ -285,6 +289,7 @@ def _build(
         initial_checkpoint=_resolve(base, agg["initial_checkpoint"]) if "initial_checkpoint" in agg else None,
         scoring=bool(agg.get("scoring", True)),
         metrics_port=port,
+        shard_exchange=_resolve(base, agg["shard_exchange"]) if "shard_exchange" in agg else None,
         chain=_section(ChainSettings, "[chain]", chain),
         round=_section(RoundSettings, "[round]", dict(raw.get("round", {}))),
         aggregation=_section(AggregationSettings, "[aggregation]", aggregation),
