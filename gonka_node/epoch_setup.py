@@ -179,19 +179,12 @@ def beacon_reader(read: Callable[[int], bytes], epoch: int) -> Callable[[], byte
 
 def shard_context(ctx: EpochContext, recipe: Recipe, info: EpochInfo, me: bytes, rule: str) -> EpochContext:
     """`ctx` as shard i of a sharded epoch (recipe.shards > 1; docs/PROTOCOL.md "Sharded aggregators"):
-    its spec is its fragment's. Scoring and replay need the whole update, which no shard holds (not
-    built yet), so a shard refuses a context that would score or replay: the epoch's replay promise is
-    what makes cheating cost stake, and a shard must not drop it silently. The operator's explicit
-    `[aggregator] scoring = false` (logged) is the only way to run one. An unsharded recipe returns
-    `ctx` unchanged."""
+    its spec is its fragment's. Its scoring and replay data stay: every shard computes the replay pick
+    (to put the picked hosts' fragment payloads where the verifier reads them) and shard 0, the
+    verifier, replays and scores those hosts on their reassembled whole updates. An unsharded recipe
+    returns `ctx` unchanged."""
     if recipe.shards == 1:
         return ctx
-    if ctx.scoring is not None or ctx.replay_probability > 0:
-        raise ShardConfigError(
-            f"epoch {info.epoch}: sharded aggregators cannot score or replay hosts yet (its replay probability "
-            f"is {info.spec.replay_probability:g}); set [aggregator] scoring = false to run it unscored and "
-            "unreplayed anyway (docs/SECURITY.md \"Sharded aggregators\")"
-        )
     aggregators = [bytes.fromhex(a[2:]) for a in info.spec.aggregators]
     if len(aggregators) != recipe.shards or info.spec.aggregator_quorum != recipe.shards:
         raise ShardConfigError(
@@ -200,6 +193,4 @@ def shard_context(ctx: EpochContext, recipe: Recipe, info: EpochInfo, me: bytes,
         )
     role = shard_role(ctx.spec, aggregators, me, rule)
     assert role is not None
-    return dataclasses.replace(
-        ctx, spec=role.spec, shard=role, model_factory=None, scoring=None, replay=None, replay_probability=0.0
-    )
+    return dataclasses.replace(ctx, spec=role.spec, shard=role)
