@@ -23,7 +23,7 @@ from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.core.config import AggregationSettings
 from training.codecs import get_codec
-from training.data import Windows
+from training.data import Windows, window_seed
 from training.diloco import pseudo_gradient
 from training.inner import InnerConfig, evaluate
 from training.model import Llama, ModelConfig, build_model
@@ -294,3 +294,47 @@ def test_updates_shorter_than_one_are_scored_at_their_length(
     for c in out.contributions:
         want = rd.expected_score(ups[c.host], tau, 2, int(c.host[0]), veto=True)
         assert c.score == want != 0.0
+
+
+class SwappedWindows:
+    """The scoring's view of `windows` with one slot's roles swapped: its held-out sample is the slot's
+    training assignment, and its "assignment" is uniformly random bytes (no text at all). An honest host
+    of that slot then looks, to the score, like one that trained on held-out data."""
+
+    def __init__(self, windows: Windows, slot: int) -> None:
+        self.windows, self.slot = windows, slot
+
+    def _ids(self, slot: int) -> np.ndarray:
+        return self.windows.assignment(epoch_seed=window_seed(SEED, b""), round_index=1, slot=slot, max_slots=SLOTS,
+                                       windows_per_host=INNER.windows_per_round)
+
+    def assignment(
+        self, *, epoch_seed: int, round_index: int, slot: int, max_slots: int, windows_per_host: int
+    ) -> np.ndarray:
+        return -1 - self._ids(slot)  # marked: stacked as random bytes
+
+    def sample_heldout(self, seed: int, n: int) -> np.ndarray:
+        return self._ids(self.slot)[:n]
+
+    def stack(self, ids: np.ndarray) -> torch.Tensor:
+        if ids.min() >= 0:
+            return self.windows.stack(ids)
+        return torch.randint(0, 256, (len(ids), SEQ + 1), generator=torch.Generator().manual_seed(SEED))
+
+
+def test_a_replayed_host_is_never_vetoed_even_where_the_statistic_would_veto_it(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    rd.scoring = ScoringData(SwappedWindows(windows, 4), SEED, SLOTS, 8, INNER.windows_per_round)
+    own = replayed(windows, base, 4)
+    rd.add(addr(4), own, started=1)
+    statistic = Scorer(model(), base, rd.scoring.heldout(1, rd.init_sha), "heldout_gain").score(
+        {n: t * score_step(0.5, 1) for n, t in own.items()}, rd.scoring.assigned(1, 4), veto=True
+    )
+    assert statistic.vetoed and statistic.score == 0.0  # what the score alone says of this honest host
+    out = rd.outcome({addr(4): 4}, p=1.0)
+    [c] = out.contributions
+    assert c.reasons[0].startswith("replay: cosine +1.0000, norm ratio 1.0000")
+    assert not any("better than its assignment" in r for r in c.reasons)
+    assert (c.aggregated, c.reward, c.score) == (True, POOL, statistic.gain_heldout) and c.score > 0
