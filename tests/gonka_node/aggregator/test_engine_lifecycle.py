@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import sqlite3
+import time
 
 import pytest
 from agg_harness import AGGREGATOR
@@ -275,3 +277,22 @@ def test_the_signin_window_is_closed_from_its_end_time_on(kit: Kit) -> None:
         backend.tester.mine_blocks(1)
     assert kit.world.chain.client(0).chain_time() == end
     assert kit.run(e._signin_closed(kit.world.epoch3)) and e._signin_closed_seen
+
+
+def test_the_loop_ticks_every_fifth_of_a_second_by_default(kit: Kit) -> None:
+    e = kit.engine()
+    ticked: list[float] = []
+    stop = asyncio.Event()
+    real_tick = e.tick
+
+    async def timed_tick() -> None:  # the real tick, its start time recorded
+        ticked.append(time.monotonic())
+        if len(ticked) == 3:
+            stop.set()
+        await real_tick()
+
+    e.tick = timed_tick  # type: ignore[method-assign]
+    kit.run(e.run(stop))
+    gaps = [b - a for a, b in itertools.pairwise(ticked)]
+    assert len(gaps) == 2 and all(0.19 < g < 1.1 for g in gaps), gaps  # 0.2 s apart (not 1 s or more)
+    assert row(e).state == "open"
