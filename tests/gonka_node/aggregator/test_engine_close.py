@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import time
 
 import pytest
 import torch
@@ -245,6 +246,13 @@ def test_tx_bytes_reads_receipts_and_tx_objects() -> None:
     assert _tx_bytes("0x12") == b"\x12" and _tx_bytes("12") == b"" and _tx_bytes(None) == b"" and _tx_bytes({}) == b""
 
 
-def test_clock_text_is_utc_to_the_millisecond() -> None:
+def test_clock_text_is_utc_to_the_millisecond(monkeypatch: pytest.MonkeyPatch) -> None:
     assert clock_text(1_748_786_592_345) == "2025-06-01 14:03:12.345 UTC"
     assert clock_text(0) == "1970-01-01 00:00:00.000 UTC"
+    monkeypatch.setenv("TZ", "EST+05")  # a machine whose local time is not UTC: the text is still UTC
+    time.tzset()
+    try:
+        assert clock_text(1_748_786_592_345) == "2025-06-01 14:03:12.345 UTC"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
