@@ -32,14 +32,15 @@ def unreachable(kit: Kit) -> ChainView:
 
 
 def test_everyone_submitted_waits_for_the_signin_window_to_close(kit: Kit) -> None:
-    e = kit.engine(kit.world.epoch3)
+    ep = kit.epoch_in_signin()
+    e = kit.engine(ep)
     submit_all(kit, e, 3)
     kit.run(e.tick())
     assert row(e).state == "open" and not e._signin_closed_seen
     kit.world.chain.backend.increase_time(31)
     kit.run(e.tick())
     assert row(e).state == "finalized" and e._signin_closed_seen
-    assert kit.world.chain.client(0).round_result(kit.world.epoch3, 1).n_contributors == 3
+    assert kit.world.chain.client(0).round_result(ep, 1).n_contributors == 3
 
 
 def test_the_members_are_read_once_per_round(kit: Kit) -> None:
@@ -264,19 +265,20 @@ def test_the_reward_tree_holds_the_paid_hosts_only_down_to_one_ngonka(kit: Kit) 
 
 
 def test_the_signin_window_is_closed_from_its_end_time_on(kit: Kit) -> None:
-    e = kit.engine(kit.world.epoch3)
+    ep = kit.epoch_in_signin()
+    e = kit.engine(ep)
     backend = kit.world.chain.backend
-    end = kit.world.chain.client(0).get_epoch(kit.world.epoch3).signin_end
+    end = kit.world.chain.client(0).get_epoch(ep).signin_end
     with backend.lock:
         backend.tester.time_travel(end - 1)
         backend.tester.mine_blocks(1)
     assert kit.world.chain.client(0).chain_time() == end - 1
-    assert not kit.run(e._signin_closed(kit.world.epoch3))
+    assert not kit.run(e._signin_closed(ep))
     with backend.lock:
         backend.tester.time_travel(end)
         backend.tester.mine_blocks(1)
     assert kit.world.chain.client(0).chain_time() == end
-    assert kit.run(e._signin_closed(kit.world.epoch3)) and e._signin_closed_seen
+    assert kit.run(e._signin_closed(ep)) and e._signin_closed_seen
 
 
 def test_the_loop_ticks_every_fifth_of_a_second_by_default(kit: Kit) -> None:
