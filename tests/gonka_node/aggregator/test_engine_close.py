@@ -5,6 +5,7 @@ checkpoint, the Merkle root, and the embedded chain's finalize."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sqlite3
 import time
@@ -98,6 +99,25 @@ def test_everyone_submitted_closes_before_the_deadline_and_opens_the_next_round(
     for n, t in want2.items():
         torch.testing.assert_close(got2[n], t, rtol=0, atol=1e-7)
     assert e.base_path(3) == e.store.checkpoint_path(ep, 2)
+
+
+def test_with_delayed_overlap_a_round_trains_from_two_rounds_back_and_steps_from_the_last(kit: Kit) -> None:
+    e = kit.engine(start=False)
+    e.ctx = dataclasses.replace(e.ctx, overlap="delayed")
+    e.start()
+    ep = kit.world.epoch
+    ups = submit_all(kit, e, 3)
+    kit.run(e.tick())
+    r2 = row(e, 2)
+    assert (r2.state, r2.base_sha256, e.base_path(2)) == ("open", kit.world.init_sha, kit.init_path)
+    ups2 = submit_all(kit, e, 3, seed=20)
+    kit.run(e.tick())
+    assert row(e, 2).state == "finalized" and row(e, 3).base_sha256 == row(e).checkpoint_sha256
+    ckpt1, buf = stepped(load_checkpoint(kit.init_path).tensors, ups, None)
+    want2, _ = stepped(ckpt1, ups2, buf)  # the outer step applies to round 1's model, not round 2's base
+    got2 = load_checkpoint(e.store.checkpoint_path(ep, 2)).tensors
+    for n, t in want2.items():
+        torch.testing.assert_close(got2[n], t, rtol=0, atol=1e-6)
 
 
 def test_a_tick_before_the_deadline_with_a_quorum_but_not_everyone_leaves_the_round_open(kit: Kit) -> None:
