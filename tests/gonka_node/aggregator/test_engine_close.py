@@ -13,17 +13,20 @@ import time
 import pytest
 import torch
 from agg_harness import AGGREGATOR
-from engine_kit import N_ROUNDS, REWARD, SECOND_AGGREGATOR, Kit, payload, update
+from engine_kit import N_ROUNDS, REWARD, SECOND_AGGREGATOR, SPEC, Kit, chunks, payload, update
 from eth_utils import to_checksum_address
+from safetensors.torch import load_file
 
 from chain.merkle import RewardTree
 from chain.seed import new_secret, seed_commitment
+from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, _tx_bytes, clock_text
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.envelope import Submission
 from training.checkpoint import load_checkpoint
+from training.codecs import get_codec, round_seed
 
 
 def submit_all(kit: Kit, e: RoundEngine, n: int, seed: int = 10) -> list[dict[str, torch.Tensor]]:
@@ -118,6 +121,30 @@ def test_with_delayed_overlap_a_round_trains_from_two_rounds_back_and_steps_from
     got2 = load_checkpoint(e.store.checkpoint_path(ep, 2)).tensors
     for n, t in want2.items():
         torch.testing.assert_close(got2[n], t, rtol=0, atol=1e-6)
+
+
+def test_a_compressed_broadcast_carries_each_rounds_residual_into_the_next(kit: Kit) -> None:
+    e = kit.engine(start=False)
+    e.ctx = dataclasses.replace(e.ctx, codec_name="int8", codec=get_codec("int8"), broadcast="codec")
+    e.start()
+    ep = kit.world.epoch
+    held_back: dict[str, torch.Tensor] = {n: torch.zeros(s) for n, s in SPEC.items()}
+    for r in (1, 2):
+        codec = e.ctx.codec_for(r)
+        sent = [codec.encode(update(10 * r + i)) for i in range(3)]
+        for h, data in zip(kit.hosts, sent, strict=True):
+            sub = kit.header(e, h, data, codec="int8")
+            assert kit.run(e.submit(sub, sub.sign(h.key), chunks(data), e.stream_guard("test"))).body.accepted
+        kit.run(e.tick())
+        assert row(e, r).state == "finalized"
+        mean = {n: torch.stack([codec.decode(d, SPEC)[n].float() for d in sent]).mean(0) for n in SPEC}
+        path = e.store.update_path(ep, r)
+        broadcast = get_codec("int8").for_round(round_seed(0, r)).decode(path.read_bytes(), SPEC)
+        residual = load_file(str(residual_path(path)))
+        for n in SPEC:  # what was broadcast + what is held back = this round's mean + what was held back before
+            torch.testing.assert_close(broadcast[n].float() + residual[n], mean[n] + held_back[n], rtol=0, atol=1e-6)
+        assert any(float(t.abs().max()) > 1e-5 for t in residual.values())  # int8 left something out
+        held_back = residual
 
 
 def test_a_tick_before_the_deadline_with_a_quorum_but_not_everyone_leaves_the_round_open(kit: Kit) -> None:
