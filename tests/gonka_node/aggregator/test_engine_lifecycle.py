@@ -177,6 +177,19 @@ def test_a_round_two_resubmission_of_round_one_work_is_excluded_and_the_close_is
     assert seconds is not None and 0 < seconds < 60 and e._closing_since is None
 
 
+def test_another_epochs_rounds_in_the_same_store_are_not_this_epochs_models(kit: Kit) -> None:
+    first = kit.engine()
+    submit_all(kit, first, 3)
+    kit.run(first.tick())  # the first epoch's round 1 is finalized
+    e = kit.engine(kit.world.epoch2)  # the same aggregator (one store), a later epoch
+    for _ in range(2):  # its round 1: nobody submits, extended once, then skipped
+        kit.clock.ms = row(e).deadline_ms + 1
+        kit.run(e.tick())
+    assert row(e).state == "skipped"
+    assert e.global_path(1) == kit.init_path and e.base_path(2) == kit.init_path
+    assert row(e, 2).base_sha256 == kit.world.init_sha
+
+
 def test_a_host_that_left_is_not_paid(kit: Kit) -> None:
     e = kit.engine()
     ep = kit.world.epoch
