@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut) of the modules where a silent bug costs money or trust, each against its
-# fast unit tests. Not part of CI: ~75 CPU-minutes, ~40 min wall at two workers on two idle cores (far
-# longer on a loaded machine). Results: docs/benchmarks.md.
+# fast unit tests. Not part of CI: about two CPU-hours (an estimate: no whole run has been made; about an
+# hour of wall time at two workers on two idle cores, far longer on a loaded machine). Results and
+# timings: docs/benchmarks.md "Mutation testing".
 #
 #   bash scripts/mutation.sh                 # every module below
 #   bash scripts/mutation.sh codecs follow   # some of them
@@ -33,10 +34,11 @@ MODULES=(
   "rounds-close|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py|*ǁtick__mutmut_* *ǁclose__mutmut_* *ǁ_close_sync__mutmut_* *ǁ_finish__mutmut_* *ǁ_own_vote__mutmut_* *ǁ_everyone_submitted__mutmut_* *ǁ_signin_closed__mutmut_* *ǁ_revealed_seed__mutmut_* *ǁ_note_close_failure__mutmut_* *ǁ_report_closed__mutmut_* *ǁ_compute__mutmut_* *ǁ_prev_outer_state__mutmut_* *ǁ_prev_residual__mutmut_* *ǁ_open_next__mutmut_* *ǁreward_tree__mutmut_* *ǁrun__mutmut_* *.x__tx_bytes__mutmut_*"
   "rounds-rest|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py|*ǁ__init____mutmut_* *ǁstart__mutmut_* *ǁ_resume_or_open__mutmut_* *ǁbase_path__mutmut_* *ǁglobal_path__mutmut_* *ǁglobal_sha256__mutmut_* *ǁaggregator_key__mutmut_* *ǁ_open_after__mutmut_* *ǁ_commit__mutmut_* *ǁ_activate__mutmut_* *.x_clock_text__mutmut_*"
   # close.py: compute_outcome and its checks on constructed rounds (no chain), with a micro model for
-  # the replay, the scores and the held-out losses; in two disjoint parts: the close's skeleton
-  # (compute_outcome, the public tensors, the gate) against the model-free tests only (its mutants
-  # otherwise run the micro-model closes too), and the checks, scores and files against all of them.
-  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py|*.x_compute_outcome__mutmut_* *.x_public_tensors__mutmut_* *.x_gate__mutmut_* *ǁClosingǁ*"
+  # the replay, the scores and the held-out losses; in two disjoint parts, both against all of them
+  # (a mutant's fastest tests run first, so only one that the model-free tests miss pays for the
+  # micro-model closes; the held-out losses and the overlap's step are only reached by those): the
+  # close's skeleton (compute_outcome, the public tensors, the gate), and the checks, scores and files.
+  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|*.x_compute_outcome__mutmut_* *.x_public_tensors__mutmut_* *.x_gate__mutmut_* *ǁClosingǁ*"
   "close-checks|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|*.x_copies__mutmut_* *.x_resubmissions__mutmut_* *.x_departed__mutmut_* *.x_mixtures__mutmut_* *.x_replays__mutmut_* *.x_dissent__mutmut_* *.x_heldout_losses__mutmut_* *.x__load_plain__mutmut_* *.x__loss__mutmut_* *.x__sketch_path__mutmut_* *.x__scores__mutmut_* *.x_score_step__mutmut_* *.x_equal_shares__mutmut_* *.x_reward_tree__mutmut_* *.x__save_durably__mutmut_* *.x__read_outer__mutmut_*"
   "rounds|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py|*ǁauthenticate__mutmut_* *ǁ_digest_owner__mutmut_* *ǁstream_guard__mutmut_* *ǁsubmit__mutmut_* *ǁ_check__mutmut_* *ǁreceipt__mutmut_* *ǁcodec_for__mutmut_*"
   "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_replay_pick.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
