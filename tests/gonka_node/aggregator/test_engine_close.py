@@ -135,6 +135,7 @@ def test_a_compressed_broadcast_carries_each_rounds_residual_into_the_next_close
                 kit.clock.ms = row(e, 2).deadline_ms + 1
                 kit.run(e.tick())
             assert row(e, 2).state == "skipped"
+            assert row(e, 2).checkpoint_sha256 == row(e).checkpoint_sha256  # the model it left unchanged
             continue
         codec = e.ctx.codec_for(r)
         sent = [codec.encode(update(10 * r + i)) for i in range(3)]

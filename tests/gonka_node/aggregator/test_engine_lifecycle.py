@@ -257,6 +257,20 @@ def test_a_retried_close_finishes_the_recorded_intent_and_never_recomputes_it(ki
     assert kit.world.chain.client(0).round_result(ep, 1).checkpoint_sha256 == kit.world.init_sha
 
 
+def test_a_retried_close_finishes_a_recorded_finalizing_intent_as_recorded(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    submit_all(kit, e, 3)
+    secret = row(e).seed_secret
+    assert secret is not None
+    e.chain.reveal_seed(ep, 1, secret)
+    recorded = b"\x07" * 32  # not what a recomputation gives: the intent is sent as it is
+    e.store.record_finalize_intent(ep, 1, "finalizing", recorded, bytes(32), 0, "mean", [])
+    kit.run(e.close(skip=False))
+    assert (row(e).state, row(e).checkpoint_sha256) == ("finalized", recorded)
+    assert kit.world.chain.client(0).round_result(ep, 1).checkpoint_sha256 == recorded
+
+
 def test_the_reward_tree_holds_the_paid_hosts_only_down_to_one_ngonka(kit: Kit) -> None:
     e = kit.engine()
     e.ctx = dataclasses.replace(e.ctx, reward_per_round=3)  # one ngonka each
