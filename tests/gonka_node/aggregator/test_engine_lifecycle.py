@@ -200,6 +200,26 @@ def test_a_host_that_left_is_not_paid(kit: Kit) -> None:
     rows = {x.host: x for x in e.store.contributions(ep, 1)}
     assert rows[kit.hosts[1].address].reasons[0] == "host is no longer signed in to the epoch (left or slashed)"
     assert [h for h, x in rows.items() if x.reward > 0] == [kit.hosts[0].address]
+    assert row(e).state == "finalized" and kit.world.chain.client(0).round_result(ep, 1).n_contributors == 1
+
+
+def test_a_close_that_leaves_nobody_eligible_is_a_skip_that_keeps_the_reasons(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    submit_all(kit, e, 2)
+    for h in kit.hosts[:2]:
+        kit.world.chain.client(h.index).leave(ep)
+    kit.clock.ms = row(e).deadline_ms + 1
+    kit.run(e.tick())  # a quorum was accepted, so the round is computed, and every update is excluded
+    r1 = row(e)
+    assert (r1.state, r1.checkpoint_sha256, r1.rewards_root, r1.total_reward, r1.aggregation) == (
+        "skipped", kit.world.init_sha, bytes(32), 0, "skipped"
+    )
+    rows = e.store.contributions(ep, 1)
+    assert sorted((x.host, x.aggregated, x.reward) for x in rows) == sorted((h.address, False, 0) for h in kit.hosts[:2])
+    assert all(x.reasons[0] == "host is no longer signed in to the epoch (left or slashed)" for x in rows)
+    on_chain = kit.world.chain.client(0).round_result(ep, 1)
+    assert on_chain.finalized and (on_chain.checkpoint_sha256, on_chain.n_contributors) == (kit.world.init_sha, 0)
 
 
 def test_with_two_votes_needed_a_restart_does_not_vote_twice(kit: Kit, caplog: pytest.LogCaptureFixture) -> None:
