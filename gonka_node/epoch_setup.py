@@ -7,6 +7,7 @@ says, not what a local file claims.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
+from gonka_node.aggregator.shard import ShardConfigError, shard_role
 from gonka_node.core.recipe import Recipe, RecipeError
 from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
@@ -171,3 +173,31 @@ def beacon_reader(read: Callable[[int], bytes], epoch: int) -> Callable[[], byte
         return found[0]
 
     return beacon
+
+
+def shard_context(ctx: EpochContext, recipe: Recipe, info: EpochInfo, me: bytes, rule: str) -> EpochContext:
+    """`ctx` as shard i of a sharded epoch (recipe.shards > 1; docs/PROTOCOL.md "Sharded aggregators"):
+    its spec is its fragment's. Scoring and replay need the whole update, which no shard holds (not
+    built yet), so a shard refuses a context that would score or replay: the epoch's replay promise is
+    what makes cheating cost stake, and a shard must not drop it silently. The operator's explicit
+    `[aggregator] scoring = false` (logged) is the only way to run one. An unsharded recipe returns
+    `ctx` unchanged."""
+    if recipe.shards == 1:
+        return ctx
+    if ctx.scoring is not None or ctx.replay_probability > 0:
+        raise ShardConfigError(
+            f"epoch {info.epoch}: sharded aggregators cannot score or replay hosts yet (its replay probability "
+            f"is {info.spec.replay_probability:g}); set [aggregator] scoring = false to run it unscored and "
+            "unreplayed anyway (docs/SECURITY.md \"Sharded aggregators\")"
+        )
+    aggregators = [bytes.fromhex(a[2:]) for a in info.spec.aggregators]
+    if len(aggregators) != recipe.shards or info.spec.aggregator_quorum != recipe.shards:
+        raise ShardConfigError(
+            f"epoch {info.epoch}: the recipe has {recipe.shards} shards, but the epoch names {len(aggregators)} "
+            f"aggregators with quorum {info.spec.aggregator_quorum} (both must equal the shard count)"
+        )
+    role = shard_role(ctx.spec, aggregators, me, rule)
+    assert role is not None
+    return dataclasses.replace(
+        ctx, spec=role.spec, shard=role, model_factory=None, scoring=None, replay=None, replay_probability=0.0
+    )

@@ -16,12 +16,21 @@ bare_grpc_mb_s: the same client, payloads and TLS against a server process whose
 and discards the stream: what loopback gRPC carries here, the ceiling for ingest_mb_s.
 Scoring is off unless `--checks` (it runs forward passes of the model per host); copies, mixtures
 and dissent always run. `--params P` sizes a Llama-shaped model near P parameters (default: 10.1M).
+
+`--shards S` (S > 1) runs S shard processes instead of one aggregator (docs/PROTOCOL.md "Sharded
+aggregators"): each owns one fragment, meets the others through a shared directory (`DirExchange`),
+and finalizes on its own embedded chain (an epoch naming S aggregators, quorum 1 there: separate
+processes cannot share an embedded EVM; the votes are not what is measured). Hosts cut each payload by
+fragment and upload to every shard at once; ingest counts every fragment's bytes, finalize_latency_s
+runs until the last shard finalized, and the memory figures are the largest shard's. The default run
+(no --hosts, --shards) adds the same model on 4 shards with 4 hosts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -85,8 +94,9 @@ def host_keys(i: int) -> tuple[bytes, SigningKey]:
     )
 
 
-def epoch_with_hosts(n_hosts: int, init_sha: bytes) -> tuple[Any, Any, Any, int]:
-    """The embedded chain with contracts, an epoch and `n_hosts` signed in (the window closed)."""
+def epoch_with_hosts(n_hosts: int, init_sha: bytes, shards: int = 1) -> tuple[Any, Any, Any, int]:
+    """The embedded chain with contracts, an epoch naming `shards` aggregators (dev accounts 1..S,
+    quorum 1) and `n_hosts` signed in (the window closed)."""
     from eth_account import Account
     from web3.types import Wei
 
@@ -103,7 +113,7 @@ def epoch_with_hosts(n_hosts: int, init_sha: bytes) -> tuple[Any, Any, Any, int]
         model_spec_hash=hashlib.sha256(b"bench").digest(), model_uri="bench", data_manifest_hash=hashlib.sha256(b"d").digest(),
         init_checkpoint_hash=init_sha, inner_steps=1, inner_lr=1e-3, batch_size=1, outer_lr=0.7, outer_momentum=0.9,
         codec=CODEC, n_rounds=2, round_length=3600, signin_window=7200, min_stake=reward, max_hosts=n_hosts,
-        aggregators=(dev[1].address,), reward_per_round=reward,
+        aggregators=tuple(dev[1 + i].address for i in range(shards)), reward_per_round=reward,
     )  # fmt: skip
     epoch = gov.create_epoch(spec)
     gov.mint(gov.address, reward * 2 + n_hosts * reward)
@@ -134,37 +144,64 @@ def scoring_inputs(cfg: ModelConfig, n_hosts: int) -> dict[str, Any]:
     }
 
 
-def serve(n_hosts: int, workdir: Path, params: float | None, checks: bool) -> None:
-    """The aggregator process: chain + epoch + server; prints its port, then its peak RSS on SIGTERM."""
+def serve(n_hosts: int, workdir: Path, params: float | None, checks: bool, shard: tuple[int, int] = (0, 1)) -> None:
+    """The aggregator process (or shard `shard[0]` of `shard[1]`): chain + epoch + server; prints its
+    port, then its peak RSS on SIGTERM."""
     from nacl.signing import SigningKey as Key
 
     from chain.client import ChainClient
     from gonka_node.aggregator.chain_view import ChainView
     from gonka_node.aggregator.checkpoints import TrainingCheckpoints
     from gonka_node.aggregator.rounds import EpochContext, RoundEngine
+    from gonka_node.aggregator.shard import DirExchange, shard_role
     from gonka_node.aggregator.store import Store
     from gonka_node.core.config import AggregationSettings, RoundSettings
-    from training.model import build_model
 
+    index, shards = shard
     cfg = model_for(params)
-    base = {n: p.detach() for n, p in build_model(cfg, 0).named_parameters()}
-    init_path = workdir / "init.safetensors"
-    init_sha = TrainingCheckpoints().save(init_path, base, {})
-    backend, dev, deployment, epoch = epoch_with_hosts(n_hosts, init_sha)
+    init_path = workdir.parent / "init.safetensors"  # written by the client process: no server builds the model
+    init_sha = recorded_sha256(init_path)
+    backend, dev, deployment, epoch = epoch_with_hosts(n_hosts, init_sha, shards)
+    spec = spec_of(cfg)
     ctx = EpochContext(
         chain_id=deployment.chain_id, registry=bytes.fromhex(deployment.registry[2:]), epoch=epoch, codec_name=CODEC,
-        codec=get_codec(CODEC), spec={n: tuple(t.shape) for n, t in base.items()}, n_rounds=2,
+        codec=get_codec(CODEC), spec=spec, n_rounds=2,
         round_length_s=3600, outer_lr=0.7, outer_momentum=0.9, reward_per_round=1000 * GNK, initial_checkpoint=init_path,
         initial_sha256=init_sha, **(scoring_inputs(cfg, n_hosts) if checks else {}),
     )  # fmt: skip
-    del base
+    exchange = None
+    if shards > 1:
+        role = shard_role(spec, [bytes.fromhex(dev[1 + i].address[2:]) for i in range(shards)],
+                          bytes.fromhex(dev[1 + index].address[2:]), "clip_median")
+        ctx = dataclasses.replace(ctx, spec=role.spec if role else spec, shard=role, model_factory=None, scoring=None)
+        exchange = DirExchange(workdir.parent / "exchange")
     engine = RoundEngine(
         ctx, RoundSettings(max_update_norm=1e6, max_payload_bytes=max(512 << 20, 2 * cfg.num_params())), AggregationSettings(rule="clip_median"),
-        Store(workdir / "agg").open(), ChainView(ChainClient(backend, dev[1], deployment).connect()),
-        TrainingCheckpoints(), Key(b"\x01" * 32),
+        Store(workdir / "agg").open(), ChainView(ChainClient(backend, dev[1 + index], deployment).connect()),
+        TrainingCheckpoints(), Key(bytes([1 + index]) * 32), exchange=exchange,
     )  # fmt: skip
     asyncio.run(_serve_engine(engine))
     print(json.dumps({"peak_rss_mb": peak_rss_mb()}), flush=True)
+
+
+def initial_model(cfg: ModelConfig, path: Path) -> None:
+    """The round-0 model, written by the client process once per run (every shard reads it)."""
+    from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+    from training.model import build_model
+
+    base = {n: p.detach() for n, p in build_model(cfg, 0).named_parameters()}
+    TrainingCheckpoints().save(path, base, {})
+
+
+def recorded_sha256(path: Path) -> bytes:
+    """The canonical hash a checkpoint records in its metadata (read without loading a tensor; the
+    engine verifies the tensors against it when a round loads them)."""
+    from safetensors import safe_open
+
+    from training.checkpoint import META_SHA256
+
+    with safe_open(str(path), framework="pt") as f:
+        return bytes.fromhex((f.metadata() or {})[META_SHA256])
 
 
 def peak_rss_mb() -> float:
@@ -282,38 +319,53 @@ def bare_grpc_mb_s(data: list[bytes]) -> float:
     return round(sum(map(len, data)) / 1e6 / seconds, 1)
 
 
-def run_one(cfg: ModelConfig, params: float | None, n_hosts: int, checks: bool, data: list[bytes]) -> dict[str, Any]:
+def run_one(
+    cfg: ModelConfig, params: float | None, n_hosts: int, checks: bool, data: list[bytes], shards: int = 1
+) -> dict[str, Any]:
     from eth_account import Account
+
+    from gonka_node.host.shards import split_payload, submit_fragments
 
     with tempfile.TemporaryDirectory() as tmp:
         args = ["--serve", str(n_hosts), *(["--params", str(params)] if params else []), *(["--checks"] if checks else [])]
-        server = Aggregator(args, Path(tmp))
+        servers: list[Aggregator] = []
+        initial_model(cfg, Path(tmp) / "init.safetensors")
         try:
-            with server.client() as client:
-                info = client.open_round()
+            for i in range(shards):
+                extra = ["--shard", f"{i}/{shards}"] if shards > 1 else []
+                (Path(tmp) / f"s{i}").mkdir()
+                servers.append(Aggregator([*args, *extra], Path(tmp) / f"s{i}"))
+            clients = [s.client() for s in servers]
+            info = clients[0].open_round()
+            spec = spec_of(cfg)
+            parts = [split_payload(get_codec(CODEC), d, spec, shards) for d in data] if shards > 1 else [[d] for d in data]
 
-                def submit(i: int) -> None:
-                    evm, node = host_keys(i)
-                    addr = bytes.fromhex(Account.from_key(evm).address[2:])
-                    assert client.submit(info, addr, data[i], node, 1000).accepted
+            def submit(i: int) -> None:
+                evm, node = host_keys(i)
+                addr = bytes.fromhex(Account.from_key(evm).address[2:])
+                accepted, why = submit_fragments(clients, info.round, parts[i], addr, node, 1000)
+                assert accepted, why
 
-                seconds = upload_all(n_hosts, submit)
-                last = time.perf_counter()
-                result = _wait_finalized(client, info.epoch, info.round)
-                done = time.perf_counter()
+            seconds = upload_all(n_hosts, submit)
+            last = time.perf_counter()
+            results = [_wait_finalized(c, info.epoch, info.round) for c in clients]
+            done = time.perf_counter()
+            for c in clients:
+                c.close()
         finally:
-            rss = server.stop().get("peak_rss_mb", 0.0)
+            stopped = [s.stop().get("peak_rss_mb", 0.0) for s in servers]
+    largest = max(range(len(servers)), key=lambda k: stopped[k])
     total_mb = sum(len(d) for d in data) / 1e6
     return {
         "hosts": n_hosts,
-        "shards": 1,
+        "shards": shards,
         "params": cfg.num_params(),
         "payload_mb": round(total_mb / n_hosts, 3),
         "ingest_mb_s": round(total_mb / seconds, 1),
         "finalize_latency_s": round(done - last, 2),
-        "peak_rss_mb": round(rss, 1),
-        "rss_before_round_mb": round(server.hello["setup_rss_mb"], 1),  # chain, contracts, model, imports
-        "aggregated": sum(1 for c in result.contributions if c.aggregated),
+        "peak_rss_mb": round(stopped[largest], 1),
+        "rss_before_round_mb": round(servers[largest].hello["setup_rss_mb"], 1),  # chain, contracts, model, imports
+        "aggregated": min(sum(1 for c in r.contributions if c.aggregated) for r in results),
     }
 
 
@@ -386,7 +438,9 @@ def _best_ms(step: Callable[[], object], repeat: int = 5) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hosts", type=int, nargs="+", default=[4, 64])
+    parser.add_argument("--hosts", type=int, nargs="+", help="hosts per run (default: 4 and 64)")
+    parser.add_argument("--shards", type=int, help="aggregator shards (default: 1, plus a 4-shard run of 4 hosts)")
+    parser.add_argument("--shard", help=argparse.SUPPRESS)
     parser.add_argument("--params", type=float, help="model size in parameters (default: the 10.1M bench model)")
     parser.add_argument("--checks", action="store_true", help="score every host too (forward passes per host)")
     parser.add_argument("--stages", action="store_true", help="print per-stage costs of one payload and exit")
@@ -401,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_bare()
         return 0
     if args.serve:
-        serve(args.serve, args.workdir, args.params, args.checks)
+        index, shards = (int(x) for x in args.shard.split("/")) if args.shard else (0, 1)
+        serve(args.serve, args.workdir, args.params, args.checks, (index, shards))
         return 0
     cfg = model_for(args.params)
     print(f"model: {cfg.num_params() / 1e6:.2f}M parameters, codec {CODEC}", file=sys.stderr)
@@ -414,15 +469,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def plan(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(hosts, shards) of each run: the default covers 4 and 64 hosts on one aggregator and 4 on 4 shards."""
+    if args.hosts is None and args.shards is None:
+        return [(4, 1), (64, 1), (4, 4)]
+    return [(n, args.shards or 1) for n in (args.hosts or [4, 64])]
+
+
 def measure(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
-    data = payloads(cfg, max(args.hosts))
+    runs = plan(args)
+    data = payloads(cfg, max(n for n, _ in runs))
     report: dict[str, Any] = {"model_params": cfg.num_params(), "codec": CODEC, "checks": args.checks}
     if not args.no_bare:
         report["bare_grpc_mb_s"] = bare_grpc_mb_s(data[: max(STREAMS * 4, min(len(data), 64))])
         print(json.dumps({"bare_grpc_mb_s": report["bare_grpc_mb_s"]}), flush=True)
     report["runs"] = []
-    for n in args.hosts:
-        report["runs"].append(run_one(cfg, args.params, n, args.checks, data[:n]))
+    for n, shards in runs:
+        report["runs"].append(run_one(cfg, args.params, n, args.checks, data[:n], shards))
         print(json.dumps(report["runs"][-1]), flush=True)
     return report
 

@@ -26,7 +26,7 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 import torch
@@ -277,12 +277,21 @@ class _BlockOrder:
         return self.block_perm[which] * self.block + (positions - self.starts[which])
 
 
+class TokenArray(Protocol):
+    """What `Windows` reads tokens from: an in-memory array, or shards fetched on demand
+    (training/dataset.py's ShardedTokens), sliced by window."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, where: slice, /) -> np.ndarray: ...
+
+
 class Windows:
     """Non-overlapping `seq_len + 1`-token windows of a token array, split into train and held-out."""
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: TokenArray,
         seq_len: int,
         heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
         heldout_start: int | None = None,

@@ -332,7 +332,7 @@ def open_windows(manifest: Manifest, cache: ShardCache, seq_len: int) -> Windows
     pieces = _trimmed(manifest.train, n_train * width) + _trimmed(manifest.heldout, n_heldout * width)
     tokens = ShardedTokens(cache, manifest.dtype, pieces)
     block = max(1, min(ASSIGNMENT_BLOCK_TOKENS // width, n_train // 64))
-    return Windows(tokens, seq_len, heldout_start=n_train, assignment_block=block)  # type: ignore[arg-type]
+    return Windows(tokens, seq_len, heldout_start=n_train, assignment_block=block)
 
 
 def verify_all(manifest: Manifest, source: ShardSource, folder: Path) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from training.model import Llama
+from training.model import Llama, check_fields
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 AutocastMode = Literal["auto", "bf16", "off"]
@@ -100,10 +100,7 @@ class InnerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> InnerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown InnerConfig field(s) {unknown}; known fields: {sorted(known)}")
+        check_fields(cls, data)
         if "betas" in data:
             data = {**data, "betas": tuple(data["betas"])}  # JSON/TOML give a list
         return cls(**data)

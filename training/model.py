@@ -27,6 +27,14 @@ INIT_STD = 0.02
 Device = torch.device | str | None
 
 
+def check_fields(cls: type, data: dict[str, Any]) -> None:
+    """Refuse keys that are not fields of the config dataclass `cls` (a typo must not pass silently)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     dim: int
@@ -78,10 +86,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        check_fields(cls, data)
         return cls(**data)
 
     @classmethod

@@ -34,13 +34,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from training.codecs import Codec, ErrorFeedback, round_seed
+from training.codecs import Codec
 from training.data import Windows
 from training.durable import durable_replace
-from training.inner import InnerConfig, InnerResult, InnerTrainer
+from training.inner import InnerConfig, InnerResult
 from training.model import Llama
 from training.rig import Rig
-from training.worker import Assignment, RoundFigures, round_batches, round_start_step
+from training.worker import Assignment, RoundFigures, SlotWorker
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ class GlobalRows:
         return view[shard.start : shard.stop].to(self.device)
 
 
-class ShardedWorker:
+class ShardedWorker(SlotWorker):
     """A host slot's rounds on an FSDP2 rig. Call every method in every process of the rig."""
 
     def __init__(
@@ -200,11 +200,10 @@ class ShardedWorker:
         ef_decay: float = 1.0,
         first_round: int = 1,
     ) -> None:
-        self.model, self.rig, self.windows, self.assignment = model, rig, windows, assignment
-        self.first_round = first_round
+        # the residuals `feedback` holds are those of the tensors this process owns
+        super().__init__(model, inner, codec, windows, assignment, ef_decay, first_round, sync=ShardedSync(rig))
+        self.rig = rig
         self.layout = ShardLayout.of(model, rig.rank, rig.world_size)
-        self.trainer = InnerTrainer(model, inner, sync=ShardedSync(rig))
-        self.feedback = ErrorFeedback(codec, ef_decay)  # residuals of the tensors this process owns
 
     def run_round(
         self, round_index: int, global_path: Path, payload_path: Path, on_step: Callable[[int, float], None] | None = None
@@ -212,12 +211,9 @@ class ShardedWorker:
         """Train `round_index` from the global model in `global_path`; rank 0 writes the payload."""
         with GlobalRows(global_path, self.layout, self.rig.device) as rows:
             self._load(rows)
-            if self.trainer.config.round_state == "fresh":
-                self.trainer.restart(round_start_step(round_index, self.first_round, self.trainer.config.steps))
-            config = self.trainer.config
-            batches = round_batches(self.windows, self.assignment, round_index, config, config.micro_batch)
+            batches = self.start_round(round_index, self.trainer.config.micro_batch)
             result = self.trainer.run(self.rig.shard(batches), on_step=on_step)
-            codec = self.feedback.codec.for_round(round_seed(self.assignment.epoch_seed, round_index))
+            codec = self.round_codec(round_index)
             parts = part_path(payload_path, self.rig.rank)
             index, squares = self._encode_parts(rows, codec, parts)
         return self._finish(round_index, result, codec, parts, index, squares, payload_path)

@@ -18,7 +18,7 @@ from torch import Tensor
 from training.codecs import Codec, ErrorFeedback, get_codec, round_seed
 from training.data import Windows, window_seed
 from training.diloco import pseudo_gradient
-from training.inner import Batch, InnerConfig, InnerResult, InnerTrainer
+from training.inner import Batch, GradSync, InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
 from training.rig import Rig
 
@@ -64,7 +64,45 @@ class RoundFigures:
     seconds: float
 
 
-class DiLoCoWorker:
+class SlotWorker:
+    """What every worker of a host slot holds between rounds, one process or a sharded rig alike: the
+    local model, the inner trainer (AdamW state, schedule) and the error-feedback residual, and the
+    slot's windows. It starts each round the same way (`start_round`) and picks the round's codec."""
+
+    def __init__(
+        self,
+        model: Llama,
+        inner: InnerConfig,
+        codec: Codec,
+        windows: Windows,
+        assignment: Assignment,
+        ef_decay: float = 1.0,
+        first_round: int = 1,
+        sync: GradSync | None = None,
+    ) -> None:
+        self.model = model
+        self.first_round = first_round  # the chain numbers rounds from 1; the local simulation from 0
+        self.trainer = InnerTrainer(model, inner, sync=sync)
+        self.feedback = ErrorFeedback(codec, ef_decay)
+        self.windows = windows
+        self.assignment = assignment
+
+    def start_round(self, round_index: int, micro_batch: int) -> Iterator[Batch]:
+        """Once the global model is loaded: restart the schedule at the round's place when rounds start
+        fresh, and return the whole slot's micro-batches of the round, in training order."""
+        if self.trainer.config.round_state == "fresh":
+            self.trainer.restart(self.round_start_step(round_index))
+        return round_batches(self.windows, self.assignment, round_index, self.trainer.config, micro_batch)
+
+    def round_start_step(self, round_index: int) -> int:
+        return round_start_step(round_index, self.first_round, self.trainer.config.steps)
+
+    def round_codec(self, round_index: int) -> Codec:
+        """The codec as round `round_index` uses it (the mask codec's mask is seeded per round)."""
+        return self.feedback.codec.for_round(round_seed(self.assignment.epoch_seed, round_index))
+
+
+class DiLoCoWorker(SlotWorker):
     """Holds what a host keeps between rounds: the local model, the inner AdamW state and the
     error-feedback residual. `state_dict()` has all of it, so a killed host resumes bit for bit."""
 
@@ -80,13 +118,8 @@ class DiLoCoWorker:
         rig: Rig | None = None,
         first_round: int = 1,
     ) -> None:
-        self.model = model
-        self.first_round = first_round  # the chain numbers rounds from 1; the local simulation from 0
+        super().__init__(model, inner, codec, windows, assignment, ef_decay, first_round, sync=rig)
         self.rig = rig  # several processes of one rig: each takes its share of the micro-batches
-        self.trainer = InnerTrainer(model, inner, sync=rig)
-        self.feedback = ErrorFeedback(codec, ef_decay)
-        self.windows = windows
-        self.assignment = assignment
         self.micro_batch = micro_batch or inner.micro_batch
 
     def train_round(
@@ -99,8 +132,7 @@ class DiLoCoWorker:
         return the compressed pseudo-gradient θ_global − θ_local."""
         delta, result = self.local_delta(round_index, global_params, on_step)
         norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
-        codec = self.feedback.codec.for_round(round_seed(self.assignment.epoch_seed, round_index))
-        payload = self.feedback.compress(delta, codec)
+        payload = self.feedback.compress(delta, self.round_codec(round_index))
         return WorkerRound(
             round=round_index,
             payload=payload,
@@ -121,16 +153,11 @@ class DiLoCoWorker:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(global_params[name])
-        if self.trainer.config.round_state == "fresh":
-            self.trainer.restart(self.round_start_step(round_index))
-        batches = round_batches(self.windows, self.assignment, round_index, self.trainer.config, self.micro_batch)
+        batches = self.start_round(round_index, self.micro_batch)
         if self.rig is not None:
             batches = self.rig.shard(batches)
         result = self.trainer.run(batches, on_step=on_step)
         return pseudo_gradient(global_params, dict(self.model.named_parameters())), result
-
-    def round_start_step(self, round_index: int) -> int:
-        return round_start_step(round_index, self.first_round, self.trainer.config.steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.trainer.state_dict(), "feedback": self.feedback.state_dict()}

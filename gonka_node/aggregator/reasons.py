@@ -28,6 +28,7 @@ class Reason(enum.Enum):
     CLOCK_SKEW = 18
     UNAVAILABLE = 19
     STREAM_TIMEOUT = 20
+    OBJECT_MISMATCH = 21
 
 
 class Rejected(Exception):

@@ -44,9 +44,12 @@ from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, reward_tree
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.metrics import RoundMetrics
+from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
+from gonka_node.aggregator.shard import ShardExchange, ShardPending, ShardRole
+from gonka_node.aggregator.shard_close import close_fragment
 from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
 from gonka_node.aggregator.validate import Codec, mapped, scan_update
 from gonka_node.core.config import AggregationSettings, RoundSettings
@@ -97,6 +100,7 @@ class EpochContext:
     recipe_json: bytes | None = None  # the recipe's canonical JSON (sha256 = the epoch's model_spec_hash)
     overlap: str = "off"  # the recipe's overlap rule: which global model a round trains from (training/overlap.py)
     broadcast: str = "dense"  # the recipe's: the aggregated update served dense or encoded (aggregator/broadcast.py)
+    shard: ShardRole | None = None  # one of several aggregators: `spec` is then its fragment's (aggregator/shard.py)
 
     def codec_for(self, round_: int) -> Codec:
         """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
@@ -145,8 +149,10 @@ class RoundEngine:
         signer: SigningKey,
         clock: Callable[[], int] = now_ms,
         evidence: EvidenceSink | None = None,
+        exchange: ShardExchange | None = None,
     ) -> None:
         self.ctx, self.settings, self.aggregation = ctx, settings, aggregation
+        self.exchange = exchange  # how this shard reaches the others (ctx.shard set); None: unsharded
         self.evidence = evidence
         self.store, self.chain, self.checkpoints, self.signer = store, chain, checkpoints, signer
         self.clock = clock
@@ -168,6 +174,9 @@ class RoundEngine:
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
         self._opening_failed = 0  # failed attempts to open the next round (its seed commitment): retried
         self.metrics = RoundMetrics()  # what it reports (aggregator/metrics.py); set by whoever serves them
+        # Writes each finalized round's files to the object store before the chain names them
+        # (aggregator/publish.py); None: the data directory is the store (nothing to copy).
+        self.publisher: RoundPublisher | None = None
         self._closing_since: float | None = None  # monotonic time the open round's close began
 
     @property
@@ -388,8 +397,9 @@ class RoundEngine:
         off the event loop: the store's own fsync at `add_submission` then finds nothing to flush."""
         with open(part, "rb+") as f:
             with mapped(f) as data:
+                offsets = None if self.ctx.shard is None else self.ctx.shard.offsets
                 norm, sketch = scan_update(
-                    self.ctx.codec_for(round_), data, self.ctx.spec, self.settings.max_update_norm
+                    self.ctx.codec_for(round_), data, self.ctx.spec, self.settings.max_update_norm, offsets
                 )
             os.fsync(f.fileno())
         return norm, sketch.numpy().tobytes()
@@ -475,17 +485,21 @@ class RoundEngine:
         self._closing_since = self._closing_since or time.monotonic()
         try:
             row = await asyncio.to_thread(self._close_sync, r, skip)
+        except ShardPending as exc:  # a shard waiting on the others is not failing: retried quietly
+            self._close_failed = skip
+            log.debug("round %d/%d: %s", r.epoch, r.round, exc)
+            return
         except Exception as exc:  # the chain (or a disk) failed: keep refusing, retry at the next tick
             self._note_close_failure(r, skip, exc)
             return
         self._report_closed(row)
-        if self._close_failed is not None:
+        if self._close_failures[0]:
             log.warning(
                 "round %d/%d: closing completed after %d failed attempts over %.1f s (state %s)",
                 r.epoch, r.round, self._close_failures[0], (self.clock() - self._close_failures[1]) / 1000,
                 row.state,
             )
-            self._close_failed, self._close_failures = None, (0, 0)
+        self._close_failed, self._close_failures = None, (0, 0)
         # `current` stays the closed round (closing: late uploads hear LATE) until the next round's seed
         # commitment is on chain and it takes submissions.
         self.round_closed.set()
@@ -530,12 +544,12 @@ class RoundEngine:
         if recorded is not None and recorded.state in ("finalizing", "skipping"):
             return self._finish(recorded)  # the intent of an earlier, failed attempt: never recompute it
         seed = self._revealed_seed(r)
-        if skip:
+        if skip and self.ctx.shard is None:  # a shard's skip goes through the verdict: every shard skips
             self.store.record_finalize_intent(
                 r.epoch, r.round, "skipping", self.global_sha256(r.round - 1), ZERO32, 0, "skipped", []
             )
         else:
-            outcome = self._compute(r, seed)
+            outcome = self._compute(r, seed, skip)
             if outcome.aggregated == 0:  # nothing worth aggregating: same as a skip, but scores are kept
                 self.store.record_finalize_intent(
                     r.epoch, r.round, "skipping", self.global_sha256(r.round - 1), ZERO32, 0, "skipped",
@@ -569,9 +583,9 @@ class RoundEngine:
             )
         return seed.seed
 
-    def _compute(self, r: RoundRow, seed: bytes) -> RoundOutcome:
+    def _compute(self, r: RoundRow, seed: bytes, skip: bool = False) -> RoundOutcome:
         ctx = self.ctx
-        return compute_outcome(ClosingInputs(
+        inputs = ClosingInputs(
             ctx=ctx,
             round_row=r,
             seed=seed,
@@ -586,7 +600,11 @@ class RoundEngine:
             store=self.store,
             checkpoints=self.checkpoints,
             aggregation=self.aggregation,
-        ))
+        )
+        if ctx.shard is None:
+            return compute_outcome(inputs)
+        assert self.exchange is not None, "a shard's engine needs its exchange"
+        return close_fragment(inputs, ctx.shard, self.exchange, skip, self.settings.max_update_norm)
 
     def _prev_residual(self, round_: int) -> Path | None:
         """The compressed broadcast's residual after the last finalized round before `round_`."""
@@ -608,6 +626,8 @@ class RoundEngine:
             and row.rewards_root is not None
             and row.total_reward is not None
         )
+        if self.publisher is not None and row.state == "finalizing":  # every attempt: a resume re-writes
+            self.publisher.publish(row.epoch, row.round)
         on_chain = self.chain.round_result(row.epoch, row.round)
         n = sum(1 for c in self.store.contributions(row.epoch, row.round) if c.reward > 0)
         if on_chain.finalized:

@@ -8,10 +8,11 @@ on, and two trailing metadata entries: `gonka-reason` (the RejectReason name, ma
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +23,7 @@ from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.config import RoundSettings
 from gonka_node.core.envelope import EnvelopeError, Submission
+from gonka_node.core.storage import ObjectMissing, StoreError
 from gonka_node.core.tls import TlsIdentity, server_credentials
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
@@ -31,6 +33,7 @@ from proto.gonka.v1 import common_pb2 as common
 
 log = logging.getLogger(__name__)
 FILE_CHUNK = 1 << 20
+T = TypeVar("T")
 MESSAGE_LIMIT = 4 << 20  # chunks are <= 1 MiB; larger messages die in the transport, before our code
 
 STATUS: dict[Reason, grpc.StatusCode] = {
@@ -54,7 +57,9 @@ STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.CLOCK_SKEW: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Reason.STREAM_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Reason.OBJECT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
+STORE_READ = 8 << 20  # bytes of a stored payload read per range request (then cut into chunks)
 
 
 def receipt_pb(r: SignedReceipt, message: str = "") -> pb.Receipt:
@@ -102,6 +107,17 @@ async def _chunks(stream: AsyncIterator[pb.SubmitRequest]) -> AsyncIterator[byte
         yield msg.chunk
 
 
+async def _store_read(read: Callable[[], T], what: str) -> T:
+    """A store call off the event loop; a missing object or a failing store as the refusal it is."""
+    try:
+        return await asyncio.to_thread(read)
+    except ObjectMissing:
+        raise Rejected(Reason.OBJECT_MISMATCH, f"no object {what}: PUT the payload to the upload slot's URL first"
+                       ) from None
+    except StoreError as exc:  # the host may retry; nothing was judged
+        raise Rejected(Reason.UNAVAILABLE, f"cannot read the object store: {exc}") from None
+
+
 async def stream_file(path: Path, meta: common.FileMeta) -> AsyncIterator[common.FileChunk]:
     yield common.FileChunk(meta=meta)
     with open(path, "rb") as f:
@@ -138,6 +154,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             aggregator_key=e.aggregator_key,
             submissions=len(e.store.submitted_hosts(r.epoch, r.round)),
             expected_hosts=len(await e.chain.hosts(r.epoch)),
+            direct_upload=e.publisher is not None and e.publisher.direct_upload,
         )
 
     async def Submit(
@@ -154,7 +171,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
                 raise Rejected(Reason.MALFORMED, "the stream must start with a SubmitHeader")
             sub = submission_from_pb(first.header)
             guard.what = f"upload of 0x{sub.host.hex()}"
-            receipt = await self.engine.submit(sub, first.header.signature, _chunks(requests), guard)
+            receipt = await self.engine.submit(sub, first.header.signature, self._payload(sub, requests), guard)
             self.engine.metrics.submission("accepted", sub.payload_length)
             return receipt_pb(receipt)
         except asyncio.CancelledError as exc:
@@ -171,6 +188,60 @@ class AggregatorService(pb_grpc.AggregatorServicer):
         finally:
             guard.disarm()
         raise AssertionError("unreachable")
+
+    async def _payload(self, sub: Submission, requests: AsyncIterator[pb.SubmitRequest]) -> AsyncIterator[bytes]:
+        """The payload's bytes: the chunks that follow the header, or the store object `stored` names."""
+        first = await anext(requests, None)
+        if first is None:
+            return
+        if first.WhichOneof("part") != "stored":
+            if first.WhichOneof("part") != "chunk":
+                raise Rejected(Reason.MALFORMED, "only payload chunks may follow the header")
+            yield first.chunk
+            async for chunk in _chunks(requests):
+                yield chunk
+            return
+        async for chunk in self._stored(sub, first.stored.key):
+            yield chunk
+        if await anext(requests, None) is not None:
+            raise Rejected(Reason.MALFORMED, "nothing may follow a stored payload")
+
+    async def _stored(self, sub: Submission, key: str) -> AsyncIterator[bytes]:
+        """A payload the host PUT into the store, read back in chunks for the same ingest as a stream
+        (its length and sha256 are checked there against the signed header, as for streamed bytes)."""
+        publisher = self.engine.publisher
+        if publisher is None or not publisher.direct_upload:
+            raise Rejected(Reason.MALFORMED, "this aggregator takes payloads in chunks (RoundInfo.direct_upload is off)")
+        expected = publisher.upload_key(sub.epoch, sub.round, sub.host)
+        if key != expected:
+            raise Rejected(Reason.MALFORMED, f"the stored payload's key must be {expected!r}, got {key[:100]!r}")
+        objects = publisher.objects
+        size = await _store_read(lambda: objects.size(key), key)
+        if size != sub.payload_length:
+            raise Rejected(Reason.OBJECT_MISMATCH,
+                           f"the object {key} is {size} bytes; the signed header says {sub.payload_length}")
+        step = self.engine.settings.max_chunk_bytes
+        per_read = step * max(1, STORE_READ // step)
+        for start in range(0, size, per_read):
+            block = await _store_read(functools.partial(objects.get_range, key, start, per_read), key)
+            for offset in range(0, len(block), step):
+                yield block[offset : offset + step]
+
+    async def GetUploadSlot(self, request: pb.SubmitHeader, context: grpc.aio.ServicerContext) -> pb.UploadSlot:
+        publisher, sub = self.engine.publisher, None
+        if publisher is None or not publisher.direct_upload:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this aggregator takes payloads in Submit's chunks (RoundInfo.direct_upload is off)")
+        assert publisher is not None
+        try:
+            sub = submission_from_pb(request)
+            await self.engine.authenticate(sub, request.signature)  # every check Submit makes before bytes
+            slot = await _store_read(
+                lambda: publisher.upload_slot(sub.epoch, sub.round, sub.host, self.engine.clock()), "an upload URL")
+        except Rejected as exc:
+            await self._refuse(sub, exc, context)
+            raise AssertionError("unreachable: abort raises") from exc
+        return pb.UploadSlot(url=slot.url, key=slot.key, expires_unix_ms=slot.expires_ms)
 
     async def _refuse(self, sub: Submission | None, exc: Rejected, context: grpc.aio.ServicerContext) -> None:
         log.info("rejected %s: %s", f"0x{sub.host.hex()}" if sub else "?", exc)
@@ -245,6 +316,24 @@ class AggregatorService(pb_grpc.AggregatorServicer):
     ) -> AsyncIterator[common.FileChunk]:
         async for chunk in checkpoint_stream(self.engine, request.epoch, request.round, context):
             yield chunk
+
+    async def LocateRound(self, request: pb.RoundRef, context: grpc.aio.ServicerContext) -> pb.RoundLocation:
+        row = await self._done_round(request.epoch, request.round, context)
+        out = pb.RoundLocation(epoch=row.epoch, round=row.round)
+        publisher = self.engine.publisher
+        if publisher is None or row.state != "finalized":
+            return out
+        try:
+            found = await asyncio.to_thread(publisher.locate, row.epoch, row.round, self.engine.clock())
+        except StoreError as exc:  # cannot sign URLs (no credentials): clients stream over gRPC instead
+            log.warning("round %d/%d: no download URLs handed out: %s", row.epoch, row.round, exc)
+            return out
+        for kind, where in found.items():
+            getattr(out, kind).CopyFrom(pb.StoredObject(
+                url=where.url, key=where.key, length=where.length, file_sha256=where.file_sha256,
+                expires_unix_ms=where.expires_ms,
+            ))
+        return out
 
     async def _done_round(self, epoch: int, round_: int, context: grpc.aio.ServicerContext) -> RoundRow:
         row = self.engine.store.get_round(epoch, round_)

@@ -97,13 +97,18 @@ def check_update(update: Mapping[str, Any], spec: Mapping[str, tuple[int, ...]],
 
 
 def scan_update(
-    codec: Codec, data: bytes | memoryview, spec: Mapping[str, tuple[int, ...]], max_norm: float
+    codec: Codec,
+    data: bytes | memoryview,
+    spec: Mapping[str, tuple[int, ...]],
+    max_norm: float,
+    offsets: Mapping[str, int] | None = None,
 ) -> tuple[float, Tensor]:
     """`check_update(decode_update(...))`'s norm and sketch, holding one decoded tensor at a time.
 
     Same verdicts in the same precedence: a decoding error anywhere beats any check (the old path
     decoded everything first), then the names, then the first failing tensor in sorted order, then
-    the norm. After a tensor failed, later ones are only decoded (to find a decoding error)."""
+    the norm. After a tensor failed, later ones are only decoded (to find a decoding error).
+    `offsets`: a shard's fragment, sketched at its tensors' coordinates in the whole update."""
     sketcher, total, seen = Sketcher(), 0.0, []
     failed: Rejected | None = None
     with decoding():
@@ -116,7 +121,10 @@ def scan_update(
             except Rejected as exc:
                 failed = exc
                 continue
-            sketcher.add(tensor)
+            if offsets is None:
+                sketcher.add(tensor)
+            else:
+                sketcher.add_at(offsets[name], tensor)
     _check_names(dict.fromkeys(seen), spec)
     if failed is not None:
         raise failed

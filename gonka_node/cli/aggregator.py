@@ -14,10 +14,12 @@ from pathlib import Path
 
 from gonka_node.aggregator.challenger import Challenger
 from gonka_node.aggregator.metrics import PrometheusMetrics
+from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.cli import CliError
 from gonka_node.cli.verbs import add_verb
 from gonka_node.core.config import AggregatorConfig, ConfigError, load_aggregator_config, read_env
+from gonka_node.core.storage import StoreError, open_store
 from gonka_node.core.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_identity
 from gonka_node.slashing import EvidenceLog
 
@@ -71,6 +73,7 @@ async def _serve(
 
     if cfg.metrics_port:
         engine.metrics = _metrics(cfg.metrics_port)
+    engine.publisher = _publisher(cfg, engine)
 
     server = AggregatorServer(engine, identity, cfg.listen)
     port = await server.start()
@@ -92,6 +95,21 @@ async def _serve(
         await challenger
     await server.stop(2.0)
     engine.store.close()
+
+
+def _publisher(cfg: AggregatorConfig, engine: RoundEngine) -> RoundPublisher:
+    """The store finalized rounds are written to before the chain names them ([store]; default: the data
+    directory itself, today's layout, nothing copied)."""
+    if cfg.store.uri and engine.ctx.shard is not None:  # every shard would write its fragment to the round's keys
+        raise CliError("[store] uri: a sharded epoch's shards cannot publish to an object store yet; leave it unset")
+    try:
+        objects = open_store(cfg.store.uri or cfg.data_dir)
+    except StoreError as exc:
+        raise CliError(f"[store] uri: {exc}") from None
+    if cfg.store.uri:
+        log.info("finalized checkpoints and updates are published to %s", objects.uri)
+    return RoundPublisher(engine.store, objects, cfg.store.public_url, cfg.store.url_expiry_s,
+                          cfg.store.direct_upload)
 
 
 def _metrics(port: int) -> PrometheusMetrics:
@@ -158,10 +176,11 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
     from chain.types import Deployment
     from gonka_node.aggregator.chain_view import ChainView
     from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+    from gonka_node.aggregator.shard import DirExchange
     from gonka_node.aggregator.store import Store
     from gonka_node.core.keys import KeyStoreError, load_evm_account, load_node_key
     from gonka_node.core.recipe import Recipe, RecipeError
-    from gonka_node.epoch_setup import aggregator_context, beacon_reader
+    from gonka_node.epoch_setup import aggregator_context, beacon_reader, shard_context
     from gonka_node.slashing import EvidenceLog
 
     if cfg.chain.backend != "rpc":
@@ -189,6 +208,8 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
             scoring=cfg.scoring,
             beacon=beacon_reader(client.signin_beacon, epoch),
         )
+        me = bytes.fromhex(account.address[2:])
+        ctx = shard_context(ctx, recipe, info, me, cfg.aggregation.rule_for(epoch))
     except (KeyStoreError, RecipeError, ChainError, ValueError) as exc:
         raise CliError(f"{where}: {exc}") from exc
     if not cfg.scoring:
@@ -204,6 +225,7 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
             TrainingCheckpoints(),
             node_key.signing_key,
             evidence=EvidenceLog(cfg.data_dir / "evidence"),  # signed copies/garbage, for slashing
+            exchange=None if ctx.shard is None else DirExchange(cfg.shard_exchange or cfg.data_dir.parent / "shard-exchange"),
         )
     except ValueError as exc:
         raise CliError(f"{where}: {exc}") from exc

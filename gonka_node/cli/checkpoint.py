@@ -17,35 +17,29 @@ The chain's checkpoint hash covers tensors only, so a pulled file's metadata is 
 `pull` compares the file's `model_config` with the epoch's recipe (on chain, or `--recipe`) and deletes a
 file whose metadata says otherwise; where no recipe can be had, it strips that metadata instead of
 keeping an unverified claim.
+
+This module holds the verbs; what they build on lives beside it, one job each: `checkpoint_chain.py`
+(what the chain vouches for: a round's hash, the epoch's recipe), `checkpoint_pull.py` (the verified
+transfer) and `checkpoint_load.py` (a local file verified and loaded, its config and tokenizer).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import sys
-import tempfile
-import unicodedata
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
+from gonka_node.cli.checkpoint_chain import chain_checkpoint, check_epoch, epoch_model
+from gonka_node.cli.checkpoint_load import load_model, load_verified, recipe_tokenizer, terminal_safe
+from gonka_node.cli.checkpoint_pull import DEFAULT_MAX_BYTES, MESSAGE_LIMIT, check_aggregator, pull_checkpoint
 from gonka_node.cli.verbs import add_group, add_verb
-from gonka_node.core.tls import TlsError, check_peer, pinned_channel
+from gonka_node.core.tls import TlsError, pinned_channel
 
 if TYPE_CHECKING:
     from training.tokenizer import Tokenizer
-
-# A chunk is at most 1 MiB; the default 4 MiB receive limit leaves room for the protobuf framing.
-MESSAGE_LIMIT = 4 << 20
-DEFAULT_MAX_BYTES = 64 << 30  # refuse a stream that announces more than this (a 1B fp32 model is ~4 GiB)
-ROUND_LATEST = "latest"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -132,58 +126,6 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser, presets: Any) -> None:
     parser.add_argument("--recipe", type=Path, help="epoch recipe file, when the checkpoint records no config")
 
 
-# ---------------------------------------------------------------------------------------------- chain
-
-
-@dataclass(frozen=True)
-class ChainCheckpoint:
-    """The checkpoint sha256 the chain records for (epoch, round), and where that came from."""
-
-    epoch: int
-    round: int
-    sha256: bytes
-    chain_id: int
-    registry: str
-
-
-def _check_epoch(client: Any, epoch: int) -> None:
-    count = client.epoch_count()
-    if not 1 <= epoch <= count:
-        raise CliError(f"--epoch {epoch}: no such epoch on chain {client.chain_id} (it has epochs 1..{count})")
-
-
-def _parse_round(text: str) -> int | None:
-    if text == ROUND_LATEST:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise CliError(f"--round {text!r}: give a round number or 'latest'") from None
-    if value < 0:
-        raise CliError(f"--round {value}: must be >= 0")
-    return value
-
-
-def chain_checkpoint(client: Any, epoch: int, round_text: str) -> ChainCheckpoint:
-    """The on-chain hash of a finalized round (round 0: the epoch's initial checkpoint)."""
-    _check_epoch(client, epoch)
-    latest = client.latest_round(epoch)
-    round_ = _parse_round(round_text)
-    round_ = latest if round_ is None else round_
-    if round_ > latest:
-        raise CliError(
-            f"--round {round_}: epoch {epoch} has no finalized round {round_} yet (latest finalized: {latest})"
-        )
-    if round_ == 0:
-        sha = client.get_epoch(epoch).spec.init_checkpoint_hash
-    else:
-        sha = client.round_result(epoch, round_).checkpoint_sha256
-    return ChainCheckpoint(epoch, round_, bytes(sha), client.chain_id, client.registry.address)
-
-
-# ---------------------------------------------------------------------------------------------- list
-
-
 def _list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -193,7 +135,7 @@ def _list(args: argparse.Namespace) -> int:
     client = open_client(args)
     epochs = [args.epoch] if args.epoch is not None else list(range(1, client.epoch_count() + 1))
     if args.epoch is not None:
-        _check_epoch(client, args.epoch)
+        check_epoch(client, args.epoch)
     table = Table(title=f"checkpoints on chain {client.chain_id}")
     table.add_column("epoch", justify="right")
     table.add_column("round", justify="right")
@@ -232,9 +174,6 @@ def _sources(epochs: list[int], client: Any) -> list[str]:
     return lines
 
 
-# ---------------------------------------------------------------------------------------------- pull
-
-
 def _pull(args: argparse.Namespace) -> int:
     from gonka_node.core.discovery import resolve_aggregator
 
@@ -249,7 +188,7 @@ def _pull(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise CliError(f"--out {out}: file exists; pass --force to replace it")
     model, where = epoch_model(client, args.epoch, args.recipe)
-    _check_aggregator(target, pin, min(args.timeout, 10.0))
+    check_aggregator(target, pin, min(args.timeout, 10.0))
     with pinned_channel(
         target, pin, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]
     ) as channel:
@@ -263,301 +202,11 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def epoch_model(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any, str]:
-    """The epoch's ModelConfig from a source the chain vouches for (the recipe published on chain, else
-    `recipe_file` checked against the epoch's model_spec_hash) and where it came from; (None, "") if none."""
-    recipe, where = epoch_recipe(client, epoch, recipe_file)
-    return (None, "") if recipe is None else (recipe.model, where)
-
-
-def epoch_recipe(client: Any, epoch: int, recipe_file: Path | None) -> tuple[Any, str]:
-    """The epoch's `Recipe` as `epoch_model` finds it, and where it came from; (None, "") if none."""
-    import json
-
-    from gonka_node.core.recipe import Recipe, RecipeError
-
-    published = client.published_recipe(epoch)
-    if published is not None:
-        where = f"epoch {epoch}'s recipe on chain"
-        try:
-            return Recipe.from_dict(json.loads(published), where=where), where
-        except (RecipeError, ValueError) as exc:
-            raise CliError(f"{where} cannot be read by this node: {exc}") from None
-    if recipe_file is not None:
-        return _recipe_file(recipe_file, epoch, client), f"--recipe {recipe_file}"
-    return None, ""
-
-
-def recipe_tokenizer(recipe: Any, where: str, tokenizer_file: Path | None, model: Any = None) -> Tokenizer:
-    """The tokenizer the checkpoint's ids are in: the recipe's (bytes, or its tokenizer.json: the file
-    `tokenizer_file`, else the one stored with the recipe's dataset, refused unless its sha256 is the
-    recipe's); with no recipe, `tokenizer_file` as it is, else bytes. Checked to fit `model`'s vocabulary."""
-    from gonka_node.core.recipe import RecipeError
-    from training.tokenizer import Bytes, HFTokenizer, TokenizerError
-
-    named = None if recipe is None else recipe.tokenizer
-    if named == "" and tokenizer_file is not None:
-        raise CliError(f"--tokenizer {tokenizer_file}: {where} names the byte tokenizer; leave --tokenizer out")
-    tokenizer: Tokenizer
-    try:
-        if tokenizer_file is not None:
-            tokenizer = HFTokenizer.from_file(tokenizer_file, named or None)
-        elif named:
-            tokenizer = recipe.load_tokenizer()
-        else:
-            tokenizer = Bytes()
-    except TokenizerError as exc:
-        raise CliError(f"--tokenizer: {exc}") from None
-    except RecipeError as exc:
-        raise CliError(f"{where}: {exc}; give the epoch's tokenizer.json with --tokenizer FILE") from None
-    if model is not None and tokenizer.vocab_size > model.vocab_size:
-        raise CliError(f"the tokenizer has {tokenizer.vocab_size:,} tokens, more than the model's vocab_size "
-                       f"{model.vocab_size:,}: not this model's tokenizer")
-    return tokenizer
-
-
-def _check_aggregator(target: str, pin: bytes, timeout_s: float) -> None:
-    """Fail with what is wrong (unreachable, no TLS, another certificate) before streaming anything."""
-    try:
-        check_peer(target, pin, timeout_s)
-    except TlsError as exc:
-        raise CliError(f"--aggregator: {exc}") from None
-    except ValueError as exc:
-        raise CliError(f"--aggregator {exc}") from None
-    except OSError as exc:
-        raise CliError(f"--aggregator {target}: cannot connect ({exc.strerror or exc})") from None
-
-
-def pull_checkpoint(
-    channel: grpc.Channel, want: ChainCheckpoint, out: Path, *, timeout_s: float, max_bytes: int,
-    model: Any = None, model_source: str = "",
-) -> tuple[int, str]:
-    """Stream (epoch, round) into `out`, verified against `want.sha256` and its metadata against `model`
-    (the epoch's ModelConfig from `model_source`; None: no source, the metadata is stripped); returns the
-    file size and a line saying what became of the metadata.
-
-    Nothing is left behind unless verified: the stream goes to a temporary file in `out`'s folder,
-    which is renamed onto `out` only after the canonical sha256 matches the chain.
-    """
-    from proto.gonka.v1 import checkpoints_pb2 as cpb
-    from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
-    from training.durable import durable_replace
-
-    stub = cpb_grpc.CheckpointsStub(channel)
-    request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            size = _receive(stub.StreamCheckpoint(request, timeout=timeout_s), want, handle, max_bytes)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _verify_file(tmp, want)
-        note = _settle_metadata(tmp, want, model, model_source)
-        durable_replace(tmp, out)
-    except grpc.RpcError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CliError(
-            f"--aggregator: StreamCheckpoint epoch {want.epoch} round {want.round} failed: "
-            f"{exc.code().name} {exc.details()}"
-        ) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return size, note
-
-
-def _settle_metadata(path: Path, want: ChainCheckpoint, model: Any, model_source: str) -> str:
-    """Keep the file's model config only if it is the epoch's; refuse a contradicting one; strip one that
-    nothing vouches for (a server can rewrite metadata freely: the chain's hash covers tensors only)."""
-    from safetensors import safe_open
-
-    from training.hf_export import MODEL_CONFIG_KEY, ExportError, config_from_metadata
-    from training.model import ModelConfig
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = dict(handle.metadata() or {})
-    claimed: ModelConfig | ExportError | None
-    try:
-        claimed = config_from_metadata(metadata)
-    except ExportError as exc:
-        claimed = exc
-    if claimed is None:
-        return "the file records no model config"
-    if model is not None and claimed == model:
-        return f"its model config is {model_source}'s"
-    if model is not None:
-        raise CliError(
-            f"epoch {want.epoch} round {want.round}: the file's tensors match the chain but its metadata "
-            f"{MODEL_CONFIG_KEY!r} ({claimed}) is not {model_source}'s model ({model}): the aggregator "
-            "rewrote what the hash does not cover; the file was deleted"
-        )
-    _rewrite_metadata(path, {k: v for k, v in metadata.items() if k != MODEL_CONFIG_KEY})
-    return (f"its metadata {MODEL_CONFIG_KEY!r} was removed: no recipe on chain or --recipe vouches for it "
-            "(export/generate then need --recipe or --preset)")
-
-
-def _rewrite_metadata(path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(path))
-    save_file(tensors, str(path), metadata=metadata)
-
-
-def _receive(stream: Iterator[Any], want: ChainCheckpoint, handle: Any, max_bytes: int) -> int:
-    """Write the FileChunk stream to `handle`, checking its FileMeta as it goes; returns the length."""
-    where = f"aggregator stream for epoch {want.epoch} round {want.round}"
-    first = next(stream, None)
-    if first is None or first.WhichOneof("part") != "meta":
-        raise CliError(f"{where}: did not start with a FileMeta message")
-    meta = first.meta
-    if (meta.epoch, meta.round) != (want.epoch, want.round):
-        raise CliError(f"{where}: FileMeta is for epoch {meta.epoch} round {meta.round}")
-    if meta.content_sha256 != want.sha256:
-        raise CliError(
-            f"{where}: FileMeta.content_sha256 is {meta.content_sha256.hex() or '(empty)'}, the chain records "
-            f"{want.sha256.hex()}: this aggregator serves a different checkpoint; nothing was written"
-        )
-    if meta.length > max_bytes:
-        raise CliError(f"{where}: FileMeta.length {meta.length:,} exceeds --max-bytes {max_bytes:,}")
-    digest, size = hashlib.sha256(), 0
-    for message in stream:
-        if message.WhichOneof("part") != "data":
-            raise CliError(f"{where}: a second FileMeta in the stream")
-        size += len(message.data)
-        if size > meta.length:
-            raise CliError(f"{where}: more bytes than FileMeta.length {meta.length:,}")
-        digest.update(message.data)
-        handle.write(message.data)
-    if size != meta.length:
-        raise CliError(f"{where}: ended after {size:,} of FileMeta.length {meta.length:,} bytes (truncated)")
-    if digest.digest() != meta.file_sha256:
-        raise CliError(f"{where}: the bytes do not hash to FileMeta.file_sha256 (corrupted in transfer)")
-    return size
-
-
-def _verify_file(path: Path, want: ChainCheckpoint) -> None:
-    from training.checkpoint import CheckpointError, load_checkpoint
-
-    try:
-        load_checkpoint(path, expected_sha256=want.sha256.hex())
-    except CheckpointError as exc:
-        raise CliError(
-            f"epoch {want.epoch} round {want.round}: the downloaded file fails verification against the "
-            f"chain ({exc}); it was deleted"
-        ) from None
-
-
-# ---------------------------------------------------------------------------------------------- load
-
-
-@dataclass(frozen=True)
-class Verified:
-    tensors: dict[str, Any]
-    config: Any  # training.model.ModelConfig
-    sha256: str
-    source: dict[str, str]  # provenance for the model card
-    recipe: Any = None  # the epoch's Recipe (on chain, else --recipe), when there is one
-    recipe_source: str = ""
-
-
-def _load_verified(args: argparse.Namespace) -> Verified:
-    """The checkpoint's tensors, hash-checked (against the chain with --epoch/--round) and its config."""
-    from training.checkpoint import CheckpointError, load_checkpoint
-
-    if (args.epoch is None) != (args.round is None):
-        raise CliError("--epoch and --round go together (to verify the file against the chain)")
-    want = client = None
-    if args.epoch is not None:
-        client = open_client(args)
-        want = chain_checkpoint(client, args.epoch, args.round)
-    try:
-        checkpoint = load_checkpoint(args.checkpoint, expected_sha256=want.sha256.hex() if want else None)
-    except CheckpointError as exc:
-        raise CliError(f"--checkpoint: {exc}") from None
-    source = {"file": args.checkpoint.name}
-    if want is not None:
-        source |= {"epoch": str(want.epoch), "round": str(want.round), "chain id": str(want.chain_id),
-                   "registry": want.registry}
-    config = _model_config(args, checkpoint.metadata, client)
-    recipe, where = _known_recipe(args, client)
-    return Verified(checkpoint.tensors, config, checkpoint.sha256, source, recipe, where)
-
-
-def _known_recipe(args: argparse.Namespace, client: Any) -> tuple[Any, str]:
-    """The epoch's recipe: on chain (with --epoch), else --recipe (checked against the chain then)."""
-    if client is not None:
-        return epoch_recipe(client, args.epoch, args.recipe)
-    if args.recipe is not None:
-        return _recipe_file(args.recipe, None, None), f"--recipe {args.recipe}"
-    return None, ""
-
-
-def _model_config(args: argparse.Namespace, metadata: dict[str, str], client: Any) -> Any:
-    from training.hf_export import MODEL_CONFIG_KEY, ExportError, config_from_metadata
-    from training.model import ModelConfig
-
-    found = []
-    if client is not None:  # the chain's word first: the metadata is checked against it, never trusted
-        model, where = epoch_model(client, args.epoch, None)
-        if model is not None:
-            found.append((where, model))
-    try:
-        recorded = config_from_metadata(metadata)
-    except ExportError as exc:
-        raise CliError(f"{args.checkpoint}: {exc}") from None
-    if recorded is not None:
-        found.append((f"{args.checkpoint} metadata {MODEL_CONFIG_KEY!r}", recorded))
-    if args.recipe is not None:
-        found.append((f"--recipe {args.recipe}", _recipe_model(args.recipe, args.epoch, client)))
-    if args.preset is not None:
-        try:
-            found.append((f"--preset {args.preset}", ModelConfig.preset(args.preset)))
-        except ValueError as exc:
-            raise CliError(f"--preset: {exc}") from None
-    if not found:
-        raise CliError(
-            f"{args.checkpoint} records no model config (metadata key {MODEL_CONFIG_KEY!r}): "
-            "pass --recipe FILE or --preset NAME"
-        )
-    (first, config), *others = found
-    for name, other in others:
-        if other != config:
-            raise CliError(f"{name} describes a different model than {first}: {other} vs {config}")
-    return config
-
-
-def _recipe_model(path: Path, epoch: int | None, client: Any) -> Any:
-    return _recipe_file(path, epoch, client).model
-
-
-def _recipe_file(path: Path, epoch: int | None, client: Any) -> Any:
-    """The recipe in `path`, checked against epoch `epoch`'s model_spec_hash when a chain is given."""
-    from gonka_node.core.recipe import Recipe, RecipeError
-
-    try:
-        recipe = Recipe.load(path)
-    except RecipeError as exc:
-        raise CliError(str(exc)) from None
-    if client is not None and epoch is not None:
-        spec_hash = client.get_epoch(epoch).spec.model_spec_hash
-        if spec_hash != recipe.sha256():
-            raise CliError(
-                f"--recipe {path}: hashes to {recipe.sha256().hex()}, epoch {epoch}'s "
-                f"model_spec_hash on chain is {spec_hash.hex()}: not this epoch's recipe"
-            )
-    return recipe
-
-
-# ---------------------------------------------------------------------------------------------- export
-
-
 def _export(args: argparse.Namespace) -> int:
     from training.hf_export import EXPORT_DTYPES, ExportError, export_hf
     from training.tokenizer import HFTokenizer
 
-    loaded = _load_verified(args)
+    loaded = load_verified(args)
     dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
     tokenizer = recipe_tokenizer(loaded.recipe, loaded.recipe_source, args.tokenizer, loaded.config)
     tokenizer_json = tokenizer.raw if isinstance(tokenizer, HFTokenizer) else None
@@ -570,9 +219,6 @@ def _export(args: argparse.Namespace) -> int:
         raise CliError(f"--checkpoint {args.checkpoint}: {exc}") from None
     print(f"exported {args.checkpoint} (sha256 {loaded.sha256}) as a Hugging Face Llama folder: {out}")
     return 0
-
-
-# ---------------------------------------------------------------------------------------------- generate
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -589,7 +235,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    loaded = _load_verified(args)
+    loaded = load_verified(args)
     tokenizer = recipe_tokenizer(loaded.recipe, loaded.recipe_source, args.tokenizer, loaded.config)
     _check_prompt(args.prompt, tokenizer)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -609,26 +255,3 @@ def _check_prompt(prompt: str, tokenizer: Tokenizer) -> None:
     if tokenizer.decode(tokens) != prompt:
         raise CliError("--prompt holds text the epoch's tokenizer cannot represent (it does not decode back to "
                        "itself); remove or replace those characters")
-
-
-def terminal_safe(text: str) -> str:
-    """Control characters other than newline and tab become U+FFFD: model output must not be able to
-    send escape sequences to the user's terminal."""
-    return "".join("\ufffd" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
-
-
-def load_model(tensors: dict[str, Any], config: Any, device: str) -> Any:
-    """A `Llama` holding `tensors` (names and shapes checked against `config`)."""
-    from training.hf_export import EMBED, LM_HEAD, ExportError, check_tensors
-    from training.model import Llama
-
-    try:
-        check_tensors(tensors, config)
-    except ExportError as exc:
-        raise CliError(f"--checkpoint: {exc}") from None
-    # Default init first (cheap next to reading the file); every tensor is overwritten below.
-    model = Llama(config, device=device)
-    if config.tie_embeddings:
-        tensors = {LM_HEAD: tensors[EMBED], **tensors}  # an HF-style file may leave the tied head out
-    model.load_state_dict(tensors)
-    return model.eval()

@@ -130,6 +130,10 @@ class HostSession:
     def aggregator(self) -> Any:
         from gonka_node.core.client import AggregatorClient
 
+        if self._aggregator is None and self.recipe.shards > 1:  # every shard of the epoch, as one
+            from gonka_node.host.shards import sharded_aggregator
+
+            self._aggregator = sharded_aggregator(self.chain, self.epoch, self.recipe, self.shaped)
         if self._aggregator is None:
             found = self.address()
             self._aggregator = AggregatorClient(found.target, found.tls_cert_pem, link=self.shaped)

@@ -76,6 +76,12 @@ quorum = 1                        # accepted submissions needed to close at the 
 [aggregation]
 rule = "clip_median"              # mean | clip_median | centered_clip
 heldout_windows = 8               # windows scoring each update
+
+# [store]                         # where finalized checkpoints and updates are published (PROTOCOL.md "Object storage")
+# uri = "s3://bucket/gonka?endpoint=https://ACCOUNT.r2.cloudflarestorage.com"  # default: data_dir itself
+# public_url = "https://models.example.org/gonka"  # serve the keys publicly; default: presigned GETs
+# url_expiry_s = 3600             # how long a presigned GET stays valid
+# direct_upload = false           # hosts PUT payloads into the S3 store (not with public_url)
 """
 
 EPOCH_HEADER = """\

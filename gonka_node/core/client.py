@@ -1,8 +1,14 @@
 """A small typed client of the Aggregator service, for hosts, tests and the benchmark.
 
 Submitting: `submit(round_info, payload, ...)` signs the envelope with the node key and streams the
-payload in chunks of the round's `max_chunk_bytes`. A refusal comes back as `SubmitRejected` carrying
-the machine-readable reason, the gRPC status and the aggregator's signed receipt.
+payload in chunks of the round's `max_chunk_bytes`, or, when the round says `direct_upload`, PUTs it to
+the presigned URL `GetUploadSlot` hands out and submits the header naming the object. A refusal comes
+back as `SubmitRejected` carrying the machine-readable reason, the gRPC status and the aggregator's
+signed receipt.
+
+Downloads (`round_update`, `checkpoint`) come from the aggregator's object store when `LocateRound`
+names a URL (checked against the announced length and sha256), else from its gRPC stream; the caller
+verifies them against the chain (host/follow.py).
 
 The channel is TLS and trusts exactly the pinned certificate (`gonka_node.core.tls`). When a call fails
 UNAVAILABLE, the client looks at what the server presents: another certificate raises
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,12 +30,14 @@ import grpc
 from nacl.signing import SigningKey
 
 from gonka_node.core.link import Link, TokenBucket
+from gonka_node.core.storage import StoreError, download_url, upload_url
 from gonka_node.core.tls import check_peer, pinned_channel
 from gonka_node.core.wire import header_for, verify_receipt
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import common_pb2 as common
 
+log = logging.getLogger(__name__)
 MESSAGE_LIMIT = 4 << 20
 PEER_CHECK_S = 10.0  # at most this long to look at the certificate a failing server presents
 T = TypeVar("T")
@@ -123,13 +133,36 @@ class AggregatorClient:
         tokens_trained: int = 0,
     ) -> pb.Receipt:
         header = header_for(info, host, payload, tokens_trained, key)
-        up = self.link.up if self.link is not None else None
-        receipt = self.submit_raw(_requests(header, payload, info.limits.max_chunk_bytes or (1 << 20), up))
+        if info.direct_upload:
+            receipt = self.submit_raw(iter(self.put_payload(header, payload)))
+        else:
+            up = self.link.up if self.link is not None else None
+            receipt = self.submit_raw(_requests(header, payload, info.limits.max_chunk_bytes or (1 << 20), up))
         if not verify_receipt(receipt, info.aggregator_key):
             raise SubmitRejected(
                 grpc.StatusCode.UNAUTHENTICATED, "BAD_RECEIPT", "receipt signature does not verify", receipt
             )
         return receipt
+
+    def upload_slot(self, header: pb.SubmitHeader) -> pb.UploadSlot:
+        """A presigned PUT for this header's payload (RoundInfo.direct_upload); refusals as Submit's."""
+        try:
+            return self.stub.GetUploadSlot(header, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            self._explain(exc)
+            raise _rejected(exc) from exc
+
+    def put_payload(self, header: pb.SubmitHeader, payload: bytes) -> list[pb.SubmitRequest]:
+        """Upload the payload into the aggregator's store; returns the Submit stream that names it. A
+        store that refuses the PUT is `SubmitRejected` UNAVAILABLE (nothing was judged: retry)."""
+        slot = self.upload_slot(header)
+        if self.link is not None:  # a shaped uplink: the PUT leaves once the link could have carried it
+            self.link.up.pace(len(payload), first=True)
+        try:
+            upload_url(slot.url, payload, self.timeout_s)
+        except StoreError as exc:
+            raise SubmitRejected(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"payload upload: {exc}", None) from exc
+        return [pb.SubmitRequest(header=header), pb.SubmitRequest(stored=pb.StoredPayload(key=slot.key))]
 
     def round_result(self, epoch: int, round_: int) -> pb.RoundResult:
         ref = pb.RoundRef(epoch=epoch, round=round_)
@@ -140,12 +173,53 @@ class AggregatorClient:
         return self._call(lambda: self.stub.GetRewardProof(request, timeout=self.timeout_s))
 
     def round_update(self, epoch: int, round_: int) -> Downloaded:
+        """The round's broadcast update: from the aggregator's object store when it names a URL for it,
+        else (or when that download fails or is not what was announced) streamed from the aggregator."""
         ref = pb.RoundRef(epoch=epoch, round=round_)
+        stored = self._from_store(ref, "update")
+        if stored is not None:
+            return stored
         return self._call(lambda: download(self.stub.GetRoundUpdate(ref, timeout=self.timeout_s), self._down()))
 
     def checkpoint(self, epoch: int, round_: int) -> Downloaded:
+        """The round's checkpoint, from the store first as `round_update`. Not verified here: the caller
+        checks it against the chain's hash before using it (host/follow.py)."""
         ref = pb.RoundRef(epoch=epoch, round=round_)
+        stored = self._from_store(ref, "checkpoint") if round_ > 0 else None
+        if stored is not None:
+            return stored
         return self._call(lambda: download(self.stub.GetCheckpoint(ref, timeout=self.timeout_s), self._down()))
+
+    def locate(self, epoch: int, round_: int) -> pb.RoundLocation | None:
+        """Where the round's files are published; None from an aggregator that does not say (older
+        versions: UNIMPLEMENTED) or for a round it has not finalized."""
+        ref = pb.RoundRef(epoch=epoch, round=round_)
+        try:
+            return self.stub.LocateRound(ref, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
+                return None
+            self._explain(exc)
+            raise
+
+    def _from_store(self, ref: pb.RoundRef, kind: str) -> Downloaded | None:
+        location = self.locate(ref.epoch, ref.round)
+        if location is None or not location.HasField(kind) or not getattr(location, kind).url:
+            return None
+        obj: pb.StoredObject = getattr(location, kind)
+        sink = io.BytesIO()
+        try:
+            download_url(obj.url, sink, obj.length, obj.file_sha256, self.timeout_s)
+        except StoreError as exc:  # expired, unreachable or changed in the store: the aggregator serves it
+            log.warning("round %d/%d: %s from the store failed (%s); streaming it from the aggregator",
+                        ref.epoch, ref.round, kind, exc)
+            return None
+        down = self._down()
+        if down is not None:  # a shaped downlink: taken once the link could have carried it
+            down.pace(obj.length, first=True)
+        meta = common.FileMeta(length=obj.length, file_sha256=obj.file_sha256, epoch=ref.epoch, round=ref.round,
+                               format="safetensors")
+        return Downloaded(meta, sink.getvalue())
 
     def _down(self) -> TokenBucket | None:
         return self.link.down if self.link is not None else None

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gonka_node.core.config_file import TomlTables, TomlValue, toml_path
+
 # name -> what it overrides. Precedence: CLI flag > environment > TOML file > default.
 KNOWN_ENV: dict[str, str] = {
     "GONKA_HOME": "base folder for relative data paths (default: the config file's folder)",
@@ -150,6 +152,28 @@ class AggregationSettings:
 
 
 @dataclass(frozen=True)
+class StoreSettings:
+    """Where finalized checkpoints and updates are published (docs/PROTOCOL.md "Object storage")."""
+
+    uri: str = ""  # a directory or s3://bucket/prefix[?endpoint=URL]; "": the data directory (no copy)
+    public_url: str = ""  # http(s) base under which the store's keys are served publicly; "": presign
+    url_expiry_s: int = 3600  # how long a presigned GET handed to a host or client stays valid
+    direct_upload: bool = False  # hosts PUT payloads into the (S3) store; Submit then names the object
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.url_expiry_s <= 604_800:  # S3's limit for a presigned URL: 7 days
+            raise ConfigError(f"[store] url_expiry_s must be in [1, 604800], got {self.url_expiry_s}")
+        if self.public_url and not self.public_url.startswith(("http://", "https://")):
+            raise ConfigError(f"[store] public_url must start with http:// or https://, got {self.public_url!r}")
+        if self.direct_upload and not self.uri.startswith("s3://"):
+            raise ConfigError("[store] direct_upload needs an s3:// uri (hosts PUT to presigned URLs)")
+        if self.direct_upload and self.public_url:
+            # A publicly readable bucket would show a payload before its host's header claims it (copies).
+            raise ConfigError("[store] direct_upload and public_url exclude each other: uploads would be public "
+                              "before their headers arrive; publish through presigned URLs instead")
+
+
+@dataclass(frozen=True)
 class AggregatorConfig:
     data_dir: Path
     listen: str = "127.0.0.1:50051"
@@ -164,15 +188,43 @@ class AggregatorConfig:
     initial_checkpoint: Path | None = None  # round-0 weights; made from the recipe when absent
     scoring: bool = True
     metrics_port: int = 0  # Prometheus (gonka_aggregator_*) on 127.0.0.1:PORT; 0: off
+    # a sharded epoch's shards meet here (reports, verdict, fragment hashes: aggregator/shard.py
+    # DirExchange), a directory every shard of the epoch can write; None: data_dir's parent/shard-exchange
+    shard_exchange: Path | None = None
     chain: ChainSettings = field(default_factory=ChainSettings)
     round: RoundSettings = field(default_factory=RoundSettings)
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
     log_level: str = "INFO"
+    store: StoreSettings = field(default_factory=StoreSettings)
 
     @property
     def tls_dir(self) -> Path:
         """The aggregator's TLS identity (cert.pem, key.pem; gonka_node/core/tls.py), made at its first start."""
         return self.data_dir / TLS_DIR
+
+    def toml_tables(self, base: Path) -> TomlTables:
+        """What `load_aggregator_config` reads this config from, in a file in folder `base`
+        (gonka_node/core/config_file.py renders it); settings at their defaults are left out."""
+        paths = {"node_key": self.node_key, "evm_key": self.evm_key, "recipe": self.recipe,
+                 "deployment": self.deployment, "initial_checkpoint": self.initial_checkpoint,
+                 "shard_exchange": self.shard_exchange}
+        aggregator: dict[str, TomlValue] = {
+            "listen": self.listen, "public_endpoint": self.public_endpoint, "data_dir": toml_path(self.data_dir, base),
+            **{k: toml_path(p, base) for k, p in paths.items() if p is not None},
+            "epoch": self.epoch, "scoring": self.scoring, "metrics_port": self.metrics_port, "log_level": self.log_level,
+        }
+        aggregation = _changed(self.aggregation, skip="per_epoch")
+        if self.aggregation.per_epoch:
+            aggregation["per_epoch"] = {str(e): rule for e, rule in sorted(self.aggregation.per_epoch.items())}
+        return {"aggregator": aggregator, "chain": _changed(self.chain), "round": _changed(self.round),
+                "aggregation": aggregation, "store": _changed(self.store)}
+
+
+def _changed(settings: Any, skip: str = "") -> dict[str, TomlValue]:
+    """The fields of a settings dataclass that differ from their defaults (what a file must say)."""
+    default = type(settings)()
+    return {f.name: getattr(settings, f.name) for f in fields(settings)
+            if f.name != skip and getattr(settings, f.name) != getattr(default, f.name)}
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -199,14 +251,14 @@ def load_aggregator_config(
 
 AGGREGATOR_KEYS = frozenset({
     "listen", "public_endpoint", "data_dir", "node_key", "evm_key", "log_level", "recipe", "deployment", "epoch",
-    "initial_checkpoint", "scoring", "metrics_port",
+    "initial_checkpoint", "scoring", "metrics_port", "shard_exchange",
 })
 
 
 def _build(
     path: Path, raw: dict[str, Any], env: dict[str, str], overrides: dict[str, Any]
 ) -> AggregatorConfig:
-    _only_keys("top level", raw, {"aggregator", "chain", "round", "aggregation"})
+    _only_keys("top level", raw, {"aggregator", "chain", "round", "aggregation", "store"})
     agg = dict(raw.get("aggregator", {}))
     _only_keys("[aggregator]", agg, AGGREGATOR_KEYS)
     if not isinstance(agg.get("epoch", 0), int) or agg.get("epoch", 0) < 0:
@@ -237,10 +289,12 @@ def _build(
         initial_checkpoint=_resolve(base, agg["initial_checkpoint"]) if "initial_checkpoint" in agg else None,
         scoring=bool(agg.get("scoring", True)),
         metrics_port=port,
+        shard_exchange=_resolve(base, agg["shard_exchange"]) if "shard_exchange" in agg else None,
         chain=_section(ChainSettings, "[chain]", chain),
         round=_section(RoundSettings, "[round]", dict(raw.get("round", {}))),
         aggregation=_section(AggregationSettings, "[aggregation]", aggregation),
         log_level=str(env.get("GONKA_LOG_LEVEL", agg.get("log_level", "INFO"))).upper(),
+        store=_section(StoreSettings, "[store]", dict(raw.get("store", {}))),
     )
 
 

@@ -93,6 +93,10 @@ class Recipe:
         "dense", 'what hosts download each round: "dense" fp32, or "codec": the epoch\'s codec plus the '
         "aggregator's error feedback, the model defined by the decoded update (gonka_node/aggregator/broadcast.py)"
     )
+    shards: int = _field(
+        1, "aggregators splitting the model by fragment (docs/PROTOCOL.md \"Sharded aggregators\"): the epoch "
+        "must name this many aggregators with aggregator_quorum equal to it (omitted from the canonical JSON when 1)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "grad_accum", "inner_steps", "n_rounds"):
@@ -107,6 +111,10 @@ class Recipe:
             raise RecipeError(f"overlap: must be one of off, delayed, got {self.overlap!r}")
         if self.broadcast not in ("dense", "codec"):
             raise RecipeError(f"broadcast: must be one of dense, codec, got {self.broadcast!r}")
+        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards <= 0:
+            raise RecipeError(f"shards: must be a positive integer, got {self.shards!r}")
+        if self.shards > 1 and self.broadcast != "dense":
+            raise RecipeError("shards: a sharded epoch serves its update dense (broadcast = \"dense\")")
         if self.tokenizer and (len(self.tokenizer) != 64 or set(self.tokenizer) - set("0123456789abcdef")):
             raise RecipeError("tokenizer: must be the 64 lower-case hex digits of tokenizer.json's sha256")
         if self.assignment_seed not in ASSIGNMENT_SEEDS:
@@ -232,7 +240,7 @@ class Recipe:
             del out["tokenizer"]
         if self.assignment_seed == "epoch":
             del out["assignment_seed"]
-        for name, default in (("overlap", "off"), ("broadcast", "dense")):
+        for name, default in (("overlap", "off"), ("broadcast", "dense"), ("shards", 1)):
             if out[name] == default:
                 del out[name]
         return out

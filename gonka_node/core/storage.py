@@ -176,6 +176,10 @@ def _boto_error(exc: Exception, message: str) -> StoreError:
     return (StoreUnavailable if transient else StoreError)(message)
 
 
+PRESIGNED_OPERATIONS = {"GET": "get_object", "PUT": "put_object"}
+UPLOAD_CONTENT_TYPE = "application/octet-stream"
+
+
 class S3Store:
     """Objects under `s3://bucket/prefix` through boto3. `client` is passed in (tests, custom sessions)
     or made on first use from the environment's credentials."""
@@ -264,6 +268,20 @@ class S3Store:
     def delete(self, key: str) -> None:
         self._call(key, "delete_object", Key=self._key(key))
 
+    def presigned_url(self, key: str, method: str, expires_s: int) -> str:
+        """A URL with which anyone holding it may GET (or PUT) this one object for `expires_s` seconds,
+        without credentials: signed locally with this store's credentials, no request is made."""
+        from botocore.exceptions import BotoCoreError
+
+        operation = PRESIGNED_OPERATIONS[method]
+        params = {"Bucket": self.bucket, "Key": self._key(key)}
+        if method == "PUT":  # the signature covers the content type: `upload_url` sends this one
+            params["ContentType"] = UPLOAD_CONTENT_TYPE
+        try:
+            return str(self.client.generate_presigned_url(operation, Params=params, ExpiresIn=expires_s))
+        except BotoCoreError as exc:  # no credentials to sign with
+            raise StoreError(f"{self.uri}: cannot sign a {method} URL for {key!r}: {exc}") from None
+
 
 def open_store(uri: str | Path, endpoint_url: str | None = None) -> LocalStore | S3Store:
     """A store for a directory path or `s3://bucket[/prefix][?endpoint=URL]`."""
@@ -285,6 +303,68 @@ def open_store(uri: str | Path, endpoint_url: str | None = None) -> LocalStore |
     return S3Store(parts.netloc, parts.path.strip("/"), endpoint)
 
 
+class UrlRefused(StoreError, ValueError):
+    """A download address that is not http(s): a URL handed over the network never reads local files."""
+
+
+class ObjectMismatch(StoreError):
+    """A downloaded object is not what it was announced to be (length or sha256): changed in the store
+    or in transit. Nothing from it is kept."""
+
+
+def download_url(url: str, sink: IO[bytes], length: int, sha256: bytes, timeout_s: float = 60.0) -> int:
+    """GET `url` into `sink`, refusing more than `length` bytes, and check the whole download's length and
+    sha256 (ObjectMismatch; the caller discards what `sink` holds). Only http and https are followed."""
+    import hashlib
+    import urllib.error
+    import urllib.request
+
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise UrlRefused(f"download address {url[:60]!r}: only http:// and https:// URLs are followed")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            while chunk := response.read(CHUNK):
+                size += len(chunk)
+                if size > length:
+                    raise ObjectMismatch(f"{_where(url)}: more than the announced {length:,} bytes")
+                digest.update(chunk)
+                sink.write(chunk)
+    except urllib.error.HTTPError as exc:
+        kind = StoreUnavailable if exc.code >= 500 else StoreError
+        raise kind(f"{_where(url)}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise StoreUnavailable(f"{_where(url)}: {getattr(exc, 'reason', exc)}") from None
+    if size != length or digest.digest() != sha256:
+        raise ObjectMismatch(f"{_where(url)}: {size:,} bytes that do not hash to the announced sha256 "
+                             f"{sha256.hex()[:16]}… ({length:,} bytes)")
+    return size
+
+
+def upload_url(url: str, data: bytes, timeout_s: float = 60.0) -> None:
+    """PUT `data` to a presigned `url` (http(s) only); a refusal or a broken connection is a StoreError."""
+    import urllib.error
+    import urllib.request
+
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise UrlRefused(f"upload address {url[:60]!r}: only http:// and https:// URLs are followed")
+    request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": UPLOAD_CONTENT_TYPE})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        kind = StoreUnavailable if exc.code >= 500 else StoreError
+        raise kind(f"{_where(url)}: PUT refused: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise StoreUnavailable(f"{_where(url)}: PUT failed: {getattr(exc, 'reason', exc)}") from None
+
+
+def _where(url: str) -> str:
+    """A URL as messages show it: without its query (a presigned URL's signature stays out of logs)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
 def copy_tree(src: LocalStore | S3Store, dst: LocalStore | S3Store, prefix: str = "") -> int:
     """Copy every object under `prefix` from one store to another (through a temporary file)."""
     keys = src.list(prefix)
@@ -297,6 +377,6 @@ def copy_tree(src: LocalStore | S3Store, dst: LocalStore | S3Store, prefix: str 
 
 
 __all__ = [
-    "BadKey", "LocalStore", "ObjectMissing", "ObjectStore", "S3Store", "StoreError", "StoreUriError",
-    "copy_tree", "durable_write", "open_store",
+    "BadKey", "LocalStore", "ObjectMismatch", "ObjectMissing", "ObjectStore", "S3Store", "StoreError",
+    "StoreUriError", "UrlRefused", "copy_tree", "download_url", "durable_write", "open_store", "upload_url",
 ]

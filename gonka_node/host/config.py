@@ -32,6 +32,7 @@ from typing import Any
 
 from chain.units import NGONKA_PER_GNK
 from gonka_node.core.config import ConfigError, read_env, read_toml
+from gonka_node.core.config_file import TomlTables, TomlValue, toml_path
 
 _HOST_KEYS = {
     "key_dir", "state_dir", "aggregator", "recipe", "deployment", "epoch", "stake_gnk", "metrics_port",
@@ -54,6 +55,36 @@ class HostConfig:
     log_level: str = "INFO"
     passphrase: str | None = None
     aggregator_tls_cert: Path | None = None  # the pinned certificate; None: the one announced on chain
+
+    def toml_tables(self, base: Path) -> TomlTables:
+        """What `load_host_config` reads this config from, in a file in folder `base`
+        (gonka_node/core/config_file.py renders it). The passphrase is never written to a file."""
+        if self.passphrase is not None:
+            raise ConfigError("a host config with a passphrase is not written to a file: "
+                              "give it with --passphrase-file or GONKA_KEY_PASSPHRASE")
+        host: dict[str, TomlValue] = {
+            "key_dir": toml_path(self.key_dir, base), "state_dir": toml_path(self.state_dir, base),
+            **({"aggregator": self.aggregator} if self.aggregator else {}),
+            "recipe": toml_path(self.recipe, base), "deployment": toml_path(self.deployment, base),
+            "epoch": self.epoch, "stake_gnk": stake_gnk(self.stake), "metrics_port": self.metrics_port,
+            **({"cache_dir": toml_path(self.cache_dir, base)} if self.cache_dir is not None else {}),
+            "log_level": self.log_level,
+        }
+        pinned = self.aggregator_tls_cert
+        return {"host": host, "aggregator": {"tls_cert": toml_path(pinned, base)} if pinned is not None else {},
+                "chain": {"rpc_url": self.rpc_url}}
+
+
+def stake_gnk(ngonka: int) -> int | float:
+    """A stake in ngonka as the GNK number `stake_gnk` holds: whole GNK as an integer, else the float
+    that reads back (through its shortest text, as the loader reads it) to exactly `ngonka`."""
+    whole, part = divmod(ngonka, NGONKA_PER_GNK)
+    if part == 0:
+        return whole
+    gnk = float(Decimal(ngonka) / NGONKA_PER_GNK)
+    if Decimal(repr(gnk)) * NGONKA_PER_GNK != ngonka:
+        raise ConfigError(f"a stake of {ngonka} ngonka has no exact stake_gnk number: round it to whole GNK")
+    return gnk
 
 
 def load_host_config(

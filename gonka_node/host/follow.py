@@ -3,7 +3,8 @@
 After round r is finalized the host applies the round's aggregated update with the same bit-exact
 outer Nesterov step the aggregator took, and checks the result against the checkpoint sha256 the chain
 recorded. When it cannot (it fell behind, its outer momentum is gone, or the hash differs), it pulls
-the full checkpoint instead and checks that. Nothing unverified is ever trained on.
+the full checkpoint instead and checks that. Nothing unverified is ever trained on. In a sharded epoch
+the chain records the Merkle root over the model's fragments (`core.fragments.model_root`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Protocol
 from safetensors.torch import load as load_safetensors
 from torch import Tensor
 
-from training.checkpoint import canonical_sha256, tensors_view
+from gonka_node.core.fragments import model_root
+from training.checkpoint import tensors_view
 from training.diloco import OuterOptimizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,10 @@ class GlobalModel:
     sha256: bytes
     round_done: int
     outer: OuterOptimizer | None  # None: not mirrored (after a pulled checkpoint); updates can't apply
+    shards: int = 1  # the epoch's aggregator shards: how the chain hashes a model (model_root)
+
+    def hash_of(self, params: Mapping[str, Tensor]) -> bytes:
+        return model_root(params, self.shards)
 
 
 @dataclass
@@ -62,7 +68,7 @@ def step_ahead(model: GlobalModel, round_: int, update: Mapping[str, Tensor]) ->
     params = {name: t.clone() for name, t in model.params.items()}
     outer = copy.deepcopy(model.outer)
     outer.step(params, update)
-    return NextModel(round_, params, outer, bytes.fromhex(canonical_sha256(params)))
+    return NextModel(round_, params, outer, model.hash_of(params))
 
 
 def adopt(model: GlobalModel, ahead: NextModel, chain: RoundHashes) -> bool:
@@ -118,7 +124,7 @@ def follow_to(
             log.warning("round %d: cannot apply the aggregated update (%s); pulling the checkpoint", r, exc)
             model.outer = None
             break
-        got = bytes.fromhex(canonical_sha256(model.params))
+        got = model.hash_of(model.params)
         if got != want:
             log.warning(
                 "round %d: applying the update gave %s, the chain records %s; pulling the checkpoint",
@@ -131,7 +137,7 @@ def follow_to(
         return how
     want = chain.checkpoint_sha256(target_round)
     params = load_safetensors(fetch_checkpoint(target_round))
-    got = bytes.fromhex(canonical_sha256(params))
+    got = model.hash_of(params)
     if got != want:
         raise FollowError(
             f"checkpoint of round {target_round} hashes to {got.hex()}, the chain records {want.hex()}"

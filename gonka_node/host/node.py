@@ -179,7 +179,8 @@ class HostNode:
                     self.rounds.load_state_dict(snap.worker_state)
                 except RigError as exc:
                     raise HostError(f"{self.store.root}: {exc}") from exc
-            gm = GlobalModel(snap.global_params, bytes.fromhex(progress.model_sha256), progress.round_done, outer)
+            gm = GlobalModel(snap.global_params, bytes.fromhex(progress.model_sha256), progress.round_done, outer,
+                             self.recipe.shards)
             self.events.note(f"resumed at round {progress.round_done} from {self.store.root}")
             self.rounds.start()
             return gm, progress
@@ -194,7 +195,7 @@ class HostNode:
             )
         progress = Progress(self.settings.epoch, slot, 0, sha.hex())
         self.rounds.start()
-        return GlobalModel(params, sha, 0, self._outer()), progress
+        return GlobalModel(params, sha, 0, self._outer(), self.recipe.shards), progress
 
     def _assignment_beacon(self) -> bytes:
         """The randomness the recipe's assignment waits for ("signin-block": exists once sign-in closed)."""

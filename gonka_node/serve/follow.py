@@ -1,6 +1,6 @@
 """Weights from the chain: pull a round's checkpoint, verify it whole, and follow newer rounds.
 
-`load_round` is `gonka-node checkpoint pull` (gonka_node/cli/checkpoint.py) followed by the load that
+`load_round` is `gonka-node checkpoint pull` (gonka_node/cli/checkpoint_pull.py) followed by the load that
 `checkpoint generate --epoch --round` does: the chain's hash for the round, the aggregator and its
 certificate from the chain (or the ones given), the streamed file checked against that hash, and the
 model config and tokenizer from the epoch's recipe on chain (or a recipe file checked against the
@@ -24,16 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from gonka_node.cli import CliError
-from gonka_node.cli.checkpoint import (
-    DEFAULT_MAX_BYTES,
-    MESSAGE_LIMIT,
-    ChainCheckpoint,
-    chain_checkpoint,
-    epoch_recipe,
-    load_model,
-    pull_checkpoint,
-    recipe_tokenizer,
-)
+from gonka_node.cli.checkpoint_chain import ChainCheckpoint, chain_checkpoint, epoch_recipe
+from gonka_node.cli.checkpoint_load import load_model, recipe_tokenizer
+from gonka_node.cli.checkpoint_pull import DEFAULT_MAX_BYTES, MESSAGE_LIMIT, pull_checkpoint
 from gonka_node.serve.models import ModelRegistry, Provenance
 from training.model import Llama
 from training.tokenizer import Bytes, Tokenizer

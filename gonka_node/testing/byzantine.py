@@ -39,7 +39,7 @@ from gonka_node.aggregator.store import Store, now_ms
 from gonka_node.core.config import AggregationSettings, RoundSettings
 from gonka_node.core.keys import NodeKeys, NodeSigningKey
 from gonka_node.core.recipe import Recipe
-from gonka_node.core.tls import create_identity
+from gonka_node.core.tls import TlsIdentity, create_identity
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
 from gonka_node.host.events import LogEvents
 from gonka_node.host.node import HostNode, HostSettings
@@ -149,12 +149,12 @@ class DrivenClock:
 
 
 class Aggregator:
-    """The aggregator's server (TLS, a fresh identity) in a thread with its own event loop (a context
-    manager → target; clients pin `identity.cert_pem`)."""
+    """The aggregator's server (TLS, `identity` or a fresh one) in a thread with its own event loop (a
+    context manager → target; clients pin `identity.cert_pem`)."""
 
-    def __init__(self, engine: RoundEngine) -> None:
+    def __init__(self, engine: RoundEngine, identity: TlsIdentity | None = None) -> None:
         self.engine = engine
-        self.identity = create_identity()
+        self.identity = identity or create_identity()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 

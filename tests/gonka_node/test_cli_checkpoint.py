@@ -10,7 +10,6 @@ server can be told to misbehave (serve another file, lie about it, cut the strea
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Iterator
 from concurrent import futures
@@ -19,25 +18,19 @@ from pathlib import Path
 
 import grpc
 import pytest
+from checkpoint_kit import GNK, file_chunks, finalize, open_epoch, served_chain
 
-from chain.backends import EmbeddedBackend, RpcBackend
-from chain.client import ChainClient
-from chain.seed import new_secret, seed_commitment
-from chain.server import ChainServer
-from chain.types import EpochSpec
+from chain.backends import RpcBackend
 from gonka_node.cli import main
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.tls import create_identity, server_credentials
 from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
-from proto.gonka.v1 import common_pb2 as common
 from training.checkpoint import save_checkpoint
 from training.generate import SamplingConfig, generate_text
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import ModelConfig, build_model
 
-GNK = 10**9
 TINY = ModelConfig.preset("tiny")
-CHUNK = 64 << 10  # several chunks per file
 
 
 @dataclass
@@ -60,17 +53,12 @@ class FileServer(cpb_grpc.CheckpointsServicer):
         if self.mode == "rewrite-config":  # the same tensors, another model config in the metadata
             path = path.with_name(f"rewritten-{path.name}")
         data = path.read_bytes()
-        meta = common.FileMeta(
-            length=len(data), file_sha256=hashlib.sha256(data).digest(), content_sha256=content_sha,
-            epoch=request.epoch, round=request.round, format="safetensors",
-        )
+        sent = data
         if self.mode == "truncate":
-            data = data[: len(data) // 2]
+            sent = data[: len(data) // 2]
         if self.mode == "corrupt":
-            data = data[:-10] + bytes(10)
-        yield common.FileChunk(meta=meta)
-        for start in range(0, len(data), CHUNK):
-            yield common.FileChunk(data=data[start : start + CHUNK])
+            sent = data[:-10] + bytes(10)
+        yield from file_chunks(request, data, content_sha, sent)
 
 
 @dataclass
@@ -109,28 +97,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     recipe = Recipe(model=TINY)
     recipe.save(tmp / "recipe.json")
 
-    backend = EmbeddedBackend()
-    chain_server = ChainServer(backend).start()
-    accounts = backend.dev_accounts()
-    gov = ChainClient(backend, accounts[0]).connect()
-    deployment = gov.deploy_all(initial_mint={accounts[0].address: 10_000 * GNK})
-    deployment.extra["rpc_url"] = chain_server.url
-    deployment.save(tmp / "deployment.json")
-    spec = EpochSpec(
-        model_spec_hash=recipe.sha256(), model_uri="file:recipe.json", data_manifest_hash=bytes(range(32)),
-        init_checkpoint_hash=bytes.fromhex(shas[0]), inner_steps=20, inner_lr=2e-3, batch_size=8,
-        outer_lr=0.7, outer_momentum=0.9, codec="int8", n_rounds=3, round_length=600, signin_window=60,
-        min_stake=1500 * GNK, max_hosts=4, aggregators=(accounts[1].address,), reward_per_round=1500 * GNK,
-    )
-    epoch = gov.create_epoch(spec)
-    gov.fund_epoch(epoch, 5000 * GNK)
-    backend.increase_time(61)
-    aggregator = gov.with_account(accounts[1])
+    chain = served_chain(tmp)
+    epoch = open_epoch(chain, recipe, shas[0], n_rounds=3)
+    aggregator = chain.gov.with_account(chain.accounts[1])
     for r, sha, root, n, total in ((1, shas[1], 7, 3, 1000 * GNK), (2, shas[2], 8, 2, 1500 * GNK)):
-        secret = new_secret()  # the round seed's commit-reveal, which finalize_round requires
-        aggregator.commit_round_seed(epoch, r, seed_commitment(secret))
-        aggregator.reveal_round_seed(epoch, r, secret)
-        aggregator.finalize_round(epoch, r, sha, bytes([root]) * 32, n, total)
+        finalize(aggregator, epoch, r, sha, bytes([root]) * 32, n, total)
 
     servicer = FileServer({(epoch, r): (files[r], bytes.fromhex(shas[r])) for r in range(3)})
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -146,7 +117,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     yield World(tmp / "deployment.json", f"127.0.0.1:{port}", servicer, files, shas, tmp / "recipe.json",
                 tmp / "cert.pem", identity.sha256.hex(), f"127.0.0.1:{plain_port}")
     grpc_server.stop(0)
-    chain_server.stop()
+    chain.server.stop()
 
 
 @pytest.fixture
@@ -295,7 +266,8 @@ def test_pull_refuses_a_model_config_the_hash_does_not_cover(world: World, serve
 def test_pulled_metadata_nothing_vouches_for_is_stripped(world: World, tmp_path):
     """Without a recipe on chain or --recipe, a file's model config is an unverified claim: the pull
     removes it (the tensors, and so the hash, are untouched)."""
-    from gonka_node.cli.checkpoint import ChainCheckpoint, _settle_metadata
+    from gonka_node.cli.checkpoint_chain import ChainCheckpoint
+    from gonka_node.cli.checkpoint_pull import _settle_metadata
     from training.checkpoint import load_checkpoint
 
     path = tmp_path / "x.safetensors"

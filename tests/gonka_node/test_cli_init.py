@@ -45,7 +45,15 @@ def test_aggregator_template(tmp_path: Path) -> None:
     assert cfg.listen == "127.0.0.1:0" and cfg.chain.backend == "rpc" and cfg.metrics_port == 0
     assert cfg.node_key == tmp_path / "agg-keys" / "node_key.json" and cfg.recipe == tmp_path / "recipe.json"
     assert cfg.aggregation.rule == "clip_median" and cfg.round.quorum == 1
+    assert cfg.store.uri == ""  # the data directory is the store until [store] is uncommented
     commented(out)
+    # The commented [store] block is what the loader accepts once its leading "# " is removed.
+    lines = out.read_text().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("# [store]")))
+    out.write_text("\n".join(lines[:start] + [line.removeprefix("# ") for line in lines[start:]]) + "\n")
+    store = load_aggregator_config(out, environ={}).store
+    assert store.uri.startswith("s3://bucket/gonka?endpoint=https://")
+    assert (store.public_url, store.url_expiry_s, store.direct_upload) == ("https://models.example.org/gonka", 3600, False)
 
 
 def test_epoch_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ from gonka_node.core.config import (
     ChainSettings,
     ConfigError,
     RoundSettings,
+    StoreSettings,
     load_aggregator_config,
 )
 from gonka_node.host.config import _HOST_KEYS, load_host_config
@@ -40,6 +41,7 @@ AGGREGATOR: dict[tuple[str, str], tuple[str, str, str]] = {
     ("aggregator", "initial_checkpoint"): ('initial_checkpoint = "init.safetensors"', CLI_AGG, "initial_checkpoint"),
     ("aggregator", "scoring"): ("scoring = false", CLI_AGG, "scoring"),
     ("aggregator", "metrics_port"): ("metrics_port = 9100", CLI_AGG, "metrics_port"),
+    ("aggregator", "shard_exchange"): ('shard_exchange = "exchange"', CLI_AGG, "shard_exchange"),
     ("chain", "backend"): ('backend = "rpc"', CLI_AGG, "backend"),
     ("chain", "rpc_url"): ('rpc_url = "http://10.0.0.1:8545"', CLI_AGG, "rpc_url"),
     ("round", "quorum"): ("quorum = 3", ROUNDS, "quorum"),
@@ -64,6 +66,10 @@ AGGREGATOR: dict[tuple[str, str], tuple[str, str, str]] = {
     ("aggregation", "challenge"): ("challenge = false", CLI_AGG, "challenge"),
     ("aggregation", "replay_min_cosine"): ("replay_min_cosine = 0.5", CLOSE, "replay_min_cosine"),
     ("aggregation", "replay_norm_tolerance"): ("replay_norm_tolerance = 0.5", CLOSE, "replay_norm_tolerance"),
+    ("store", "uri"): ('uri = "s3://bucket/run"', CLI_AGG, "uri"),
+    ("store", "public_url"): ('public_url = "https://cdn.example/run"', CLI_AGG, "public_url"),
+    ("store", "url_expiry_s"): ("url_expiry_s = 60", CLI_AGG, "url_expiry_s"),
+    ("store", "direct_upload"): ('uri = "s3://b/run"\ndirect_upload = true', CLI_AGG, "direct_upload"),
 }
 AGGREGATOR_BASE = {"aggregator": {"data_dir": 'data_dir = "state"'}, "chain": {"rpc_url": 'rpc_url = "http://127.0.0.1:8545"'}}
 
@@ -111,7 +117,8 @@ def _attributes_read(module: str) -> frozenset[str]:
 
 
 def test_the_tables_cover_every_key_the_loaders_accept() -> None:
-    sections = {"chain": ChainSettings, "round": RoundSettings, "aggregation": AggregationSettings}
+    sections = {"chain": ChainSettings, "round": RoundSettings, "aggregation": AggregationSettings,
+                "store": StoreSettings}
     accepted = {("aggregator", k) for k in AGGREGATOR_KEYS} | {
         (name, f.name) for name, cls in sections.items() for f in dataclasses.fields(cls)
     }

@@ -9,14 +9,13 @@ Merkle tree, and a host restarted from its state directory resumes at the round 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from eth_account import Account
@@ -32,7 +31,6 @@ from chain.types import Deployment
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.rounds import RoundEngine
-from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store
 from gonka_node.cli import main
 from gonka_node.core.client import AggregatorClient
@@ -44,6 +42,7 @@ from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, i
 from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
 from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.store import HostStore
+from gonka_node.testing.byzantine import Aggregator
 from training.checkpoint import canonical_sha256
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
@@ -67,32 +66,27 @@ class World:
         return ChainClient(self.backend, self.accounts[i], self.deployment).connect()
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> World:
+def build_world(tmp_path: Path, **recipe: Any) -> World:
+    """A funded epoch (p = 1: every host replayed) of a tiny recipe, `recipe` overriding its fields, with
+    hosts 1 and 2 signed in ahead and the sign-in window closed."""
     backend = EmbeddedBackend()
     accounts = backend.dev_accounts()
     gov = ChainClient(backend, accounts[0]).connect()
     deployment = gov.deploy_all(initial_mint={a.address: 1_000 * GNK for a in accounts})
     gov = ChainClient(backend, accounts[0], deployment).connect()
-    recipe = Recipe(
-        model=ModelConfig.preset("tiny"),
-        corpus=str(write_small_corpus(tmp_path)),
-        seq_len=32,
-        micro_batch=4,
-        inner_steps=15,
-        inner_lr=3e-3,
-        warmup_steps=3,
-        n_rounds=2,
-        codec="int8",
+    fields: dict[str, Any] = dict(
+        model=ModelConfig.preset("tiny"), corpus=str(write_small_corpus(tmp_path)), seq_len=32, micro_batch=4,
+        inner_steps=15, inner_lr=3e-3, warmup_steps=3, n_rounds=2, codec="int8",
         round_state="fresh",  # the epoch replays hosts (p = 1): its rounds must be replayable
-    ).with_data_manifest()
+    )
+    recipe_ = Recipe(**{**fields, **recipe}).with_data_manifest()
     init_path = tmp_path / "init.safetensors"
-    init_sha = initial_checkpoint(recipe, init_path)
+    init_sha = initial_checkpoint(recipe_, init_path)
     terms = EpochTerms(aggregators=[accounts[AGG].address], round_length_s=120, signin_window_s=30,
                        min_stake=100 * GNK, max_hosts=4, reward_per_round=100 * GNK)
-    epoch = gov.create_epoch(epoch_spec(recipe, init_sha, terms, "file:recipe.json"))
-    gov.fund_epoch(epoch, 200 * GNK)
-    world = World(backend, accounts, deployment, recipe, epoch, init_path)
+    epoch = gov.create_epoch(epoch_spec(recipe_, init_sha, terms, "file:recipe.json"))
+    gov.fund_epoch(epoch, recipe_.n_rounds * 100 * GNK)
+    world = World(backend, accounts, deployment, recipe_, epoch, init_path)
     # Sign in ahead (the nodes find themselves signed in) and close the sign-in window: rounds can
     # only be finalized after it, and the embedded chain's clock can be moved instead of waited for.
     for i in (1, 2):
@@ -101,11 +95,16 @@ def world(tmp_path: Path) -> World:
     return world
 
 
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return build_world(tmp_path)
+
+
 class AggregatorThread:
+    """A real RoundEngine on its own store, served by the Byzantine runner's `Aggregator` (TLS: `TLS`)."""
+
     def __init__(self, world: World, root: Path) -> None:
         self.world, self.root = world, root
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     def __enter__(self) -> str:
         w = self.world
@@ -119,21 +118,11 @@ class AggregatorThread:
             ctx, RoundSettings(quorum=2), AggregationSettings(), self.store,
             ChainView(chain), TrainingCheckpoints(), SigningKey(b"\x09" * 32),
         )
-        self.thread.start()
-
-        async def boot() -> int:
-            self.server = AggregatorServer(engine, TLS, "127.0.0.1:0")
-            return await self.server.start()
-
-        port = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(60)
-        return f"127.0.0.1:{port}"
+        self.served = Aggregator(engine, TLS)
+        return self.served.__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0.2), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.thread.is_alive():
-            self.loop.close()
+        self.served.__exit__(*exc)
         self.store.close()
 
 

@@ -14,13 +14,9 @@ from pathlib import Path
 
 import pytest
 import test_host_node as base
-from stdlib_corpus import write_small_corpus
 from torch import Tensor
 
-from chain.backends import EmbeddedBackend
-from chain.client import ChainClient
 from gonka_node.core.recipe import Recipe, RecipeError
-from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.events import HostEvents
 from gonka_node.host.node import next_overlapped_round
 from gonka_node.host.store import Progress
@@ -54,27 +50,7 @@ class Epoch:
 
 
 def overlapped_world(tmp_path: Path, overlap: str = "delayed", broadcast: str = "dense") -> base.World:
-    backend = EmbeddedBackend()
-    accounts = backend.dev_accounts()
-    gov = ChainClient(backend, accounts[0]).connect()
-    deployment = gov.deploy_all(initial_mint={a.address: 1_000 * GNK for a in accounts})
-    gov = ChainClient(backend, accounts[0], deployment).connect()
-    recipe = Recipe(
-        model=ModelConfig.preset("tiny"), corpus=str(write_small_corpus(tmp_path)), seq_len=32, micro_batch=4,
-        inner_steps=8, inner_lr=3e-3, warmup_steps=3, n_rounds=3, codec="int8", round_state="fresh",
-        overlap=overlap, broadcast=broadcast,
-    ).with_data_manifest()
-    init_path = tmp_path / "init.safetensors"
-    init_sha = initial_checkpoint(recipe, init_path)
-    terms = EpochTerms(aggregators=[accounts[base.AGG].address], round_length_s=120, signin_window_s=30,
-                       min_stake=100 * GNK, max_hosts=4, reward_per_round=100 * GNK)  # p = 1: every host replayed
-    epoch = gov.create_epoch(epoch_spec(recipe, init_sha, terms, "file:recipe.json"))
-    gov.fund_epoch(epoch, 300 * GNK)
-    world = base.World(backend, accounts, deployment, recipe, epoch, init_path)
-    for i in (1, 2):
-        world.client(i).join(epoch, 100 * GNK, base.host_keys(i, world).node_public_key)
-    backend.increase_time(31)
-    return world
+    return base.build_world(tmp_path, inner_steps=8, n_rounds=3, overlap=overlap, broadcast=broadcast)
 
 
 @pytest.fixture(scope="module")

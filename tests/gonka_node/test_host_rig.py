@@ -20,14 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from stdlib_corpus import write_small_corpus
 from test_host_node import World
 
-from chain.backends import EmbeddedBackend
-from chain.client import ChainClient
 from gonka_node.core.client import AggregatorClient
 from gonka_node.core.recipe import Recipe
-from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.node import HostNode, HostSettings
 from gonka_node.host.rig_round import (
     LocalRounds,
@@ -160,26 +156,10 @@ def test_local_rounds_count_steps_within_the_round(tmp_path: Path) -> None:
 
 def rig_world(tmp: Path) -> World:
     """test_host_node's world with a 3-round recipe whose step takes 2 micro-batches (one per process)."""
-    from test_host_node import AGG, GNK, World, host_keys
+    from test_host_node import build_world
 
     tmp.mkdir(parents=True)
-    backend = EmbeddedBackend()
-    accounts = backend.dev_accounts()
-    gov = ChainClient(backend, accounts[0]).connect()
-    deployment = gov.deploy_all(initial_mint={a.address: 1_000 * GNK for a in accounts})
-    gov = ChainClient(backend, accounts[0], deployment).connect()
-    recipe = replace(tiny_recipe(tmp), corpus=str(write_small_corpus(tmp)), inner_steps=6, micro_batch=2,
-                     grad_accum=2, warmup_steps=2, round_state="fresh").with_data_manifest()
-    init_path = tmp / "init.safetensors"
-    terms = EpochTerms(aggregators=[accounts[AGG].address], round_length_s=120, signin_window_s=30,
-                       min_stake=100 * GNK, max_hosts=4, reward_per_round=100 * GNK)
-    epoch = gov.create_epoch(epoch_spec(recipe, initial_checkpoint(recipe, init_path), terms, "file:recipe.json"))
-    gov.fund_epoch(epoch, 300 * GNK)
-    world = World(backend, accounts, deployment, recipe, epoch, init_path)
-    for i in (1, 2):
-        world.client(i).join(epoch, 100 * GNK, host_keys(i, world).node_public_key)
-    backend.increase_time(31)
-    return world
+    return build_world(tmp, inner_steps=6, micro_batch=2, grad_accum=2, warmup_steps=2, n_rounds=3)
 
 
 def run_epoch(world: World, tmp: Path, host1: HostSettings) -> list[Progress]:

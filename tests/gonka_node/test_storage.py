@@ -9,11 +9,14 @@ import pytest
 from gonka_node.core.storage import (
     BadKey,
     LocalStore,
+    ObjectMismatch,
     ObjectMissing,
     S3Store,
     StoreError,
     StoreUriError,
+    UrlRefused,
     copy_tree,
+    download_url,
     open_store,
 )
 
@@ -114,3 +117,34 @@ def test_copy_tree_between_local_and_s3(tmp_path: Path, s3_endpoint: str, s3_buc
     remote = open_store(f"s3://{s3_bucket}/ds", endpoint_url=s3_endpoint)
     assert copy_tree(local, remote) == 2
     assert remote.get_bytes("shards/0.tok") == b"\x01\x02"
+
+
+def test_a_presigned_url_downloads_the_object_checked_against_length_and_sha256(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    import hashlib
+    import io
+
+    store = open_store(f"s3://{s3_bucket}/p?endpoint={s3_endpoint}")
+    assert isinstance(store, S3Store)
+    data = b"z" * 3_000_000
+    store.put_bytes("o.bin", data)
+    url = store.presigned_url("o.bin", "GET", 60)
+    sink = io.BytesIO()
+    assert download_url(url, sink, len(data), hashlib.sha256(data).digest()) == len(data)
+    assert sink.getvalue() == data
+    with pytest.raises(ObjectMismatch, match="more than the announced 1,000,000 bytes") as info:
+        download_url(url, io.BytesIO(), 1_000_000, hashlib.sha256(data).digest())
+    assert "Signature" not in str(info.value)  # the URL's signature stays out of messages
+    with pytest.raises(ObjectMismatch, match="do not hash to the announced sha256"):
+        download_url(url, io.BytesIO(), len(data), bytes(32))
+    with pytest.raises(StoreError, match="HTTP 404"):
+        download_url(store.presigned_url("none.bin", "GET", 60), io.BytesIO(), 1, bytes(32))
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://host/x", "/etc/passwd"])
+def test_download_url_follows_only_http(url: str) -> None:
+    import io
+
+    with pytest.raises(UrlRefused, match="only http:// and https:// URLs are followed"):
+        download_url(url, io.BytesIO(), 10, bytes(32))

@@ -37,11 +37,14 @@ from chain.client import ChainClient
 from chain.server import ChainServer
 from chain.types import Deployment
 from gonka_node.core.client import AggregatorClient
+from gonka_node.core.config import AggregatorConfig, ChainSettings, RoundSettings
+from gonka_node.core.config_file import write_config
 from gonka_node.core.keys import NodeKeys, init_keys, load_keys
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.tls import load_certificate
-from gonka_node.devnet import aggregator_cert
+from gonka_node.devnet_procs import aggregator_cert
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
+from gonka_node.host.config import HostConfig
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import get_codec
 from training.model import ModelConfig, build_model
@@ -263,15 +266,14 @@ class FaultNet:
     def start_aggregator(self, rpc_url: str | None = None, timeout_s: float = 90) -> str:
         """Start `gonka-node aggregator` (chain at `rpc_url`, default the chain itself); its target."""
         cfg = self.out / "aggregator.toml"
-        cfg.write_text(
-            "[aggregator]\n"
-            'listen = "127.0.0.1:0"\ndata_dir = "aggregator"\nnode_key = "keys/aggregator/node_key.json"\n'
-            'evm_key = "keys/aggregator/evm_key.json"\nrecipe = "recipe.json"\ndeployment = "deployment.json"\n'
-            f"epoch = {self.epoch}\nscoring = {'true' if self.scoring else 'false'}\n\n"
-            f'[chain]\nbackend = "rpc"\nrpc_url = "{rpc_url or self.server.url}"\n\n'
-            f"[round]\nquorum = {self.quorum}\nextend_s = {self.extend_s}\n"
-            f"max_extensions = {self.max_extensions}\nstream_idle_s = {self.stream_idle_s}\n"
-        )
+        keys = self.out / "keys" / "aggregator"
+        write_config(AggregatorConfig(
+            data_dir=self.out / "aggregator", listen="127.0.0.1:0", node_key=keys / "node_key.json",
+            evm_key=keys / "evm_key.json", recipe=self.out / "recipe.json", deployment=self.out / "deployment.json",
+            epoch=self.epoch, scoring=self.scoring, chain=ChainSettings(backend="rpc", rpc_url=rpc_url or self.server.url),
+            round=RoundSettings(quorum=self.quorum, extend_s=self.extend_s, max_extensions=self.max_extensions,
+                                stream_idle_s=self.stream_idle_s),
+        ), cfg)
         port_file = self.out / "aggregator.port"
         port_file.unlink(missing_ok=True)
         self._spawn("aggregator", ["aggregator", "--config", str(cfg), "--port-file", str(port_file)])
@@ -280,13 +282,11 @@ class FaultNet:
 
     def start_host(self, i: int, aggregator: str) -> Path:
         cfg = self.out / f"host{i}.toml"
-        cfg.write_text(
-            "[host]\n"
-            f'key_dir = "keys/host{i}"\nstate_dir = "host{i}"\naggregator = "{aggregator}"\n'
-            f'recipe = "recipe.json"\ndeployment = "deployment.json"\nepoch = {self.epoch}\nstake_gnk = 100\n'
-            f'cache_dir = "cache"\n\n[aggregator]\ntls_cert = "{aggregator_cert(self.out)}"\n\n'
-            f'[chain]\nrpc_url = "{self.server.url}"\n'
-        )
+        write_config(HostConfig(
+            key_dir=self.out / "keys" / f"host{i}", state_dir=self.out / f"host{i}", aggregator=aggregator,
+            recipe=self.out / "recipe.json", deployment=self.out / "deployment.json", rpc_url=self.server.url,
+            epoch=self.epoch, stake=100 * GNK, cache_dir=self.out / "cache", aggregator_tls_cert=aggregator_cert(self.out),
+        ), cfg)
         return self._spawn(f"host{i}", ["run", "--config", str(cfg), "--quiet"])
 
     def aggregator_client(self, target: str, timeout_s: float = 30) -> AggregatorClient:

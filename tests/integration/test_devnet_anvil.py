@@ -17,7 +17,7 @@ import pytest
 from chain.anvil import AnvilNode
 from chain.errors import ChainError
 from gonka_node.cli import main
-from gonka_node.devnet import start_chain
+from gonka_node.devnet_chain import start_chain
 
 REPO = Path(__file__).resolve().parents[2]
 

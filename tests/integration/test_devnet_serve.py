@@ -17,7 +17,8 @@ from chain.backends import RpcBackend
 from chain.client import ChainClient
 from chain.types import Deployment
 from gonka_node.cli import main
-from gonka_node.devnet import SERVICES, DevnetOptions, ExtraService, ServeContext, run_devnet
+from gonka_node.devnet import DevnetOptions, run_devnet
+from gonka_node.devnet_serve import SERVICES, ExtraService, ServeContext
 
 
 def second_chain(ctx: ServeContext) -> list[str]:

@@ -27,19 +27,10 @@ from safetensors.torch import load as load_safetensors
 
 from chain.client import ChainClient
 from gonka_node.core.keys import load_keys
-from gonka_node.devnet import (
-    GOVERNANCE,
-    Children,
-    DevnetOptions,
-    aggregator_client,
-    claim_rewards,
-    close_signin,
-    deploy_and_schedule,
-    make_report,
-    start_aggregator,
-    start_chain,
-    start_host,
-)
+from gonka_node.devnet import DevnetOptions, deploy_and_schedule
+from gonka_node.devnet_chain import GOVERNANCE, close_signin, start_chain
+from gonka_node.devnet_procs import Children, aggregator_client, start_aggregator, start_host
+from gonka_node.devnet_report import claim_rewards, make_report
 from gonka_node.host.store import HostStore
 from training.codecs import get_codec
 from training.model import build_model

@@ -90,6 +90,7 @@ def dev(i: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # ~150 s on 2 idle cores; ~30 process starts, each slower when the cores are shared
 def test_every_role_from_the_command_line(cli: Cli, tmp_path: Path) -> None:
     chain = cli.start("chain", "chain", "serve", "--port", "0", "--url-file", "chain.url", "--deployment",
                       "deployment.json", "--governor", "--voting-period", str(VOTING_S), "--quorum-bps", "1000")

@@ -23,7 +23,7 @@ class Limits(_message.Message):
     def __init__(self, max_payload_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_update_norm: _Optional[float] = ..., max_clock_skew_ms: _Optional[int] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("chain_id", "registry", "epoch", "round", "base_checkpoint_sha256", "deadline_unix_ms", "codec", "limits", "aggregator_key", "submissions", "expected_hosts")
+    __slots__ = ("chain_id", "registry", "epoch", "round", "base_checkpoint_sha256", "deadline_unix_ms", "codec", "limits", "aggregator_key", "submissions", "expected_hosts", "direct_upload")
     CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class RoundInfo(_message.Message):
     AGGREGATOR_KEY_FIELD_NUMBER: _ClassVar[int]
     SUBMISSIONS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     chain_id: int
     registry: bytes
     epoch: int
@@ -46,7 +47,8 @@ class RoundInfo(_message.Message):
     aggregator_key: bytes
     submissions: int
     expected_hosts: int
-    def __init__(self, chain_id: _Optional[int] = ..., registry: _Optional[bytes] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., base_checkpoint_sha256: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., codec: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., aggregator_key: _Optional[bytes] = ..., submissions: _Optional[int] = ..., expected_hosts: _Optional[int] = ...) -> None: ...
+    direct_upload: bool
+    def __init__(self, chain_id: _Optional[int] = ..., registry: _Optional[bytes] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., base_checkpoint_sha256: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., codec: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., aggregator_key: _Optional[bytes] = ..., submissions: _Optional[int] = ..., expected_hosts: _Optional[int] = ..., direct_upload: bool = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
     __slots__ = ("chain_id", "registry", "epoch", "round", "host", "base_checkpoint_sha256", "codec", "payload_sha256", "payload_length", "tokens_trained", "timestamp_unix_ms", "signature")
@@ -77,12 +79,30 @@ class SubmitHeader(_message.Message):
     def __init__(self, chain_id: _Optional[int] = ..., registry: _Optional[bytes] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., host: _Optional[bytes] = ..., base_checkpoint_sha256: _Optional[bytes] = ..., codec: _Optional[str] = ..., payload_sha256: _Optional[bytes] = ..., payload_length: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "stored")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
     header: SubmitHeader
     chunk: bytes
-    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    stored: StoredPayload
+    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., stored: _Optional[_Union[StoredPayload, _Mapping]] = ...) -> None: ...
+
+class StoredPayload(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class UploadSlot(_message.Message):
+    __slots__ = ("url", "key", "expires_unix_ms")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    key: str
+    expires_unix_ms: int
+    def __init__(self, url: _Optional[str] = ..., key: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class Receipt(_message.Message):
     __slots__ = ("accepted", "reason", "message", "chain_id", "registry", "epoch", "round", "host", "payload_sha256", "payload_length", "received_unix_ms", "aggregator_key", "signature")
@@ -191,3 +211,29 @@ class RewardProof(_message.Message):
     proof: _containers.RepeatedScalarFieldContainer[bytes]
     rewards_root: bytes
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., host: _Optional[bytes] = ..., amount: _Optional[int] = ..., proof: _Optional[_Iterable[bytes]] = ..., rewards_root: _Optional[bytes] = ...) -> None: ...
+
+class StoredObject(_message.Message):
+    __slots__ = ("url", "key", "length", "file_sha256", "expires_unix_ms")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FILE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    key: str
+    length: int
+    file_sha256: bytes
+    expires_unix_ms: int
+    def __init__(self, url: _Optional[str] = ..., key: _Optional[str] = ..., length: _Optional[int] = ..., file_sha256: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class RoundLocation(_message.Message):
+    __slots__ = ("epoch", "round", "checkpoint", "update")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    checkpoint: StoredObject
+    update: StoredObject
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[StoredObject, _Mapping]] = ..., update: _Optional[_Union[StoredObject, _Mapping]] = ...) -> None: ...

@@ -65,6 +65,16 @@ class AggregatorStub(object):
                 request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
                 response_deserializer=proto_dot_gonka_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.LocateRound = channel.unary_unary(
+                '/gonka.v1.Aggregator/LocateRound',
+                request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
+                response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.FromString,
+                _registered_method=True)
+        self.GetUploadSlot = channel.unary_unary(
+                '/gonka.v1.Aggregator/GetUploadSlot',
+                request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.SerializeToString,
+                response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer(object):
@@ -113,6 +123,23 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocateRound(self, request, context):
+        """Where a finalized round's checkpoint and update can be downloaded from object storage (a presigned
+        or public URL each; empty: not in a store, use GetCheckpoint / GetRoundUpdate). NOT_FOUND: not finalized.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUploadSlot(self, request, context):
+        """A presigned PUT for this host's payload of the open round in the aggregator's object store, when
+        RoundInfo.direct_upload: the request is the signed header Submit will carry, checked the same way
+        (refusals as Submit's). Then PUT the payload and Submit the header followed by `stored`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +172,16 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.GetCheckpoint,
                     request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.FromString,
                     response_serializer=proto_dot_gonka_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'LocateRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateRound,
+                    request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.FromString,
+                    response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.SerializeToString,
+            ),
+            'GetUploadSlot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUploadSlot,
+                    request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.FromString,
+                    response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +346,60 @@ class Aggregator(object):
             '/gonka.v1.Aggregator/GetCheckpoint',
             proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
             proto_dot_gonka_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gonka.v1.Aggregator/LocateRound',
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundLocation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUploadSlot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gonka.v1.Aggregator/GetUploadSlot',
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.SerializeToString,
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.FromString,
             options,
             channel_credentials,
             insecure,

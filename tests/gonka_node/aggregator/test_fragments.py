@@ -7,16 +7,18 @@ import hashlib
 import pytest
 import torch
 
-from gonka_node.aggregator.fragments import (
+from gonka_node.aggregator.validate import Sketcher, count_sketch
+from gonka_node.core.fragments import (
     FragmentError,
     fragment_leaf,
     fragment_proof,
     fragment_root,
     global_offsets,
+    model_root,
     plan_fragments,
     verify_fragment,
+    verify_fragment_tensors,
 )
-from gonka_node.aggregator.validate import Sketcher, count_sketch
 from training.checkpoint import canonical_sha256
 from training.model import Llama, ModelConfig
 
@@ -106,3 +108,18 @@ def test_fragment_sketches_at_global_offsets_sum_to_the_whole_sketch() -> None:
     whole = count_sketch(update).double()
     assert torch.allclose(total, whole, rtol=1e-5, atol=1e-5)
     assert float(whole.norm()) > 100.0  # not trivially: the sketch is far from zero
+
+
+def test_a_whole_models_root_and_one_fragment_checked_alone() -> None:
+    g = torch.Generator().manual_seed(3)
+    model = {n: torch.randn(k, generator=g) for n, k in (("a", 7), ("b", 5), ("c", 3), ("d", 2))}
+    assert model_root(model, 1) == bytes.fromhex(canonical_sha256(model))
+    plan = plan_fragments({n: tuple(t.shape) for n, t in model.items()}, 3)
+    hashes = [bytes.fromhex(canonical_sha256({n: model[n] for n in f.names})) for f in plan]
+    root = model_root(model, 3)
+    assert root == fragment_root(hashes)
+    for f in plan:
+        part = {n: model[n] for n in f.names}
+        assert verify_fragment_tensors(part, f.index, 3, fragment_proof(hashes, f.index), root)
+        changed = {n: t + 1 for n, t in part.items()}
+        assert not verify_fragment_tensors(changed, f.index, 3, fragment_proof(hashes, f.index), root)

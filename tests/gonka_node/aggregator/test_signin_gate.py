@@ -5,18 +5,23 @@ from __future__ import annotations
 import hashlib
 import time
 
-from agg_harness import GNK, Harness, Host
+import pytest
+from agg_harness import GNK, Harness, Host, ServerThread
 from nacl.signing import SigningKey
 from test_round import wait_state
 
 
-def test_everyone_submitted_waits_for_the_signin_window(harness: Harness, monkeypatch) -> None:
-    h = harness
-    backend = h.world.backend
+def serve_with_signin_open(h: Harness, monkeypatch: pytest.MonkeyPatch) -> ServerThread:
+    """Schedule the epoch (two hosts signed in) leaving the sign-in window open; the started server."""
     with monkeypatch.context() as m:
-        m.setattr(backend, "increase_time", lambda seconds: None)  # leave the sign-in window open
+        m.setattr(h.world.backend, "increase_time", lambda seconds: None)
         h.schedule(2)
-    server = h.start_server()
+    return h.start_server()
+
+
+def test_everyone_submitted_waits_for_the_signin_window(harness: Harness, monkeypatch) -> None:
+    h, backend = harness, harness.world.backend
+    server = serve_with_signin_open(h, monkeypatch)
     with server.client() as client:
         info = client.open_round()
         for host in h.hosts:
@@ -33,12 +38,8 @@ def test_a_host_signing_in_late_is_waited_for(harness: Harness, monkeypatch) -> 
     """Two hosts sign in and submit while the window is open; a third signs in just before it closes.
     The round must not close as "everyone has submitted" on a host list read while hosts were still
     joining: it waits for the third host."""
-    h = harness
-    backend = h.world.backend
-    with monkeypatch.context() as m:
-        m.setattr(backend, "increase_time", lambda seconds: None)  # leave the sign-in window open
-        h.schedule(2)
-    server = h.start_server()
+    h, backend = harness, harness.world.backend
+    server = serve_with_signin_open(h, monkeypatch)
     late = Host(3, h.world.accounts[3], SigningKey(hashlib.sha256(b"host-3").digest()))
     with server.client() as client:
         info = client.open_round()

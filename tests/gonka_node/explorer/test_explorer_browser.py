@@ -25,17 +25,9 @@ from eth_utils import to_canonical_address
 from safetensors.torch import load as load_safetensors
 
 from chain.client import ChainClient
-from gonka_node.devnet import (
-    GOVERNANCE,
-    Children,
-    DevnetOptions,
-    aggregator_client,
-    close_signin,
-    deploy_and_schedule,
-    start_aggregator,
-    start_chain,
-    start_host,
-)
+from gonka_node.devnet import DevnetOptions, deploy_and_schedule
+from gonka_node.devnet_chain import GOVERNANCE, close_signin, start_chain
+from gonka_node.devnet_procs import Children, aggregator_client, start_aggregator, start_host
 from gonka_node.explorer import start_explorer
 from gonka_node.explorer.db import IndexDb
 from gonka_node.explorer.reports import Finalized, to_report

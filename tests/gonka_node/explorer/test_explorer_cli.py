@@ -15,7 +15,7 @@ import pytest
 
 from chain.client import ChainClient
 from gonka_node.cli import main
-from gonka_node.devnet import start_chain
+from gonka_node.devnet_chain import start_chain
 
 
 def test_the_explorer_process_serves_the_chain_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -5,30 +5,17 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from eth_account import Account
-from explorer_chain import AGGREGATOR, Net, deploy
+from explorer_chain import AGGREGATOR, Net
 
 from chain.client import ChainClient
 from gonka_node.explorer.db import IndexDb, IndexFileError, open_readonly
 from gonka_node.explorer.indexer import Indexer
 
 IDENTITY = {"test": "explorer"}
-
-
-@pytest.fixture(scope="module")
-def net() -> Net:
-    return deploy()
-
-
-@pytest.fixture
-def fresh(net: Net) -> Iterator[Net]:
-    snapshot = net.backend.snapshot()
-    yield net
-    net.backend.revert(snapshot)
 
 
 def indexer(net: Net, path: Path, batch_blocks: int = 4) -> Indexer:

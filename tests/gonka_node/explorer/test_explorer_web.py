@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from eth_utils import to_canonical_address
-from explorer_chain import REWARD, Net, deploy, sha
+from explorer_chain import REWARD, Net, sha
 
 from gonka_node.explorer.db import IndexDb
 from gonka_node.explorer.reports import Finalized, check_report, to_report
@@ -22,18 +22,6 @@ from gonka_node.explorer.service import Explorer, ExplorerOptions, open_chain
 from proto.gonka.v1 import aggregator_pb2 as pb
 
 HOSTILE = "<script>window.pwned=1</script>"
-
-
-@pytest.fixture(scope="module")
-def net() -> Net:
-    return deploy()
-
-
-@pytest.fixture
-def fresh(net: Net) -> Iterator[Net]:
-    snapshot = net.backend.snapshot()
-    yield net
-    net.backend.revert(snapshot)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
+from gonka_node.core.fragments import model_root
 from gonka_node.host.follow import FollowError, GlobalModel, follow_to
 from training.checkpoint import canonical_sha256
 from training.diloco import OuterOptimizer
@@ -201,3 +202,17 @@ def test_after_an_unreadable_update_and_a_refused_checkpoint_the_momentum_is_giv
     with pytest.raises(FollowError, match="checkpoint of round 2 hashes to"):
         agg.follow(model, 2)
     assert model.outer is None and model.round_done == 0 and bits_equal(model.params, tensors(0))
+
+
+def test_a_sharded_epochs_model_is_followed_by_its_fragment_root() -> None:
+    agg = two_rounds()
+    agg.chain = Chain({r: model_root(p, 2) for r, p in agg.params.items() if r > 0})
+    params = tensors(0)
+    model = GlobalModel(params, model_root(params, 2), 0, OuterOptimizer(LR, MOMENTUM), shards=2)
+    assert agg.follow(model, 2) == "updates" and bits_equal(model.params, agg.params[2])
+    assert model.sha256 == agg.chain.hashes[2] != sha(agg.params[2])
+    pulled = GlobalModel(tensors(0), b"", 0, None, shards=2)
+    assert agg.follow(pulled, 2) == "checkpoint" and pulled.sha256 == agg.chain.hashes[2]
+    unsharded = fresh_model()  # the canonical hash is not the root: the update and the checkpoint are refused
+    with pytest.raises(FollowError, match="checkpoint of round 2 hashes to"):
+        agg.follow(unsharded, 2)

@@ -7,7 +7,6 @@ further round while servers run, as an aggregator does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from concurrent import futures
@@ -16,12 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from checkpoint_kit import GNK, file_chunks, finalize, open_epoch, served_chain
 
-from chain.backends import EmbeddedBackend
 from chain.client import ChainClient
-from chain.seed import new_secret, seed_commitment
-from chain.server import ChainServer
-from chain.types import EpochSpec
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.tls import create_identity, server_credentials
 from gonka_node.serve.server import ModelServerHandle, ServeSettings, start_model_server
@@ -31,9 +27,7 @@ from training.checkpoint import save_checkpoint
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import ModelConfig, build_model
 
-GNK = 10**9
 TINY = ModelConfig.preset("tiny")
-CHUNK = 64 << 10
 
 
 @dataclass
@@ -47,12 +41,7 @@ class FileServer(cpb_grpc.CheckpointsServicer):
         if key not in self.files:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint for {key}")
         path, content_sha = self.files[key]
-        data = path.read_bytes()
-        yield common.FileChunk(meta=common.FileMeta(
-            length=len(data), file_sha256=hashlib.sha256(data).digest(), content_sha256=content_sha,
-            epoch=request.epoch, round=request.round, format="safetensors"))
-        for start in range(0, len(data), CHUNK):
-            yield common.FileChunk(data=data[start : start + CHUNK])
+        yield from file_chunks(request, path.read_bytes(), content_sha)
 
 
 @dataclass
@@ -79,10 +68,7 @@ class ServeWorld:
     def finalize(self, round_: int) -> str:
         """Write round `round_`'s checkpoint where the aggregator serves it, then finalize it on chain."""
         sha = self.write_round(round_)
-        secret = new_secret()  # the round seed's commit-reveal, which finalize_round requires
-        self.aggregator.commit_round_seed(self.epoch, round_, seed_commitment(secret))
-        self.aggregator.reveal_round_seed(self.epoch, round_, secret)
-        self.aggregator.finalize_round(self.epoch, round_, sha, bytes([round_]) * 32, 2, 1000 * GNK)
+        finalize(self.aggregator, self.epoch, round_, sha, bytes([round_]) * 32, 2, 1000 * GNK)
         return sha
 
     def close(self) -> None:
@@ -93,27 +79,13 @@ class ServeWorld:
 def build_world(root: Path, rounds: int = 2, n_rounds: int = 6, recipe: Recipe | None = None) -> ServeWorld:
     """`recipe` (default: the tiny model on bytes) is published on chain; its model is served."""
     recipe = recipe or Recipe(model=TINY)
-    backend = EmbeddedBackend()
-    chain_server = ChainServer(backend).start()
-    accounts = backend.dev_accounts()
-    gov = ChainClient(backend, accounts[0]).connect()
-    deployment = gov.deploy_all(initial_mint={accounts[0].address: 10_000 * GNK})
-    deployment.extra["rpc_url"] = chain_server.url
-    deployment.save(root / "deployment.json")
+    chain = served_chain(root)
     servicer = FileServer()
-    world = ServeWorld(root, root / "deployment.json", chain_server.url, 0, {}, {}, servicer,
-                       gov.with_account(accounts[1]), [chain_server.stop], recipe.model)
+    world = ServeWorld(root, chain.deployment_file, chain.server.url, 0, {}, {}, servicer,
+                       chain.gov.with_account(chain.accounts[1]), [chain.server.stop], recipe.model)
     init_sha = world.write_round(0)
-    spec = EpochSpec(
-        model_spec_hash=recipe.sha256(), model_uri="file:recipe.json", data_manifest_hash=bytes(range(32)),
-        init_checkpoint_hash=bytes.fromhex(init_sha), inner_steps=20, inner_lr=2e-3, batch_size=8,
-        outer_lr=0.7, outer_momentum=0.9, codec="int8", n_rounds=n_rounds, round_length=600, signin_window=60,
-        min_stake=1500 * GNK, max_hosts=4, aggregators=(accounts[1].address,), reward_per_round=1500 * GNK,
-    )
-    world.epoch = gov.create_epoch(spec)
+    world.epoch = open_epoch(chain, recipe, init_sha, n_rounds)
     servicer.files = {(world.epoch, 0): servicer.files.pop((0, 0))}
-    gov.fund_epoch(world.epoch, 5000 * GNK)
-    backend.increase_time(61)
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     cpb_grpc.add_CheckpointsServicer_to_server(servicer, grpc_server)
     identity = create_identity()

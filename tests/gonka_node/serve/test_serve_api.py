@@ -21,7 +21,7 @@ from chain.backends import RpcBackend
 from chain.client import ChainClient
 from chain.types import Deployment
 from gonka_node.cli import main
-from gonka_node.cli.checkpoint import terminal_safe
+from gonka_node.cli.checkpoint_load import terminal_safe
 from gonka_node.serve.protocol import Limits
 from gonka_node.serve.server import ModelServerHandle
 from training.generate import SamplingConfig, generate_tokens

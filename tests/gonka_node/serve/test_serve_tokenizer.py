@@ -15,7 +15,7 @@ from serve_world import TINY, ServeWorld, build_world, serve
 from test_serve_api import post
 
 from gonka_node.cli import main
-from gonka_node.cli.checkpoint import terminal_safe
+from gonka_node.cli.checkpoint_load import terminal_safe
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.storage import LocalStore
 from gonka_node.serve.server import ModelServerHandle

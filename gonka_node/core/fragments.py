@@ -13,6 +13,10 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 Spec = Mapping[str, tuple[int, ...]]
 LEAF_TAG = b"gonka-fragment-v1\n"
@@ -115,3 +119,24 @@ def verify_fragment(fragment_sha256: bytes, index: int, shards: int, proof: Sequ
             node = _parent(other, node) if index & 1 else _parent(node, other)
         index, width = index // 2, (width + 1) // 2
     return next(steps, None) is None and node == root
+
+
+def model_root(tensors: Mapping[str, Tensor], shards: int) -> bytes:
+    """The checkpoint hash the chain records for a whole model of a sharded epoch: the root over its
+    fragments' canonical hashes (one shard: the canonical hash itself). What a host following rounds,
+    or a client holding every fragment, compares with `round_result`."""
+    from training.checkpoint import canonical_sha256  # torch: only where tensors are hashed
+
+    spec = {name: tuple(t.shape) for name, t in tensors.items()}
+    hashes = [bytes.fromhex(canonical_sha256({n: tensors[n] for n in f.names})) for f in plan_fragments(spec, shards)]
+    return fragment_root(hashes)
+
+
+def verify_fragment_tensors(
+    tensors: Mapping[str, Tensor], index: int, shards: int, proof: Sequence[bytes], root: bytes
+) -> bool:
+    """Whether these tensors are fragment `index` of the checkpoint whose root is `root` (a client that
+    pulled one fragment, with the sibling hashes of its leaf)."""
+    from training.checkpoint import canonical_sha256
+
+    return verify_fragment(bytes.fromhex(canonical_sha256(tensors)), index, shards, proof, root)

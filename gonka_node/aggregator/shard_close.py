@@ -1,0 +1,257 @@
+"""A shard's close (docs/PROTOCOL.md "Sharded aggregators"): report to the verifier, take its verdict,
+aggregate and step this shard's fragment only, exchange fragment hashes, and return the round's
+outcome with the Merkle-of-fragments root as its checkpoint hash.
+
+Deterministic from the files on disk and the other shards' reports, like `close.compute_outcome`: a
+close that waits (`ShardPending`) is simply run again at the next tick. The round state it holds is
+its fragment's base, new parameters, aggregate and momentum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, _read_outer, _save_durably, _sketch_path
+from gonka_node.aggregator.shard import (
+    FragmentReport,
+    HostFragment,
+    ShardExchange,
+    ShardMismatch,
+    ShardPending,
+    ShardRole,
+    Verdict,
+    VerifierInputs,
+    decide,
+)
+from gonka_node.aggregator.store import SubmissionRow
+from gonka_node.aggregator.validate import Sketcher, decode_update
+from gonka_node.core.fragments import fragment_root
+from training.checkpoint import HASH_FORMAT
+from training.diloco import OuterOptimizer, StreamingAverager
+from training.durable import atomic_write
+from training.hf_export import MODEL_CONFIG_KEY
+
+if TYPE_CHECKING:
+    from gonka_node.aggregator.rounds import CheckpointIO
+
+PUBLIC_ROUNDS = 16  # as close.PUBLIC_ROUNDS: earlier aggregates in the mixture check's span
+HASH_CHUNK = 8 << 20  # bytes read at a time when hashing a checkpoint file
+
+
+def fragments_path(checkpoint: Path) -> Path:
+    """Where a shard keeps the S fragment hashes of a round's checkpoint (the root's leaves)."""
+    return checkpoint.with_suffix(".fragments.json")
+
+
+def read_fragment_hashes(checkpoint: Path) -> list[bytes]:
+    return [bytes.fromhex(h) for h in json.loads(fragments_path(checkpoint).read_text())]
+
+
+def load_fragment(
+    checkpoints: CheckpointIO, path: Path, expected: bytes, role: ShardRole, initial: Path
+) -> dict[str, Tensor]:
+    """This shard's tensors of a global model: the epoch's initial checkpoint is whole (verified whole,
+    then cut); a round's is this shard's fragment file, verified against the root through its leaves."""
+    if path == initial:
+        return _fragment_of_whole(path, expected, role)
+    hashes = read_fragment_hashes(path)
+    if len(hashes) != role.count or fragment_root(hashes) != expected:
+        raise ShardMismatch(f"{path}: its recorded fragment hashes do not make the root {expected.hex()}")
+    return checkpoints.load(path, hashes[role.index])
+
+
+def file_sha256(path: Path) -> bytes:
+    """`training.checkpoint.canonical_sha256` of a safetensors file, read in chunks through the page
+    cache: no tensor is materialised and no page is mapped into this process (a mapped file's pages
+    count in its resident memory), so hashing the whole initial model costs a shard nothing."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        digest = hashlib.sha256(HASH_FORMAT + struct.pack("<Q", len(entries)))
+        for name in sorted(entries, key=lambda n: n.encode("utf-8")):
+            entry, raw_name = entries[name], name.encode("utf-8")
+            dtype, shape = entry["dtype"].encode("ascii"), entry["shape"]
+            digest.update(struct.pack("<I", len(raw_name)) + raw_name + struct.pack("<I", len(dtype)) + dtype)
+            digest.update(struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape))
+            begin, end = entry["data_offsets"]
+            digest.update(struct.pack("<Q", end - begin))
+            f.seek(8 + size + begin)
+            for at in range(begin, end, HASH_CHUNK):
+                digest.update(f.read(min(HASH_CHUNK, end - at)))
+    return digest.digest()
+
+
+def _fragment_of_whole(path: Path, expected: bytes, role: ShardRole) -> dict[str, Tensor]:
+    """This shard's tensors of a whole checkpoint, the whole verified against `expected` without
+    holding (or mapping) the other fragments: what keeps a shard's memory to its fragment."""
+    if file_sha256(path) != expected:
+        raise ShardMismatch(f"{path} is not the checkpoint {expected.hex()}")
+    with safe_open(str(path), framework="pt") as handle:
+        return {n: handle.get_tensor(n) for n in role.fragment.names}
+
+
+def close_fragment(
+    i: ClosingInputs, role: ShardRole, exchange: ShardExchange, skip: bool, max_update_norm: float
+) -> RoundOutcome:
+    ctx, row = i.ctx, i.round_row
+    epoch, round_ = row.epoch, row.round
+    base = load_fragment(i.checkpoints, i.base_path, row.base_sha256, role, ctx.initial_checkpoint)
+    if not _reported(exchange, i, role, skip):  # a close waiting on the others does not decode again
+        exchange.put_report(report(i, role, base, skip))
+    verdict = exchange.verdict(epoch, round_)
+    if verdict is None and role.index == 0:
+        verifier = VerifierInputs(ctx, role, row, i.seed, i.slots, i.aggregation, max_update_norm)
+        exchange.put_verdict(decide(verifier, exchange.reports(epoch, round_)))
+        verdict = exchange.verdict(epoch, round_)
+    if verdict is None:
+        raise ShardPending(f"round {epoch}/{round_}: no verdict from shard 0 yet")
+    _check_verdict(verdict, i.submissions, role)
+    if not verdict.aggregated:
+        return RoundOutcome(row.base_sha256, bytes(32), 0, verdict.rule, list(verdict.rows), 0)
+    own = _stepped(exchange, i, role)
+    if own is None:
+        own = step_fragment(i, role, verdict, base)
+        exchange.put_hash(epoch, round_, role.index, own)
+    hashes = exchange.hashes(epoch, round_)
+    if len(hashes) < role.count:
+        raise ShardPending(f"round {epoch}/{round_}: {len(hashes)} of {role.count} fragment hashes in")
+    leaves = [hashes[k] for k in range(role.count)]
+    if leaves[role.index] != own:
+        raise ShardMismatch(f"round {epoch}/{round_}: the exchange holds another hash for fragment {role.index}")
+    path = i.store.checkpoint_path(epoch, round_)
+    atomic_write(fragments_path(path), lambda tmp: tmp.write_text(json.dumps([h.hex() for h in leaves])))
+    return RoundOutcome(
+        fragment_root(leaves), verdict.rewards_root, verdict.total_reward, verdict.rule, list(verdict.rows),
+        len(verdict.aggregated),
+    )
+
+
+def _reported(exchange: ShardExchange, i: ClosingInputs, role: ShardRole, skip: bool) -> bool:
+    """Whether the exchange already holds this shard's report of exactly these submissions."""
+    row = i.round_row
+    mine = next((r for r in exchange.reports(row.epoch, row.round) if r.index == role.index), None)
+    return mine is not None and mine.skip == skip and [h.host for h in mine.hosts] == [s.host for s in i.submissions]
+
+
+def _stepped(exchange: ShardExchange, i: ClosingInputs, role: ShardRole) -> bytes | None:
+    """This shard's fragment hash if an earlier attempt of this close stepped and wrote everything (the
+    hash is sent only after the last file is durable), else None."""
+    row = i.round_row
+    own = exchange.hashes(row.epoch, row.round).get(role.index)
+    done = i.store.outer_state_path(row.epoch, row.round).exists() and i.store.checkpoint_path(row.epoch, row.round).exists()
+    return own if done else None
+
+
+def _check_verdict(verdict: Verdict, submissions: list[SubmissionRow], role: ShardRole) -> None:
+    """The verdict must name every host this shard accepted, and aggregate none it did not."""
+    accepted = {s.host for s in submissions}
+    named = {r.host for r in verdict.rows}
+    if not accepted <= named or not set(verdict.aggregated) <= accepted:
+        raise ShardMismatch(
+            f"round {verdict.epoch}/{verdict.round}: the verdict does not match the hosts shard {role.index} accepted"
+        )
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def report(i: ClosingInputs, role: ShardRole, base: Mapping[str, Tensor], skip: bool) -> FragmentReport:
+    row = i.round_row
+    hosts = tuple(_host_fragment(i, s) for s in i.submissions)
+    earlier = tuple((s.round, s.host, s.sketch) for s in i.earlier)
+    return FragmentReport(
+        row.epoch, row.round, role.index, role.count, tuple(sorted(role.fragment.names)), skip, hosts, earlier,
+        _public(i, role, base),
+    )
+
+
+def _decode(i: ClosingInputs, sub: SubmissionRow) -> dict[str, Tensor]:
+    update = decode_update(i.ctx.codec_for(i.round_row.round), Path(sub.path).read_bytes(), i.ctx.spec)
+    return {name: t.float() for name, t in update.items()}
+
+
+def _host_fragment(i: ClosingInputs, sub: SubmissionRow) -> HostFragment:
+    """Per-tensor squared norms summed as the ingest check (`validate.square_norm`) and as the clip
+    (`robust._norm`) sum them: the verifier adds them in sorted order into the unsharded norms."""
+    update = _decode(i, sub)
+    names = sorted(update)
+    scan = tuple(float(torch.linalg.vector_norm(update[n], dtype=torch.float64)) ** 2 for n in names)
+    clip = tuple(float(update[n].double().square().sum()) for n in names)
+    return HostFragment(sub.host, sub.started_ms, sub.received_ms, scan, clip, sub.sketch)
+
+
+def sketch_at(role: ShardRole, tensors: Mapping[str, Tensor]) -> bytes:
+    """The fragment's count sketch at its global coordinates (fragment sketches sum to the whole one)."""
+    sketcher = Sketcher()
+    for name in sorted(tensors):
+        sketcher.add_at(role.offsets[name], tensors[name].float())
+    return sketcher.result().numpy().tobytes()
+
+
+def _public(i: ClosingInputs, role: ShardRole, base: Mapping[str, Tensor]) -> tuple[tuple[str, bytes], ...]:
+    out = [("the base model", sketch_at(role, base))]
+    epoch, round_ = i.round_row.epoch, i.round_row.round
+    for r in range(round_ - 1, max(0, round_ - 1 - PUBLIC_ROUNDS), -1):
+        path = _sketch_path(i.store, epoch, r)
+        if path.exists():
+            out.append((f"round {r}'s aggregate", path.read_bytes()))
+    return tuple(out)
+
+
+# ---- aggregate and step the fragment -------------------------------------------------------------
+
+
+def _scale(update: dict[str, Tensor], norm: float, tau: float | None) -> Mapping[str, Tensor]:
+    """`robust._scale` with the whole update's norm: the fragment of the unsharded clipped update."""
+    if tau is None or norm <= tau or norm == 0.0:
+        return update
+    factor = torch.tensor(tau / norm, dtype=torch.float32)
+    return {n: t.float() * factor for n, t in update.items()}
+
+
+def aggregate_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict) -> dict[str, Tensor]:
+    by_host = {s.host: s for s in i.submissions}
+    avg = StreamingAverager(role.spec)
+    for host in verdict.aggregated:  # increasing address, as the unsharded average
+        avg.add(host.hex(), _scale(_decode(i, by_host[host]), verdict.clip_norms[host], verdict.tau))
+    return avg.result()
+
+
+def step_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict, base: Mapping[str, Tensor]) -> bytes:
+    """Aggregate, outer-step and write this shard's fragment; returns the fragment's canonical hash."""
+    ctx, row = i.ctx, i.round_row
+    update = aggregate_fragment(i, role, verdict)
+    step_from = base
+    if i.step_base is not None:
+        step_from = load_fragment(i.checkpoints, *i.step_base, role, ctx.initial_checkpoint)
+    params = {name: t.float().clone() for name, t in step_from.items()}
+    outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
+    if i.prev_outer_state is not None:
+        outer.restore(*_read_outer(i.prev_outer_state))
+    outer.step(params, update)
+    meta = {
+        "epoch": str(row.epoch), "round": str(row.round), "base_sha256": row.base_sha256.hex(),
+        "rule": verdict.rule, "fragment": f"{role.index}/{role.count}",
+    }
+    if ctx.model_config is not None:
+        meta[MODEL_CONFIG_KEY] = ctx.model_config
+    sha = i.checkpoints.save(i.store.checkpoint_path(row.epoch, row.round), params, meta)
+    _save_durably(i.store.update_path(row.epoch, row.round), update, meta)
+    sketch = sketch_at(role, update)
+    atomic_write(_sketch_path(i.store, row.epoch, row.round), lambda tmp: tmp.write_bytes(sketch))
+    _save_durably(
+        i.store.outer_state_path(row.epoch, row.round), outer.state_dict()["momentum_buffer"],
+        {"steps": str(outer.steps)},
+    )
+    return sha
+

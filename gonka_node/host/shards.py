@@ -1,0 +1,179 @@
+"""A host's upload to a sharded epoch (docs/PROTOCOL.md "Sharded aggregators"): the encoded payload cut
+by fragment, and the fragments uploaded to every shard at once.
+
+Fragment i's payload is the codec header for fragment i's tensors followed by those tensors' parts,
+cut from the whole payload without decoding: a part depends on its tensor only, so this is byte for
+byte what encoding the fragment alone gives. The host's submission counts only if every shard accepts
+its fragment (the verifier aggregates a host only then): one refusal refuses the round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import grpc
+import torch
+from nacl.signing import SigningKey
+from safetensors.torch import load, save
+from torch import Tensor
+
+from gonka_node.core.client import AggregatorClient, Downloaded, SubmitRejected
+from gonka_node.core.discovery import MissingPinError
+from gonka_node.core.fragments import plan_fragments
+from gonka_node.core.link import Link
+from gonka_node.core.recipe import Recipe
+from proto.gonka.v1 import aggregator_pb2 as pb
+from proto.gonka.v1 import common_pb2 as common
+from training.codecs import HEADER_SIZE, Codec
+
+Spec = Mapping[str, tuple[int, ...]]
+
+
+class SplitError(ValueError):
+    """A payload that is not the codec's encoding of the whole model: it cannot be cut by fragment."""
+
+
+class ShardClient(Protocol):
+    """What the upload needs of `core.client.AggregatorClient`, one per shard."""
+
+    def open_round(self) -> pb.RoundInfo: ...
+
+    def submit(
+        self, info: pb.RoundInfo, host: bytes, payload: bytes, key: SigningKey, tokens_trained: int = 0
+    ) -> pb.Receipt: ...
+
+
+def split_payload(codec: Codec, payload: bytes, spec: Spec, shards: int) -> list[bytes]:
+    """The S fragment payloads of a whole encoded payload, in fragment order."""
+    if len(payload) != codec.encoded_size(spec):
+        raise SplitError(
+            f"payload is {len(payload)} bytes, the model's {codec.name} encoding is {codec.encoded_size(spec)}"
+        )
+    parts, pos = {}, HEADER_SIZE
+    for name in sorted(spec):
+        size = codec.encoded_size({name: spec[name]}) - HEADER_SIZE  # numel and section of this tensor
+        parts[name], pos = payload[pos : pos + size], pos + size
+    return [codec.header(f.spec(spec)) + b"".join(parts[n] for n in f.names) for f in plan_fragments(spec, shards)]
+
+
+def submit_fragments(
+    clients: Sequence[ShardClient], round_: int, fragments: Sequence[bytes], host: bytes, key: SigningKey,
+    tokens: int,
+) -> tuple[bool, str]:
+    """Upload fragment i to shard i, all at once; (accepted by every shard, the refusals joined)."""
+    refusals = _refusals(clients, round_, fragments, host, key, tokens)
+    return not refusals, "; ".join(f"shard {i}: {r.reason or r.code.name}: {r.message}" for i, r in refusals)
+
+
+def _refusals(
+    clients: Sequence[ShardClient], round_: int, fragments: Sequence[bytes], host: bytes, key: SigningKey,
+    tokens: int,
+) -> list[tuple[int, SubmitRejected]]:
+    if len(clients) != len(fragments):
+        raise SplitError(f"{len(fragments)} fragments for {len(clients)} shards")
+
+    def one(i: int) -> SubmitRejected | None:
+        return _submit_one(clients[i], round_, fragments[i], host, key, tokens)
+
+    with ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shard-upload") as pool:
+        return [(i, r) for i, r in enumerate(pool.map(one, range(len(clients)))) if r is not None]
+
+
+def _submit_one(
+    client: ShardClient, round_: int, fragment: bytes, host: bytes, key: SigningKey, tokens: int
+) -> SubmitRejected | None:
+    """None when the shard holds the fragment (now, or from an earlier upload: DUPLICATE); else its refusal."""
+    info = client.open_round()
+    if info.round != round_:
+        why = f"round {round_} is not open there (it is at round {info.round})"
+        return SubmitRejected(grpc.StatusCode.FAILED_PRECONDITION, "LATE" if info.round > round_ else "", why, None)
+    try:
+        client.submit(info, host, fragment, key, tokens)
+    except SubmitRejected as exc:
+        return None if exc.reason == "DUPLICATE" else exc
+    return None
+
+
+def sharded_aggregator(chain: Any, epoch: int, recipe: Recipe, link: Link | None = None) -> ShardedAggregator:
+    """The epoch's shards as announced on chain (the spec's order is the shards' order), each pinned to
+    its announced certificate; refused with one line until every shard has announced."""
+    from training.codecs import get_codec, round_seed
+    from training.model import Llama
+
+    announced = chain.aggregator_endpoints(epoch)
+    if len(announced) != recipe.shards:
+        raise MissingPinError(
+            f"epoch {epoch} has {recipe.shards} aggregator shards and {len(announced)} announced their endpoint "
+            "on chain: a host uploads to every shard, so it waits until all have announced"
+        )
+    with torch.device("meta"):  # shapes only
+        spec = {n: tuple(p.shape) for n, p in Llama(recipe.model).named_parameters()}
+    codec = get_codec(recipe.codec)
+    clients = [AggregatorClient(a.endpoint, a.tls_cert_pem, link=link) for a in announced]
+    return ShardedAggregator(clients, lambda r: codec.for_round(round_seed(recipe.epoch_seed, r)), spec)
+
+
+class ShardedAggregator:
+    """An epoch's S shards behind the one-aggregator surface the host calls (`AggregatorClient`'s):
+    rounds are opened and results read at shard 0; a payload goes to every shard by fragment; a
+    round's update and checkpoint are every shard's fragment merged (check them with
+    `core.fragments.model_root` against the chain)."""
+
+    def __init__(self, clients: Sequence[AggregatorClient], codec_for: Callable[[int], Codec], spec: Spec) -> None:
+        self.clients, self.codec_for, self.spec = list(clients), codec_for, dict(spec)
+        self.target = ", ".join(c.target for c in self.clients)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    def open_round(self) -> pb.RoundInfo:
+        return self.clients[0].open_round()
+
+    def submit(
+        self, info: pb.RoundInfo, host: bytes, payload: bytes, key: SigningKey, tokens_trained: int = 0
+    ) -> None:
+        """Every shard's fragment accepted, or the first refusal raised (its code and reason kept, so a
+        retry re-sends only what is missing: the others answer DUPLICATE)."""
+        fragments = split_payload(self.codec_for(info.round), payload, self.spec, len(self.clients))
+        refusals = _refusals(self.clients, info.round, fragments, host, key, tokens_trained)
+        if refusals:
+            i, first = refusals[0]
+            raise SubmitRejected(first.code, first.reason, f"shard {i}: {first.message}", first.receipt)
+
+    def round_result(self, epoch: int, round_: int) -> pb.RoundResult:
+        return self.clients[0].round_result(epoch, round_)
+
+    def reward_proof(self, epoch: int, round_: int, host: bytes) -> pb.RewardProof:
+        return self.clients[0].reward_proof(epoch, round_, host)
+
+    def round_update(self, epoch: int, round_: int) -> Downloaded:
+        return _merged([c.round_update(epoch, round_) for c in self.clients])
+
+    def checkpoint(self, epoch: int, round_: int) -> Downloaded:
+        return _merged([c.checkpoint(epoch, round_) for c in self.clients])
+
+
+def _merged(parts: Sequence[Downloaded]) -> Downloaded:
+    """The shards' safetensors files as one (their tensors are disjoint), described by a FileMeta of its own."""
+    tensors: dict[str, Tensor] = {}
+    for part in parts:
+        tensors.update(load(part.data))
+    data = save(tensors, metadata=_plain_metadata(parts[0].data))
+    meta = common.FileMeta()
+    meta.CopyFrom(parts[0].meta)
+    meta.length, meta.file_sha256 = len(data), hashlib.sha256(data).digest()
+    return Downloaded(meta, data)
+
+
+def _plain_metadata(data: bytes) -> dict[str, str]:
+    """A safetensors file's metadata without what describes that file alone (its recorded hash, its
+    fragment): the merged file keeps the round's own (epoch, round, model config)."""
+    (size,) = struct.unpack_from("<Q", data, 0)
+    meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    return {k: v for k, v in meta.items() if not k.startswith("gonka.") and k != "fragment"}

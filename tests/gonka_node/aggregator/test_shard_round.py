@@ -1,0 +1,278 @@
+"""Sharded aggregators over the real engine (engine_kit.py): the same hosts' updates closed by one
+aggregator (S = 1) and by two shards of an epoch with two aggregators and quorum 2 (S = 2). Each shard
+accepts only its fragment; its fragment of the new model, the aggregate and the momentum equal the
+unsharded ones bit for bit; the round finalizes on chain once, with the Merkle-of-fragments root."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from agg_harness import AGGREGATOR
+from engine_kit import SECOND_AGGREGATOR, SPEC, Kit, initial_tensors, payload, update
+from nacl.signing import SigningKey
+
+from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.reasons import Reason, Rejected
+from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.shard import (
+    DirExchange,
+    FragmentReport,
+    LocalExchange,
+    ShardConfigError,
+    ShardExchange,
+    ShardMismatch,
+    Verdict,
+    shard_role,
+)
+from gonka_node.aggregator.shard_close import file_sha256, load_fragment, read_fragment_hashes
+from gonka_node.aggregator.store import Store
+from gonka_node.core.config import AggregationSettings
+from gonka_node.core.fragments import fragment_proof, fragment_root, verify_fragment
+from gonka_node.core.recipe import Recipe, RecipeError
+from gonka_node.epoch_setup import shard_context
+from training.checkpoint import load_checkpoint
+from training.model import ModelConfig
+
+ORDER = (AGGREGATOR, SECOND_AGGREGATOR)  # epoch4's aggregators on chain: shard 0, shard 1
+
+
+def address(kit: Kit, i: int) -> bytes:
+    return bytes.fromhex(kit.world.chain.accounts[i].address[2:])
+
+
+def shard_engine(kit: Kit, i: int, exchange: ShardExchange) -> RoundEngine:
+    """Shard i of epoch4 on its own store (a second call: the same shard restarted)."""
+    whole = kit.context(kit.world.epoch4)
+    role = shard_role(whole.spec, [address(kit, a) for a in ORDER], address(kit, ORDER[i]), kit.aggregation.rule)
+    assert role is not None
+    ctx = dataclasses.replace(whole, spec=role.spec, shard=role)
+    e = RoundEngine(
+        ctx, kit.settings, kit.aggregation, Store(kit.tmp / f"shard{i}").open(),
+        ChainView(kit.world.chain.client(ORDER[i])), TrainingCheckpoints(), SigningKey(bytes([ORDER[i]]) * 32),
+        clock=kit.clock, exchange=exchange,
+    )
+    kit.engines.append(e)
+    e.start()
+    return e
+
+
+def fragment_payload(u: dict[str, torch.Tensor], e: RoundEngine) -> bytes:
+    return payload({n: u[n] for n in e.ctx.spec})
+
+
+def run_round(kit: Kit, whole: RoundEngine, shards: list[RoundEngine], ups: list[dict[str, torch.Tensor]]) -> None:
+    for h, u in zip(kit.hosts, ups, strict=True):
+        assert kit.submit(whole, h, payload(u)).body.accepted
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    kit.run(whole.tick())
+    for _ in range(3):  # seeds, reports, verdict, hashes: each shard waits on the other once at most
+        for s in shards:
+            kit.run(s.tick())
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path).tensors
+
+
+@pytest.fixture
+def clipped(kit: Kit) -> Kit:
+    kit.aggregation = AggregationSettings(rule="clip_median")
+    return kit
+
+
+def test_two_shards_equal_one_aggregator_bit_for_bit_and_finalize_once_with_the_root(
+    clipped: Kit, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "gonka_node.aggregator.rounds")
+    kit, exchange = clipped, LocalExchange()
+    whole = kit.engine()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    assert [s.ctx.spec for s in shards] == [{"w": (2, 4)}, {"b": (3,)}]
+    for rnd, seed in ((1, 10), (2, 20)):
+        # the third host's update is 3x larger than the others: the median clip scales it down
+        ups = [update(seed), update(seed + 1), {n: t * 3 for n, t in update(seed + 2).items()}]
+        run_round(kit, whole, shards, ups)
+        unsharded = whole.store.get_round(kit.world.epoch, rnd)
+        assert unsharded is not None and unsharded.state == "finalized"
+        model = tensors(whole.store.checkpoint_path(kit.world.epoch, rnd))
+        agg = tensors(whole.store.update_path(kit.world.epoch, rnd))
+        momentum = tensors(whole.store.outer_state_path(kit.world.epoch, rnd))
+        hashes = read_fragment_hashes(shards[0].store.checkpoint_path(kit.world.epoch4, rnd))
+        root = fragment_root(hashes)
+        for i, s in enumerate(shards):
+            got = s.store.get_round(kit.world.epoch4, rnd)
+            assert got is not None and got.state == "finalized" and got.checkpoint_sha256 == root
+            frag = tensors(s.store.checkpoint_path(kit.world.epoch4, rnd))
+            assert set(frag) == set(s.ctx.spec)
+            for name, t in frag.items():
+                assert torch.equal(t, model[name]), name
+                assert torch.equal(tensors(s.store.update_path(kit.world.epoch4, rnd))[name], agg[name])
+                assert torch.equal(tensors(s.store.outer_state_path(kit.world.epoch4, rnd))[name], momentum[name])
+            own = TrainingCheckpoints().sha256(frag)
+            assert hashes[i] == own and verify_fragment(own, i, 2, fragment_proof(hashes, i), root)
+            assert [(c.host, c.reward, c.aggregated) for c in s.store.contributions(kit.world.epoch4, rnd)] == [
+                (c.host, c.reward, c.aggregated) for c in whole.store.contributions(kit.world.epoch, rnd)
+            ]
+        result = kit.world.chain.client(0).round_result(kit.world.epoch4, rnd)
+        assert result.finalized and bytes(result.checkpoint_sha256) == root != unsharded.checkpoint_sha256
+    verdict = exchange.verdict(kit.world.epoch4, 2)
+    assert verdict is not None and verdict.tau is not None
+    assert verdict.clip_norms[kit.hosts[2].address] > verdict.tau  # the clip was exercised
+    # Waiting for the other shard is not a failure: no warning says so (an unrevealed seed still does).
+    assert not [m for m in caplog.messages if "ShardPending" in m]
+
+
+def test_a_shard_accepts_only_its_fragment(kit: Kit) -> None:
+    e = shard_engine(kit, 1, LocalExchange())
+    u = update(3)
+    assert kit.submit(e, kit.hosts[0], fragment_payload(u, e)).body.accepted
+    with pytest.raises(Rejected) as info:
+        kit.submit(e, kit.hosts[1], payload(u))  # the whole update, not fragment 1
+    assert info.value.reason is Reason.WRONG_SHAPE
+
+
+def test_a_host_one_shard_refused_is_aggregated_by_none(kit: Kit) -> None:
+    exchange = LocalExchange()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    ups = [update(40 + i) for i in range(3)]
+    for h, u in zip(kit.hosts, ups, strict=True):
+        assert kit.submit(shards[0], h, fragment_payload(u, shards[0])).body.accepted
+    for h, u in zip(kit.hosts[:2], ups[:2], strict=True):
+        assert kit.submit(shards[1], h, fragment_payload(u, shards[1])).body.accepted
+    kit.clock.ms = max(s.current.deadline_ms for s in shards if s.current) + 1  # shard 1 closes at its deadline
+    for _ in range(3):
+        for s in shards:
+            kit.run(s.tick())
+    for s in shards:
+        rows = {c.host: c for c in s.store.contributions(kit.world.epoch4, 1)}
+        missing = rows[kit.hosts[2].address]
+        assert not missing.aggregated and missing.reward == 0
+        assert missing.reasons == ["fragment refused or missing at shard(s) [1]: not aggregated"]
+        assert [h for h, c in rows.items() if c.aggregated] == [kit.hosts[0].address, kit.hosts[1].address]
+
+
+def test_shard_role_reads_the_epochs_aggregator_list() -> None:
+    spec = {"a": (4,), "b": (2, 2), "c": (3,)}
+    me, other = hashlib.sha256(b"me").digest()[:20], hashlib.sha256(b"other").digest()[:20]
+    assert shard_role(spec, [me], me, "mean") is None
+    role = shard_role(spec, [other, me], me, "mean")
+    assert role is not None and (role.index, role.count, role.offsets) == (1, 2, {"b": 4})
+    with pytest.raises(ShardConfigError, match="is not one of the epoch's 2 aggregators"):
+        shard_role(spec, [other, other], me, "mean")
+    with pytest.raises(ShardConfigError, match="rule 'centered_clip' cannot run sharded"):
+        shard_role(spec, [other, me], me, "centered_clip")
+
+
+def test_a_shard_killed_mid_round_and_mid_close_resumes_from_its_store(kit: Kit) -> None:
+    """Shards meeting through a directory (separate processes on one machine): shard 1 restarts after two
+    hosts' fragments were accepted, and again after it sent its close report; nothing it accepted is
+    lost, and the round's fragments equal one aggregator's over the same updates."""
+    exchange = DirExchange(kit.tmp / "exchange")
+    whole = kit.engine()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    ups = [update(60 + i) for i in range(3)]
+    for h, u in zip(kit.hosts[:2], ups[:2], strict=True):
+        assert kit.submit(whole, h, payload(u)).body.accepted
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    shards[1].store.close()
+    shards[1] = shard_engine(kit, 1, DirExchange(kit.tmp / "exchange"))  # killed and restarted
+    assert shards[1].store.submitted_hosts(kit.world.epoch4, 1) == {h.address for h in kit.hosts[:2]}
+    assert kit.submit(whole, kit.hosts[2], payload(ups[2])).body.accepted
+    for s in shards:
+        assert kit.submit(s, kit.hosts[2], fragment_payload(ups[2], s)).body.accepted
+    kit.run(whole.tick())
+    kit.run(shards[0].tick())  # revealed its seed; shard 1's is not revealed yet: no report
+    kit.run(shards[1].tick())  # its report is in the exchange; no verdict yet (shard 0 has not retried)
+    assert [r.index for r in exchange.reports(kit.world.epoch4, 1)] == [1]
+    assert exchange.verdict(kit.world.epoch4, 1) is None
+    shards[1].store.close()
+    shards[1] = shard_engine(kit, 1, DirExchange(kit.tmp / "exchange"))  # killed while closing
+    for _ in range(3):
+        for s in shards:
+            kit.run(s.tick())
+    model = tensors(whole.store.checkpoint_path(kit.world.epoch, 1))
+    for s in shards:
+        got = s.store.get_round(kit.world.epoch4, 1)
+        assert got is not None and got.state == "finalized"
+        assert [c.aggregated for c in s.store.contributions(kit.world.epoch4, 1)] == [True, True, True]
+        for name, t in tensors(s.store.checkpoint_path(kit.world.epoch4, 1)).items():
+            assert torch.equal(t, model[name]), name
+    result = kit.world.chain.client(0).round_result(kit.world.epoch4, 1)
+    assert result.finalized and bytes(result.checkpoint_sha256) == shards[1].store.get_round(kit.world.epoch4, 1).checkpoint_sha256
+
+
+def test_reports_and_verdicts_survive_their_json_form(kit: Kit, tmp_path: Path) -> None:
+    exchange = LocalExchange()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    for h, u in zip(kit.hosts, [update(70 + i) for i in range(3)], strict=True):
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    for _ in range(2):
+        for s in shards:
+            kit.run(s.tick())
+    reports = exchange.reports(kit.world.epoch4, 1)
+    assert len(reports) == 2 and all(len(r.hosts) == 3 for r in reports)
+    assert [FragmentReport.from_json(r.to_json()) for r in reports] == reports
+    verdict = exchange.verdict(kit.world.epoch4, 1)
+    assert verdict is not None and Verdict.from_json(verdict.to_json()) == verdict
+    on_disk = DirExchange(tmp_path / "x")
+    on_disk.put_verdict(verdict)
+    on_disk.put_verdict(dataclasses.replace(verdict, total_reward=1))  # the first verdict stands
+    assert on_disk.verdict(kit.world.epoch4, 1) == verdict
+    on_disk.put_hash(kit.world.epoch4, 1, 1, b"\x07" * 32)
+    assert on_disk.hashes(kit.world.epoch4, 1) == {1: b"\x07" * 32} and on_disk.verdict(9, 9) is None
+
+
+def test_a_sharded_recipe_makes_each_aggregator_of_the_epoch_its_shard(kit: Kit) -> None:
+    recipe = Recipe(model=ModelConfig.preset("tiny"))
+    assert b"shards" not in recipe.canonical_json()  # unsharded epochs' model spec hashes are unchanged
+    sharded = dataclasses.replace(recipe, shards=2)
+    assert b'"shards":2' in sharded.canonical_json()
+    with pytest.raises(RecipeError, match="shards: must be a positive integer, got 0"):
+        dataclasses.replace(recipe, shards=0)
+    chain = kit.world.chain.client(0)
+    whole = kit.context(kit.world.epoch4)
+    assert shard_context(whole, recipe, chain.get_epoch(kit.world.epoch4), address(kit, AGGREGATOR), "mean") is whole
+    for i, a in enumerate(ORDER):
+        ctx = shard_context(whole, sharded, chain.get_epoch(kit.world.epoch4), address(kit, a), "mean")
+        assert ctx.shard is not None and ctx.shard.index == i and ctx.spec == [{"w": (2, 4)}, {"b": (3,)}][i]
+        assert ctx.model_factory is None and ctx.replay is None
+    # A context that would replay hosts is refused, not silently unreplayed (scoring = false opts out).
+    replaying = dataclasses.replace(whole, replay_probability=0.25)
+    with pytest.raises(ShardConfigError, match=f"epoch {kit.world.epoch4}: sharded aggregators cannot score or "
+                       r"replay hosts yet \(its replay probability is 1\); set \[aggregator\] scoring = false"):
+        shard_context(replaying, sharded, chain.get_epoch(kit.world.epoch4), address(kit, ORDER[0]), "mean")
+    with pytest.raises(ShardConfigError, match=f"epoch {kit.world.epoch2}: the recipe has 2 shards, but the epoch "
+                       "names 2 aggregators with quorum 1"):
+        shard_context(whole, sharded, chain.get_epoch(kit.world.epoch2), address(kit, AGGREGATOR), "mean")
+
+
+def test_a_shard_reads_its_fragment_of_a_verified_whole_model_only(kit: Kit) -> None:
+    mixed = {"z": torch.arange(6, dtype=torch.int32).reshape(2, 3), "é": torch.ones(2, dtype=torch.bfloat16),
+             "a": torch.randn(5, 1)}
+    TrainingCheckpoints().save(kit.tmp / "mixed.safetensors", mixed, {"k": "v"})
+    assert file_sha256(kit.tmp / "mixed.safetensors") == TrainingCheckpoints().sha256(mixed)
+    assert file_sha256(kit.init_path) == kit.world.init_sha
+    role = shard_role(SPEC, [b"\x01" * 20, b"\x02" * 20], b"\x02" * 20, "mean")
+    assert role is not None
+    got = load_fragment(TrainingCheckpoints(), kit.init_path, kit.world.init_sha, role, kit.init_path)
+    assert set(got) == {"b"} and torch.equal(got["b"], initial_tensors()["b"])
+    with pytest.raises(ShardMismatch, match=f"is not the checkpoint {'05' * 32}"):
+        load_fragment(TrainingCheckpoints(), kit.init_path, b"\x05" * 32, role, kit.init_path)
+    # A round's fragment file is checked through the recorded leaves against the root it must make.
+    path = kit.tmp / "r1.safetensors"
+    own = TrainingCheckpoints().save(path, {"b": torch.ones(3)}, {})
+    (kit.tmp / "r1.fragments.json").write_text(json.dumps([("07" * 32), own.hex()]))
+    root = fragment_root([b"\x07" * 32, own])
+    assert torch.equal(load_fragment(TrainingCheckpoints(), path, root, role, kit.init_path)["b"], torch.ones(3))
+    with pytest.raises(ShardMismatch, match="its recorded fragment hashes do not make the root"):
+        load_fragment(TrainingCheckpoints(), path, own, role, kit.init_path)

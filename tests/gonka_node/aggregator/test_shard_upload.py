@@ -1,0 +1,152 @@
+"""A host's upload to a sharded epoch: the payload cut by fragment (byte for byte each fragment's own
+encoding), uploaded to two real shard servers (gRPC on 127.0.0.1, TLS) at once; a host one shard
+refuses is refused for the round, and the round finalizes once on chain with the Merkle-of-fragments
+root over what the shards wrote."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from agg_harness import AGGREGATOR, Harness, ServerThread
+from nacl.signing import SigningKey
+from safetensors.torch import load as safetensors_load
+
+from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.shard import DirExchange, shard_role
+from gonka_node.aggregator.shard_close import read_fragment_hashes
+from gonka_node.aggregator.store import Store
+from gonka_node.core.client import AggregatorClient, SubmitRejected
+from gonka_node.core.discovery import MissingPinError
+from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
+from gonka_node.core.recipe import Recipe
+from gonka_node.host.shards import (
+    ShardedAggregator,
+    SplitError,
+    sharded_aggregator,
+    split_payload,
+    submit_fragments,
+)
+from proto.gonka.v1 import aggregator_pb2 as pb
+from training.checkpoint import load_checkpoint
+from training.codecs import get_codec
+
+SECOND = 8
+ORDER = (AGGREGATOR, SECOND)
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "int8", "topk:chunk=64,k=8,bits=2"])
+def test_a_split_payload_is_each_fragments_own_encoding(codec_name: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    update = {"a.w": torch.randn(4, 40, generator=g), "b": torch.randn(70, generator=g), "c": torch.randn(130, generator=g)}
+    spec = {n: tuple(t.shape) for n, t in update.items()}
+    codec = get_codec(codec_name)
+    whole = codec.encode(update)
+    for shards in (1, 2, 3):
+        got = split_payload(codec, whole, spec, shards)
+        assert got == [codec.encode({n: update[n] for n in f.names}) for f in plan_fragments(spec, shards)]
+    with pytest.raises(SplitError, match=f"payload is {len(whole) - 1} bytes, the model's"):
+        split_payload(codec, whole[:-1], spec, 2)
+
+
+def shard_server(h: Harness, i: int, exchange_dir: str) -> ServerThread:
+    me = bytes.fromhex(h.world.accounts[ORDER[i]].address[2:])
+    agg = [bytes.fromhex(h.world.accounts[a].address[2:]) for a in ORDER]
+    role = shard_role(h.spec, agg, me, h.aggregation.rule)
+    assert role is not None
+    ctx = dataclasses.replace(h.context(), spec=role.spec, shard=role, model_factory=None, scoring=None)
+
+    def build() -> RoundEngine:
+        return RoundEngine(
+            ctx, h.settings, h.aggregation, Store(h.tmp / f"shard{i}").open(), ChainView(h.world.client(ORDER[i])),
+            TrainingCheckpoints(), SigningKey(bytes([ORDER[i]]) * 32), exchange=DirExchange(h.tmp / exchange_dir),
+        )
+
+    server = ServerThread(build, h.identity).start()
+    h.servers.append(server)
+    return server
+
+
+def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_with_the_root(harness: Harness) -> None:
+    h = harness
+    h.schedule(n_hosts=3, aggregators=ORDER, quorum=2)
+    servers = [shard_server(h, i, "exchange") for i in range(2)]
+    clients = [s.client(timeout_s=30) for s in servers]
+    updates = [{n: torch.randn(s, generator=torch.Generator().manual_seed(i)) * 0.01 for n, s in h.spec.items()}
+               for i in range(3)]
+    outcomes = []
+    for host, u in zip(h.hosts, updates, strict=True):
+        fragments = split_payload(h.codec, h.payload(u), h.spec, 2)
+        if host is h.hosts[2]:
+            fragments[1] = fragments[0]  # fragment 0 sent to shard 1: the wrong tensors
+        outcomes.append(submit_fragments(clients, 1, fragments, host.address, host.key, 64))
+    assert [ok for ok, _ in outcomes] == [True, True, False]
+    assert outcomes[2][1].startswith("shard 1: WRONG_SHAPE: ")
+    # Host 3's fragment 0 is in shard 0; shard 1 refused it: the round closes at the deadline (quorum 2).
+    for s in servers:
+        s.run(_expire(s.engine))
+    chain = h.world.client(0)
+    deadline = time.monotonic() + 60
+    while not chain.round_result(h.epoch, 1).finalized and time.monotonic() < deadline:
+        time.sleep(0.2)
+    result = chain.round_result(h.epoch, 1)
+    hashes = read_fragment_hashes(servers[0].engine.store.checkpoint_path(h.epoch, 1))
+    assert result.finalized and bytes(result.checkpoint_sha256) == fragment_root(hashes)
+    for s in servers:
+        rows = {c.host: c for c in s.engine.store.contributions(h.epoch, 1)}
+        assert [a for a, c in rows.items() if c.aggregated] == sorted(x.address for x in h.hosts[:2])
+        assert rows[h.hosts[2].address].reasons == ["fragment refused or missing at shard(s) [1]: not aggregated"]
+    # The host's view of the shards: one aggregator whose files are every fragment merged.
+    both = ShardedAggregator(clients, lambda r: h.codec, h.spec)
+    merged = both.checkpoint(h.epoch, 1)
+    model = safetensors_load(merged.data)
+    (h.tmp / "merged.safetensors").write_bytes(merged.data)
+    pulled = load_checkpoint(h.tmp / "merged.safetensors")  # no fragment's own recorded hash left in it
+    assert pulled.metadata["round"] == "1" and "fragment" not in pulled.metadata
+    assert set(model) == set(h.spec) and model_root(model, 2) == bytes(result.checkpoint_sha256)
+    assert set(safetensors_load(both.round_update(h.epoch, 1).data)) == set(h.spec)
+    info = both.open_round()
+    assert info.round == 2
+    host = h.hosts[0]
+    both.submit(info, host.address, h.payload(updates[0]), host.key, 64)
+    both.submit(info, host.address, h.payload(updates[0]), host.key, 64)  # every shard: DUPLICATE
+    for s in servers:
+        assert s.engine.store.submitted_hosts(h.epoch, 2) == {host.address}
+    closed = pb.RoundInfo()
+    closed.CopyFrom(info)
+    closed.round = 1
+    with pytest.raises(SubmitRejected) as refused:
+        both.submit(closed, h.hosts[1].address, h.payload(updates[1]), h.hosts[1].key, 64)
+    assert refused.value.reason == "LATE" and refused.value.message.startswith("shard 0: round 1 is not open there")
+    both.close()
+
+
+async def _expire(engine: RoundEngine) -> None:
+    """Move the open round's deadline into the past (the store's own call), as time passing would."""
+    r = engine.current
+    assert r is not None
+    engine.store.extend_round(r.epoch, r.round, 0)
+    engine.current = engine.store.get_round(r.epoch, r.round)
+
+
+def test_one_client_per_fragment() -> None:
+    no_clients: list[AggregatorClient] = []
+    with pytest.raises(SplitError, match="2 fragments for 0 shards"):
+        submit_fragments(no_clients, 1, [b"", b""], bytes(20), SigningKey(bytes(32)), 0)
+
+
+def test_a_host_dials_every_shard_the_chain_announced_in_the_epochs_order(harness: Harness) -> None:
+    h = harness
+    h.schedule(n_hosts=1, aggregators=ORDER, quorum=2)
+    recipe = dataclasses.replace(Recipe(model=h.cfg), shards=2)
+    with pytest.raises(MissingPinError, match=f"epoch {h.epoch} has 2 aggregator shards and 0 announced"):
+        sharded_aggregator(h.world.client(0), h.epoch, recipe)
+    for port, account in ((7002, SECOND), (7001, AGGREGATOR)):  # announced out of order
+        h.world.client(account).announce_aggregator(h.epoch, f"127.0.0.1:{port}", h.identity.cert_pem)
+    both = sharded_aggregator(h.world.client(0), h.epoch, recipe)
+    assert both.target == "127.0.0.1:7001, 127.0.0.1:7002" and both.spec == h.spec
+    both.close()
