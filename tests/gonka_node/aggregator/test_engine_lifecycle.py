@@ -305,6 +305,7 @@ def test_the_reward_tree_holds_the_paid_hosts_only_down_to_one_ngonka(kit: Kit) 
     assert [(x.host, x.reward) for x in e.store.contributions(ep, 1)] == sorted(
         [(a.address, 1), (b.address, 1), (c.address, 0)]
     )
+    assert kit.world.chain.client(0).round_result(ep, 1).n_contributors == 2  # paid 1 ngonka: counted
     tree = e.reward_tree(1)
     assert tree is not None and tree.root == r1.rewards_root
     assert tree.root == RewardTree(e.ctx.chain_id, to_checksum_address(e.ctx.registry), ep, 1,
