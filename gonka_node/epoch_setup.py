@@ -22,7 +22,7 @@ from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.shard import ShardConfigError, shard_role
-from gonka_node.core.recipe import Recipe, RecipeError
+from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import build_model
@@ -63,6 +63,7 @@ def _model_json(recipe: Recipe) -> str:
 
 
 def epoch_spec(recipe: Recipe, init_sha256: bytes, terms: EpochTerms, model_uri: str) -> EpochSpec:
+    check_network_overlap(recipe)
     if not recipe.data_manifest_sha256:
         raise RecipeError("data_manifest_sha256: fill it in (Recipe.with_data_manifest) before scheduling")
     return EpochSpec(
@@ -105,6 +106,7 @@ def aggregator_context(
     """The aggregator's view of an epoch, checked against the chain's record of it. `beacon` reads the
     assignment's post-sign-in randomness (`signin_beacon`); required when the recipe's assignment_seed
     is "signin-block", so that scoring and replay read the windows the hosts trained on."""
+    check_network_overlap(recipe)
     if recipe.assignment_seed == "signin-block" and beacon is None and scoring:
         raise RecipeError("assignment_seed: 'signin-block' needs the chain's sign-in beacon to score hosts")
     spec = info.spec
@@ -177,19 +179,12 @@ def beacon_reader(read: Callable[[int], bytes], epoch: int) -> Callable[[], byte
 
 def shard_context(ctx: EpochContext, recipe: Recipe, info: EpochInfo, me: bytes, rule: str) -> EpochContext:
     """`ctx` as shard i of a sharded epoch (recipe.shards > 1; docs/PROTOCOL.md "Sharded aggregators"):
-    its spec is its fragment's. Scoring and replay need the whole update, which no shard holds (not
-    built yet), so a shard refuses a context that would score or replay: the epoch's replay promise is
-    what makes cheating cost stake, and a shard must not drop it silently. The operator's explicit
-    `[aggregator] scoring = false` (logged) is the only way to run one. An unsharded recipe returns
-    `ctx` unchanged."""
+    its spec is its fragment's. Its scoring and replay data stay: every shard computes the replay pick
+    (to put the picked hosts' fragment payloads where the verifier reads them) and shard 0, the
+    verifier, replays and scores those hosts on their reassembled whole updates. An unsharded recipe
+    returns `ctx` unchanged."""
     if recipe.shards == 1:
         return ctx
-    if ctx.scoring is not None or ctx.replay_probability > 0:
-        raise ShardConfigError(
-            f"epoch {info.epoch}: sharded aggregators cannot score or replay hosts yet (its replay probability "
-            f"is {info.spec.replay_probability:g}); set [aggregator] scoring = false to run it unscored and "
-            "unreplayed anyway (docs/SECURITY.md \"Sharded aggregators\")"
-        )
     aggregators = [bytes.fromhex(a[2:]) for a in info.spec.aggregators]
     if len(aggregators) != recipe.shards or info.spec.aggregator_quorum != recipe.shards:
         raise ShardConfigError(
@@ -198,6 +193,4 @@ def shard_context(ctx: EpochContext, recipe: Recipe, info: EpochInfo, me: bytes,
         )
     role = shard_role(ctx.spec, aggregators, me, rule)
     assert role is not None
-    return dataclasses.replace(
-        ctx, spec=role.spec, shard=role, model_factory=None, scoring=None, replay=None, replay_probability=0.0
-    )
+    return dataclasses.replace(ctx, spec=role.spec, shard=role)

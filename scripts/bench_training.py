@@ -61,7 +61,7 @@ class Method:
     outer_momentum: float = 0.9
     ef_decay: float = 1.0
     inner_lr: float | None = None  # peak AdamW lr; None: --lr (DDP) or --diloco-lr (DiLoCo)
-    overlap: str = "off"  # the recipe's overlap rule (training/overlap.py): "delayed" trains from round r − 2's model
+    overlap: str = "off"  # the recipe's overlap rule (training/overlap.py): "delayed"/"eager" train while uploading
 
 
 METHODS: dict[str, Method] = {
@@ -82,6 +82,10 @@ METHODS: dict[str, Method] = {
         # Overlapped rounds (issue 14): the int8 method with one-round-delayed outer updates.
         Method("diloco-int8-overlap", "int8:block=256", 30, 0.9, 0.5, overlap="delayed"),
         Method("diloco-topk-overlap", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, overlap="delayed"),
+        # The same schedule with the eager rule: each host trains from its forecast of the model the
+        # outer step lands on (training/overlap.py).
+        Method("diloco-int8-eager", "int8:block=256", 30, 0.9, 0.5, overlap="eager"),
+        Method("diloco-topk-eager", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, overlap="eager"),
     ]
 }
 

@@ -144,9 +144,14 @@ def sensitivity(up: int, down: int, t: Timing) -> list[dict[str, Any]]:
              ["utilisation"]} for a in (0.0, 15.0, 30.0, 45.0, 60.0, 120.0)]
 
 
-def run(t: Timing) -> dict[str, Any]:
+def run(t: Timing, apply_measured: bool = False) -> dict[str, Any]:
+    """`apply_measured`: the host's apply is this machine's measured outer step plus sha256 (scaled to
+    the model), not `t.apply_s`."""
     spec = llama_1b_spec()
     params = sum(int(torch.Size(s).numel()) for s in spec.values())
+    measured = measure_apply(params)
+    if apply_measured:
+        t = dataclasses.replace(t, apply_s=measured["step_s"] + measured["sha256_s"])
     dense = get_codec("fp32").encoded_size(spec)
     runs = []
     for codec_label, codec_name in CODECS.items():
@@ -162,7 +167,8 @@ def run(t: Timing) -> dict[str, Any]:
     return {
         "model": "Llama-3.2-1B shapes (preset 1b, vocab 128256, tied embeddings)",
         "params": params,
-        "apply_measured": measure_apply(params),
+        "apply_measured": measured,
+        "apply_s_source": "measured (apply_measured: step_s + sha256_s)" if apply_measured else "--apply-s",
         "target": {"link": "100/10", "codec": "top-k", "overlap": "on", "broadcast": "codec",
                    "steps": t.steps, "utilisation_goal": 0.98},
         "sensitivity_to_apply_s": sensitivity(topk, topk, t),
@@ -212,13 +218,15 @@ def main() -> None:
     p.add_argument("--close-s", type=float, default=10.0, help="the aggregator's close after the last upload")
     p.add_argument("--apply-s", type=float, default=60.0,
                    help="the host's outer step and sha256 of the new model on its CPU (default 60; see the JSON)")
+    p.add_argument("--apply-measured", action="store_true",
+                   help="use this machine's measured outer step + sha256 (scaled to the model) as --apply-s")
     p.add_argument("--save-s", type=float, default=0.0,
                    help="the host's per-round snapshot write, on the training path (default 0: not modelled)")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--latency-ms", type=float, default=20.0, help="before each transfer's first byte")
     args = p.parse_args()
     timing = Timing(args.steps, args.step_s, args.close_s, args.apply_s, args.save_s, args.rounds, args.latency_ms)
-    report = run(timing)
+    report = run(timing, args.apply_measured)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for r in report["runs"]:
         print(f"{r['link']:>9} {r['codec']:>5} overlap {r['overlap']:>3} download {r['broadcast']:>5}: "

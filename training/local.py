@@ -26,6 +26,7 @@ from training.data import Windows
 from training.diloco import OuterOptimizer, StreamingAverager
 from training.inner import InnerConfig, evaluate
 from training.model import ModelConfig, build_model
+from training.overlap import eager_base
 from training.worker import Assignment, DiLoCoWorker
 
 
@@ -141,13 +142,20 @@ class LocalDiLoCo:
         # With overlap = "delayed" round r trains from the model after r − 2 (training/overlap.py): the
         # model before the last outer step, kept here (the initial model for the first two rounds).
         self.lagged = {name: p.detach().clone() for name, p in self.params.items()}
+        # "eager" forecasts round r − 1's model from round r − 2's: the outer momentum there and each
+        # host's decoded payload of round r − 1 (None before its first).
+        self.lagged_outer = OuterOptimizer(self.outer.lr, self.outer.momentum, self.outer.nesterov)
+        self.sent: list[Mapping[str, torch.Tensor] | None] = [None] * len(self.hosts)
 
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
 
-    def _base(self) -> Mapping[str, torch.Tensor]:
-        """The model this round trains from (the recipe's overlap rule)."""
-        return self.lagged if self.config.recipe.overlap == "delayed" else self.params
+    def _base(self, slot: int) -> Mapping[str, torch.Tensor]:
+        """The model host `slot` trains this round from (the recipe's overlap rule)."""
+        mode = self.config.recipe.overlap
+        if mode == "eager":
+            return eager_base(self.lagged, self.lagged_outer, self.sent[slot])
+        return self.lagged if mode == "delayed" else self.params
 
     def run_round(self, on_step: StepHook | None = None) -> RoundReport:
         started = time.perf_counter()
@@ -156,12 +164,14 @@ class LocalDiLoCo:
         sizes, last_losses = [], []
         for slot, host in enumerate(self.hosts):
             hook = (lambda step, loss, s=slot: on_step(s, step, loss)) if on_step else None
-            result = host.train_round(self.round, self._base(), hook)
+            result = host.train_round(self.round, self._base(slot), hook)
             sizes.append(len(result.payload))
             last_losses.append(result.last_loss)
-            averager.add(f"host-{slot:05d}", codec.decode(result.payload, self.spec))
-        if self.config.recipe.overlap == "delayed":
+            decoded = self.sent[slot] = codec.decode(result.payload, self.spec)
+            averager.add(f"host-{slot:05d}", decoded)
+        if self.config.recipe.overlap != "off":
             self.lagged = {name: p.detach().clone() for name, p in self.params.items()}
+            self.lagged_outer.restore(self.outer.steps, self.outer.buffers)
         self.outer.step(self.params, averager.result())
         self.round += 1
         return RoundReport(

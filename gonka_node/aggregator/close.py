@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PUBLIC_ROUNDS = 16  # earlier aggregates in the mixture check's public span
 MIN_SCORE_STEP = 0.05  # the smallest fraction of an update a held-out score applies (score_step)
+NOT_SAMPLED = "not sampled for the whole-model checks: scores 1"  # a sharded verifier's unpicked host
 
 
 @dataclass(frozen=True)
@@ -301,14 +302,15 @@ def _sketch_path(store: Store, epoch: int, round_: int) -> Path:
     return store.update_path(epoch, round_).with_suffix(".sketch")
 
 
-def _scores(c: Closing) -> dict[bytes, float]:
+def _scores(c: Closing, only: Collection[bytes] | None = None) -> dict[bytes, float]:
     """Each live update's score, taken on the update as the aggregate will use it: clipped to the round's
     median update norm (clip_median), so sending 3·Δ scores no better than Δ (and pay does not follow the
     score anyway: `equal_shares`). The held-out rule takes it at the update's share of the outer step
     (`score_step`): whether it points downhill on unseen text, not whether one host's local model, a
     full step away, overshoots (honest fresh-round updates often do alone, and help in the average). A
     host whose round the replay reproduced is not vetoed for fitting held-out data better than its
-    assignment: the replay proved what it trained on."""
+    assignment: the replay proved what it trained on. `only`: score just these hosts (a sharded
+    verifier's sampled ones: shard.py); any other live host scores 1, its reasons say why."""
     if c.ctx.model_factory is None or c.ctx.scoring is None:
         for s in c.submissions:
             c.reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
@@ -322,6 +324,10 @@ def _scores(c: Closing) -> dict[bytes, float]:
     tau = float(statistics.median(s.norm for s in live))
     step = score_step(c.ctx.outer_lr, len(live)) if c.aggregation.score_rule == "heldout_gain" else 1.0
     for s in live:
+        if only is not None and s.host not in only:
+            out[s.host] = 1.0
+            c.reasons[s.host].append(NOT_SAMPLED)
+            continue
         assigned = c.ctx.scoring.assigned(c.round_row.round, c.slots[s.host])
         clip = min(1.0, tau / s.norm) if s.norm > 0 else 0.0
         factor = torch.tensor(clip * step, dtype=torch.float32)

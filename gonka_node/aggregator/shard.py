@@ -7,8 +7,11 @@ shard 0, the verifier, sums the S reports into whole-model norms and sketches, r
 need only those (copies, resubmissions, departures, mixtures, dissent, the norm bound) on every host,
 and signs nothing yet: the verdict (who is aggregated, each host's whole norm, the clip norm τ, the
 rewards) goes to every shard through a `ShardExchange`. A host is aggregated only if every shard
-accepted its fragment. Scoring and replay need the whole update: not built for sharded epochs (they
-run unscored; `shard_role` says so).
+accepted its fragment. Scoring and replay need the whole update: for each host the replay pick selects
+(`replay.chosen_for_replay`, the unsharded rule), every shard puts its fragment payload (and, after
+round 1, its fragment of the round's base) in the exchange; the verifier reassembles the whole update
+and base and runs the unsharded replay verdict and score on them (`WholeInputs`). Hosts not picked
+are not scored (score 1, said in their reasons).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -27,11 +30,14 @@ import torch
 
 from gonka_node.aggregator.close import (
     CHECKS,
+    NOT_SAMPLED,
     Closing,
+    _scores,
     equal_shares,
     gate,
     reward_tree,
 )
+from gonka_node.aggregator.replay import chosen_for_replay
 from gonka_node.aggregator.store import ContributionRow, RoundRow, SubmissionRow
 from gonka_node.core.config import AggregationSettings
 from gonka_node.core.fragments import Fragment, Spec, global_offsets, plan_fragments
@@ -192,6 +198,19 @@ class ShardExchange(Protocol):
 
     def hashes(self, epoch: int, round_: int) -> dict[int, bytes]: ...
 
+    def put_blob(self, epoch: int, round_: int, index: int, key: str, data: bytes) -> None:
+        """Shard `index`'s bytes under `key` (a picked host's fragment payload, its base fragment)."""
+
+    def blob(self, epoch: int, round_: int, index: int, key: str) -> bytes | None: ...
+
+
+def payload_key(host: bytes) -> str:
+    """The exchange key of a host's fragment payload."""
+    return f"payload-{host.hex()}"
+
+
+BASE_KEY = "base"  # the exchange key of a shard's fragment of the round's base model
+
 
 class LocalExchange:
     """Shards in one process (tests, a single-machine devnet): a shared table, latest write wins."""
@@ -200,6 +219,7 @@ class LocalExchange:
         self._reports: dict[tuple[int, int, int], FragmentReport] = {}
         self._verdicts: dict[tuple[int, int], Verdict] = {}
         self._hashes: dict[tuple[int, int], dict[int, bytes]] = {}
+        self._blobs: dict[tuple[int, int, int, str], bytes] = {}
 
     def put_report(self, report: FragmentReport) -> None:
         self._reports[(report.epoch, report.round, report.index)] = report
@@ -218,6 +238,12 @@ class LocalExchange:
 
     def hashes(self, epoch: int, round_: int) -> dict[int, bytes]:
         return dict(self._hashes.get((epoch, round_), {}))
+
+    def put_blob(self, epoch: int, round_: int, index: int, key: str, data: bytes) -> None:
+        self._blobs[(epoch, round_, index, key)] = bytes(data)
+
+    def blob(self, epoch: int, round_: int, index: int, key: str) -> bytes | None:
+        return self._blobs.get((epoch, round_, index, key))
 
 
 class DirExchange:
@@ -256,8 +282,24 @@ class DirExchange:
         found = self._dir(epoch, round_).glob("hash-*")
         return {int(p.name.split("-")[1]): bytes.fromhex(p.read_text()) for p in found if p.name[5:].isdigit()}
 
+    def put_blob(self, epoch: int, round_: int, index: int, key: str, data: bytes) -> None:
+        atomic_write(self._dir(epoch, round_) / f"blob-{index}-{key}", lambda t: t.write_bytes(data))
+
+    def blob(self, epoch: int, round_: int, index: int, key: str) -> bytes | None:
+        path = self._dir(epoch, round_) / f"blob-{index}-{key}"
+        return path.read_bytes() if path.exists() else None
+
 
 # ---- the verifier --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WholeInputs:
+    """How the verifier reads whole updates and the whole base for its sampled checks: `base()` is
+    called only when some host is picked, `decode` only for a picked host."""
+
+    base: Callable[[], Mapping[str, torch.Tensor]]
+    decode: Callable[[SubmissionRow], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -269,6 +311,15 @@ class VerifierInputs:
     slots: Mapping[bytes, int]
     aggregation: AggregationSettings
     max_update_norm: float
+    whole: WholeInputs | None = None  # None: no whole-model checks (an unscored, unreplayed epoch)
+
+
+def sampled(ctx: EpochContext, seed: bytes, round_: int, hosts: Sequence[bytes]) -> set[bytes]:
+    """The hosts whose whole update the verifier checks: the round's replay pick (none when the
+    epoch neither replays nor scores)."""
+    if ctx.replay is None and ctx.scoring is None:
+        return set()
+    return chosen_for_replay(ctx.replay_probability, seed, round_, hosts)
 
 
 def decide(v: VerifierInputs, reports: Sequence[FragmentReport]) -> Verdict:
@@ -278,9 +329,15 @@ def decide(v: VerifierInputs, reports: Sequence[FragmentReport]) -> Verdict:
     everyone = sorted({h.host for r in reports for h in r.hosts})
     complete = [h for h in everyone if all(h in _by_host(r) for r in reports)]
     whole = [_whole_row(v, reports, h) for h in complete]
-    ctx = dataclasses.replace(v.ctx, spec=v.role.whole_spec, replay=None, model_factory=None, scoring=None)
-    c = Closing(ctx, v.round_row, v.seed, whole, _earlier(reports), v.slots, {}, _public(reports),
-                _no_decode, v.aggregation)
+    picked = sampled(v.ctx, v.seed, v.round_row.round, complete)
+    checked = v.whole is not None and bool(picked)
+    ctx = dataclasses.replace(v.ctx, spec=v.role.whole_spec)
+    if not checked:
+        ctx = dataclasses.replace(ctx, replay=None, model_factory=None, scoring=None)
+    base = v.whole.base() if checked and v.whole is not None else {}
+    decode = v.whole.decode if v.whole is not None else _no_decode
+    c = Closing(ctx, v.round_row, v.seed, whole, _earlier(reports), v.slots, base, _public(reports),
+                decode, v.aggregation)
     skipped = [r.index for r in reports if r.skip]
     if skipped:
         c.exclude({s.host: f"round skipped: shard {skipped[0]} was below quorum at its deadline" for s in whole})
@@ -288,18 +345,35 @@ def decide(v: VerifierInputs, reports: Sequence[FragmentReport]) -> Verdict:
     for check in CHECKS:
         c.exclude(check(c))
     consensus_checked = len(c.live()) >= 4 and v.aggregation.consensus_fraction > 0
-    scores = {s.host: 1.0 for s in whole}
-    for s in whole:
-        c.reasons[s.host].append("scoring disabled for sharded epochs: every valid update scores 1")
+    scored = v.whole is not None and v.ctx.scoring is not None and v.ctx.model_factory is not None
+    scores = score_sampled(c, picked, scored)
     c.exclude(gate(c, scores, consensus_checked))
-    return _verdict(v, reports, c, everyone)
+    return _verdict(v, reports, c, everyone, scores)
 
 
-def _verdict(v: VerifierInputs, reports: Sequence[FragmentReport], c: Closing, everyone: list[bytes]) -> Verdict:
+def score_sampled(c: Closing, picked: set[bytes], scored: bool) -> dict[bytes, float]:
+    """`close._scores` on the picked hosts (the score's clip norm and step are the round's, over every
+    live host, as unsharded); a host not picked scores 1, its reasons say why."""
+    if not scored:
+        for s in c.submissions:
+            c.reasons[s.host].append("scoring disabled for this epoch: every valid update scores 1")
+        return {s.host: 1.0 for s in c.submissions}
+    if picked:
+        return _scores(c, only=picked)
+    out = {s.host: 0.0 for s in c.submissions}  # nobody picked: no whole model is read at all
+    for s in c.live():
+        out[s.host] = 1.0
+        c.reasons[s.host].append(NOT_SAMPLED)
+    return out
+
+
+def _verdict(
+    v: VerifierInputs, reports: Sequence[FragmentReport], c: Closing, everyone: list[bytes], scores: Mapping[bytes, float]
+) -> Verdict:
     eligible = [s.host for s in c.live()]
     rule = v.aggregation.rule_for(v.round_row.epoch)
     rewards = equal_shares(v.ctx.reward_per_round, eligible)
-    rows = [_row(h, c, rewards, reports) for h in everyone]
+    rows = [_row(h, c, rewards, reports, scores) for h in everyone]
     tree = reward_tree(v.ctx, v.round_row.epoch, v.round_row.round, rewards) if eligible else None
     clip = {h: _clip_norm(reports, h) for h in eligible}
     tau = None if rule == "mean" or not eligible else float(statistics.median(s.norm for s in c.live()))
@@ -309,9 +383,12 @@ def _verdict(v: VerifierInputs, reports: Sequence[FragmentReport], c: Closing, e
     )
 
 
-def _row(host: bytes, c: Closing, rewards: Mapping[bytes, int], reports: Sequence[FragmentReport]) -> ContributionRow:
+def _row(
+    host: bytes, c: Closing, rewards: Mapping[bytes, int], reports: Sequence[FragmentReport],
+    scores: Mapping[bytes, float],
+) -> ContributionRow:
     if host in c.reasons:
-        return ContributionRow(host, 1.0, rewards.get(host, 0), host not in c.excluded, c.reasons[host])
+        return ContributionRow(host, scores.get(host, 0.0), rewards.get(host, 0), host not in c.excluded, c.reasons[host])
     missing = [r.index for r in reports if host not in _by_host(r)]
     return ContributionRow(host, 0.0, 0, False, [f"fragment refused or missing at shard(s) {missing}: not aggregated"])
 
@@ -382,4 +459,4 @@ def _too_large(norm: float, bound: float) -> str:
 
 
 def _no_decode(sub: SubmissionRow) -> dict[str, torch.Tensor]:
-    raise RuntimeError("the verifier holds no host's whole update (scoring and replay are off when sharded)")
+    raise RuntimeError("the verifier reads no whole update in an unscored, unreplayed epoch")

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as safetensors_load
 from torch import Tensor
 
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, _read_outer, _save_durably, _sketch_path
 from gonka_node.aggregator.shard import (
+    BASE_KEY,
     FragmentReport,
     HostFragment,
     ShardExchange,
@@ -30,12 +32,15 @@ from gonka_node.aggregator.shard import (
     ShardRole,
     Verdict,
     VerifierInputs,
+    WholeInputs,
     decide,
+    payload_key,
+    sampled,
 )
-from gonka_node.aggregator.store import SubmissionRow
+from gonka_node.aggregator.store import RoundRow, SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
-from gonka_node.core.fragments import fragment_root
-from training.checkpoint import HASH_FORMAT
+from gonka_node.core.fragments import fragment_root, plan_fragments
+from training.checkpoint import HASH_FORMAT, canonical_sha256
 from training.diloco import OuterOptimizer, StreamingAverager
 from training.durable import atomic_write
 from training.hf_export import MODEL_CONFIG_KEY
@@ -107,10 +112,12 @@ def close_fragment(
     epoch, round_ = row.epoch, row.round
     base = load_fragment(i.checkpoints, i.base_path, row.base_sha256, role, ctx.initial_checkpoint)
     if not _reported(exchange, i, role, skip):  # a close waiting on the others does not decode again
+        put_sampled(i, role, exchange)  # before the report: the verifier reads them once all reports are in
         exchange.put_report(report(i, role, base, skip))
     verdict = exchange.verdict(epoch, round_)
     if verdict is None and role.index == 0:
-        verifier = VerifierInputs(ctx, role, row, i.seed, i.slots, i.aggregation, max_update_norm)
+        whole = WholeInputs(lambda: whole_base(i, role, exchange), lambda s: whole_update(i, role, exchange, s))
+        verifier = VerifierInputs(ctx, role, row, i.seed, i.slots, i.aggregation, max_update_norm, whole)
         exchange.put_verdict(decide(verifier, exchange.reports(epoch, round_)))
         verdict = exchange.verdict(epoch, round_)
     if verdict is None:
@@ -160,6 +167,55 @@ def _check_verdict(verdict: Verdict, submissions: list[SubmissionRow], role: Sha
         raise ShardMismatch(
             f"round {verdict.epoch}/{verdict.round}: the verdict does not match the hosts shard {role.index} accepted"
         )
+
+
+# ---- the sampled hosts' whole updates -------------------------------------------------------------
+
+
+def put_sampled(i: ClosingInputs, role: ShardRole, exchange: ShardExchange) -> None:
+    """Put this shard's fragment payload of every host the replay pick selects (and, when the round's
+    base is a sharded checkpoint, this shard's fragment of it) where the verifier reads them."""
+    row = i.round_row
+    picked = sampled(i.ctx, i.seed, row.round, [s.host for s in i.submissions])
+    for sub in i.submissions:
+        if sub.host in picked:
+            exchange.put_blob(row.epoch, row.round, role.index, payload_key(sub.host), Path(sub.path).read_bytes())
+    if picked and i.base_path != i.ctx.initial_checkpoint:
+        exchange.put_blob(row.epoch, row.round, role.index, BASE_KEY, i.base_path.read_bytes())
+
+
+def _blob(exchange: ShardExchange, row: RoundRow, index: int, key: str) -> bytes:
+    data = exchange.blob(row.epoch, row.round, index, key)
+    if data is None:
+        raise ShardMismatch(f"round {row.epoch}/{row.round}: shard {index} reported but did not put {key}")
+    return data
+
+
+def whole_update(i: ClosingInputs, role: ShardRole, exchange: ShardExchange, sub: SubmissionRow) -> dict[str, Tensor]:
+    """A picked host's whole update: each shard's fragment payload decoded with its fragment's spec."""
+    codec, out = i.ctx.codec_for(i.round_row.round), {}
+    for k, fragment in enumerate(plan_fragments(role.whole_spec, role.count)):
+        data = _blob(exchange, i.round_row, k, payload_key(sub.host))
+        out.update(decode_update(codec, data, fragment.spec(role.whole_spec)))
+    return {name: out[name].float() for name in sorted(out)}
+
+
+def whole_base(i: ClosingInputs, role: ShardRole, exchange: ShardExchange) -> dict[str, Tensor]:
+    """The round's whole base: the initial checkpoint, or every shard's fragment of the last round's
+    checkpoint, each verified against its leaf of the root on chain."""
+    row = i.round_row
+    if i.base_path == i.ctx.initial_checkpoint:
+        return i.checkpoints.load(i.base_path, row.base_sha256)
+    leaves = read_fragment_hashes(i.base_path)
+    if len(leaves) != role.count or fragment_root(leaves) != row.base_sha256:
+        raise ShardMismatch(f"{i.base_path}: its recorded fragment hashes do not make the root {row.base_sha256.hex()}")
+    out: dict[str, Tensor] = {}
+    for k, leaf in enumerate(leaves):
+        part = safetensors_load(_blob(exchange, row, k, BASE_KEY))
+        if bytes.fromhex(canonical_sha256(part)) != leaf:
+            raise ShardMismatch(f"round {row.epoch}/{row.round}: shard {k}'s base fragment is not {leaf.hex()}")
+        out.update(part)
+    return out
 
 
 # ---- the report ----------------------------------------------------------------------------------

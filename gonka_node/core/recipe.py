@@ -87,7 +87,8 @@ class Recipe:
     )
     overlap: str = _field(
         "off", 'which model round r trains from: "off", round r - 1\'s; "delayed", round r - 2\'s, so a host trains '
-        "the next round while this one uploads (training/overlap.py; omitted from the canonical JSON when off)"
+        'the next round while this one uploads; "eager", the host\'s forecast of round r - 1\'s from round r - 2\'s '
+        "(training/overlap.py; omitted from the canonical JSON when off)"
     )
     broadcast: str = _field(
         "dense", 'what hosts download each round: "dense" fp32, or "codec": the epoch\'s codec plus the '
@@ -107,8 +108,8 @@ class Recipe:
             raise RecipeError(f"seq_len: {self.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
         if self.data_manifest_sha256 and len(bytes.fromhex(self.data_manifest_sha256)) != 32:
             raise RecipeError("data_manifest_sha256: must be 64 hex digits")
-        if self.overlap not in ("off", "delayed"):  # training/overlap.py's OVERLAP_MODES (no torch import here)
-            raise RecipeError(f"overlap: must be one of off, delayed, got {self.overlap!r}")
+        if self.overlap not in ("off", "delayed", "eager"):  # training/overlap.py's OVERLAP_MODES (no torch here)
+            raise RecipeError(f"overlap: must be one of off, delayed, eager, got {self.overlap!r}")
         if self.broadcast not in ("dense", "codec"):
             raise RecipeError(f"broadcast: must be one of dense, codec, got {self.broadcast!r}")
         if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards <= 0:
@@ -341,3 +342,13 @@ def recipe_help(name: str, default: Any = None) -> str:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+
+
+NETWORK_OVERLAP = ("off", "delayed")  # "eager" (training/overlap.py) runs in the local simulation only, so far
+
+
+def check_network_overlap(recipe: Recipe) -> None:
+    """An epoch's recipe must name an overlap rule the host daemon and the aggregator's replay implement."""
+    if recipe.overlap not in NETWORK_OVERLAP:
+        raise RecipeError(f"overlap: {recipe.overlap!r} runs in the local simulation only (gonka-node train, "
+                          f"scripts/bench_training.py); an epoch takes one of {', '.join(NETWORK_OVERLAP)}")

@@ -27,7 +27,7 @@ from chain.errors import BeaconNotReady
 from chain.units import format_gnk
 from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.keys import NodeKeys
-from gonka_node.core.recipe import Recipe
+from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from gonka_node.host.events import HostEvents, LogEvents
 from gonka_node.host.follow import GlobalModel, NextModel, adopt, dense_update, follow_to, step_ahead
 from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRounds, Rounds, make_worker
@@ -163,6 +163,10 @@ class HostNode:
         epoch = self.chain.get_epoch(self.settings.epoch)
         spec = epoch.spec
         self.recipe.check_against_chain(spec)
+        try:
+            check_network_overlap(self.recipe)
+        except RecipeError as exc:
+            raise HostError(str(exc)) from exc
         self.n_rounds = spec.n_rounds
         slot = self.ensure_joined()
         beacon = self._assignment_beacon()

@@ -16,7 +16,8 @@ import pytest
 import test_host_node as base
 from torch import Tensor
 
-from gonka_node.core.recipe import Recipe, RecipeError
+from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
+from gonka_node.epoch_setup import EpochTerms, epoch_spec
 from gonka_node.host.events import HostEvents
 from gonka_node.host.node import next_overlapped_round
 from gonka_node.host.store import Progress
@@ -125,5 +126,11 @@ def test_the_overlap_mode_is_part_of_the_recipe_hash_only_when_on(tmp_path: Path
     assert b'"overlap":"delayed"' in on.canonical_json() and on.sha256() != off.sha256()
     on.save(tmp_path / "r.json")
     assert Recipe.load(tmp_path / "r.json").overlap == "delayed"
-    with pytest.raises(RecipeError, match="overlap: must be one of off, delayed, got 'eager'"):
-        replace(off, overlap="eager")
+    with pytest.raises(RecipeError, match="overlap: must be one of off, delayed, eager, got 'streaming'"):
+        replace(off, overlap="streaming")
+    eager = replace(off, overlap="eager")  # a valid recipe (the local simulation runs it) ...
+    check_network_overlap(on)
+    with pytest.raises(RecipeError, match="overlap: 'eager' runs in the local simulation only"):
+        check_network_overlap(eager)  # ... that no epoch takes yet: hosts and the replay do not implement it
+    with pytest.raises(RecipeError, match="overlap: 'eager' runs in the local simulation only"):
+        epoch_spec(eager, bytes(32), EpochTerms(aggregators=[]), "file:recipe.json")

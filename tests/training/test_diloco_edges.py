@@ -16,7 +16,16 @@ from fractions import Fraction
 import pytest
 import torch
 
-from training.diloco import _FMA_CHUNK, OuterOptimizer, StreamingAverager, average, fma32, pseudo_gradient
+from training.diloco import (
+    _BLOCK,
+    _FMA_CHUNK,
+    OuterOptimizer,
+    StreamingAverager,
+    average,
+    fma32,
+    fma32_reference,
+    pseudo_gradient,
+)
 
 
 def round_f32(x: Fraction) -> float:
@@ -261,3 +270,37 @@ def test_wider_inputs_are_rounded_to_fp32_first() -> None:
         opts[0].step(params[0], wide)
         opts[1].step(params[1], narrow)
     assert torch.equal(params[0]["w"], params[1]["w"]) and opts[0].buffers["w"].dtype == torch.float32
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.view(torch.int32).tolist()  # bit patterns: tell -0 from +0
+
+
+def test_fma32_fast_cpu_path_is_bit_identical_to_the_reference_on_random_and_edge_values() -> None:
+    # The CPU path rounds a·b + c once in fp64 and recomputes only fp32 midpoints and subnormals; over
+    # several blocks and threads, on values where that matters, it must give the reference's bits.
+    g = torch.Generator().manual_seed(7)
+    n = 3 * _BLOCK + 7
+    a = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).float())
+    b = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).float())
+    c = torch.randn(n, generator=g) * torch.exp2(torch.randint(-120, 120, (n,), generator=g).float())
+    edges = [
+        (1.0 + 2.0**-12, 1.0 + 2.0**-12, 2.0**-80),  # the fp64 sum lands on an fp32 tie it must not break
+        (1.0 + 2.0**-12, 1.0 + 2.0**-12, -(2.0**-80)),
+        (4097.0, 16773121.0, 2.0**60),
+        (2.0**-24, 1.0, 1.0 + 2.0**-23),  # exact ties, to even
+        # a·b = 2^-150 + 2^-186: the fp64 sum drops the 2^-186 onto a tie of fp32's subnormal grid
+        (4097.0 * 2.0**-93, 16773121.0 * 2.0**-93, 2.0**-127), (-4097.0 * 2.0**-93, 16773121.0 * 2.0**-93, -(2.0**-127)),
+        (1e-20, 1e-20, 0.0), (-1e-20, 1e-20, 1e-45), (1e-22, 3e-23, -1e-44),  # subnormal results
+        (1e-45, 1.0, 1e-45), (-1e-45, 1.0, 0.0), (1.1e-38, -1.0, 2.3e-38),  # subnormal operands
+        (0.0, 1.0, -0.0), (-0.0, 1.0, -0.0), (0.0, -1.0, 0.0), (-0.0, -0.0, -0.0),  # signed zeros
+        (1e19, 1e19, 3e38), (-1.8e19, 1.8e19, 1e30), (3e38, 1.0, -3e38), (1e-30, 1e-8, 1e-38),
+    ]
+    for i, (x, y, z) in enumerate(edges):  # at block edges (where threads split) and in between
+        for at in (i, _BLOCK - 1 - i, _BLOCK + i, 2 * _BLOCK + 3 * i, n - 1 - i):
+            a[at], b[at], c[at] = x, y, z
+    assert _bits(fma32(a, b, c)) == _bits(fma32_reference(a, b, c))
+    for scalar in (0.9, -0.7, 1e-3, -1.5e-38, 0.0):
+        assert _bits(fma32(a, scalar, c)) == _bits(fma32_reference(a, scalar, c)), scalar
+    assert _bits(fma32(a[:5], b[:5], c[:5])) == _bits(fma32_reference(a[:5], b[:5], c[:5]))  # one block
+    assert fma32(a[:0], b[:0], c[:0]).numel() == 0

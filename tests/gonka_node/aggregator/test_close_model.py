@@ -23,8 +23,8 @@ from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.core.config import AggregationSettings
 from training.codecs import get_codec
-from training.data import Windows
-from training.diloco import pseudo_gradient
+from training.data import Windows, window_seed
+from training.diloco import OuterOptimizer, pseudo_gradient
 from training.inner import InnerConfig, evaluate
 from training.model import Llama, ModelConfig, build_model
 from training.worker import Assignment, replay_round
@@ -294,3 +294,78 @@ def test_updates_shorter_than_one_are_scored_at_their_length(
     for c in out.contributions:
         want = rd.expected_score(ups[c.host], tau, 2, int(c.host[0]), veto=True)
         assert c.score == want != 0.0
+
+
+class SwappedWindows:
+    """The scoring's view of `windows` with one slot's roles swapped: its held-out sample is the slot's
+    training assignment, and its "assignment" is uniformly random bytes (no text at all). An honest host
+    of that slot then looks, to the score, like one that trained on held-out data."""
+
+    def __init__(self, windows: Windows, slot: int) -> None:
+        self.windows, self.slot = windows, slot
+
+    def _ids(self, slot: int) -> np.ndarray:
+        return self.windows.assignment(epoch_seed=window_seed(SEED, b""), round_index=1, slot=slot, max_slots=SLOTS,
+                                       windows_per_host=INNER.windows_per_round)
+
+    def assignment(
+        self, *, epoch_seed: int, round_index: int, slot: int, max_slots: int, windows_per_host: int
+    ) -> np.ndarray:
+        return -1 - self._ids(slot)  # marked: stacked as random bytes
+
+    def sample_heldout(self, seed: int, n: int) -> np.ndarray:
+        return self._ids(self.slot)[:n]
+
+    def stack(self, ids: np.ndarray) -> torch.Tensor:
+        if ids.min() >= 0:
+            return self.windows.stack(ids)
+        return torch.randint(0, 256, (len(ids), SEQ + 1), generator=torch.Generator().manual_seed(SEED))
+
+
+def test_a_replayed_host_is_never_vetoed_even_where_the_statistic_would_veto_it(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    rd.scoring = ScoringData(SwappedWindows(windows, 4), SEED, SLOTS, 8, INNER.windows_per_round)
+    own = replayed(windows, base, 4)
+    rd.add(addr(4), own, started=1)
+    statistic = Scorer(model(), base, rd.scoring.heldout(1, rd.init_sha), "heldout_gain").score(
+        {n: t * score_step(0.5, 1) for n, t in own.items()}, rd.scoring.assigned(1, 4), veto=True
+    )
+    assert statistic.vetoed and statistic.score == 0.0  # what the score alone says of this honest host
+    out = rd.outcome({addr(4): 4}, p=1.0)
+    [c] = out.contributions
+    assert c.reasons[0].startswith("replay: cosine +1.0000, norm ratio 1.0000")
+    assert not any("better than its assignment" in r for r in c.reasons)
+    assert (c.aggregated, c.reward, c.score) == (True, POOL, statistic.gain_heldout) and c.score > 0
+
+
+def test_with_overlapping_rounds_the_step_and_the_losses_start_from_the_latest_global_model(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    own = replayed(windows, base, 1)
+    rd.add(addr(1), own, started=1)
+    g = torch.Generator().manual_seed(5)
+    latest = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in base.items()}  # one round newer
+    latest_path = tmp_path / "latest.safetensors"
+    latest_sha = TrainingCheckpoints().save(latest_path, latest, {"round": "1"})
+    out = compute_outcome(ClosingInputs(
+        ctx=rd.context(p=1.0), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
+        slots={addr(1): 1}, base_path=rd.init_path, step_base=(latest_path, latest_sha), prev_outer_state=None,
+        store=rd.store, checkpoints=TrainingCheckpoints(), aggregation=AggregationSettings(rule="mean"),
+    ))
+    assert out.aggregated == 1
+    want = {n: t.clone() for n, t in latest.items()}
+    OuterOptimizer(0.5, 0.5).step(want, own)  # the step applies to the latest model, not the training base
+    new = TrainingCheckpoints().load(rd.store.checkpoint_path(1, 1), out.checkpoint_sha256)
+    for n, t in want.items():
+        torch.testing.assert_close(new[n], t, rtol=0, atol=1e-6)
+    batch = rd.scoring.heldout(1, rd.init_sha)
+
+    def loss(params: dict[str, torch.Tensor]) -> float:
+        m = model()
+        m.load_state_dict(params)
+        return evaluate(m, [batch], autocast="off")
+
+    assert out.heldout == (loss(latest), loss(new)) and loss(latest) != loss(base)

@@ -5,23 +5,28 @@ checkpoint, the Merkle root, and the embedded chain's finalize."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sqlite3
+import time
 
 import pytest
 import torch
 from agg_harness import AGGREGATOR
-from engine_kit import N_ROUNDS, REWARD, SECOND_AGGREGATOR, Kit, payload, update
+from engine_kit import N_ROUNDS, REWARD, SECOND_AGGREGATOR, SPEC, Kit, chunks, payload, update
 from eth_utils import to_checksum_address
+from safetensors.torch import load_file
 
 from chain.merkle import RewardTree
 from chain.seed import new_secret, seed_commitment
+from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, _tx_bytes, clock_text
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.envelope import Submission
 from training.checkpoint import load_checkpoint
+from training.codecs import get_codec, round_seed
 
 
 def submit_all(kit: Kit, e: RoundEngine, n: int, seed: int = 10) -> list[dict[str, torch.Tensor]]:
@@ -97,6 +102,56 @@ def test_everyone_submitted_closes_before_the_deadline_and_opens_the_next_round(
     for n, t in want2.items():
         torch.testing.assert_close(got2[n], t, rtol=0, atol=1e-7)
     assert e.base_path(3) == e.store.checkpoint_path(ep, 2)
+
+
+def test_with_delayed_overlap_a_round_trains_from_two_rounds_back_and_steps_from_the_last(kit: Kit) -> None:
+    e = kit.engine(start=False)
+    e.ctx = dataclasses.replace(e.ctx, overlap="delayed")
+    e.start()
+    ep = kit.world.epoch
+    ups = submit_all(kit, e, 3)
+    kit.run(e.tick())
+    r2 = row(e, 2)
+    assert (r2.state, r2.base_sha256, e.base_path(2)) == ("open", kit.world.init_sha, kit.init_path)
+    ups2 = submit_all(kit, e, 3, seed=20)
+    kit.run(e.tick())
+    assert row(e, 2).state == "finalized" and row(e, 3).base_sha256 == row(e).checkpoint_sha256
+    ckpt1, buf = stepped(load_checkpoint(kit.init_path).tensors, ups, None)
+    want2, _ = stepped(ckpt1, ups2, buf)  # the outer step applies to round 1's model, not round 2's base
+    got2 = load_checkpoint(e.store.checkpoint_path(ep, 2)).tensors
+    for n, t in want2.items():
+        torch.testing.assert_close(got2[n], t, rtol=0, atol=1e-6)
+
+
+def test_a_compressed_broadcast_carries_each_rounds_residual_into_the_next_closed_one(kit: Kit) -> None:
+    e = kit.engine(start=False)
+    e.ctx = dataclasses.replace(e.ctx, codec_name="int8", codec=get_codec("int8"), broadcast="codec")
+    e.start()
+    ep = kit.world.epoch
+    held_back: dict[str, torch.Tensor] = {n: torch.zeros(s) for n, s in SPEC.items()}
+    for r in (1, 2, 3):
+        if r == 2:  # skipped (nobody submits): round 3 carries round 1's residual
+            for _ in range(2):  # extended once, then skipped
+                kit.clock.ms = row(e, 2).deadline_ms + 1
+                kit.run(e.tick())
+            assert row(e, 2).state == "skipped"
+            assert row(e, 2).checkpoint_sha256 == row(e).checkpoint_sha256  # the model it left unchanged
+            continue
+        codec = e.ctx.codec_for(r)
+        sent = [codec.encode(update(10 * r + i)) for i in range(3)]
+        for h, data in zip(kit.hosts, sent, strict=True):
+            sub = kit.header(e, h, data, codec="int8")
+            assert kit.run(e.submit(sub, sub.sign(h.key), chunks(data), e.stream_guard("test"))).body.accepted
+        kit.run(e.tick())
+        assert row(e, r).state == "finalized"
+        mean = {n: torch.stack([codec.decode(d, SPEC)[n].float() for d in sent]).mean(0) for n in SPEC}
+        path = e.store.update_path(ep, r)
+        broadcast = get_codec("int8").for_round(round_seed(0, r)).decode(path.read_bytes(), SPEC)
+        residual = load_file(str(residual_path(path)))
+        for n in SPEC:  # what was broadcast + what is held back = this round's mean + what was held back before
+            torch.testing.assert_close(broadcast[n].float() + residual[n], mean[n] + held_back[n], rtol=0, atol=1e-6)
+        assert any(float(t.abs().max()) > 1e-5 for t in residual.values())  # int8 left something out
+        held_back = residual
 
 
 def test_a_tick_before_the_deadline_with_a_quorum_but_not_everyone_leaves_the_round_open(kit: Kit) -> None:
@@ -245,6 +300,13 @@ def test_tx_bytes_reads_receipts_and_tx_objects() -> None:
     assert _tx_bytes("0x12") == b"\x12" and _tx_bytes("12") == b"" and _tx_bytes(None) == b"" and _tx_bytes({}) == b""
 
 
-def test_clock_text_is_utc_to_the_millisecond() -> None:
+def test_clock_text_is_utc_to_the_millisecond(monkeypatch: pytest.MonkeyPatch) -> None:
     assert clock_text(1_748_786_592_345) == "2025-06-01 14:03:12.345 UTC"
     assert clock_text(0) == "1970-01-01 00:00:00.000 UTC"
+    monkeypatch.setenv("TZ", "EST+05")  # a machine whose local time is not UTC: the text is still UTC
+    time.tzset()
+    try:
+        assert clock_text(1_748_786_592_345) == "2025-06-01 14:03:12.345 UTC"
+    finally:
+        monkeypatch.undo()
+        time.tzset()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import sqlite3
+import time
 
 import pytest
 from agg_harness import AGGREGATOR
@@ -30,14 +32,15 @@ def unreachable(kit: Kit) -> ChainView:
 
 
 def test_everyone_submitted_waits_for_the_signin_window_to_close(kit: Kit) -> None:
-    e = kit.engine(kit.world.epoch3)
+    ep = kit.epoch_in_signin()
+    e = kit.engine(ep)
     submit_all(kit, e, 3)
     kit.run(e.tick())
     assert row(e).state == "open" and not e._signin_closed_seen
     kit.world.chain.backend.increase_time(31)
     kit.run(e.tick())
     assert row(e).state == "finalized" and e._signin_closed_seen
-    assert kit.world.chain.client(0).round_result(kit.world.epoch3, 1).n_contributors == 3
+    assert kit.world.chain.client(0).round_result(ep, 1).n_contributors == 3
 
 
 def test_the_members_are_read_once_per_round(kit: Kit) -> None:
@@ -174,6 +177,19 @@ def test_a_round_two_resubmission_of_round_one_work_is_excluded_and_the_close_is
     assert seconds is not None and 0 < seconds < 60 and e._closing_since is None
 
 
+def test_another_epochs_rounds_in_the_same_store_are_not_this_epochs_models(kit: Kit) -> None:
+    first = kit.engine()
+    submit_all(kit, first, 3)
+    kit.run(first.tick())  # the first epoch's round 1 is finalized
+    e = kit.engine(kit.world.epoch2)  # the same aggregator (one store), a later epoch
+    for _ in range(2):  # its round 1: nobody submits, extended once, then skipped
+        kit.clock.ms = row(e).deadline_ms + 1
+        kit.run(e.tick())
+    assert row(e).state == "skipped"
+    assert e.global_path(1) == kit.init_path and e.base_path(2) == kit.init_path
+    assert row(e, 2).base_sha256 == kit.world.init_sha
+
+
 def test_a_host_that_left_is_not_paid(kit: Kit) -> None:
     e = kit.engine()
     ep = kit.world.epoch
@@ -184,6 +200,26 @@ def test_a_host_that_left_is_not_paid(kit: Kit) -> None:
     rows = {x.host: x for x in e.store.contributions(ep, 1)}
     assert rows[kit.hosts[1].address].reasons[0] == "host is no longer signed in to the epoch (left or slashed)"
     assert [h for h, x in rows.items() if x.reward > 0] == [kit.hosts[0].address]
+    assert row(e).state == "finalized" and kit.world.chain.client(0).round_result(ep, 1).n_contributors == 1
+
+
+def test_a_close_that_leaves_nobody_eligible_is_a_skip_that_keeps_the_reasons(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    submit_all(kit, e, 2)
+    for h in kit.hosts[:2]:
+        kit.world.chain.client(h.index).leave(ep)
+    kit.clock.ms = row(e).deadline_ms + 1
+    kit.run(e.tick())  # a quorum was accepted, so the round is computed, and every update is excluded
+    r1 = row(e)
+    assert (r1.state, r1.checkpoint_sha256, r1.rewards_root, r1.total_reward, r1.aggregation) == (
+        "skipped", kit.world.init_sha, bytes(32), 0, "skipped"
+    )
+    rows = e.store.contributions(ep, 1)
+    assert sorted((x.host, x.aggregated, x.reward) for x in rows) == sorted((h.address, False, 0) for h in kit.hosts[:2])
+    assert all(x.reasons[0] == "host is no longer signed in to the epoch (left or slashed)" for x in rows)
+    on_chain = kit.world.chain.client(0).round_result(ep, 1)
+    assert on_chain.finalized and (on_chain.checkpoint_sha256, on_chain.n_contributors) == (kit.world.init_sha, 0)
 
 
 def test_with_two_votes_needed_a_restart_does_not_vote_twice(kit: Kit, caplog: pytest.LogCaptureFixture) -> None:
@@ -241,6 +277,20 @@ def test_a_retried_close_finishes_the_recorded_intent_and_never_recomputes_it(ki
     assert kit.world.chain.client(0).round_result(ep, 1).checkpoint_sha256 == kit.world.init_sha
 
 
+def test_a_retried_close_finishes_a_recorded_finalizing_intent_as_recorded(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    submit_all(kit, e, 3)
+    secret = row(e).seed_secret
+    assert secret is not None
+    e.chain.reveal_seed(ep, 1, secret)
+    recorded = b"\x07" * 32  # not what a recomputation gives: the intent is sent as it is
+    e.store.record_finalize_intent(ep, 1, "finalizing", recorded, bytes(32), 0, "mean", [])
+    kit.run(e.close(skip=False))
+    assert (row(e).state, row(e).checkpoint_sha256) == ("finalized", recorded)
+    assert kit.world.chain.client(0).round_result(ep, 1).checkpoint_sha256 == recorded
+
+
 def test_the_reward_tree_holds_the_paid_hosts_only_down_to_one_ngonka(kit: Kit) -> None:
     e = kit.engine()
     e.ctx = dataclasses.replace(e.ctx, reward_per_round=3)  # one ngonka each
@@ -255,6 +305,7 @@ def test_the_reward_tree_holds_the_paid_hosts_only_down_to_one_ngonka(kit: Kit) 
     assert [(x.host, x.reward) for x in e.store.contributions(ep, 1)] == sorted(
         [(a.address, 1), (b.address, 1), (c.address, 0)]
     )
+    assert kit.world.chain.client(0).round_result(ep, 1).n_contributors == 2  # paid 1 ngonka: counted
     tree = e.reward_tree(1)
     assert tree is not None and tree.root == r1.rewards_root
     assert tree.root == RewardTree(e.ctx.chain_id, to_checksum_address(e.ctx.registry), ep, 1,
@@ -262,16 +313,36 @@ def test_the_reward_tree_holds_the_paid_hosts_only_down_to_one_ngonka(kit: Kit) 
 
 
 def test_the_signin_window_is_closed_from_its_end_time_on(kit: Kit) -> None:
-    e = kit.engine(kit.world.epoch3)
+    ep = kit.epoch_in_signin()
+    e = kit.engine(ep)
     backend = kit.world.chain.backend
-    end = kit.world.chain.client(0).get_epoch(kit.world.epoch3).signin_end
+    end = kit.world.chain.client(0).get_epoch(ep).signin_end
     with backend.lock:
         backend.tester.time_travel(end - 1)
         backend.tester.mine_blocks(1)
     assert kit.world.chain.client(0).chain_time() == end - 1
-    assert not kit.run(e._signin_closed(kit.world.epoch3))
+    assert not kit.run(e._signin_closed(ep))
     with backend.lock:
         backend.tester.time_travel(end)
         backend.tester.mine_blocks(1)
     assert kit.world.chain.client(0).chain_time() == end
-    assert kit.run(e._signin_closed(kit.world.epoch3)) and e._signin_closed_seen
+    assert kit.run(e._signin_closed(ep)) and e._signin_closed_seen
+
+
+def test_the_loop_ticks_every_fifth_of_a_second_by_default(kit: Kit) -> None:
+    e = kit.engine()
+    ticked: list[float] = []
+    stop = asyncio.Event()
+    real_tick = e.tick
+
+    async def timed_tick() -> None:  # the real tick, its start time recorded
+        ticked.append(time.monotonic())
+        if len(ticked) == 3:
+            stop.set()
+        await real_tick()
+
+    e.tick = timed_tick  # type: ignore[method-assign]
+    kit.run(e.run(stop))
+    gaps = [b - a for a, b in itertools.pairwise(ticked)]
+    assert len(gaps) == 2 and all(0.19 < g < 1.1 for g in gaps), gaps  # 0.2 s apart (not 1 s or more)
+    assert row(e).state == "open"

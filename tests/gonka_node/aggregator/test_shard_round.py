@@ -245,12 +245,10 @@ def test_a_sharded_recipe_makes_each_aggregator_of_the_epoch_its_shard(kit: Kit)
     for i, a in enumerate(ORDER):
         ctx = shard_context(whole, sharded, chain.get_epoch(kit.world.epoch4), address(kit, a), "mean")
         assert ctx.shard is not None and ctx.shard.index == i and ctx.spec == [{"w": (2, 4)}, {"b": (3,)}][i]
-        assert ctx.model_factory is None and ctx.replay is None
-    # A context that would replay hosts is refused, not silently unreplayed (scoring = false opts out).
+    # A replaying context keeps its replay: every shard computes the pick, shard 0 replays (test_shard_replay.py).
     replaying = dataclasses.replace(whole, replay_probability=0.25)
-    with pytest.raises(ShardConfigError, match=f"epoch {kit.world.epoch4}: sharded aggregators cannot score or "
-                       r"replay hosts yet \(its replay probability is 1\); set \[aggregator\] scoring = false"):
-        shard_context(replaying, sharded, chain.get_epoch(kit.world.epoch4), address(kit, ORDER[0]), "mean")
+    ctx = shard_context(replaying, sharded, chain.get_epoch(kit.world.epoch4), address(kit, ORDER[0]), "mean")
+    assert ctx.replay_probability == 0.25 and ctx.spec == {"w": (2, 4)}
     with pytest.raises(ShardConfigError, match=f"epoch {kit.world.epoch2}: the recipe has 2 shards, but the epoch "
                        "names 2 aggregators with quorum 1"):
         shard_context(whole, sharded, chain.get_epoch(kit.world.epoch2), address(kit, AGGREGATOR), "mean")

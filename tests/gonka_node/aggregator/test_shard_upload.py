@@ -112,6 +112,11 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
     assert pulled.metadata["round"] == "1" and "fragment" not in pulled.metadata
     assert set(model) == set(h.spec) and model_root(model, 2) == bytes(result.checkpoint_sha256)
     assert set(safetensors_load(both.round_update(h.epoch, 1).data)) == set(h.spec)
+    # Finalized on chain once the last shard voted; each shard opens round 2 after its own close (the
+    # next seed committed): wait for both, as a host's daemon polls for the open round.
+    deadline = time.monotonic() + 60
+    while not all(_taking(s.engine, 2) for s in servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
     info = both.open_round()
     assert info.round == 2
     host = h.hosts[0]
@@ -126,6 +131,12 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
         both.submit(closed, h.hosts[1].address, h.payload(updates[1]), h.hosts[1].key, 64)
     assert refused.value.reason == "LATE" and refused.value.message.startswith("shard 0: round 1 is not open there")
     both.close()
+
+
+def _taking(engine: RoundEngine, round_: int) -> bool:
+    """Whether `engine` takes submissions for `round_` now."""
+    r = engine.current
+    return r is not None and r.round == round_ and not engine.closing
 
 
 async def _expire(engine: RoundEngine) -> None:
