@@ -11,8 +11,8 @@ checkpoint and checks it against the hash on chain, and writes `report.json` and
 With `serve` the chain and the aggregator keep running after the report, beside extra services
 (`devnet_serve.py`), until Ctrl-C or SIGTERM. With `shards` S > 1 the epoch names S aggregators (quorum
 S), the recipe has `shards = S`, and S aggregator processes share one exchange directory; each round's
-checkpoint hash is then the Merkle root over fragments (`core/fragments.py`). Sharded aggregators cannot
-score or replay hosts yet, so that epoch has replay probability 0 and pays no rewards (the stake rule).
+checkpoint hash is then the Merkle root over fragments (`core/fragments.py`); shard 0 scores and replays
+the sampled hosts from their fragments (docs/PROTOCOL.md "Sharded aggregators").
 
 This module holds the devnet's options, its recipe, its configs (rendered from the typed configs) and
 the run itself; the steps live beside it, one job each: `devnet_chain.py` (the chain, the vote, the
@@ -146,9 +146,6 @@ def check_shards(opts: DevnetOptions) -> None:
     if opts.shards < 1 or opts.hosts + opts.shards > AGGREGATOR:
         raise DevnetError(f"--shards must be at least 1, and hosts + shards at most {AGGREGATOR} (dev accounts "
                           f"1..{AGGREGATOR}), got {opts.hosts} hosts and {opts.shards} shards")
-    if opts.shards > 1 and opts.replay_fraction > 0:
-        raise DevnetError("--shards: sharded aggregators cannot score or replay hosts yet; run it with "
-                          "--replay-fraction 0 (an unreplayed epoch, which by the stake rule pays no rewards)")
     if opts.shards > 1 and opts.broadcast != "dense":
         raise DevnetError("--shards: a sharded epoch serves its update dense; leave --broadcast at dense")
     if opts.shards > 1 and opts.serve:
@@ -163,15 +160,14 @@ def aggregator_account(shard: int) -> int:
 
 def aggregator_config(opts: DevnetOptions, rpc_url: str, epoch: int, shard: int = 0) -> AggregatorConfig:
     """The config of the devnet's aggregator (shard `shard` of `opts.shards`): listening on a free
-    loopback port, a quorum of every host; shards meet in out/shard-exchange and do not score (they
-    cannot yet: epoch_setup.shard_context)."""
+    loopback port, a quorum of every host; shards meet in out/shard-exchange."""
     out, name = opts.out, aggregator_name(shard)
     keys = out / "keys" / name
     sharded = opts.shards > 1
     return AggregatorConfig(
         data_dir=out / name, listen="127.0.0.1:0", node_key=keys / "node_key.json",
         evm_key=keys / "evm_key.json", recipe=out / "recipe.json", deployment=out / "deployment.json", epoch=epoch,
-        scoring=not sharded, shard_exchange=out / "shard-exchange" if sharded else None,
+        shard_exchange=out / "shard-exchange" if sharded else None,
         chain=ChainSettings(backend="rpc", rpc_url=rpc_url), round=RoundSettings(quorum=opts.hosts),
         aggregation=AggregationSettings(heldout_windows=opts.heldout_windows),
     )
@@ -239,7 +235,7 @@ def deploy_and_schedule(
         + (")" if reward else "; no replay check, so no rewards: the stake rule needs p > 0)"))
     if opts.shards > 1:
         say(f"sharded: {opts.shards} aggregators, each owning a fragment of the model; checkpoint hashes are "
-            "Merkle roots over fragments; hosts are not scored nor replayed (sharded epochs cannot replay yet)")
+            "Merkle roots over fragments; shard 0 scores and replays the sampled hosts from their fragments")
     roles = [(aggregator_name(s), aggregator_account(s)) for s in range(opts.shards)]
     for name, index in roles + [(f"host{i}", i) for i in range(1, opts.hosts + 1)]:
         init_keys(out / "keys" / name, None, insecure_plaintext=True, force=True,

@@ -125,9 +125,7 @@ def make_report(
         "link": opts.link or "loopback",
         "overlap": opts.overlap,
         "broadcast": opts.broadcast,
-        "shards": recipe.shards,
-        # sharded aggregators cannot score or replay hosts yet (docs/PROTOCOL.md "Sharded aggregators")
-        "scored": recipe.shards == 1,
+        "shards": recipe.shards,  # > 1: checkpoint_hashes are Merkle roots over that many fragments
         "bytes_per_host": bytes_per_host,
         "download_bytes_per_host": received_per_host,
         "utilisation": utilisation,  # per host: per round and "all" (inner-step seconds / wall seconds)

@@ -37,17 +37,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "until Ctrl-C, so the README's after-devnet commands work")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the rounds")
     p.add_argument(
-        "--replay-fraction", type=float,
+        "--replay-fraction", type=float, default=1.0,
         help="the epoch's replay probability p: each host's round is recomputed by the aggregator with it "
-        "(default 1: all; with --shards 0); hosts stake reward/p; > 0 makes the recipe's rounds start fresh so "
+        "(default 1: all); hosts stake reward/p; > 0 makes the recipe's rounds start fresh so "
         "they can be replayed; 0: AdamW state carried, no replay check and, by the stake rule, no rewards "
         "(docs/SECURITY.md)",
     )
     p.add_argument(
         "--shards", type=int, default=1,
         help="aggregator processes, each owning a fragment of the model (default 1); > 1: the epoch names that "
-        "many aggregators, checkpoint hashes are Merkle roots over fragments, and hosts are neither scored nor "
-        "replayed (sharded epochs cannot replay yet), so the epoch pays no rewards",
+        "many aggregators (quorum all), hosts upload each fragment to its shard, checkpoint hashes are Merkle "
+        "roots over fragments, and shard 0 scores and replays the sampled hosts from their fragments",
     )
     p.add_argument(
         "--link", metavar="DOWN/UP[@MS]",
@@ -82,8 +82,6 @@ def _devnet(args: argparse.Namespace) -> int:
     from gonka_node.devnet import DevnetError, DevnetOptions, run_devnet
 
     console = Console()
-    if args.replay_fraction is None:  # sharded epochs cannot replay yet (gonka_node/devnet.py check_shards)
-        args.replay_fraction = 0.0 if args.shards > 1 else 1.0
     if not 0.0 <= args.replay_fraction <= 1.0:
         raise CliError(f"--replay-fraction must be in [0, 1], got {args.replay_fraction}")
     recipe = {"rounds": args.rounds, "inner_steps": args.inner_steps, "codec": args.codec}
@@ -129,9 +127,7 @@ def _print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     what = f"Merkle root over {report['shards']} fragments" if report["shards"] > 1 else "sha256"
     for r, h in enumerate(report["checkpoint_hashes"]):
         console.print(f"round {r} checkpoint {what if r else 'sha256'} (on chain, verified): {h}")
-    if not report["scored"]:
-        console.print("hosts were not scored nor replayed: sharded aggregators cannot replay yet "
-                      "(docs/PROTOCOL.md \"Sharded aggregators\")")
+
     console.print(f"report: {args.out / 'report.json'} and {args.out / 'loss.png'} ({report['seconds']} s)")
     if not args.serve:
         console.print("next: gonka-node devnet --serve keeps the chain and the aggregator running for "
