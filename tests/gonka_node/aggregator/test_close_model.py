@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from stdlib_corpus import small_corpus_bytes
+from micro_model import INNER, SEED, SEQ, SLOTS, micro_windows, model
 
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, score_step
@@ -26,23 +26,14 @@ from training.codecs import get_codec
 from training.data import Windows, window_seed
 from training.diloco import OuterOptimizer, pseudo_gradient
 from training.inner import InnerConfig, evaluate
-from training.model import Llama, ModelConfig, build_model
 from training.worker import Assignment, replay_round
 
-CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, max_seq_len=16)
-SEQ, SEED, SLOTS = 8, 7, 8
-INNER = InnerConfig(steps=2, lr=1e-2, warmup_steps=0, total_steps=6, micro_batch=4, seq_len=SEQ, round_state="fresh")
 POOL = 1000
-
-
-def model() -> Llama:
-    return build_model(CFG, SEED)
 
 
 @pytest.fixture(scope="module")
 def windows() -> Windows:
-    tokens = np.frombuffer(small_corpus_bytes(), dtype=np.uint8).astype(np.int64)[:30_000]
-    return Windows(tokens, SEQ, heldout_fraction=0.1)
+    return micro_windows()
 
 
 @pytest.fixture(scope="module")

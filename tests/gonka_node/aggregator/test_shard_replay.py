@@ -11,13 +11,12 @@ import math
 import statistics
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from agg_harness import AGGREGATOR
 from engine_kit import Kit, payload
+from micro_model import INNER, SEED, SLOTS, micro_windows, model
 from nacl.signing import SigningKey
-from stdlib_corpus import small_corpus_bytes
 from test_shard_round import ORDER, address, fragment_payload
 
 from gonka_node.aggregator.chain_view import ChainView
@@ -40,23 +39,12 @@ from gonka_node.core.config import AggregationSettings
 from gonka_node.core.fragments import plan_fragments
 from training.checkpoint import load_checkpoint
 from training.data import Windows
-from training.inner import InnerConfig
-from training.model import Llama, ModelConfig, build_model
 from training.worker import Assignment, replay_round
-
-CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, max_seq_len=16)
-SEQ, SEED, SLOTS = 8, 7, 8  # SLOTS: the kit's epochs' max_hosts
-INNER = InnerConfig(steps=2, lr=1e-2, warmup_steps=0, total_steps=6, micro_batch=4, seq_len=SEQ, round_state="fresh")
-
-
-def model() -> Llama:
-    return build_model(CFG, SEED)
 
 
 @pytest.fixture(scope="module")
 def windows() -> Windows:
-    tokens = np.frombuffer(small_corpus_bytes(), dtype=np.uint8).astype(np.int64)[:30_000]
-    return Windows(tokens, SEQ, heldout_fraction=0.1)
+    return micro_windows()
 
 
 def micro_context(kit: Kit, epoch: int, windows: Windows) -> EpochContext:
