@@ -197,8 +197,11 @@ def _merged(parts: Sequence[Downloaded]) -> Downloaded:
 
 
 def _plain_metadata(data: bytes) -> dict[str, str]:
-    """A safetensors file's metadata without what describes that file alone (its recorded hash, its
-    fragment): the merged file keeps the round's own (epoch, round, model config)."""
     (size,) = struct.unpack_from("<Q", data, 0)
-    meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    return plain_metadata(json.loads(data[8 : 8 + size]).get("__metadata__") or {})
+
+
+def plain_metadata(meta: Mapping[str, str]) -> dict[str, str]:
+    """A fragment file's metadata without what describes that file alone (its recorded hash, its
+    fragment): a merged file keeps the round's own (epoch, round, model config)."""
     return {k: v for k, v in meta.items() if not k.startswith("gonka.") and k != "fragment"}

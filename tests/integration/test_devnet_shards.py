@@ -15,17 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load as load_safetensors
 
 from chain.backends import RpcBackend
 from chain.client import ChainClient
 from chain.types import Deployment
+from gonka_node.cli import main
 from gonka_node.core.fragments import model_root
 from gonka_node.core.recipe import Recipe
 from gonka_node.devnet import DevnetOptions, run_devnet
 from gonka_node.devnet_procs import Children, aggregator_name, restart_aggregator
 from gonka_node.host.shards import sharded_aggregator
-from training.checkpoint import canonical_sha256
+from training.checkpoint import canonical_sha256, load_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -79,9 +81,14 @@ def _observe(out: Path, report: dict[str, Any]) -> dict[str, Any]:
         final = load_safetensors(shards.checkpoint(epoch, report["rounds"]).data)
     finally:
         shards.close()
+    # A client's `checkpoint pull`: every shard announced on chain, merged, checked by the Merkle root.
+    pulled, args = out / "pulled.safetensors", ["--deployment", str(out / "deployment.json"), "--epoch", str(epoch)]
+    pull = main(["checkpoint", "pull", *args, "--round", "latest", "--out", str(pulled)])
+    one = main(["checkpoint", "pull", *args, "--round", "1", "--aggregator", shards.target.split(", ")[0]])
     return {"results": results, "final": final, "votes": _finalize_votes(backend, chain),
             "aggregators": [str(a) for a in chain.get_epoch(epoch).spec.aggregators],
-            "latest": chain.latest_round(epoch)}
+            "latest": chain.latest_round(epoch), "pull": pull, "one_shard": one,
+            "pulled": load_checkpoint(pulled).tensors if pull == 0 else {}}
 
 
 def test_devnet_with_two_shards_survives_a_killed_shard_and_finalizes_merkle_roots(tmp_path: Path) -> None:
@@ -128,6 +135,10 @@ def test_devnet_with_two_shards_survives_a_killed_shard_and_finalizes_merkle_roo
     assert report["checkpoint_hashes"][1:] == [bytes(r.checkpoint_sha256).hex() for r in results]
     final_root = model_root(seen["final"], 2)
     assert bytes(results[-1].checkpoint_sha256) == final_root != bytes.fromhex(canonical_sha256(seen["final"]))
+    # `checkpoint pull` wrote the merged model (the chain's recipe says 2 shards); one shard alone is refused.
+    assert seen["pull"] == 0 and seen["one_shard"] == 2
+    assert set(seen["pulled"]) == set(seen["final"])
+    assert all(torch.equal(seen["pulled"][n], seen["final"][n]) for n in seen["final"])
     # The killed shard lost nothing: what it had accepted is in the round, and every host counted.
     assert [r.n_contributors for r in results] == [2, 2]
     aggregated = "SELECT host FROM contributions WHERE round=? AND aggregated=1"

@@ -14,6 +14,7 @@ import torch
 from agg_harness import AGGREGATOR, Harness, ServerThread
 from nacl.signing import SigningKey
 from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
@@ -21,6 +22,9 @@ from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import DirExchange, shard_role
 from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.store import Store
+from gonka_node.cli import CliError
+from gonka_node.cli.checkpoint_chain import chain_checkpoint
+from gonka_node.cli.checkpoint_fragments import pull_fragments
 from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.discovery import MissingPinError
 from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
@@ -112,6 +116,7 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
     assert pulled.metadata["round"] == "1" and "fragment" not in pulled.metadata
     assert set(model) == set(h.spec) and model_root(model, 2) == bytes(result.checkpoint_sha256)
     assert set(safetensors_load(both.round_update(h.epoch, 1).data)) == set(h.spec)
+    _a_client_pulls_the_sharded_round(h, servers, bytes(result.checkpoint_sha256))
     # Finalized on chain once the last shard voted; each shard opens round 2 after its own close (the
     # next seed committed): wait for both, as a host's daemon polls for the open round.
     deadline = time.monotonic() + 60
@@ -131,6 +136,36 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
         both.submit(closed, h.hosts[1].address, h.payload(updates[1]), h.hosts[1].key, 64)
     assert refused.value.reason == "LATE" and refused.value.message.startswith("shard 0: round 1 is not open there")
     both.close()
+
+
+def _a_client_pulls_the_sharded_round(h: Harness, servers: list[ServerThread], root: bytes) -> None:
+    """`checkpoint pull` of a sharded round: every shard announced on chain streams its fragment; the
+    merge is written only once its Merkle root is the chain's; a tampered fragment writes nothing."""
+    chain = h.world.client(0)
+    for server, account in zip(servers, ORDER, strict=True):
+        h.world.client(account).announce_aggregator(h.epoch, server.target, h.identity.cert_pem)
+    want = chain_checkpoint(chain, h.epoch, "latest")
+    out = h.tmp / "pulled" / "round-1.safetensors"
+    out.parent.mkdir()
+    size, note = pull_fragments(chain, 2, want, out, timeout_s=30, max_bytes=1 << 30)
+    pulled = load_checkpoint(out)
+    assert want.round == 1 and size == out.stat().st_size and note == "the file records no model config"
+    assert set(pulled.tensors) == set(h.spec) and model_root(pulled.tensors, 2) == root
+    assert "fragment" not in pulled.metadata and pulled.metadata["round"] == "1"
+    with pytest.raises(CliError, match=f"epoch {h.epoch} has 3 aggregator shards and 2 announced"):
+        pull_fragments(chain, 3, want, h.tmp / "pulled" / "three.safetensors", timeout_s=30, max_bytes=1 << 30)
+    with pytest.raises(CliError, match=r"FileMeta.length \d[\d,]* exceeds --max-bytes 1,000"):
+        pull_fragments(chain, 2, want, h.tmp / "pulled" / "small.safetensors", timeout_s=30, max_bytes=1000)
+    # Shard 1 serves a fragment with one value changed (its file rewritten, its own recorded hash kept
+    # consistent): every stream checks out, the merged root does not.
+    path = servers[1].engine.store.checkpoint_path(h.epoch, 1)
+    tampered = load_checkpoint(path)
+    name = sorted(tampered.tensors)[0]
+    tampered.tensors[name].view(-1)[0] += 1.0
+    save_file(tampered.tensors, str(path), metadata=tampered.metadata)
+    with pytest.raises(CliError, match=r"Merkle root is [0-9a-f]{64}, the chain records .*nothing was written"):
+        pull_fragments(chain, 2, want, h.tmp / "pulled" / "bad.safetensors", timeout_s=30, max_bytes=1 << 30)
+    assert sorted(p.name for p in (h.tmp / "pulled").iterdir()) == ["round-1.safetensors"]
 
 
 def _taking(engine: RoundEngine, round_: int) -> bool:
