@@ -127,8 +127,13 @@ class Inbox:
         with self._lock:
             self._write(s)
 
+    def outbox(self, epoch: int, round_: int) -> list[Path]:
+        """The files of this shard's own messages of the round (read one only when a peer lacks it)."""
+        return sorted(self._dir(epoch, round_).glob(f"*-{self.me.index}.msg")) + sorted(
+            self._dir(epoch, round_).glob(f"blob-{self.me.index}-*.msg"))
+
     def acked(self, s: Signed, peer: int) -> bool:
-        return self.path(s.header).with_suffix(f".ack-{peer}").exists()
+        return acked_at(self.path(s.header), peer)
 
     def ack(self, s: Signed, peer: int) -> None:
         atomic_write(self.path(s.header).with_suffix(f".ack-{peer}"), lambda t: t.write_text(str(s.header.sequence)))
@@ -195,6 +200,16 @@ class Inbox:
                 return False
             self._write(s)
         return True
+
+
+def acked_at(path: Path, peer: int) -> bool:
+    """Whether `peer` acknowledged the message in `path` (or refused it for good)."""
+    return path.with_suffix(f".ack-{peer}").exists()
+
+
+def kind_at(path: Path) -> ShardKind:
+    """The kind of the message in `path`, from its name."""
+    return ShardKind[path.name.split("-")[0].upper()]
 
 
 def _replaces(old: Signed, new: Signed) -> bool:

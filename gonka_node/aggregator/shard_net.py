@@ -29,7 +29,16 @@ from nacl.signing import SigningKey
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.shard import FragmentReport, Verdict
-from gonka_node.aggregator.shard_inbox import VERIFIER, Inbox, ShardReason, ShardRefused, Signed, body_digest
+from gonka_node.aggregator.shard_inbox import (
+    VERIFIER,
+    Inbox,
+    ShardReason,
+    ShardRefused,
+    Signed,
+    acked_at,
+    body_digest,
+    kind_at,
+)
 from gonka_node.core.envelope import EnvelopeError
 from gonka_node.core.shard_envelope import ShardKind, ShardMessage
 from gonka_node.core.tls import pinned_channel
@@ -192,13 +201,14 @@ class NetExchange:
 
     def flush(self, epoch: int, round_: int) -> None:
         """Send again this shard's messages of the round that a peer has not acknowledged."""
-        for kind in ShardKind:
-            for s in self.inbox.held(epoch, round_, kind):
-                if s.header.sender != self.me.index:
-                    continue
-                for peer in self._recipients(kind):
-                    if not self.inbox.acked(s, peer):
-                        self._deliver(s, peer)
+        for path in self.inbox.outbox(epoch, round_):
+            now = time.monotonic()
+            due = [p for p in self._recipients(kind_at(path))
+                   if not acked_at(path, p) and now >= self._retry_at.get(p, 0.0)]
+            if due:  # read the message (a blob may be large) only when some peer still lacks it
+                signed = Signed.from_bytes(path.read_bytes())
+                for peer in due:
+                    self._deliver(signed, peer)
 
     def _deliver(self, s: Signed, peer: int) -> None:
         if time.monotonic() < self._retry_at.get(peer, 0.0):

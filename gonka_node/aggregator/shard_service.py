@@ -63,15 +63,15 @@ class ShardService(spb_grpc.ShardServicer):
         if first is None or first.WhichOneof("part") != "envelope":
             raise ShardRefused(ShardReason.MALFORMED, "a Put starts with the signed envelope")
         header = message_from_pb(first.envelope)
+        signature = bytes(first.envelope.signature)
+        await asyncio.to_thread(self._admit, header, signature)  # the store and a peer are read: off the loop
+        body = await _body(requests, header)
+        return await asyncio.to_thread(self.exchange.inbox.store_received, Signed(header, signature, body))
+
+    def _admit(self, header: ShardMessage, signature: bytes) -> None:
         inbox = self.exchange.inbox
         inbox.screen(header)  # before the key: a malformed or stale message makes this shard dial nobody
-        key = await asyncio.to_thread(self._key_for, header)
-        inbox.admit(header, bytes(first.envelope.signature), key)
-        body = await _body(requests, header)
-        return await asyncio.to_thread(inbox.store_received, Signed(header, bytes(first.envelope.signature), body))
-
-    def _key_for(self, header: ShardMessage) -> bytes | None:
-        return self.exchange.node_key(header.sender) if header.sender < self.exchange.me.count else None
+        inbox.admit(header, signature, self.exchange.node_key(header.sender))
 
 
 async def _body(requests: AsyncIterator[spb.ShardPut], header: ShardMessage) -> bytes:
