@@ -202,3 +202,10 @@ def test_a_message_a_peer_missed_while_down_reaches_it_after_a_restart_of_either
         s1.stop()
         if s0.thread.is_alive():
             s0.stop()
+
+
+def test_the_reasons_and_kinds_are_the_protos_numbers() -> None:
+    refusals = {v.name: v.number for v in spb.ShardRefusal.DESCRIPTOR.values if v.number}
+    kinds = {v.name: v.number for v in spb.ShardKind.DESCRIPTOR.values if v.number}
+    assert refusals == {f"SHARD_{r.name}": r.value for r in ShardReason}
+    assert kinds == {f"SHARD_{k.name}": k.value for k in ShardKind}
