@@ -62,6 +62,12 @@ def test_shards_over_grpc_finalize_once_with_the_root_after_one_is_killed_and_re
         ok, why = submit_fragments(clients, 1, split_payload(h.codec, h.payload(update), h.spec, 2), host.address,
                                    host.key, 64)
         assert ok, why
+    verifier = servers[0].engine.exchange
+    assert isinstance(verifier, NetExchange)
+    # Shard 0 has dialed shard 1 (its key, from the endpoint on chain): after the restart it must find
+    # shard 1 again on chain, at its new port.
+    assert verifier.node_key(1) == bytes(SigningKey(bytes([SECOND]) * 32).verify_key)
+    old_target = servers[1].target
     servers[1].stop()  # killed with two fragments accepted; the round is not closed anywhere
     servers[1] = shard_server(h, 1, identities[1])  # restarted from its data_dir, on another port
     assert servers[1].engine.store.submitted_hosts(h.epoch, 1) == {x.address for x in h.hosts[:2]}
@@ -83,8 +89,7 @@ def test_shards_over_grpc_finalize_once_with_the_root_after_one_is_killed_and_re
     assert isinstance(inbox, NetExchange)
     (verdict,) = inbox.inbox.held(h.epoch, 1, ShardKind.VERDICT)
     assert verdict.header.sender == 0 and verdict.header.verify(verdict.signature, bytes(SigningKey(bytes([AGGREGATOR]) * 32).verify_key))
-    verifier = servers[0].engine.exchange
-    assert isinstance(verifier, NetExchange)
+    assert servers[1].target != old_target
     (report,) = [r for r in verifier.inbox.held(h.epoch, 1, ShardKind.REPORT) if r.header.sender == 1]
     assert report.header.verify(report.signature, bytes(SigningKey(bytes([SECOND]) * 32).verify_key))
     assert not (h.tmp / "shard-exchange").exists()
