@@ -16,11 +16,13 @@ from nacl.signing import SigningKey
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.rounds import RoundEngine
-from gonka_node.aggregator.shard import shard_role
+from gonka_node.aggregator.shard import DirExchange, shard_role
 from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.shard_inbox import Inbox, ShardSelf
 from gonka_node.aggregator.shard_net import ChainDirectory, NetExchange
 from gonka_node.aggregator.store import Store
+from gonka_node.cli.aggregator import shard_exchange
+from gonka_node.core.config import AggregatorConfig
 from gonka_node.core.fragments import fragment_root
 from gonka_node.core.shard_envelope import ShardKind
 from gonka_node.core.tls import TlsIdentity, create_identity
@@ -103,3 +105,18 @@ async def _expire(engine: RoundEngine) -> None:
     assert r is not None
     engine.store.extend_round(r.epoch, r.round, 0)
     engine.current = engine.store.get_round(r.epoch, r.round)
+
+
+def test_the_aggregator_command_meets_the_other_shards_as_shard_transport_says(harness: Harness) -> None:
+    h = harness
+    h.schedule(n_hosts=1, aggregators=ORDER, quorum=2)
+    me, agg = (bytes.fromhex(h.world.accounts[a].address[2:]) for a in (SECOND, AGGREGATOR))
+    role = shard_role(h.spec, [agg, me], me, h.aggregation.rule)
+    ctx = dataclasses.replace(h.context(), shard=role)
+    store, view, key = Store(h.tmp / "agg").open(), ChainView(h.world.client(SECOND)), SigningKey(b"\x08" * 32)
+    over_grpc = shard_exchange(AggregatorConfig(data_dir=h.tmp / "agg"), ctx, store, view, key)
+    assert isinstance(over_grpc, NetExchange) and over_grpc.inbox.root == h.tmp / "agg" / "shard-messages"
+    assert over_grpc.me == ShardSelf(ctx.chain_id, ctx.registry, h.epoch, 1, 2)
+    in_dir = shard_exchange(AggregatorConfig(data_dir=h.tmp / "agg", shard_transport="dir"), ctx, store, view, key)
+    assert isinstance(in_dir, DirExchange) and in_dir.root == h.tmp / "shard-exchange"
+    store.close()
