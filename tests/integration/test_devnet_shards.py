@@ -1,7 +1,8 @@
 """`gonka-node devnet --shards 2` end to end: two aggregator processes, each owning a fragment of the
 model, finalize every round once on chain with the Merkle-of-fragments root of the final checkpoint;
 one shard SIGKILLed mid-round (a host's fragment accepted, the round not closed) and restarted on its
-port loses nothing: the round finalizes with every host accepted before the kill.
+port loses nothing: the round finalizes with every host accepted before the kill. The shards reach each
+other over the Shard gRPC service (signed messages), as on separate machines.
 """
 
 from __future__ import annotations
@@ -145,5 +146,10 @@ def test_devnet_with_two_shards_survives_a_killed_shard_and_finalizes_merkle_roo
     for shard in (0, 1):
         assert len(_accepted(out / aggregator_name(shard) / "state.sqlite3", 1, aggregated)) == 2
     assert before <= _accepted(shard1 / "state.sqlite3", 1, aggregated)
+    # The shards met over the Shard gRPC service (signed messages in each data_dir), not a shared directory.
+    assert not (out / "shard-exchange").exists()
+    for shard in (0, 1):
+        assert sorted(p.name for p in (out / aggregator_name(shard) / "shard-messages" / str(report["epoch"]) / "2").glob(
+            "hash-*.msg")) == ["hash-0.msg", "hash-1.msg"]
     log = (out / "logs" / f"{aggregator_name(1)}.log").read_text()
     assert re.search(r"(resumed open round|resuming the finalization of round) \d+/1 ", log)
