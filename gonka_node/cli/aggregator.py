@@ -110,16 +110,15 @@ async def _serve(
 def _publisher(cfg: AggregatorConfig, engine: RoundEngine) -> RoundPublisher:
     """The store finalized rounds are written to before the chain names them ([store]; default: the data
     directory itself, today's layout, nothing copied)."""
-    if cfg.store.uri and engine.ctx.shard is not None:  # every shard would write its fragment to the round's keys
-        raise CliError("[store] uri: a sharded epoch's shards cannot publish to an object store yet; leave it unset")
     try:
         objects = open_store(cfg.store.uri or cfg.data_dir)
     except StoreError as exc:
         raise CliError(f"[store] uri: {exc}") from None
     if cfg.store.uri:
         log.info("finalized checkpoints and updates are published to %s", objects.uri)
+    shard = engine.ctx.shard
     return RoundPublisher(engine.store, objects, cfg.store.public_url, cfg.store.url_expiry_s,
-                          cfg.store.direct_upload)
+                          cfg.store.direct_upload, None if shard is None else (shard.index, shard.count))
 
 
 def _metrics(port: int) -> PrometheusMetrics:

@@ -2,8 +2,9 @@
 announced holds one fragment of every round's model, and the chain records the Merkle root over the
 fragments' canonical hashes (gonka_node/core/fragments.py), not a hash of one file.
 
-Every shard's fragment is streamed (pinned to the certificate it announced on chain, its FileMeta
-checked as any stream's) into a temporary file; the fragments are merged and the whole model's root
+Every shard's fragment is downloaded from the shard's object store when it publishes one (each shard
+its own key, `gonka_node/aggregator/publish.py`), else streamed (pinned to the certificate it announced
+on chain, its FileMeta checked as any stream's), into a temporary file; the fragments are merged and the whole model's root
 is compared with the chain's before anything is renamed into place. The merged file is an ordinary
 checkpoint: `export`, `generate` and the model server read it like any other, and `verified_tensors`
 checks it again by its root. Round 0 (the initial model, recorded as a plain sha256) comes whole from
@@ -20,7 +21,7 @@ import grpc
 
 from gonka_node.cli import CliError
 from gonka_node.cli.checkpoint_chain import ChainCheckpoint
-from gonka_node.cli.checkpoint_pull import MESSAGE_LIMIT, check_aggregator, receive_stream, verified_into
+from gonka_node.cli.checkpoint_pull import MESSAGE_LIMIT, check_aggregator, fetch_into, verified_into
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -49,20 +50,17 @@ def pull_fragments(
 
 def _fetch_fragment(shard: Any, index: int, want: ChainCheckpoint, path: Path, timeout_s: float,
                     max_bytes: int) -> int:
-    """Shard `index`'s file of the round into `path` (its FileMeta checked); returns its length."""
+    """Shard `index`'s file of the round into `path`, from its object store or its stream (as
+    `fetch_into`); returns its length."""
     from gonka_node.core.tls import pinned_channel
-    from proto.gonka.v1 import checkpoints_pb2 as cpb
-    from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
 
     where = f"shard {index} ({shard.endpoint})"
     check_aggregator(shard.endpoint, shard.tls_cert_pem, min(timeout_s, 10.0))
-    request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
     try:
         with pinned_channel(shard.endpoint, shard.tls_cert_pem,
                             options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]) as channel, \
-                path.open("wb") as handle:
-            stream = cpb_grpc.CheckpointsStub(channel).StreamCheckpoint(request, timeout=timeout_s)
-            return receive_stream(stream, want, handle, max_bytes, where)
+                path.open("w+b") as handle:
+            return fetch_into(channel, want, handle, timeout_s, max_bytes, where)
     except grpc.RpcError as exc:
         raise CliError(f"{where}: StreamCheckpoint epoch {want.epoch} round {want.round} failed: "
                        f"{exc.code().name} {exc.details()}") from None

@@ -47,7 +47,7 @@ def pull_checkpoint(
 
     def write(tmp: Path) -> int:
         with tmp.open("r+b") as handle:
-            return _fetch(channel, want, handle, timeout_s, max_bytes)
+            return fetch_into(channel, want, handle, timeout_s, max_bytes)
 
     try:
         return verified_into(out, want, model, model_source, write, lambda tmp: _verify_file(tmp, want))
@@ -83,7 +83,8 @@ def verified_into(
     return size, note
 
 
-def _fetch(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s: float, max_bytes: int) -> int:
+def fetch_into(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s: float, max_bytes: int,
+               where: str = "aggregator stream") -> int:
     """The checkpoint's bytes into `handle`: from the aggregator's object store when it names a URL for
     the round, else (or when that download fails or is not the object announced) its gRPC stream."""
     from proto.gonka.v1 import checkpoints_pb2 as cpb
@@ -96,7 +97,7 @@ def _fetch(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s:
     handle.truncate()  # whatever a failed store download left
     request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
     stream = cpb_grpc.CheckpointsStub(channel).StreamCheckpoint(request, timeout=timeout_s)
-    return receive_stream(stream, want, handle, max_bytes)
+    return receive_stream(stream, want, handle, max_bytes, where)
 
 
 def _from_store(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s: float,

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import DirExchange, shard_role
 from gonka_node.aggregator.shard_close import read_fragment_hashes
@@ -29,6 +30,7 @@ from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.discovery import MissingPinError
 from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
 from gonka_node.core.recipe import Recipe
+from gonka_node.core.storage import S3Store, open_store
 from gonka_node.core.tls import create_identity
 from gonka_node.host.shards import (
     ShardedAggregator,
@@ -78,7 +80,9 @@ def shard_server(h: Harness, i: int, exchange_dir: str) -> ServerThread:
     return server
 
 
-def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_with_the_root(harness: Harness) -> None:
+def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_with_the_root(
+    harness: Harness, s3_endpoint: str, s3_bucket: str, capsys: pytest.CaptureFixture[str],
+) -> None:
     h = harness
     h.schedule(n_hosts=3, aggregators=ORDER, quorum=2)
     servers = [shard_server(h, i, "exchange") for i in range(2)]
@@ -116,6 +120,7 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
     assert pulled.metadata["round"] == "1" and "fragment" not in pulled.metadata
     assert set(model) == set(h.spec) and model_root(model, 2) == bytes(result.checkpoint_sha256)
     assert set(safetensors_load(both.round_update(h.epoch, 1).data)) == set(h.spec)
+    _the_shards_publish_to_one_bucket(h, servers, f"s3://{s3_bucket}/net?endpoint={s3_endpoint}", capsys)
     _a_client_pulls_the_sharded_round(h, servers, bytes(result.checkpoint_sha256))
     # Finalized on chain once the last shard voted; each shard opens round 2 after its own close (the
     # next seed committed): wait for both, as a host's daemon polls for the open round.
@@ -136,6 +141,33 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
         both.submit(closed, h.hosts[1].address, h.payload(updates[1]), h.hosts[1].key, 64)
     assert refused.value.reason == "LATE" and refused.value.message.startswith("shard 0: round 1 is not open there")
     both.close()
+
+
+def _the_shards_publish_to_one_bucket(h: Harness, servers: list[ServerThread], uri: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Each shard publishes its fragment of the round under a key of its own (one bucket for the
+    epoch), and a client's pull takes every fragment from the store, not from the shards' streams."""
+    objects = open_store(uri)
+    assert isinstance(objects, S3Store)
+    for i, server in enumerate(servers):
+        server.engine.publisher = RoundPublisher(server.engine.store, objects, fragment=(i, 2))
+        assert server.engine.publisher.publish(h.epoch, 1) == [
+            f"checkpoints/{h.epoch}/000001.fragment-{i}-of-2.safetensors",
+            f"updates/{h.epoch}/000001.fragment-{i}-of-2.safetensors"]
+        assert server.engine.publisher.upload_key(h.epoch, 1, b"\x01" * 20).endswith(f"01.fragment-{i}-of-2.bin")
+    chain = h.world.client(0)
+    for server, account in zip(servers, ORDER, strict=True):
+        h.world.client(account).announce_aggregator(h.epoch, server.target, h.identity.cert_pem)
+    out = h.tmp / "from-store.safetensors"
+    capsys.readouterr()
+    pull_fragments(chain, 2, chain_checkpoint(chain, h.epoch, "1"), out, timeout_s=30, max_bytes=1 << 30)
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("downloaded ")] == [
+        f"downloaded checkpoints/{h.epoch}/000001.fragment-{i}-of-2.safetensors from the aggregator's object store"
+        for i in range(2)]
+    assert set(load_checkpoint(out).tensors) == set(h.spec)
+    for server in servers:  # what follows reads the shards' own files
+        server.engine.publisher = None
 
 
 def _a_client_pulls_the_sharded_round(h: Harness, servers: list[ServerThread], root: bytes) -> None:
