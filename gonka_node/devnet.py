@@ -148,9 +148,6 @@ def check_shards(opts: DevnetOptions) -> None:
                           f"1..{AGGREGATOR}), got {opts.hosts} hosts and {opts.shards} shards")
     if opts.shards > 1 and opts.broadcast != "dense":
         raise DevnetError("--shards: a sharded epoch serves its update dense; leave --broadcast at dense")
-    if opts.shards > 1 and opts.serve:
-        raise DevnetError("--shards with --serve: the services --serve starts (checkpoint pull, serve) cannot "
-                          "read a sharded epoch's fragments yet; run it without --serve")
 
 
 def aggregator_account(shard: int) -> int:

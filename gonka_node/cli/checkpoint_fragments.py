@@ -38,6 +38,7 @@ def pull_fragments(
     if len(announced) != shards:
         raise CliError(f"epoch {want.epoch} has {shards} aggregator shards and {len(announced)} announced "
                               "their endpoint on chain: every shard's fragment is needed, so wait until all have")
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
         parts, budget = [], max_bytes
         for i, shard in enumerate(announced):
@@ -73,7 +74,7 @@ def _merge(parts: list[Path], out: Path) -> int:
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
-    from gonka_node.host.shards import plain_metadata
+    from gonka_node.core.fragments import plain_metadata
 
     tensors: dict[str, Tensor] = {}
     metadata: dict[str, str] = {}

@@ -32,6 +32,7 @@ from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.storage import S3Store, open_store
 from gonka_node.core.tls import create_identity
+from gonka_node.explorer.downloads import NoSource, open_checkpoint
 from gonka_node.host.shards import (
     ShardedAggregator,
     SplitError,
@@ -184,6 +185,17 @@ def _a_client_pulls_the_sharded_round(h: Harness, servers: list[ServerThread], r
     assert want.round == 1 and size == out.stat().st_size and note == "the file records no model config"
     assert set(pulled.tensors) == set(h.spec) and model_root(pulled.tensors, 2) == root
     assert "fragment" not in pulled.metadata and pulled.metadata["round"] == "1"
+    # The explorer's download: one fragment from each shard, streamed as one file (headers merged).
+    source = open_checkpoint(chain.aggregator_endpoints(h.epoch), h.epoch, 1, root, 30.0)
+    try:
+        streamed = b"".join(source.chunks)
+    finally:
+        source.close()
+    assert len(streamed) == source.length and source.source == ", ".join(s.target for s in servers)
+    merged = safetensors_load(streamed)
+    assert set(merged) == set(h.spec) and all(torch.equal(merged[n], pulled.tensors[n]) for n in merged)
+    with pytest.raises(NoSource, match=r"fragments \[1\] of 2 only"):
+        open_checkpoint(chain.aggregator_endpoints(h.epoch)[1:], h.epoch, 1, root, 30.0)
     with pytest.raises(CliError, match=f"epoch {h.epoch} has 3 aggregator shards and 2 announced"):
         pull_fragments(chain, 3, want, h.tmp / "pulled" / "three.safetensors", timeout_s=30, max_bytes=1 << 30)
     with pytest.raises(CliError, match=r"FileMeta.length \d[\d,]* exceeds --max-bytes 1,000"):
