@@ -82,6 +82,11 @@ def wait_until(driver: Any, what: str, ready: Callable[[Any], Any], children: Ch
         time.sleep(0.25)
 
 
+def texts(driver: Any, selector: str) -> list[str]:
+    """The text of every element `selector` matches, read at once (call it inside `wait_until`)."""
+    return [element.text for element in css(driver, selector)]
+
+
 def css(driver: Any, selector: str) -> list[Any]:
     from selenium.webdriver.common.by import By
 
@@ -118,15 +123,20 @@ def test_the_explorer_in_chromium_against_a_two_round_devnet(
         wait_until(browser, "two finalized rounds and three loss points", lambda d: len(
             css(d, "#rounds tr[data-state=finalized]")) == 2 and len(css(d, "#loss-chart circle.loss-point")) == 3,
             children, logs)
-        for r in (1, 2):
-            shown = css(browser, f"#rounds code.sha[data-round='{r}']")[0].text
-            assert shown == "0x" + reader.round_result(epoch, r).checkpoint_sha256.hex()
-        losses = [float(c.get_attribute("data-loss")) for c in css(browser, "#loss-chart circle.loss-point")]
-        assert [int(c.get_attribute("data-round")) for c in css(browser, "#loss-chart circle.loss-point")] == [0, 1, 2]
-        assert losses[-1] < losses[0]
-        assert len(css(browser, "#bytes-chart rect")) == 3  # two hosts and the all-reduce baseline
-        assert "gonka-node checkpoint pull" in css(browser, "#rounds pre.cmd")[0].text
-        with urllib.request.urlopen(css(browser, "#rounds a.download")[1].get_attribute("href"), timeout=60) as r:
+        def epoch_page(d: Any) -> dict[str, Any]:  # read at once: live.js may swap <main> meanwhile
+            points = css(d, "#loss-chart circle.loss-point")
+            return {"shas": [css(d, f"#rounds code.sha[data-round='{r}']")[0].text for r in (1, 2)],
+                    "losses": [float(c.get_attribute("data-loss")) for c in points],
+                    "rounds": [int(c.get_attribute("data-round")) for c in points],
+                    "bars": len(css(d, "#bytes-chart rect")), "cmd": css(d, "#rounds pre.cmd")[0].text,
+                    "download": css(d, "#rounds a.download")[1].get_attribute("href")}
+
+        seen = wait_until(browser, "the epoch page read whole", epoch_page, children, logs)
+        assert seen["shas"] == ["0x" + reader.round_result(epoch, r).checkpoint_sha256.hex() for r in (1, 2)]
+        assert seen["rounds"] == [0, 1, 2] and seen["losses"][-1] < seen["losses"][0]
+        assert seen["bars"] == 3  # two hosts and the all-reduce baseline
+        assert "gonka-node checkpoint pull" in seen["cmd"]
+        with urllib.request.urlopen(seen["download"], timeout=60) as r:
             pulled = load_safetensors(r.read())
         assert canonical_sha256(pulled) == reader.round_result(epoch, 2).checkpoint_sha256.hex()
         screenshot = tmp_path / "explorer-epoch.png"
@@ -140,14 +150,18 @@ def test_the_explorer_in_chromium_against_a_two_round_devnet(
         assert sorted(hosts) == sorted(reader.hosts(epoch))
         with aggregator_client(out, target) as agg:
             proofs = {h: agg.reward_proof(epoch, 1, to_canonical_address(h)) for h in hosts}
-        for row in css(browser, "#contributions tbody tr"):
-            host, shown = row.get_attribute("data-host"), int(css(row, "td.reward")[0].get_attribute("data-ngonka"))
+
+        def contributions(d: Any) -> list[tuple[str, int, str, str, str]]:
+            return [(row.get_attribute("data-host"), int(css(row, "td.reward")[0].get_attribute("data-ngonka")),
+                     css(row, "td.claimed")[0].text, css(row, ".verdict")[0].text, css(row, "ul.reasons")[0].text)
+                    for row in css(d, "#contributions tbody tr")]
+
+        for host, shown, claimed, verdict, reasons in wait_until(browser, "the round page read whole", contributions,
+                                                                  children, logs):
             proof = proofs[host]
             assert shown == proof.amount > 0
             assert reader.read(reader.registry, "verify_reward", epoch, 1, host, shown, list(proof.proof))
-            assert css(row, "td.claimed")[0].text == "not claimed"
-            assert css(row, ".verdict")[0].text == "accepted"
-            assert "replay: cosine" in css(row, "ul.reasons")[0].text
+            assert (claimed, verdict) == ("not claimed", "accepted") and "replay: cosine" in reasons
         assert sum(proofs[h].amount for h in hosts) == reader.round_result(epoch, 1).total_reward
         claimer = hosts[0]
         index = next(i for i, a in enumerate(chain.backend.dev_accounts()) if a.address == claimer)
@@ -162,10 +176,13 @@ def test_the_explorer_in_chromium_against_a_two_round_devnet(
         challenger = ChainClient(chain.backend, chain.backend.dev_accounts()[4], sched.deployment).connect()
         challenger.challenge(epoch, claimer, bytes(range(32)), HOSTILE)
         browser.get(explorer.url)
-        wait_until(browser, "the proposal", lambda d: css(d, "#proposals tr[data-proposal='2']"), children, logs, 30)
-        assert css(browser, "#proposals tr[data-proposal='2'] td span.text")[0].text == HOSTILE
-        wait_until(browser, "the challenge", lambda d: css(d, "#challenges tbody tr"), children, logs, 30)
-        assert css(browser, "#challenges tbody tr td span.text")[0].text == HOSTILE
+        # Read inside the wait: live.js may swap <main> between finding an element and reading it.
+        shown = wait_until(browser, "the proposal", lambda d: texts(d, "#proposals tr[data-proposal='2'] td span.text"),
+                           children, logs, 30)
+        assert shown[0] == HOSTILE
+        shown = wait_until(browser, "the challenge", lambda d: texts(d, "#challenges tbody tr td span.text"),
+                           children, logs, 30)
+        assert shown[0] == HOSTILE
         _hostile_report(out / "explorer.sqlite3", sched.deployment, epoch, claimer)
         browser.get(f"{explorer.url}epochs/{epoch}/rounds/2")
         assert css(browser, "ul.reasons li")[0].text == HOSTILE
