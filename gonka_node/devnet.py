@@ -148,6 +148,9 @@ def check_shards(opts: DevnetOptions) -> None:
                           f"1..{AGGREGATOR}), got {opts.hosts} hosts and {opts.shards} shards")
     if opts.shards > 1 and opts.broadcast != "dense":
         raise DevnetError("--shards: a sharded epoch serves its update dense; leave --broadcast at dense")
+    if opts.shards > 1 and opts.overlap == "eager":
+        raise DevnetError("--shards with --overlap eager: the sharded replay does not compute the hosts' eager "
+                          "bases; use --overlap delayed or one aggregator")
     if opts.shards > 1 and opts.serve:
         raise DevnetError("--shards with --serve: the services --serve starts (checkpoint pull, serve) cannot "
                           "read a sharded epoch's fragments yet; run it without --serve")

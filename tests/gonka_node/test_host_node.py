@@ -103,8 +103,8 @@ def world(tmp_path: Path) -> World:
 class AggregatorThread:
     """A real RoundEngine on its own store, served by the Byzantine runner's `Aggregator` (TLS: `TLS`)."""
 
-    def __init__(self, world: World, root: Path) -> None:
-        self.world, self.root = world, root
+    def __init__(self, world: World, root: Path, aggregation: AggregationSettings | None = None) -> None:
+        self.world, self.root, self.aggregation = world, root, aggregation or AggregationSettings()
 
     def __enter__(self) -> str:
         w = self.world
@@ -115,7 +115,7 @@ class AggregatorThread:
         )
         self.store = Store(self.root).open()
         engine = RoundEngine(
-            ctx, RoundSettings(quorum=2), AggregationSettings(), self.store,
+            ctx, RoundSettings(quorum=2), self.aggregation, self.store,
             ChainView(chain), TrainingCheckpoints(), SigningKey(b"\x09" * 32),
         )
         self.served = Aggregator(engine, TLS)
