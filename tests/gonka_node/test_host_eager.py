@@ -152,6 +152,24 @@ def test_a_restarted_eager_host_forecasts_with_the_payload_it_kept(restarted: tu
     assert any(line.startswith("replay:") for line in run.reasons[(3, host1)])
 
 
+def test_a_top_k_eager_epoch_without_replay_is_local_diloco_s_bit_for_bit(tmp_path: Path) -> None:
+    # The replay's bar is calibrated for int8 (a top-k payload is far from its uncompressed replay in
+    # any mode): a top-k epoch runs eager at p = 0, and its model is still the local simulation's.
+    world = base.build_world(tmp_path, replay_probability=0.0, inner_steps=8, n_rounds=3, overlap="eager",
+                             codec="topk:chunk=4096,k=128,bits=2")
+    agg = base.AggregatorThread(world, tmp_path / "agg", MEAN)
+    with agg as target:
+        nodes = [base.make_node(world, i, target, tmp_path / f"host{i}") for i in (1, 2)]
+        with ThreadPoolExecutor(2) as pool:
+            progresses = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
+        run = collect(world, agg, progresses, tmp_path)
+    assert all(p.round_done == 3 and p.outer_steps == 3 for p in progresses)
+    assert len(run.payloads) == 6  # both hosts in every round
+    for r, model in zip(ROUNDS, local_models(run), strict=True):
+        for name, tensor in model.items():
+            assert torch.equal(run.models[r][name], tensor), (r, name)
+
+
 def test_a_host_that_trains_from_the_delayed_base_fails_the_eager_replay(tmp_path: Path) -> None:
     world = eager_world(tmp_path)
     agg = base.AggregatorThread(world, tmp_path / "agg", MEAN)
