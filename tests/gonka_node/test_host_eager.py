@@ -10,7 +10,9 @@ delayed base instead fails the replay.
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +31,10 @@ from gonka_node.epoch_setup import EpochTerms, epoch_spec
 from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import GlobalModel
 from gonka_node.host.node import HostNode, HostSettings
+from gonka_node.host.rig_round import LocalRounds, make_worker
 from gonka_node.host.store import HostStore, Progress
+from gonka_node.host.upload import PendingUpload
+from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import load_checkpoint
 from training.local import LocalDiLoCo, LocalRunConfig
 from training.model import ModelConfig
@@ -204,3 +209,32 @@ def test_the_devnet_takes_eager_overlap_and_refuses_it_sharded_before_starting(t
     with pytest.raises(DevnetError, match="--shards with --overlap eager: the sharded replay does not compute"):
         run_devnet(DevnetOptions(out=tmp_path / "d", hosts=2, overlap="eager", shards=2))
     assert not (tmp_path / "d").exists()  # refused before anything started
+
+
+def test_an_eager_host_whose_previous_upload_is_refused_trains_the_round_again_from_the_held_model(
+    tmp_path: Path,
+) -> None:
+    # The aggregator holds no round 1 payload of this host's (refused: LATE), so the replay's base of its
+    # round 2 is the held model itself: the round trained from the forecast is dropped, the worker's
+    # state taken back, and the round trained again from there.
+    world = eager_world(tmp_path)
+    notes = Notes()
+    node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=notes)  # no aggregator is asked
+    gm, progress = node._prepare()
+    assert isinstance(node.rounds, LocalRounds)  # a CPU: the daemon's own worker
+    node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
+    first = node._train(1, gm, progress, node._eager_base(1, gm, None))
+    before = copy.deepcopy(node.rounds.state_dict())
+    info = pb.RoundInfo(round=1, base_checkpoint_sha256=gm.sha256)
+    refused = PendingUpload(1, gm.sha256, first.payload, first.tokens, lambda: info,
+                            lambda *_: (False, "LATE: refused in this test"), 0.01).start()
+    second = node._train_eager(2, gm, progress, refused)
+
+    def round_2_from(own: bytes | None) -> bytes:
+        worker = make_worker(world.recipe, node.rounds.worker.assignment, None)
+        worker.load_state_dict(copy.deepcopy(before))
+        return worker.train_round(2, node._eager_base(2, gm, own)).payload
+
+    assert second.payload == round_2_from(None) != round_2_from(first.payload)
+    assert any("round 1's upload was refused; training round 2 again" in n for n in notes.notes)
+    node.rounds.close()
