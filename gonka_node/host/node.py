@@ -455,8 +455,8 @@ class HostNode:
         if gm.outer is None:
             raise HostError(
                 f"round {r}: the eager base needs the outer momentum after round {gm.round_done}, which this "
-                "host lost when it pulled a checkpoint; start it again with an empty --state-dir to follow the "
-                "epoch's updates from its initial model"
+                "host lost when it pulled a checkpoint; start it again with an empty state_dir (its config) to "
+                "follow the epoch's updates from the initial model"
             )
         decoded = None if own is None else {n: t.float() for n, t in self._decode_update(r - 1, own).items()}
         return eager_base(gm.params, gm.outer, decoded)

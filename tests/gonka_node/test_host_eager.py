@@ -30,7 +30,7 @@ from gonka_node.devnet import DevnetError, DevnetOptions, make_recipe, run_devne
 from gonka_node.epoch_setup import EpochTerms, epoch_spec
 from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import GlobalModel
-from gonka_node.host.node import HostNode, HostSettings
+from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.rig_round import LocalRounds, make_worker
 from gonka_node.host.store import HostStore, Progress
 from gonka_node.host.upload import PendingUpload
@@ -237,4 +237,7 @@ def test_an_eager_host_whose_previous_upload_is_refused_trains_the_round_again_f
 
     assert second.payload == round_2_from(None) != round_2_from(first.payload)
     assert any("round 1's upload was refused; training round 2 again" in n for n in notes.notes)
+    # Without the held model's outer momentum (lost to a pulled checkpoint) there is no forecast to train.
+    with pytest.raises(HostError, match="round 2: the eager base needs the outer momentum after round 0"):
+        node._eager_base(2, replace(gm, outer=None), first.payload)
     node.rounds.close()
