@@ -146,6 +146,9 @@ def check_shards(opts: DevnetOptions) -> None:
     if opts.shards < 1 or opts.hosts + opts.shards > AGGREGATOR:
         raise DevnetError(f"--shards must be at least 1, and hosts + shards at most {AGGREGATOR} (dev accounts "
                           f"1..{AGGREGATOR}), got {opts.hosts} hosts and {opts.shards} shards")
+    if opts.shards > 1 and opts.overlap == "eager":
+        raise DevnetError("--shards with --overlap eager: the sharded replay does not compute the hosts' eager "
+                          "bases; use --overlap delayed or one aggregator")
 
 
 def aggregator_account(shard: int) -> int:

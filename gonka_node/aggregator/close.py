@@ -34,6 +34,7 @@ from gonka_node.aggregator.checks import (
     find_resubmissions,
     mixture_residuals,
 )
+from gonka_node.aggregator.eager import EagerBases
 from gonka_node.aggregator.replay import chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer
 from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
@@ -84,6 +85,7 @@ class Closing:
     excluded: set[bytes] = field(default_factory=set)
     replayed: set[bytes] = field(default_factory=set)  # hosts whose round the replay reproduced
     vetoed: set[bytes] = field(default_factory=set)  # hosts fitting held-out data better than their windows
+    eager: EagerBases | None = None  # overlap = "eager": each host's own training base (aggregator/eager.py)
 
     def __post_init__(self) -> None:
         self.reasons = {s.host: [] for s in self.submissions}
@@ -134,7 +136,9 @@ def replays(c: Closing) -> Mapping[bytes, str]:
         if s.host not in chosen_for_replay(p, c.seed, row.round, [s.host]):
             continue
         slot = c.slots[s.host]
-        cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, c.base, c.decode(s))
+        base = c.base if c.eager is None else c.eager.base_for(c.base, s.host)  # built for picked hosts only
+        cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, base, c.decode(s))
+        del base
         passed, why = verdict(
             row.round, slot, cos, ratio, c.aggregation.replay_min_cosine, c.aggregation.replay_norm_tolerance
         )
@@ -174,6 +178,7 @@ class ClosingInputs:
     prev_residual: Path | None = None  # the compressed broadcast's residual after the previous round
     earlier: list[SubmissionRow] = field(default_factory=list)  # every submission of earlier rounds
     prev_outer_state: Path | None  # the outer momentum after the previous round (None: fresh)
+    eager: EagerBases | None = None  # overlap = "eager": what each host's training base is made of
     store: Store
     checkpoints: CheckpointIO
     aggregation: AggregationSettings
@@ -191,7 +196,8 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
         return {name: t.float() for name, t in update.items()}
 
     public = public_tensors(store, epoch, round_, base)
-    c = Closing(ctx, round_row, i.seed, submissions, i.earlier, i.slots, base, public, decode, aggregation)
+    c = Closing(ctx, round_row, i.seed, submissions, i.earlier, i.slots, base, public, decode, aggregation,
+                eager=i.eager)
     for check in CHECKS:
         c.exclude(check(c))
     consensus_checked = len(c.live()) >= 4 and aggregation.consensus_fraction > 0  # dissent could run

@@ -42,6 +42,7 @@ from chain.seed import new_secret
 from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, reward_tree
+from gonka_node.aggregator.eager import EagerBases
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.metrics import RoundMetrics
 from gonka_node.aggregator.publish import RoundPublisher
@@ -597,6 +598,7 @@ class RoundEngine:
             step_base=(self.global_path(r.round - 1), self.global_sha256(r.round - 1)),
             prev_residual=self._prev_residual(r.round),
             prev_outer_state=self._prev_outer_state(r.round),
+            eager=self._eager_bases(r.round) if ctx.overlap == "eager" else None,
             store=self.store,
             checkpoints=self.checkpoints,
             aggregation=self.aggregation,
@@ -612,6 +614,14 @@ class RoundEngine:
             if row.round < round_ and row.state == "finalized":
                 return residual_path(self.store.update_path(self.ctx.epoch, row.round))
         return None
+
+    def _eager_bases(self, round_: int) -> EagerBases:
+        """What the replay rebuilds each host's eager base of `round_` from (aggregator/eager.py): the outer
+        momentum after round − 2 and the hosts' accepted payloads of round − 1."""
+        ctx, prev = self.ctx, round_ - 1
+        previous = {s.host: Path(s.path) for s in self.store.submissions(ctx.epoch, prev)} if prev >= 1 else {}
+        return EagerBases(ctx.codec_for(prev), ctx.spec, ctx.outer_lr, ctx.outer_momentum,
+                          self._prev_outer_state(prev), previous)
 
     def _prev_outer_state(self, round_: int) -> Path | None:
         for row in reversed(self.store.rounds(self.ctx.epoch)):

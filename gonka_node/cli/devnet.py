@@ -55,9 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "downloads are paced like it on loopback (default: loopback as it is)",
     )
     p.add_argument(
-        "--overlap", choices=("off", "delayed"), default="off",
-        help="the recipe's overlap rule: delayed trains round r from round r-2's model, so hosts train while "
-        "they upload (default off)",
+        "--overlap", choices=("off", "delayed", "eager"), default="off",
+        help="the recipe's overlap rule: hosts train round r while round r-1 uploads, from round r-2's model "
+        "(delayed) or from their forecast of round r-1's: its outer step with their own round r-1 payload "
+        "(eager; unsharded only) (default off)",
     )
     p.add_argument(
         "--broadcast", choices=("dense", "codec"), default="dense",

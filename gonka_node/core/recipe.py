@@ -342,11 +342,10 @@ def recipe_help(name: str, default: Any = None) -> str:
 _FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 
 
-NETWORK_OVERLAP = ("off", "delayed")  # "eager" (training/overlap.py) runs in the local simulation only, so far
-
-
 def check_network_overlap(recipe: Recipe) -> None:
-    """An epoch's recipe must name an overlap rule the host daemon and the aggregator's replay implement."""
-    if recipe.overlap not in NETWORK_OVERLAP:
-        raise RecipeError(f"overlap: {recipe.overlap!r} runs in the local simulation only (gonka-node train, "
-                          f"scripts/bench_training.py); an epoch takes one of {', '.join(NETWORK_OVERLAP)}")
+    """An epoch's recipe must name an overlap rule the host daemon and the aggregator's replay implement:
+    all three run in the network, "eager" unsharded only (a shard's replay holds one fragment and cannot
+    take the whole-model outer step that makes a host's eager base)."""
+    if recipe.overlap == "eager" and recipe.shards > 1:
+        raise RecipeError(f"overlap: 'eager' with shards = {recipe.shards}: the sharded replay does not compute "
+                          "the hosts' eager bases; use shards = 1 or overlap = \"delayed\"")

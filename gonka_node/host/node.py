@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import grpc
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 
 from chain.client import ChainClient
@@ -38,7 +39,7 @@ from training.checkpoint import canonical_sha256
 from training.codecs import get_codec, round_seed
 from training.diloco import OuterOptimizer
 from training.model import build_model
-from training.overlap import base_round
+from training.overlap import base_round, eager_base
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 T = TypeVar("T")
@@ -241,7 +242,7 @@ class HostNode:
         self._prefetched: dict[int, bytes] = {}  # round -> its aggregated update, fetched by the upload thread
         self._ahead: NextModel | None = None  # the next global model, computed by the upload thread
         try:
-            if self.recipe.overlap == "delayed":
+            if self.recipe.overlap in ("delayed", "eager"):
                 return self._loop_overlapped(gm, progress)
             return self._loop(gm, progress)
         finally:
@@ -349,16 +350,22 @@ class HostNode:
         else:
             self.rounds.load_state_dict(before)
 
-    def _train(self, round_: int, gm: GlobalModel, progress: Progress) -> WorkerRound:
-        """Train `round_` from the held global model; records the round's share of wall time in inner
-        steps (since the previous round's training ended: waiting, uploading and following count)."""
+    def _train(
+        self, round_: int, gm: GlobalModel, progress: Progress, base: Mapping[str, Tensor] | None = None
+    ) -> WorkerRound:
+        """Train `round_` from the held global model (or `base`: an eager host's forecast); records the
+        round's share of wall time in inner steps (since the previous round's training ended: waiting,
+        uploading and following count)."""
         total = self.recipe.inner_steps
 
         def on_step(step: int, loss: float) -> None:
             self.events.inner_step(round_, step, total, loss)
 
+        def params_file() -> Path:
+            return self._global_file(gm, progress) if base is None else self._base_file(base)
+
         try:
-            result = self.rounds.train_round(round_, gm.params, lambda: self._global_file(gm, progress), on_step)
+            result = self.rounds.train_round(round_, gm.params if base is None else base, params_file, on_step)
         except RigError as exc:
             raise HostError(str(exc)) from exc
         self.events.round_trained(round_, result.last_loss, result.tokens, result.seconds, len(result.payload))
@@ -368,7 +375,14 @@ class HostNode:
         self.events.utilisation(round_, result.seconds, wall)
         return result
 
-    # ---- overlapped rounds (recipe overlap = "delayed", training/overlap.py) -----------------------
+    def _base_file(self, base: Mapping[str, Tensor]) -> Path:
+        """An eager forecast as a file (what a rig's processes read; rebuilt from public inputs after a
+        restart, so not kept durably)."""
+        path = self.settings.state_dir / "eager-base.safetensors"
+        save_file({n: t.detach().contiguous().cpu() for n, t in base.items()}, str(path))
+        return path
+
+    # ---- overlapped rounds (recipe overlap = "delayed" or "eager", training/overlap.py) ------------
 
     def _loop_overlapped(self, gm: GlobalModel, progress: Progress) -> Progress:
         """Round r trains from the model after round r − 2, so the host trains round r + 1 while round
@@ -377,6 +391,7 @@ class HostNode:
         hashes = ChainHashes(self.chain, self.settings.epoch)
         trained = max((int(r) for r in progress.submitted), default=0)
         pending: PendingUpload | None = None
+        eager = self.recipe.overlap == "eager"
         applied = 0
         try:
             while True:
@@ -389,7 +404,7 @@ class HostNode:
                     self.events.note(f"epoch {self.settings.epoch} finished after {latest} rounds")
                     return progress
                 r = next_overlapped_round(trained, latest, gm.round_done)
-                base = base_round(r, "delayed")
+                base = base_round(r, self.recipe.overlap)
                 if r > self.n_rounds or latest < base:  # the epoch's last round is trained / base not final
                     self.sleep(self.settings.poll_s)
                     continue
@@ -402,7 +417,9 @@ class HostNode:
                     self._settle(pending, progress)
                     pending = None
                     return progress
-                result = self._train(r, gm, progress)
+                result = self._train_eager(r, gm, progress, pending) if eager else self._train(r, gm, progress)
+                if eager:  # kept before it is sent: round r + 1's base is forecast with it
+                    self.store.save_payload(r, result.payload)
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
@@ -416,6 +433,54 @@ class HostNode:
             if pending is not None:
                 pending.cancel()
                 pending.wait()
+
+    def _train_eager(
+        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None
+    ) -> WorkerRound:
+        """Train round r from this host's forecast (training/overlap.py), the held model being the one
+        after r − 2. Forecast with round r − 1's payload while it uploads; if the aggregator then refuses
+        it, the replay's base is the held model itself (the aggregator holds no payload of ours), so the
+        round is trained again from that, the worker's state first taken back."""
+        uploading = pending is not None and pending.round == r - 1
+        before = copy.deepcopy(self.rounds.state_dict()) if uploading else None
+        result = self._train(r, gm, progress, self._eager_base(r, gm, self._sent_payload(r - 1, pending, progress)))
+        if pending is not None and before is not None and not pending.accepted():
+            self.events.note(f"round {r}: round {r - 1}'s upload was refused; training round {r} again from "
+                             f"round {gm.round_done}'s model (no payload of ours to forecast with)")
+            self.rounds.load_state_dict(before)
+            result = self._train(r, gm, progress, self._eager_base(r, gm, None))
+        return result
+
+    def _eager_base(self, r: int, gm: GlobalModel, own: bytes | None) -> dict[str, Tensor]:
+        """`eager_base` of the held model (after r − 2), its outer momentum and `own` (round r − 1's
+        payload, decoded as the aggregator decodes it)."""
+        if gm.outer is None:
+            raise HostError(
+                f"round {r}: the eager base needs the outer momentum after round {gm.round_done}, which this "
+                "host lost when it pulled a checkpoint; start it again with an empty state_dir (its config) to "
+                "follow the epoch's updates from the initial model"
+            )
+        decoded = None if own is None else {n: t.float() for n, t in self._decode_update(r - 1, own).items()}
+        return eager_base(gm.params, gm.outer, decoded)
+
+    def _sent_payload(self, round_: int, pending: PendingUpload | None, progress: Progress) -> bytes | None:
+        """This host's payload of `round_` that the aggregator holds (None: none): the one uploading now
+        (its answer is checked once the next round trained), else the one kept on disk, when the
+        aggregator took it (recorded, or listed in the round's result: a crash came before the record)."""
+        if pending is not None and pending.round == round_:
+            return pending.payload
+        if round_ < 1:
+            return None
+        kept = self.store.load_payload(round_)
+        recorded = progress.submitted.get(str(round_))
+        if recorded is not None:
+            if kept is None or hashlib.sha256(kept).hexdigest() != recorded:
+                raise HostError(
+                    f"round {round_ + 1}: the eager base needs round {round_}'s payload as submitted "
+                    f"(sha256 {recorded[:16]}…), which {self.store.root}/sent does not hold"
+                )
+            return kept
+        return kept if kept is not None and self._contribution(round_) is not None else None
 
     def _update_bytes(self, round_: int) -> bytes:
         return self.aggregator.round_update(self.settings.epoch, round_).data

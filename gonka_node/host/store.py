@@ -6,6 +6,8 @@ Layout under the host's state directory:
     snap-<round>/global.safetensors   the global model after <round> (its chain hash in progress.json)
     snap-<round>/outer.safetensors    the outer momentum the host mirrors (absent when not in sync)
     snap-<round>/worker.pt            inner AdamW state and the error-feedback residual
+    sent/round-<round>.bin     with overlap = "eager": the payload of <round>, written before it is
+                               submitted (the next round's base is forecast with it: training/overlap.py)
 
 A snapshot folder is complete before `progress.json` names it (each file fsync'd, then the folder,
 then an atomic rename of progress.json), so a crash at any point leaves the previous snapshot intact.
@@ -25,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gonka_node.core.fragments import model_root
-from training.durable import durable_replace, fsync_path
+from training.durable import atomic_write, durable_replace, fsync_path
 
 PROGRESS = "progress.json"
 
@@ -122,3 +124,19 @@ class HostStore:
         for old in self.root.glob("snap-*"):
             if old != snap:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _payload_path(self, round_: int) -> Path:
+        return self.root / "sent" / f"round-{round_:06d}.bin"
+
+    def save_payload(self, round_: int, payload: bytes) -> None:
+        """Keep `round_`'s payload durably (before it is submitted: a crash after the aggregator took it
+        must not lose what the next eager base is made of), dropping those of rounds before `round_` − 1."""
+        atomic_write(self._payload_path(round_), lambda tmp: tmp.write_bytes(payload))
+        for old in (self.root / "sent").glob("round-*.bin"):
+            if int(old.stem.split("-")[1]) < round_ - 1:
+                old.unlink(missing_ok=True)
+
+    def load_payload(self, round_: int) -> bytes | None:
+        """The payload `save_payload` kept for `round_` (None: none kept)."""
+        path = self._payload_path(round_)
+        return path.read_bytes() if path.exists() else None

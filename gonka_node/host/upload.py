@@ -45,6 +45,8 @@ class PendingUpload:
         self._cancelled = threading.Event()
         self._base_ready = threading.Event()
         self._base_held = False
+        self._answered = threading.Event()  # the aggregator answered the submit, or the upload gave up
+        self._accepted = False
         self._result = UploadResult(False, "the upload did not run", 0.0)
         self._thread = threading.Thread(target=self._run, name=f"upload-round-{round_}", daemon=True)
 
@@ -62,6 +64,12 @@ class PendingUpload:
         """Stop waiting for the round to open (the epoch ended, or the round closed without it)."""
         self._cancelled.set()
 
+    def accepted(self) -> bool:
+        """Whether the aggregator took the payload (DUPLICATE included), once it answered: what an eager
+        host's next round may forecast with (training/overlap.py). Waits for the answer, not the download."""
+        self._answered.wait()
+        return self._accepted
+
     def wait(self) -> UploadResult:
         self._thread.join()
         return self._result
@@ -71,6 +79,8 @@ class PendingUpload:
             self._result = self._upload()
         except Exception as exc:  # reported by the daemon's thread as a refused round, never lost silently
             self._result = UploadResult(False, f"upload failed: {type(exc).__name__}: {exc}", 0.0)
+        finally:
+            self._answered.set()
 
     def _upload(self) -> UploadResult:
         while not self._cancelled.is_set():
@@ -88,6 +98,8 @@ class PendingUpload:
             started = time.monotonic()
             accepted, reason = self._submit(info, self.payload, self.tokens)
             seconds = time.monotonic() - started
+            self._accepted = accepted
+            self._answered.set()
             update = self._fetch_update()
             return UploadResult(accepted, reason, seconds, update, self._step_ahead(update))
         return UploadResult(False, f"LATE: round {self.round} never opened to this upload", 0.0)

@@ -66,9 +66,10 @@ class World:
         return ChainClient(self.backend, self.accounts[i], self.deployment).connect()
 
 
-def build_world(tmp_path: Path, **recipe: Any) -> World:
+def build_world(tmp_path: Path, replay_probability: float = 1.0, **recipe: Any) -> World:
     """A funded epoch (p = 1: every host replayed) of a tiny recipe, `recipe` overriding its fields, with
-    hosts 1 and 2 signed in ahead and the sign-in window closed."""
+    hosts 1 and 2 signed in ahead and the sign-in window closed. `replay_probability` 0: no replay and no
+    pay (the chain's stake rule)."""
     backend = EmbeddedBackend()
     accounts = backend.dev_accounts()
     gov = ChainClient(backend, accounts[0]).connect()
@@ -83,9 +84,11 @@ def build_world(tmp_path: Path, **recipe: Any) -> World:
     init_path = tmp_path / "init.safetensors"
     init_sha = initial_checkpoint(recipe_, init_path)
     terms = EpochTerms(aggregators=[accounts[AGG].address], round_length_s=120, signin_window_s=30,
-                       min_stake=100 * GNK, max_hosts=4, reward_per_round=100 * GNK)
+                       min_stake=100 * GNK, max_hosts=4, reward_per_round=100 * GNK if replay_probability else 0,
+                       replay_probability=replay_probability)
     epoch = gov.create_epoch(epoch_spec(recipe_, init_sha, terms, "file:recipe.json"))
-    gov.fund_epoch(epoch, recipe_.n_rounds * 100 * GNK)
+    if terms.reward_per_round:
+        gov.fund_epoch(epoch, recipe_.n_rounds * terms.reward_per_round)
     world = World(backend, accounts, deployment, recipe_, epoch, init_path)
     # Sign in ahead (the nodes find themselves signed in) and close the sign-in window: rounds can
     # only be finalized after it, and the embedded chain's clock can be moved instead of waited for.
@@ -103,8 +106,8 @@ def world(tmp_path: Path) -> World:
 class AggregatorThread:
     """A real RoundEngine on its own store, served by the Byzantine runner's `Aggregator` (TLS: `TLS`)."""
 
-    def __init__(self, world: World, root: Path) -> None:
-        self.world, self.root = world, root
+    def __init__(self, world: World, root: Path, aggregation: AggregationSettings | None = None) -> None:
+        self.world, self.root, self.aggregation = world, root, aggregation or AggregationSettings()
 
     def __enter__(self) -> str:
         w = self.world
@@ -115,7 +118,7 @@ class AggregatorThread:
         )
         self.store = Store(self.root).open()
         engine = RoundEngine(
-            ctx, RoundSettings(quorum=2), AggregationSettings(), self.store,
+            ctx, RoundSettings(quorum=2), self.aggregation, self.store,
             ChainView(chain), TrainingCheckpoints(), SigningKey(b"\x09" * 32),
         )
         self.served = Aggregator(engine, TLS)

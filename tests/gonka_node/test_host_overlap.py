@@ -17,7 +17,6 @@ import test_host_node as base
 from torch import Tensor
 
 from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
-from gonka_node.epoch_setup import EpochTerms, epoch_spec
 from gonka_node.host.events import HostEvents
 from gonka_node.host.node import next_overlapped_round
 from gonka_node.host.store import Progress
@@ -128,9 +127,5 @@ def test_the_overlap_mode_is_part_of_the_recipe_hash_only_when_on(tmp_path: Path
     assert Recipe.load(tmp_path / "r.json").overlap == "delayed"
     with pytest.raises(RecipeError, match="overlap: must be one of off, delayed, eager, got 'streaming'"):
         replace(off, overlap="streaming")
-    eager = replace(off, overlap="eager")  # a valid recipe (the local simulation runs it) ...
     check_network_overlap(on)
-    with pytest.raises(RecipeError, match="overlap: 'eager' runs in the local simulation only"):
-        check_network_overlap(eager)  # ... that no epoch takes yet: hosts and the replay do not implement it
-    with pytest.raises(RecipeError, match="overlap: 'eager' runs in the local simulation only"):
-        epoch_spec(eager, bytes(32), EpochTerms(aggregators=[]), "file:recipe.json")
+    check_network_overlap(replace(on, shards=2))  # "delayed" runs sharded; "eager" does not (test_host_eager.py)

@@ -64,15 +64,15 @@ def test_devnet_runs_an_epoch_and_pays_by_proof(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_devnet_with_shaped_links_overlap_and_compressed_download_reports_utilisation(tmp_path: Path) -> None:
+def test_devnet_with_shaped_links_eager_overlap_and_compressed_download_reports_utilisation(tmp_path: Path) -> None:
     out = tmp_path / "devnet"
     rc = main(["devnet", "--out", str(out), "--hosts", "2", "--rounds", "3", "--inner-steps", "8",
                "--preset", "tiny", "--timeout", "400", "--replay-fraction", "1", "--link", "100/10",
-               "--overlap", "delayed", "--broadcast", "codec"])
+               "--overlap", "eager", "--broadcast", "codec"])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
-    assert json.loads((out / "recipe.json").read_text())["overlap"] == "delayed"
-    assert report["link"] == "100/10" and report["overlap"] == "delayed" and report["broadcast"] == "codec"
+    assert json.loads((out / "recipe.json").read_text())["overlap"] == "eager"
+    assert report["link"] == "100/10" and report["overlap"] == "eager" and report["broadcast"] == "codec"
     assert len(set(report["checkpoint_hashes"])) == 4  # the devnet pulled and checked each against the chain
     for host, r in report["rewards"].items():
         assert r["claimed_ngonka"] == r["earned_ngonka"] > 0

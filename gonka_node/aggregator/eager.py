@@ -1,0 +1,66 @@
+"""Each host's training base of a round under the recipe's `overlap = "eager"` (training/overlap.py),
+recomputed by the aggregator for the replay check from what it already holds.
+
+A host trains round r from `eager_base(G(r−2), momentum(r−2), D_h(r−1))`: the round's base checkpoint
+(its hash is in every envelope of the round), the outer momentum this aggregator saved when it closed
+the last round up to r − 2 (`Store.outer_state_path`), and the payload host h submitted, signed and
+had accepted in round r − 1 (its stored submission file), decoded with round r − 1's codec; no payload
+stored for h in round r − 1: the base checkpoint itself. Nothing a host keeps privately enters.
+
+What must be kept, and for how long: round r − 1's accepted payload files and the outer momentum after
+round r − 2 until round r has closed (the store keeps every round's files for the epoch today). Memory
+of a close: the momentum (one model) once any host is picked, and one forecast (one model) at a time,
+built only for the hosts the replay picked (`EagerBases.base_for`), so a sampled replay (p < 1) pays
+for its sampled hosts only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import Tensor
+
+from gonka_node.aggregator.validate import Codec, decode_update
+from training.diloco import OuterOptimizer
+from training.overlap import eager_base
+
+
+@dataclass
+class EagerBases:
+    """The inputs of round r's eager bases; `base_for(anchor, host)` builds one host's."""
+
+    codec: Codec  # round r − 1's: how the hosts' payloads of that round decode
+    spec: Mapping[str, tuple[int, ...]]
+    outer_lr: float
+    outer_momentum: float
+    outer_state: Path | None  # the momentum after the last finalized round up to r − 2 (None: fresh)
+    previous: Mapping[bytes, Path]  # host -> its accepted payload file of round r − 1
+    _outer: OuterOptimizer | None = field(default=None, init=False, repr=False)
+
+    def base_for(self, anchor: Mapping[str, Tensor], host: bytes) -> dict[str, Tensor]:
+        """Host `host`'s base: the outer step on a copy of `anchor` (the round's base checkpoint) with its
+        own decoded payload of round r − 1 (none stored: `anchor`, copied)."""
+        path = self.previous.get(host)
+        own = None
+        if path is not None:
+            own = {n: t.float() for n, t in decode_update(self.codec, path.read_bytes(), self.spec).items()}
+        return eager_base(anchor, self.momentum(), own)
+
+    def momentum(self) -> OuterOptimizer:
+        """The outer optimizer after round r − 2, read once per close (`eager_base` leaves it alone)."""
+        if self._outer is None:
+            self._outer = OuterOptimizer(self.outer_lr, self.outer_momentum)
+            if self.outer_state is not None:
+                self._outer.restore(*read_outer_state(self.outer_state))
+        return self._outer
+
+
+def read_outer_state(path: Path) -> tuple[int, dict[str, Tensor]]:
+    """The outer step count and momentum buffers a close saved (`close._save_durably`'s metadata)."""
+    with safe_open(str(path), "pt") as f:
+        steps = int((f.metadata() or {}).get("steps", "0"))
+    return steps, load_file(str(path))

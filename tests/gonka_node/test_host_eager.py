@@ -1,0 +1,243 @@
+"""Eager overlap (recipe `overlap = "eager"`) through the real aggregator and two real hosts.
+
+Round r trains from the host's forecast `eager_base(G(r − 2), momentum(r − 2), D_own(r − 1))`
+(training/overlap.py). The aggregator rebuilds each picked host's forecast from what it holds (the
+round's base checkpoint, its saved outer momentum, the host's accepted payload of round r − 1) and the
+replay (p = 1) reproduces every honest round, one host restarting mid-epoch included; the global model
+is bit for bit the one `LocalDiLoCo` computes for the same recipe; a host that trains from the plain
+delayed base instead fails the replay.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import test_host_node as base
+import torch
+from test_host_overlap import overlapped_world
+from torch import Tensor
+
+from gonka_node.core.client import AggregatorClient
+from gonka_node.core.config import AggregationSettings
+from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
+from gonka_node.devnet import DevnetError, DevnetOptions, make_recipe, run_devnet
+from gonka_node.epoch_setup import EpochTerms, epoch_spec
+from gonka_node.host.events import HostEvents
+from gonka_node.host.follow import GlobalModel
+from gonka_node.host.node import HostError, HostNode, HostSettings
+from gonka_node.host.rig_round import LocalRounds, make_worker
+from gonka_node.host.store import HostStore, Progress
+from gonka_node.host.upload import PendingUpload
+from proto.gonka.v1 import aggregator_pb2 as pb
+from training.checkpoint import load_checkpoint
+from training.local import LocalDiLoCo, LocalRunConfig
+from training.model import ModelConfig
+from training.worker import Assignment
+
+ROUNDS = (1, 2, 3)
+MEAN = AggregationSettings(rule="mean")  # LocalDiLoCo averages plainly (the default clips to the median norm)
+
+
+class Notes(HostEvents):
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+
+class DelayedLiar(HostNode):
+    """Trains an eager epoch's rounds from the plain delayed base (the held model after r − 2) instead of
+    its forecast: cheaper to get right, not what the recipe prescribes."""
+
+    def _eager_base(self, r: int, gm: GlobalModel, own: bytes | None) -> dict[str, Tensor]:
+        return {n: t.clone() for n, t in gm.params.items()}
+
+
+@dataclass
+class Run:
+    world: base.World
+    progresses: list[Progress]
+    reasons: dict[tuple[int, bytes], list[str]]
+    models: dict[int, dict[str, Tensor]]  # round -> the aggregator's checkpoint after it
+    payloads: dict[tuple[int, bytes], bytes]  # (round, host) -> the stored payload
+    slots: dict[bytes, int]
+    root: Path  # the hosts' state directories are root/host1, root/host2
+
+
+def eager_world(tmp_path: Path) -> base.World:
+    return overlapped_world(tmp_path, overlap="eager")
+
+
+def address(world: base.World, i: int) -> bytes:
+    return bytes.fromhex(base.host_keys(i, world).evm_address[2:])
+
+
+def collect(world: base.World, agg: base.AggregatorThread, progresses: list[Progress], root: Path) -> Run:
+    store, epoch = agg.store, world.epoch
+    return Run(
+        world, progresses,
+        {(r, c.host): c.reasons for r in ROUNDS for c in store.contributions(epoch, r)},
+        {r: load_checkpoint(store.checkpoint_path(epoch, r)).tensors for r in ROUNDS},
+        {(r, s.host): Path(s.path).read_bytes() for r in ROUNDS for s in store.submissions(epoch, r)},
+        {address(world, i): world.client(0).host_info(epoch, base.host_keys(i, world).evm_address).slot
+         for i in (1, 2)},
+        root,
+    )
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Notes]:
+    """A 3-round eager epoch in which host 1 stops after applying round 1 (rounds 1 and 2 trained, round
+    2's record not yet saved) and a new process resumes it from its state directory."""
+    tmp_path = tmp_path_factory.mktemp("eager")
+    world = eager_world(tmp_path)
+    notes = Notes()
+    agg = base.AggregatorThread(world, tmp_path / "agg", MEAN)
+    with agg as target:
+        def host1() -> Progress:
+            base.make_node(world, 1, target, tmp_path / "host1", stop_after=1).run()
+            return base.make_node(world, 1, target, tmp_path / "host1", events=notes).run()
+
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(host1), pool.submit(base.make_node(world, 2, target, tmp_path / "host2").run)]
+            progresses = [f.result(timeout=300) for f in futures]
+        return collect(world, agg, progresses, tmp_path), notes
+
+
+def local_models(run: Run) -> list[dict[str, Tensor]]:
+    """The global model after each round as `LocalDiLoCo` computes it for the epoch's recipe, its two
+    simulated hosts given the network hosts' slots (the epoch has 4) and rounds numbered from 1."""
+    recipe = run.world.recipe
+    local = LocalDiLoCo(LocalRunConfig(recipe=recipe, workers=2, eval_windows=4), recipe.windows(), first_round=1)
+    for worker, i in zip(local.hosts, (1, 2), strict=True):
+        worker.assignment = Assignment(recipe.epoch_seed, run.slots[address(run.world, i)], 4)
+    out = []
+    for _ in ROUNDS:
+        local.run_round()
+        out.append({n: p.detach().clone() for n, p in local.params.items()})
+    return out
+
+
+def test_an_eager_epoch_passes_the_replay_and_its_model_is_local_diloco_s_bit_for_bit(
+    restarted: tuple[Run, Notes],
+) -> None:
+    run, _ = restarted
+    chain = run.world.client(0)
+    assert chain.latest_round(run.world.epoch) == 3
+    final = chain.round_result(run.world.epoch, 3).checkpoint_sha256.hex()
+    for progress in run.progresses:
+        assert progress.round_done == 3 and progress.model_sha256 == final
+        assert all(progress.rewards[str(r)] > 0 for r in ROUNDS)
+    assert len(run.reasons) == 6
+    for key, why in run.reasons.items():  # every host's every round replayed (p = 1) from its own forecast
+        assert any(line.startswith("replay:") for line in why), (key, why)
+    for r, model in zip(ROUNDS, local_models(run), strict=True):
+        for name, tensor in model.items():
+            assert torch.equal(run.models[r][name], tensor), (r, name)
+
+
+def test_a_restarted_eager_host_forecasts_with_the_payload_it_kept(restarted: tuple[Run, Notes]) -> None:
+    run, notes = restarted
+    host1 = address(run.world, 1)
+    assert any(n.startswith("resumed at round 1") for n in notes.notes), notes.notes
+    # The resumed process did not train round 2 again (the aggregator had it) and trained round 3 from
+    # the forecast made with round 2's payload as kept on disk before it was sent: the aggregator's,
+    # byte for byte; the replay of round 3 from the aggregator's own inputs reproduced it.
+    store = HostStore(run.root / "host1")
+    assert store.load_payload(2) == run.payloads[(2, host1)] and store.load_payload(1) is None  # older pruned
+    assert store.load_payload(3) == run.payloads[(3, host1)]
+    assert run.progresses[0].submitted["3"] == hashlib.sha256(run.payloads[(3, host1)]).hexdigest()
+    assert any(line.startswith("replay:") for line in run.reasons[(3, host1)])
+
+
+def test_a_top_k_eager_epoch_without_replay_is_local_diloco_s_bit_for_bit(tmp_path: Path) -> None:
+    # The replay's bar is calibrated for int8 (a top-k payload is far from its uncompressed replay in
+    # any mode): a top-k epoch runs eager at p = 0, and its model is still the local simulation's.
+    world = base.build_world(tmp_path, replay_probability=0.0, inner_steps=8, n_rounds=3, overlap="eager",
+                             codec="topk:chunk=4096,k=128,bits=2")
+    agg = base.AggregatorThread(world, tmp_path / "agg", MEAN)
+    with agg as target:
+        nodes = [base.make_node(world, i, target, tmp_path / f"host{i}") for i in (1, 2)]
+        with ThreadPoolExecutor(2) as pool:
+            progresses = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
+        run = collect(world, agg, progresses, tmp_path)
+    assert all(p.round_done == 3 and p.outer_steps == 3 for p in progresses)
+    assert len(run.payloads) == 6  # both hosts in every round
+    for r, model in zip(ROUNDS, local_models(run), strict=True):
+        for name, tensor in model.items():
+            assert torch.equal(run.models[r][name], tensor), (r, name)
+
+
+def test_a_host_that_trains_from_the_delayed_base_fails_the_eager_replay(tmp_path: Path) -> None:
+    world = eager_world(tmp_path)
+    agg = base.AggregatorThread(world, tmp_path / "agg", MEAN)
+    with agg as target:
+        settings = HostSettings(epoch=world.epoch, stake=5 * base.GNK, state_dir=tmp_path / "host1", poll_s=0.05)
+        liar = DelayedLiar(settings, world.recipe, world.client(1), AggregatorClient(target, base.TLS.cert_pem, 60.0),
+                           base.host_keys(1, world))
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(liar.run), pool.submit(base.make_node(world, 2, target, tmp_path / "host2").run)]
+            [f.result(timeout=300) for f in futures]
+        run = collect(world, agg, [], tmp_path)
+    liar_host, honest = address(world, 1), address(world, 2)
+    # Round 1 has no earlier payload: its eager base is the initial model, which the liar trained from too.
+    assert any(line.startswith("replay:") for line in run.reasons[(1, liar_host)])
+    for r in (2, 3):
+        assert any(line.startswith("replay mismatch") for line in run.reasons[(r, liar_host)]), run.reasons[(r, liar_host)]
+        assert any(line.startswith("replay:") for line in run.reasons[(r, honest)])
+
+
+def test_eager_is_an_epoch_s_overlap_rule_unsharded_only() -> None:
+    eager = replace(Recipe(model=ModelConfig.preset("tiny")), overlap="eager")
+    check_network_overlap(eager)
+    sharded = replace(eager, shards=2)
+    with pytest.raises(RecipeError, match="overlap: 'eager' with shards = 2: the sharded replay does not compute"):
+        check_network_overlap(sharded)
+    with pytest.raises(RecipeError, match="overlap: 'eager' with shards = 2"):
+        epoch_spec(sharded, bytes(32), EpochTerms(aggregators=[]), "file:recipe.json")
+
+
+def test_the_devnet_takes_eager_overlap_and_refuses_it_sharded_before_starting(tmp_path: Path) -> None:
+    assert make_recipe(DevnetOptions(out=tmp_path / "d", hosts=2, overlap="eager")).overlap == "eager"
+    with pytest.raises(DevnetError, match="--shards with --overlap eager: the sharded replay does not compute"):
+        run_devnet(DevnetOptions(out=tmp_path / "d", hosts=2, overlap="eager", shards=2))
+    assert not (tmp_path / "d").exists()  # refused before anything started
+
+
+def test_an_eager_host_whose_previous_upload_is_refused_trains_the_round_again_from_the_held_model(
+    tmp_path: Path,
+) -> None:
+    # The aggregator holds no round 1 payload of this host's (refused: LATE), so the replay's base of its
+    # round 2 is the held model itself: the round trained from the forecast is dropped, the worker's
+    # state taken back, and the round trained again from there.
+    world = eager_world(tmp_path)
+    notes = Notes()
+    node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=notes)  # no aggregator is asked
+    gm, progress = node._prepare()
+    assert isinstance(node.rounds, LocalRounds)  # a CPU: the daemon's own worker
+    node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
+    first = node._train(1, gm, progress, node._eager_base(1, gm, None))
+    before = copy.deepcopy(node.rounds.state_dict())
+    info = pb.RoundInfo(round=1, base_checkpoint_sha256=gm.sha256)
+    refused = PendingUpload(1, gm.sha256, first.payload, first.tokens, lambda: info,
+                            lambda *_: (False, "LATE: refused in this test"), 0.01).start()
+    second = node._train_eager(2, gm, progress, refused)
+
+    def round_2_from(own: bytes | None) -> bytes:
+        worker = make_worker(world.recipe, node.rounds.worker.assignment, None)
+        worker.load_state_dict(copy.deepcopy(before))
+        return worker.train_round(2, node._eager_base(2, gm, own)).payload
+
+    assert second.payload == round_2_from(None) != round_2_from(first.payload)
+    assert any("round 1's upload was refused; training round 2 again" in n for n in notes.notes)
+    # Without the held model's outer momentum (lost to a pulled checkpoint) there is no forecast to train.
+    with pytest.raises(HostError, match="round 2: the eager base needs the outer momentum after round 0"):
+        node._eager_base(2, replace(gm, outer=None), first.payload)
+    node.rounds.close()
