@@ -35,6 +35,7 @@ from gonka_node.aggregator.checks import (
     mixture_residuals,
 )
 from gonka_node.aggregator.eager import EagerBases
+from gonka_node.aggregator.outer_state import read_outer_state
 from gonka_node.aggregator.replay import chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer
 from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
@@ -227,7 +228,7 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
     update = sent.update
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
     if i.prev_outer_state is not None:
-        outer.restore(*_read_outer(i.prev_outer_state))
+        outer.restore(*read_outer_state(i.prev_outer_state))
     outer.step(params, update)
     meta = {
         "epoch": str(epoch),
@@ -402,10 +403,3 @@ def _save_durably(path: Path, tensors: Mapping[str, Tensor], metadata: dict[str,
     durable_replace(tmp, path)
 
 
-def _read_outer(path: Path) -> tuple[int, dict[str, Tensor]]:
-    """The outer step count and momentum buffers `_save_durably` wrote after the previous round."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        steps = int((f.metadata() or {}).get("steps", "0"))
-    return steps, load_file(str(path))

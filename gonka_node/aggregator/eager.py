@@ -20,10 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import Tensor
 
+from gonka_node.aggregator.outer_state import read_outer_state
 from gonka_node.aggregator.validate import Codec, decode_update
 from training.diloco import OuterOptimizer
 from training.overlap import eager_base
@@ -58,9 +57,3 @@ class EagerBases:
                 self._outer.restore(*read_outer_state(self.outer_state))
         return self._outer
 
-
-def read_outer_state(path: Path) -> tuple[int, dict[str, Tensor]]:
-    """The outer step count and momentum buffers a close saved (`close._save_durably`'s metadata)."""
-    with safe_open(str(path), "pt") as f:
-        steps = int((f.metadata() or {}).get("steps", "0"))
-    return steps, load_file(str(path))

@@ -25,11 +25,11 @@ from gonka_node.aggregator.broadcast import prepare_broadcast
 from gonka_node.aggregator.close import (
     ClosingInputs,
     RoundOutcome,
-    _read_outer,
     _save_durably,
     _sketch_path,
     save_broadcast,
 )
+from gonka_node.aggregator.outer_state import read_outer_state
 from gonka_node.aggregator.shard import (
     BASE_KEY,
     FragmentReport,
@@ -304,7 +304,7 @@ def step_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict, base: Map
     params = {name: t.float().clone() for name, t in step_from.items()}
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
     if i.prev_outer_state is not None:
-        outer.restore(*_read_outer(i.prev_outer_state))
+        outer.restore(*read_outer_state(i.prev_outer_state))
     outer.step(params, update)
     meta = {
         "epoch": str(row.epoch), "round": str(row.round), "base_sha256": row.base_sha256.hex(),
