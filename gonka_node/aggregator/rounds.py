@@ -178,6 +178,7 @@ class RoundEngine:
         self.round_closed = asyncio.Event()
         self._signin_closed_seen = False
         self._members_of_round: tuple[int, set[bytes]] | None = None  # (round, hosts that may submit)
+        self._warmed: tuple[int, int] | None = None  # the round whose hosts' records were read ahead
         self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
         self._opening_failed = 0  # failed attempts to open the next round (its seed commitment): retried
@@ -475,6 +476,7 @@ class RoundEngine:
             if self._close_failed is not None:
                 await self.close(skip=self._close_failed)
             return
+        await self._warm_members(r)
         # What counts is checked: the round's pending checks first (uploads go on meanwhile).
         self.resume_checks()
         await self.checks.drain(r.epoch, r.round)
@@ -491,6 +493,17 @@ class RoundEngine:
             )
         elif self.clock() > r.deadline_ms:
             await self.close(skip=True)
+
+    async def _warm_members(self, r: RoundRow) -> None:
+        """Once per round, the hosts' chain records read in one pass (uploads then authenticate from the
+        cache); best effort: on a chain failure each upload reads its own record, as without."""
+        if self._warmed == (r.epoch, r.round):
+            return
+        self._warmed = (r.epoch, r.round)
+        try:
+            await self.chain.warm(r.epoch)
+        except Exception as exc:  # the chain is unreachable: nothing lost, uploads read it themselves
+            log.debug("round %d/%d: could not read the hosts' records ahead (%s)", r.epoch, r.round, exc)
 
     async def _signin_closed(self, epoch: int) -> bool:
         """Whether the chain's latest block is past the epoch's sign-in window (cached once true)."""

@@ -156,3 +156,18 @@ def test_the_pool_never_decodes_more_payloads_at_once_than_its_slots() -> None:
     running, queued, peak, drained = asyncio.run(scenario())
     assert (running, queued, peak, drained) == (3, 7, 3, True)
     assert sorted(seen) == sorted(r.host for r in rows)
+
+
+def test_a_rounds_first_tick_reads_every_hosts_record_once_for_its_uploads(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = kit.engine()
+    chain = e.chain.chain
+    asked: list[str] = []
+    real = chain.host_info
+    monkeypatch.setattr(chain, "host_info", lambda epoch, host: asked.append(host) or real(epoch, host))
+    kit.run(e.tick())  # reads the three hosts' records ahead of their uploads
+    assert sorted(asked) == sorted(to_checksum_address(h.address) for h in kit.hosts)
+    for i in range(2):
+        assert receipted(kit, e, i, payload(update(50 + i))).body.accepted
+    assert len(asked) == 3  # the uploads authenticated from the cache: no chain read of their own
