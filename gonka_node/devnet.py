@@ -10,7 +10,7 @@ epoch's last round is finalized it claims every host's rewards with Merkle proof
 checkpoint and checks it against the hash on chain, and writes `report.json` and `loss.png`.
 With `serve` the chain and the aggregator keep running after the report, beside extra services
 (`devnet_serve.py`), until Ctrl-C or SIGTERM. With `shards` S > 1 the epoch names S aggregators (quorum
-S), the recipe has `shards = S`, and S aggregator processes share one exchange directory; each round's
+S), the recipe has `shards = S`, and S aggregator processes exchange signed messages over gRPC; each round's
 checkpoint hash is then the Merkle root over fragments (`core/fragments.py`); shard 0 scores and replays
 the sampled hosts from their fragments (docs/PROTOCOL.md "Sharded aggregators").
 
@@ -148,9 +148,6 @@ def check_shards(opts: DevnetOptions) -> None:
                           f"1..{AGGREGATOR}), got {opts.hosts} hosts and {opts.shards} shards")
     if opts.shards > 1 and opts.broadcast != "dense":
         raise DevnetError("--shards: a sharded epoch serves its update dense; leave --broadcast at dense")
-    if opts.shards > 1 and opts.serve:
-        raise DevnetError("--shards with --serve: the services --serve starts (checkpoint pull, serve) cannot "
-                          "read a sharded epoch's fragments yet; run it without --serve")
 
 
 def aggregator_account(shard: int) -> int:
@@ -160,14 +157,13 @@ def aggregator_account(shard: int) -> int:
 
 def aggregator_config(opts: DevnetOptions, rpc_url: str, epoch: int, shard: int = 0) -> AggregatorConfig:
     """The config of the devnet's aggregator (shard `shard` of `opts.shards`): listening on a free
-    loopback port, a quorum of every host; shards meet in out/shard-exchange."""
+    loopback port, a quorum of every host; shards reach each other over the Shard gRPC service on their
+    own ports (signed messages, peers as announced on chain), as shards on separate machines would."""
     out, name = opts.out, aggregator_name(shard)
     keys = out / "keys" / name
-    sharded = opts.shards > 1
     return AggregatorConfig(
         data_dir=out / name, listen="127.0.0.1:0", node_key=keys / "node_key.json",
         evm_key=keys / "evm_key.json", recipe=out / "recipe.json", deployment=out / "deployment.json", epoch=epoch,
-        shard_exchange=out / "shard-exchange" if sharded else None,
         chain=ChainSettings(backend="rpc", rpc_url=rpc_url), round=RoundSettings(quorum=opts.hosts),
         aggregation=AggregationSettings(heldout_windows=opts.heldout_windows),
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,19 @@ from training.checkpoint import save_checkpoint
 from training.data import TokenCorpus, builtin_corpus_files, corpus_files
 from training.inner import Batch, InnerConfig, InnerTrainer, evaluate
 from training.model import ModelConfig, build_model
+
+
+def torchrun_store(rank: int, world_size: int) -> dist.Store:
+    """torchrun's rendezvous store, under a prefix of this restart's own.
+
+    The elastic agent keeps one TCPStore for every restart of a job, and the process group's keys are
+    the same in every attempt: without the prefix a restarted process can read what a killed attempt
+    wrote (a dead peer's gloo address: "connectFullMesh ... Connection refused" until the timeout, or a
+    barrier counter already past), so a restart after a crash failed or hung at random."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # the agent hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not shared and rank == 0, multi_tenant=not shared)
+    return dist.PrefixStore(f"gonka-rig/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def is_rank0() -> bool:
@@ -51,14 +65,10 @@ class Rig:
 
     @classmethod
     def from_torchrun(cls) -> Rig:
-        """Join the process group torchrun set up (it passes the rendezvous through the environment)."""
-        if torch.cuda.is_available():
-            dist.init_process_group("nccl")
-            device = _rank_device(dist.get_rank())  # before the first collective: NCCL binds to it
-        else:
-            dist.init_process_group("gloo")
-            device = torch.device("cpu")
-        return cls(dist.get_rank(), dist.get_world_size(), device)
+        """Join the process group torchrun set up (it passes the rendezvous through the environment),
+        in a namespace of this restart's own (`torchrun_store`)."""
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return cls.from_store(torchrun_store(rank, world_size), rank, world_size)
 
     @classmethod
     def from_store(cls, store: dist.Store, rank: int, world_size: int) -> Rig:

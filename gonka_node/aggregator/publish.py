@@ -3,8 +3,11 @@ for hosts and clients (docs/PROTOCOL.md "Object storage").
 
 Key layout: the aggregator's data directory's own names, relative to the store's root
 (`checkpoints/<epoch>/<round:06d>.safetensors`, `updates/<epoch>/<round:06d>.safetensors`; the update
-holds the codec payload when the recipe's `broadcast = "codec"`). The default store is the data directory
-itself, so an aggregator configured with no store keeps today's layout and publishing writes nothing.
+holds the codec payload when the recipe's `broadcast = "codec"`). A shard of a sharded epoch holds one
+fragment of each file and publishes it under its own key, `<round:06d>.fragment-<k>-of-<S>.safetensors`,
+so the S shards of an epoch can share one bucket (a client takes every fragment and checks the merge by
+its Merkle root). The default store is the data directory itself, so an aggregator configured with no
+store keeps today's layout and publishing writes nothing.
 
 `publish` runs in `RoundEngine._finish`, after the finalize intent is recorded and before the chain
 transaction, on the first attempt and on every resume: it writes each object unless the store already
@@ -48,8 +51,10 @@ class RoundPublisher:
     """Writes a round's files from the aggregator's `Store` into `objects`, and says where they are."""
 
     def __init__(self, rounds: Store, objects: LocalStore | S3Store, public_url: str = "",
-                 url_expiry_s: int = 3600, direct_upload: bool = False) -> None:
+                 url_expiry_s: int = 3600, direct_upload: bool = False,
+                 fragment: tuple[int, int] | None = None) -> None:
         self.rounds, self.objects = rounds, objects
+        self.fragment = fragment  # (k, S): this aggregator is shard k of S and holds fragment k
         self.public_url = public_url.rstrip("/")
         self.url_expiry_s = url_expiry_s
         # Hosts PUT payloads into `objects` (an S3 store) through `upload_slot`; the config checks the kind.
@@ -64,7 +69,11 @@ class RoundPublisher:
         return {kind: path for kind, path in paths.items() if path.is_file()}
 
     def key(self, path: Path) -> str:
-        return path.relative_to(self.rounds.root).as_posix()
+        key = path.relative_to(self.rounds.root).as_posix()
+        if self.fragment is None:
+            return key
+        stem, _, suffix = key.rpartition(".")
+        return f"{stem}.fragment-{self.fragment[0]}-of-{self.fragment[1]}.{suffix}"
 
     def publish(self, epoch: int, round_: int) -> list[str]:
         """Write the round's files into the store unless already there; returns the keys written."""
@@ -113,10 +122,11 @@ class RoundPublisher:
 
     # ---- direct uploads ------------------------------------------------------------------------------
 
-    @staticmethod
-    def upload_key(epoch: int, round_: int, host: bytes) -> str:
-        """Where a host's payload of a round goes (not under `payloads/`: the data directory's own)."""
-        return f"uploads/{epoch}/{round_}/{host.hex()}.bin"
+    def upload_key(self, epoch: int, round_: int, host: bytes) -> str:
+        """Where a host's payload of a round goes (not under `payloads/`: the data directory's own; a
+        shard's fragment of it under a name of its own)."""
+        name = host.hex() if self.fragment is None else f"{host.hex()}.fragment-{self.fragment[0]}-of-{self.fragment[1]}"
+        return f"uploads/{epoch}/{round_}/{name}.bin"
 
     def upload_slot(self, epoch: int, round_: int, host: bytes, now_ms: int) -> Located:
         """A presigned PUT for the host's payload of the round (the header was authenticated already)."""

@@ -20,6 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
+from gonka_node.aggregator.shard_net import NetExchange
+from gonka_node.aggregator.shard_service import ShardService
 from gonka_node.aggregator.store import CHECKED, FAILED, PENDING, RoundRow
 from gonka_node.core.config import RoundSettings
 from gonka_node.core.envelope import EnvelopeError, Submission
@@ -30,6 +32,7 @@ from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import checkpoints_pb2 as cpb
 from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
 from proto.gonka.v1 import common_pb2 as common
+from proto.gonka.v1 import shard_pb2_grpc as spb_grpc
 
 log = logging.getLogger(__name__)
 FILE_CHUNK = 1 << 20
@@ -495,6 +498,8 @@ class AggregatorServer:
         server = grpc.aio.server(options=server_options(self.engine.settings))
         pb_grpc.add_AggregatorServicer_to_server(AggregatorService(self.engine), server)
         cpb_grpc.add_CheckpointsServicer_to_server(CheckpointsService(self.engine, self.model_name), server)
+        if isinstance(self.engine.exchange, NetExchange):  # a shard meeting the others over the network
+            spb_grpc.add_ShardServicer_to_server(ShardService(self.engine.exchange), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = (
@@ -520,6 +525,8 @@ class AggregatorServer:
             await self._ticker
         if self._server is not None:
             await self._server.stop(grace_s)
+        if isinstance(self.engine.exchange, NetExchange):
+            self.engine.exchange.close()
         await asyncio.to_thread(self.engine.checks.close)  # pending rows stay so: a restart checks them
 
     async def wait(self) -> None:

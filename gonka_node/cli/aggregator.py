@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gonka_node.aggregator.challenger import Challenger
 from gonka_node.aggregator.metrics import PrometheusMetrics
@@ -23,7 +24,16 @@ from gonka_node.core.storage import StoreError, open_store
 from gonka_node.core.tls import CERT_FILE, TlsError, TlsIdentity, load_or_create_identity
 from gonka_node.slashing import EvidenceLog
 
+if TYPE_CHECKING:
+    from nacl.signing import SigningKey
+
+    from gonka_node.aggregator.chain_view import ChainView
+    from gonka_node.aggregator.rounds import EpochContext
+    from gonka_node.aggregator.shard import ShardExchange
+    from gonka_node.aggregator.store import Store
+
 log = logging.getLogger(__name__)
+SHARD_MESSAGES_DIR = "shard-messages"  # under data_dir: the signed messages a gRPC shard holds (shard_inbox.py)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -100,16 +110,15 @@ async def _serve(
 def _publisher(cfg: AggregatorConfig, engine: RoundEngine) -> RoundPublisher:
     """The store finalized rounds are written to before the chain names them ([store]; default: the data
     directory itself, today's layout, nothing copied)."""
-    if cfg.store.uri and engine.ctx.shard is not None:  # every shard would write its fragment to the round's keys
-        raise CliError("[store] uri: a sharded epoch's shards cannot publish to an object store yet; leave it unset")
     try:
         objects = open_store(cfg.store.uri or cfg.data_dir)
     except StoreError as exc:
         raise CliError(f"[store] uri: {exc}") from None
     if cfg.store.uri:
         log.info("finalized checkpoints and updates are published to %s", objects.uri)
+    shard = engine.ctx.shard
     return RoundPublisher(engine.store, objects, cfg.store.public_url, cfg.store.url_expiry_s,
-                          cfg.store.direct_upload)
+                          cfg.store.direct_upload, None if shard is None else (shard.index, shard.count))
 
 
 def _metrics(port: int) -> PrometheusMetrics:
@@ -176,7 +185,6 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
     from chain.types import Deployment
     from gonka_node.aggregator.chain_view import ChainView
     from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-    from gonka_node.aggregator.shard import DirExchange
     from gonka_node.aggregator.store import Store
     from gonka_node.core.keys import KeyStoreError, load_evm_account, load_node_key
     from gonka_node.core.recipe import Recipe, RecipeError
@@ -215,17 +223,36 @@ def _build(cfg: AggregatorConfig, where: Path, passphrase: str | None = None) ->
     if not cfg.scoring:
         log.warning("[aggregator] scoring = false: every valid update counts and no round is replayed, "
                     "whatever the epoch's replay probability (for fault tests only)")
+    store, view = Store(cfg.data_dir).open(), ChainView(client)
     try:
         return RoundEngine(
             ctx,
             cfg.round,
             cfg.aggregation,
-            Store(cfg.data_dir).open(),
-            ChainView(client),
+            store,
+            view,
             TrainingCheckpoints(),
             node_key.signing_key,
             evidence=EvidenceLog(cfg.data_dir / "evidence"),  # signed copies/garbage, for slashing
-            exchange=None if ctx.shard is None else DirExchange(cfg.shard_exchange or cfg.data_dir.parent / "shard-exchange"),
+            exchange=None if ctx.shard is None else shard_exchange(cfg, ctx, store, view, node_key.signing_key),
         )
     except ValueError as exc:
         raise CliError(f"{where}: {exc}") from exc
+
+
+def shard_exchange(
+    cfg: AggregatorConfig, ctx: EpochContext, store: Store, chain: ChainView, signer: SigningKey
+) -> ShardExchange:
+    """How this shard reaches the others: `[aggregator] shard_transport` "grpc" (signed messages over the
+    Shard service on this aggregator's own port, peers as their accounts announced them on chain) or "dir"
+    (a directory shared on one machine)."""
+    from gonka_node.aggregator.shard import DirExchange
+    from gonka_node.aggregator.shard_inbox import Inbox, ShardSelf
+    from gonka_node.aggregator.shard_net import ChainDirectory, NetExchange
+
+    assert ctx.shard is not None
+    if cfg.shard_transport == "dir":
+        return DirExchange(cfg.shard_exchange or cfg.data_dir.parent / "shard-exchange")
+    me = ShardSelf(ctx.chain_id, ctx.registry, ctx.epoch, ctx.shard.index, ctx.shard.count)
+    inbox = Inbox(cfg.data_dir / SHARD_MESSAGES_DIR, me, store.rounds)
+    return NetExchange(inbox, signer, ChainDirectory(chain, ctx.epoch))

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from gonka_node.cli import CliError
 from gonka_node.cli.chain import add_connection_args, chain_errors, open_client
-from gonka_node.cli.checkpoint_chain import chain_checkpoint, check_epoch, epoch_model
+from gonka_node.cli.checkpoint_chain import ChainCheckpoint, chain_checkpoint, check_epoch, epoch_recipe
 from gonka_node.cli.checkpoint_load import load_model, load_verified, recipe_tokenizer, terminal_safe
 from gonka_node.cli.checkpoint_pull import DEFAULT_MAX_BYTES, MESSAGE_LIMIT, check_aggregator, pull_checkpoint
 from gonka_node.cli.verbs import add_group, add_verb
@@ -179,27 +179,48 @@ def _pull(args: argparse.Namespace) -> int:
 
     client = open_client(args)
     want = chain_checkpoint(client, args.epoch, args.round)
+    out = args.out or Path(f"epoch-{want.epoch}-round-{want.round}.safetensors")
+    if out.exists() and not args.force:
+        raise CliError(f"--out {out}: file exists; pass --force to replace it")
+    recipe, where = epoch_recipe(client, args.epoch, args.recipe)
+    model = None if recipe is None else recipe.model
+    if recipe is not None and recipe.shards > 1 and want.round > 0:
+        return _pull_fragments(args, client, recipe.shards, want, out, model, where)
     try:
         found = resolve_aggregator(client, args.epoch, args.aggregator, args.tls_cert)
     except TlsError as exc:
         raise CliError(f"--tls-cert {exc}" if args.tls_cert else str(exc)) from None
     target, pin = found.target, found.tls_cert_pem
-    out = args.out or Path(f"epoch-{want.epoch}-round-{want.round}.safetensors")
-    if out.exists() and not args.force:
-        raise CliError(f"--out {out}: file exists; pass --force to replace it")
-    model, where = epoch_model(client, args.epoch, args.recipe)
     check_aggregator(target, pin, min(args.timeout, 10.0))
     with pinned_channel(
         target, pin, options=[("grpc.max_receive_message_length", MESSAGE_LIMIT)]
     ) as channel:
         size, note = pull_checkpoint(channel, want, out, timeout_s=args.timeout, max_bytes=args.max_bytes,
                                      model=model, model_source=where)
-    print(
-        f"pulled epoch {want.epoch} round {want.round} from {target} (certificate from {found.source}) to "
-        f"{out} ({size:,} bytes)\n"
-        f"sha256 {want.sha256.hex()} matches chain {want.chain_id} registry {want.registry}\n{note}"
-    )
+    _pulled(want, f"{target} (certificate from {found.source})", out, size, "sha256", note)
     return 0
+
+
+def _pull_fragments(args: argparse.Namespace, client: Any, shards: int, want: ChainCheckpoint, out: Path, model: Any,
+                    where: str) -> int:
+    """A sharded epoch's round: every shard announced on chain, merged, checked by its Merkle root."""
+    from gonka_node.cli.checkpoint_fragments import pull_fragments
+
+    if args.aggregator or args.tls_cert:
+        raise CliError(f"epoch {want.epoch} is sharded over {shards} aggregators: its checkpoints are pulled from "
+                       "every shard announced on chain, so leave out --aggregator and --tls-cert")
+    size, note = pull_fragments(client, shards, want, out, timeout_s=args.timeout, max_bytes=args.max_bytes,
+                                model=model, model_source=where)
+    _pulled(want, f"the epoch's {shards} shards (certificates from the chain)", out, size,
+            f"Merkle root over {shards} fragments", note)
+    return 0
+
+
+def _pulled(want: ChainCheckpoint, source: str, out: Path, size: int, what: str, note: str) -> None:
+    print(
+        f"pulled epoch {want.epoch} round {want.round} from {source} to {out} ({size:,} bytes)\n"
+        f"{what} {want.sha256.hex()} matches chain {want.chain_id} registry {want.registry}\n{note}"
+    )
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import hashlib
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,37 +43,48 @@ def pull_checkpoint(
 ) -> tuple[int, str]:
     """Stream (epoch, round) into `out`, verified against `want.sha256` and its metadata against `model`
     (the epoch's ModelConfig from `model_source`; None: no source, the metadata is stripped); returns the
-    file size and a line saying what became of the metadata.
+    file size and a line saying what became of the metadata (`verified_into`)."""
 
-    Nothing is left behind unless verified: the stream goes to a temporary file in `out`'s folder,
-    which is renamed onto `out` only after the canonical sha256 matches the chain.
-    """
-    from training.durable import durable_replace
+    def write(tmp: Path) -> int:
+        with tmp.open("r+b") as handle:
+            return fetch_into(channel, want, handle, timeout_s, max_bytes)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-    tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "w+b") as handle:
-            size = _fetch(channel, want, handle, timeout_s, max_bytes)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _verify_file(tmp, want)
-        note = _settle_metadata(tmp, want, model, model_source)
-        durable_replace(tmp, out)
+        return verified_into(out, want, model, model_source, write, lambda tmp: _verify_file(tmp, want))
     except grpc.RpcError as exc:
-        tmp.unlink(missing_ok=True)
         raise CliError(
             f"--aggregator: StreamCheckpoint epoch {want.epoch} round {want.round} failed: "
             f"{exc.code().name} {exc.details()}"
         ) from None
+
+
+def verified_into(
+    out: Path, want: ChainCheckpoint, model: Any, model_source: str,
+    write: Callable[[Path], int], verify: Callable[[Path], object],
+) -> tuple[int, str]:
+    """`write` the checkpoint into a temporary file beside `out` (returning its size), `verify` it
+    against the chain, settle its metadata (`_settle_metadata`), then rename it onto `out`: nothing is
+    left behind unless verified."""
+    from training.durable import durable_replace, fsync_path
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        size = write(tmp)
+        fsync_path(tmp)
+        verify(tmp)
+        note = _settle_metadata(tmp, want, model, model_source)
+        durable_replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return size, note
 
 
-def _fetch(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s: float, max_bytes: int) -> int:
+def fetch_into(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s: float, max_bytes: int,
+               where: str = "aggregator stream") -> int:
     """The checkpoint's bytes into `handle`: from the aggregator's object store when it names a URL for
     the round, else (or when that download fails or is not the object announced) its gRPC stream."""
     from proto.gonka.v1 import checkpoints_pb2 as cpb
@@ -86,7 +97,7 @@ def _fetch(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s:
     handle.truncate()  # whatever a failed store download left
     request = cpb.StreamCheckpointRequest(epoch=want.epoch, round=want.round)
     stream = cpb_grpc.CheckpointsStub(channel).StreamCheckpoint(request, timeout=timeout_s)
-    return _receive(stream, want, handle, max_bytes)
+    return receive_stream(stream, want, handle, max_bytes, where)
 
 
 def _from_store(channel: grpc.Channel, want: ChainCheckpoint, handle: Any, timeout_s: float,
@@ -155,9 +166,10 @@ def _rewrite_metadata(path: Path, metadata: dict[str, str]) -> None:
     save_file(tensors, str(path), metadata=metadata)
 
 
-def _receive(stream: Iterator[Any], want: ChainCheckpoint, handle: Any, max_bytes: int) -> int:
+def receive_stream(stream: Iterator[Any], want: ChainCheckpoint, handle: Any, max_bytes: int,
+                   where: str = "aggregator stream") -> int:
     """Write the FileChunk stream to `handle`, checking its FileMeta as it goes; returns the length."""
-    where = f"aggregator stream for epoch {want.epoch} round {want.round}"
+    where = f"{where} for epoch {want.epoch} round {want.round}"
     first = next(stream, None)
     if first is None or first.WhichOneof("part") != "meta":
         raise CliError(f"{where}: did not start with a FileMeta message")

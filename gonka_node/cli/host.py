@@ -45,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="recompute each layer in backward instead of keeping its activations")
     run.add_argument("--compile", action="store_true", help="torch.compile the model in the rig's processes")
     run.add_argument(
+        "--rig-stall-s", type=float, metavar="S",
+        help="stop a rig that takes no inner step for S seconds (a hung process or rendezvous) and leave with "
+        "an error; rerunning resumes (default: 30 minutes)",
+    )
+    run.add_argument(
         "--link", metavar="DOWN/UP[@MS]",
         help="pace this host's downloads and uploads like a link of DOWN/UP Mbit/s (and MS ms of latency per "
         "transfer), e.g. 100/10: a home connection reproduced on loopback (gonka_node/core/link.py)",
@@ -191,6 +196,8 @@ def _shaped_link(text: str | None) -> Any:
 def _run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise CliError(f"--gpus {args.gpus}: a rig has at least one process")
+    if args.rig_stall_s is not None and not args.rig_stall_s > 0:
+        raise CliError(f"--rig-stall-s {args.rig_stall_s}: give the seconds a round may go without a step (> 0)")
     shaped = _shaped_link(args.link)  # a malformed --link is refused before anything is read
     session = HostSession(args)
     session.shaped = shaped
@@ -230,6 +237,7 @@ def _train(args: argparse.Namespace, session: HostSession) -> int:
         sharding=args.shard,
         checkpoint_activations=args.activation_checkpointing,
         compile=args.compile,
+        **({"rig_stall_s": args.rig_stall_s} if args.rig_stall_s is not None else {}),
     )
     aggregator = session.aggregator()
     node = HostNode(settings, session.recipe, session.chain, aggregator, session.keys, sinks[0])

@@ -188,8 +188,11 @@ class AggregatorConfig:
     initial_checkpoint: Path | None = None  # round-0 weights; made from the recipe when absent
     scoring: bool = True
     metrics_port: int = 0  # Prometheus (gonka_aggregator_*) on 127.0.0.1:PORT; 0: off
-    # a sharded epoch's shards meet here (reports, verdict, fragment hashes: aggregator/shard.py
-    # DirExchange), a directory every shard of the epoch can write; None: data_dir's parent/shard-exchange
+    # how a sharded epoch's shards reach each other: "grpc" (the Shard service on this aggregator's port,
+    # signed messages, peers as announced on chain; aggregator/shard_net.py) or "dir" (a directory every
+    # shard can write, on one machine, unsigned: aggregator/shard.py DirExchange)
+    shard_transport: str = "grpc"
+    # "dir" only: the directory the shards meet in; None: data_dir's parent/shard-exchange
     shard_exchange: Path | None = None
     chain: ChainSettings = field(default_factory=ChainSettings)
     round: RoundSettings = field(default_factory=RoundSettings)
@@ -208,10 +211,12 @@ class AggregatorConfig:
         paths = {"node_key": self.node_key, "evm_key": self.evm_key, "recipe": self.recipe,
                  "deployment": self.deployment, "initial_checkpoint": self.initial_checkpoint,
                  "shard_exchange": self.shard_exchange}
+        transport: dict[str, TomlValue] = {} if self.shard_transport == "grpc" else {"shard_transport": self.shard_transport}
         aggregator: dict[str, TomlValue] = {
             "listen": self.listen, "public_endpoint": self.public_endpoint, "data_dir": toml_path(self.data_dir, base),
             **{k: toml_path(p, base) for k, p in paths.items() if p is not None},
             "epoch": self.epoch, "scoring": self.scoring, "metrics_port": self.metrics_port, "log_level": self.log_level,
+            **transport,
         }
         aggregation = _changed(self.aggregation, skip="per_epoch")
         if self.aggregation.per_epoch:
@@ -251,8 +256,9 @@ def load_aggregator_config(
 
 AGGREGATOR_KEYS = frozenset({
     "listen", "public_endpoint", "data_dir", "node_key", "evm_key", "log_level", "recipe", "deployment", "epoch",
-    "initial_checkpoint", "scoring", "metrics_port", "shard_exchange",
+    "initial_checkpoint", "scoring", "metrics_port", "shard_exchange", "shard_transport",
 })
+SHARD_TRANSPORTS = ("grpc", "dir")
 
 
 def _build(
@@ -266,6 +272,9 @@ def _build(
     port = agg.get("metrics_port", 0)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"[aggregator] metrics_port must be a port number (0: off), got {port!r}")
+    if agg.get("shard_transport", "grpc") not in SHARD_TRANSPORTS:
+        raise ConfigError(f"[aggregator] shard_transport must be one of {', '.join(SHARD_TRANSPORTS)}, "
+                          f"got {agg.get('shard_transport')!r}")
     if not isinstance(agg.get("scoring", True), bool):
         raise ConfigError(f"[aggregator] scoring must be true or false, got {agg.get('scoring')!r}")
     base = Path(env.get("GONKA_HOME", path.parent))
@@ -290,6 +299,7 @@ def _build(
         scoring=bool(agg.get("scoring", True)),
         metrics_port=port,
         shard_exchange=_resolve(base, agg["shard_exchange"]) if "shard_exchange" in agg else None,
+        shard_transport=str(agg.get("shard_transport", "grpc")),
         chain=_section(ChainSettings, "[chain]", chain),
         round=_section(RoundSettings, "[round]", dict(raw.get("round", {}))),
         aggregation=_section(AggregationSettings, "[aggregation]", aggregation),

@@ -140,3 +140,9 @@ def verify_fragment_tensors(
     from training.checkpoint import canonical_sha256
 
     return verify_fragment(bytes.fromhex(canonical_sha256(tensors)), index, shards, proof, root)
+
+
+def plain_metadata(meta: Mapping[str, str]) -> dict[str, str]:
+    """A fragment file's metadata without what describes that file alone (its recorded hash, its
+    fragment "k/S"): a merged file keeps the round's own (epoch, round, model config)."""
+    return {k: v for k, v in meta.items() if not k.startswith("gonka.") and k != "fragment"}

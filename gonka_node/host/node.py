@@ -86,9 +86,11 @@ class HostSettings:
     sharding: str = "auto"  # the rig's state: "replicated", "sharded" (FSDP2) or "auto" (training.plan)
     checkpoint_activations: bool = False
     compile: bool = False  # torch.compile in the rig's processes
+    rig_stall_s: float = RigOptions.stall_s  # `--rig-stall-s`
 
     def rig_options(self) -> RigOptions:
-        return RigOptions(self.procs, self.sharding, self.checkpoint_activations, self.compile)
+        return RigOptions(self.procs, self.sharding, self.checkpoint_activations, self.compile,
+                          stall_s=self.rig_stall_s)
 
     def uses_rig(self) -> bool:
         """A rig of processes (torchrun) unless this is one process on a CPU: one GPU trains there too."""

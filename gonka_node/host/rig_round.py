@@ -21,11 +21,13 @@ elsewhere).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +56,7 @@ from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 SHARDINGS = ("auto", "replicated", "sharded")
 StepHook = Callable[[int, float], None]  # (step within the round, from 1; loss)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class RigError(RuntimeError):
@@ -70,6 +73,7 @@ class RigOptions:
     checkpoint_activations: bool = False
     compile: bool = False
     max_restarts: int = 3  # times torchrun's agent restarts a rig whose process died, per rig start
+    stall_s: float = 1800.0  # a round with no step for this long stops the rig (`--rig-stall-s`)
 
     def __post_init__(self) -> None:
         if self.procs < 1:
@@ -78,6 +82,8 @@ class RigOptions:
             raise RigError(f"--shard {self.sharding!r}: choose one of {', '.join(SHARDINGS)}")
         if self.max_restarts < 0:
             raise RigError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.stall_s > 0:
+            raise RigError(f"--rig-stall-s {self.stall_s}: give the seconds a round may go without a step (> 0)")
 
 
 def check_rig_size(recipe: Recipe, procs: int) -> None:
@@ -245,8 +251,10 @@ class RigRounds:
                            report.tokens, report.seconds)
 
     def _await(self, order: RoundOrder, on_step: StepHook) -> RoundReport:
+        """The round's report, passing its steps on as they come; a rig that stopped, or went
+        `stall_s` without a step (a hung collective or rendezvous), fails the round."""
         assert self.proc is not None and self.mailbox is not None
-        offset = 0
+        offset, last_sign = 0, time.monotonic()
         while True:
             report = self.mailbox.report(order.seq)
             steps, offset = self.mailbox.progress(order.seq, offset)
@@ -254,9 +262,17 @@ class RigRounds:
                 on_step(step, loss)
             if report is not None:
                 return report
+            if steps:
+                last_sign = time.monotonic()
             if self.proc.poll() is not None:
                 raise RigError(f"round {order.round}: the rig stopped (exit code {self.proc.returncode}) after "
                                f"{self.options.max_restarts} restarts; the end of {self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() - last_sign > self.options.stall_s:
+                tail = self.log_tail()
+                self.close(timeout_s=0.0)
+                raise RigError(f"round {order.round}: the rig took no step for {self.options.stall_s:.0f} s, so it "
+                               f"was stopped (raise --rig-stall-s if its steps are that slow); the end of "
+                               f"{self.log_path}:\n{tail}")
             time.sleep(self.poll_s)
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -284,7 +300,7 @@ class RigRounds:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the agent; its processes follow it (follow_daemon)
                 self.proc.wait()
         self.proc = None
 
@@ -303,6 +319,33 @@ def _parent_alive(pid: int) -> Callable[[], bool]:
         return True
 
     return alive
+
+
+def follow_daemon(daemon_pid: int, poll_s: float = 1.0) -> None:
+    """Make this rig process end with its agent and with the host daemon, wherever it blocks.
+
+    torchrun's agent starts each process in a session of its own, so stopping the agent's session
+    (`RigRounds.close`) does not reach them, and a process waiting in the rig's rendezvous or in a
+    collective never reaches the order loop that notices a vanished daemon: such processes once
+    outlived everything. The kernel kills this process when the agent dies (Linux), and a thread
+    stops the agent (which stops every process and restarts none) once the daemon is gone."""
+    agent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != agent:  # the agent died before the signal was armed
+            os._exit(1)
+    daemon_alive = _parent_alive(daemon_pid)
+
+    def watch() -> None:
+        while daemon_alive():
+            time.sleep(poll_s)
+        if agent != 1:
+            os.kill(agent, signal.SIGTERM)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="follow-daemon", daemon=True).start()
 
 
 def _sharded(setup: RigSetup, recipe: Recipe, rig: Rig) -> bool:
@@ -343,17 +386,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--setup", type=Path, required=True)
     args = parser.parse_args(argv)
     setup = RigSetup.load(args.setup)
+    follow_daemon(setup.parent_pid)  # first: joining the rig below can block for minutes
     rig = Rig.from_torchrun()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // rig.world_size))
-    try:
-        worker, mode = build_rig_worker(setup, rig)
-        if rig.is_rank0:
-            print(f"rig of {rig.world_size} processes on {rig.device.type}, {mode}", flush=True)
-        service = RigService(rig, Mailbox(Path(setup.mailbox)), StateVersions(Path(setup.state_dir)), worker,
-                             _parent_alive(setup.parent_pid))
-        service.serve()
-    finally:
-        rig.close()
+    worker, mode = build_rig_worker(setup, rig)
+    if rig.is_rank0:
+        print(f"rig of {rig.world_size} processes on {rig.device.type}, {mode}", flush=True)
+    service = RigService(rig, Mailbox(Path(setup.mailbox)), StateVersions(Path(setup.state_dir)), worker,
+                         _parent_alive(setup.parent_pid))
+    service.serve()
+    # Only after a clean stop: tearing the group down while a peer is mid-collective (this process
+    # failed, the other did not) blocks; a failed process exits and the agent restarts the rig.
+    rig.close()
     return 0
 
 

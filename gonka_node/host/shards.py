@@ -24,7 +24,7 @@ from torch import Tensor
 
 from gonka_node.core.client import AggregatorClient, Downloaded, SubmitRejected
 from gonka_node.core.discovery import MissingPinError
-from gonka_node.core.fragments import plan_fragments
+from gonka_node.core.fragments import plain_metadata, plan_fragments
 from gonka_node.core.link import Link
 from gonka_node.core.recipe import Recipe
 from proto.gonka.v1 import aggregator_pb2 as pb
@@ -197,8 +197,6 @@ def _merged(parts: Sequence[Downloaded]) -> Downloaded:
 
 
 def _plain_metadata(data: bytes) -> dict[str, str]:
-    """A safetensors file's metadata without what describes that file alone (its recorded hash, its
-    fragment): the merged file keeps the round's own (epoch, round, model config)."""
     (size,) = struct.unpack_from("<Q", data, 0)
-    meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
-    return {k: v for k, v in meta.items() if not k.startswith("gonka.") and k != "fragment"}
+    return plain_metadata(json.loads(data[8 : 8 + size]).get("__metadata__") or {})
+

@@ -75,32 +75,44 @@ def load_round(client: Any, source: CheckpointSource, round_text: str, device: s
     config = recipe.model
     tokenizer = recipe_tokenizer(recipe, where, source.tokenizer, config)
     path = source.cache_dir / f"epoch-{want.epoch}-round-{want.round}.safetensors"
-    tensors = _cached(path, want)
+    shards = recipe.shards if want.round > 0 else 1  # round 0: the initial model, one plain sha256
+    tensors = _cached(path, want, shards)
     if tensors is None:
-        _pull(client, source, want, path, config, where)
-        tensors = _cached(path, want)
+        _pull(client, source, want, path, config, where, shards)
+        tensors = _cached(path, want, shards)
     if tensors is None:
         raise CliError(f"{path}: the pulled file no longer verifies against the chain")
     provenance = Provenance(want.epoch, want.round, want.sha256.hex(), want.chain_id, want.registry)
     return VerifiedModel(provenance, load_model(tensors, config, device), tokenizer)
 
 
-def _cached(path: Path, want: ChainCheckpoint) -> dict[str, Any] | None:
+def _cached(path: Path, want: ChainCheckpoint, shards: int) -> dict[str, Any] | None:
+    """The file's tensors if they are the chain's checkpoint (a sharded epoch's by their Merkle root)."""
+    from gonka_node.cli.checkpoint_fragments import checked_by_root
     from training.checkpoint import CheckpointError, load_checkpoint
 
     if not path.is_file():
         return None
     try:
+        if shards > 1:
+            return checked_by_root(path, want, shards)
         return load_checkpoint(path, expected_sha256=want.sha256.hex()).tensors
-    except CheckpointError as exc:
+    except (CheckpointError, CliError) as exc:
         log.warning("%s does not verify against the chain (%s); pulling it again", path, exc)
         return None
 
 
-def _pull(client: Any, source: CheckpointSource, want: ChainCheckpoint, out: Path, config: Any, where: str) -> None:
+def _pull(client: Any, source: CheckpointSource, want: ChainCheckpoint, out: Path, config: Any, where: str,
+          shards: int) -> None:
     from gonka_node.core.discovery import resolve_aggregator
     from gonka_node.core.tls import TlsError, check_peer, pinned_channel
 
+    if shards > 1:  # every shard announced on chain: one given aggregator holds one fragment only
+        from gonka_node.cli.checkpoint_fragments import pull_fragments
+
+        pull_fragments(client, shards, want, out, timeout_s=source.pull_timeout_s, max_bytes=source.max_bytes,
+                       model=config, model_source=where)
+        return
     try:
         found = resolve_aggregator(client, source.epoch, source.aggregator, source.tls_cert)
         check_peer(found.target, found.tls_cert_pem, min(source.pull_timeout_s, 10.0))

@@ -42,6 +42,7 @@ AGGREGATOR: dict[tuple[str, str], tuple[str, str, str]] = {
     ("aggregator", "scoring"): ("scoring = false", CLI_AGG, "scoring"),
     ("aggregator", "metrics_port"): ("metrics_port = 9100", CLI_AGG, "metrics_port"),
     ("aggregator", "shard_exchange"): ('shard_exchange = "exchange"', CLI_AGG, "shard_exchange"),
+    ("aggregator", "shard_transport"): ('shard_transport = "dir"', CLI_AGG, "shard_transport"),
     ("chain", "backend"): ('backend = "rpc"', CLI_AGG, "backend"),
     ("chain", "rpc_url"): ('rpc_url = "http://10.0.0.1:8545"', CLI_AGG, "rpc_url"),
     ("round", "quorum"): ("quorum = 3", ROUNDS, "quorum"),

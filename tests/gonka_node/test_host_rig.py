@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sysconfig
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -59,6 +60,24 @@ def global_models(recipe: Recipe, tmp: Path) -> list[tuple[dict[str, torch.Tenso
         save_file(params, str(tmp / f"global-{r}.safetensors"))
         out.append((params, tmp / f"global-{r}.safetensors"))
     return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+
+def wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 @pytest.mark.slow  # two rig starts (one a restart after a kill): ~40 s on a loaded 2-core machine
@@ -108,6 +127,12 @@ def test_a_sharded_rig_sends_one_process_payloads_and_survives_a_killed_process(
         again = rig.train_round(3, params, lambda: path, lambda s, loss: None)
         assert again.payload == payloads[2]
         assert sorted(p.name for p in (tmp_path / "rig" / "state").iterdir()) == ["after-2", "after-3"]
+        # Stopped without waiting (the agent is killed, as after a stall): the restarted processes,
+        # each in a session of its own, go with it instead of living on as orphans.
+        assert rig.mailbox is not None
+        ranks = [rig.mailbox.pid(rank) for rank in (0, 1)]
+        rig.close(timeout_s=0.0)
+        assert all(pid is not None and wait_gone(pid) for pid in ranks)
     finally:
         rig.close()
     assert rig.proc is None

@@ -12,6 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load
 
 from chain.backends import RpcBackend
 from chain.client import ChainClient
@@ -19,6 +21,7 @@ from chain.types import Deployment
 from gonka_node.cli import main
 from gonka_node.devnet import DevnetOptions, run_devnet
 from gonka_node.devnet_serve import SERVICES, ExtraService, ServeContext
+from training.checkpoint import load_checkpoint
 
 
 def second_chain(ctx: ServeContext) -> list[str]:
@@ -27,12 +30,17 @@ def second_chain(ctx: ServeContext) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_devnet_serve_keeps_the_network_up_until_stopped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_devnet_serve_keeps_the_network_up_until_stopped(
+    shards: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With 2 shards the served model, the explorer's download and `checkpoint pull` each merge both
+    shards' fragments and check them against the chain's Merkle root."""
     out = tmp_path / "devnet"
     extra = ExtraService("second-chain", second_chain, lambda ctx: (ctx.out / "second.url").read_text().strip(),
                          ready=lambda ctx: (ctx.out / "second.url").exists())
     opts = DevnetOptions(out=out, hosts=1, rounds=1, inner_steps=4, preset="tiny", timeout_s=400, serve=True,
-                         services=(*SERVICES, extra))
+                         services=(*SERVICES, extra), shards=shards)
     said: list[str] = []
     stop = threading.Event()
     failure: list[BaseException] = []
@@ -60,6 +68,8 @@ def test_devnet_serve_keeps_the_network_up_until_stopped(tmp_path: Path, capsys:
         explorer = next(line for line in said if line.startswith("explorer: ")).split()[1]
         with urllib.request.urlopen(explorer, timeout=30) as page:  # the explorer's front page answers
             assert page.status == 200 and "epoch" in page.read().decode().lower()
+        with urllib.request.urlopen(f"{explorer.rstrip('/')}/epochs/1/rounds/1/checkpoint.safetensors", timeout=60) as download:
+            streamed = load(download.read())  # the round's whole model, whatever the shards
         model = next(line for line in said if line.startswith("model: ")).split()[1]
         assert model.startswith("http://127.0.0.1:") and model.endswith("/v1")
         with urllib.request.urlopen(f"{model}/models", timeout=30) as models:  # the served, verified model
@@ -73,7 +83,10 @@ def test_devnet_serve_keeps_the_network_up_until_stopped(tmp_path: Path, capsys:
         assert target in listing
         assert main(["checkpoint", "pull", "--deployment", str(out / "deployment.json"), "--epoch", "1",
                      "--round", "latest", "--out", str(tmp_path / "latest.safetensors")]) == 0
-        assert f"pulled epoch 1 round 1 from {target}" in capsys.readouterr().out
+        source = f"the epoch's {shards} shards" if shards > 1 else target
+        assert f"pulled epoch 1 round 1 from {source}" in capsys.readouterr().out
+        pulled = load_checkpoint(tmp_path / "latest.safetensors").tensors
+        assert set(streamed) == set(pulled) and all(torch.equal(streamed[n], pulled[n]) for n in pulled)
         # The chain's clock moves on its own now (deadlines pass without transactions).
         reader = ChainClient(RpcBackend(url), RpcBackend(url).dev_accounts()[0], deployment).connect()
         before = reader.chain_time()

@@ -1,7 +1,8 @@
 """`gonka-node devnet --shards 2` end to end: two aggregator processes, each owning a fragment of the
 model, finalize every round once on chain with the Merkle-of-fragments root of the final checkpoint;
 one shard SIGKILLed mid-round (a host's fragment accepted, the round not closed) and restarted on its
-port loses nothing: the round finalizes with every host accepted before the kill.
+port loses nothing: the round finalizes with every host accepted before the kill. The shards reach each
+other over the Shard gRPC service (signed messages), as on separate machines.
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load as load_safetensors
 
 from chain.backends import RpcBackend
 from chain.client import ChainClient
 from chain.types import Deployment
+from gonka_node.cli import main
 from gonka_node.core.fragments import model_root
 from gonka_node.core.recipe import Recipe
 from gonka_node.devnet import DevnetOptions, run_devnet
 from gonka_node.devnet_procs import Children, aggregator_name, restart_aggregator
 from gonka_node.host.shards import sharded_aggregator
-from training.checkpoint import canonical_sha256
+from training.checkpoint import canonical_sha256, load_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -79,9 +82,14 @@ def _observe(out: Path, report: dict[str, Any]) -> dict[str, Any]:
         final = load_safetensors(shards.checkpoint(epoch, report["rounds"]).data)
     finally:
         shards.close()
+    # A client's `checkpoint pull`: every shard announced on chain, merged, checked by the Merkle root.
+    pulled, args = out / "pulled.safetensors", ["--deployment", str(out / "deployment.json"), "--epoch", str(epoch)]
+    pull = main(["checkpoint", "pull", *args, "--round", "latest", "--out", str(pulled)])
+    one = main(["checkpoint", "pull", *args, "--round", "1", "--aggregator", shards.target.split(", ")[0]])
     return {"results": results, "final": final, "votes": _finalize_votes(backend, chain),
             "aggregators": [str(a) for a in chain.get_epoch(epoch).spec.aggregators],
-            "latest": chain.latest_round(epoch)}
+            "latest": chain.latest_round(epoch), "pull": pull, "one_shard": one,
+            "pulled": load_checkpoint(pulled).tensors if pull == 0 else {}}
 
 
 def test_devnet_with_two_shards_survives_a_killed_shard_and_finalizes_merkle_roots(tmp_path: Path) -> None:
@@ -128,11 +136,20 @@ def test_devnet_with_two_shards_survives_a_killed_shard_and_finalizes_merkle_roo
     assert report["checkpoint_hashes"][1:] == [bytes(r.checkpoint_sha256).hex() for r in results]
     final_root = model_root(seen["final"], 2)
     assert bytes(results[-1].checkpoint_sha256) == final_root != bytes.fromhex(canonical_sha256(seen["final"]))
+    # `checkpoint pull` wrote the merged model (the chain's recipe says 2 shards); one shard alone is refused.
+    assert seen["pull"] == 0 and seen["one_shard"] == 2
+    assert set(seen["pulled"]) == set(seen["final"])
+    assert all(torch.equal(seen["pulled"][n], seen["final"][n]) for n in seen["final"])
     # The killed shard lost nothing: what it had accepted is in the round, and every host counted.
     assert [r.n_contributors for r in results] == [2, 2]
     aggregated = "SELECT host FROM contributions WHERE round=? AND aggregated=1"
     for shard in (0, 1):
         assert len(_accepted(out / aggregator_name(shard) / "state.sqlite3", 1, aggregated)) == 2
     assert before <= _accepted(shard1 / "state.sqlite3", 1, aggregated)
+    # The shards met over the Shard gRPC service (signed messages in each data_dir), not a shared directory.
+    assert not (out / "shard-exchange").exists()
+    for shard in (0, 1):
+        assert sorted(p.name for p in (out / aggregator_name(shard) / "shard-messages" / str(report["epoch"]) / "2").glob(
+            "hash-*.msg")) == ["hash-0.msg", "hash-1.msg"]
     log = (out / "logs" / f"{aggregator_name(1)}.log").read_text()
     assert re.search(r"(resumed open round|resuming the finalization of round) \d+/1 ", log)

@@ -56,8 +56,9 @@ def test_an_honest_payload_put_into_the_store_is_accepted(kit: Kit, server: Serv
     stored = e.store.submissions(kit.world.epoch, 1)
     assert [s.host for s in stored] == [h.address]
     assert e.store.payload_path(kit.world.epoch, 1, h.address).read_bytes() == data
-    key = RoundPublisher.upload_key(kit.world.epoch, 1, h.address)
-    assert e.publisher is not None and e.publisher.objects.get_bytes(key) == data
+    assert e.publisher is not None
+    key = e.publisher.upload_key(kit.world.epoch, 1, h.address)
+    assert key == f"uploads/{kit.world.epoch}/1/{h.address.hex()}.bin" and e.publisher.objects.get_bytes(key) == data
 
 
 @pytest.mark.parametrize(("put", "reason"), [
@@ -100,7 +101,8 @@ def test_another_hosts_key_and_unsigned_slot_requests_are_refused(kit: Kit, serv
         assert refused.value.reason == "BAD_SIGNATURE"
         slot = client.upload_slot(header)
         upload_url(slot.url, data)
-        theirs = RoundPublisher.upload_key(kit.world.epoch, 1, other.address)
+        assert server.engine.publisher is not None
+        theirs = server.engine.publisher.upload_key(kit.world.epoch, 1, other.address)
         stream = [pb.SubmitRequest(header=header), pb.SubmitRequest(stored=pb.StoredPayload(key=theirs))]
         with pytest.raises(SubmitRejected) as wrong_key:
             client.submit_raw(iter(stream))

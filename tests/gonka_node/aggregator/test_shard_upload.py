@@ -14,19 +14,26 @@ import torch
 from agg_harness import AGGREGATOR, Harness, ServerThread
 from nacl.signing import SigningKey
 from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import DirExchange, shard_role
 from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.store import Store
+from gonka_node.cli import CliError
+from gonka_node.cli.checkpoint_chain import chain_checkpoint
+from gonka_node.cli.checkpoint_fragments import pull_fragments
 from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.discovery import MissingPinError
 from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
 from gonka_node.core.recipe import Recipe
+from gonka_node.core.storage import S3Store, open_store
 from gonka_node.core.tls import create_identity
+from gonka_node.explorer.downloads import NoSource, open_checkpoint
 from gonka_node.host.shards import (
     ShardedAggregator,
     SplitError,
@@ -75,7 +82,9 @@ def shard_server(h: Harness, i: int, exchange_dir: str) -> ServerThread:
     return server
 
 
-def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_with_the_root(harness: Harness) -> None:
+def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_with_the_root(
+    harness: Harness, s3_endpoint: str, s3_bucket: str, capsys: pytest.CaptureFixture[str],
+) -> None:
     h = harness
     h.schedule(n_hosts=3, aggregators=ORDER, quorum=2)
     servers = [shard_server(h, i, "exchange") for i in range(2)]
@@ -114,6 +123,8 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
     assert pulled.metadata["round"] == "1" and "fragment" not in pulled.metadata
     assert set(model) == set(h.spec) and model_root(model, 2) == bytes(result.checkpoint_sha256)
     assert set(safetensors_load(both.round_update(h.epoch, 1).data)) == set(h.spec)
+    _the_shards_publish_to_one_bucket(h, servers, f"s3://{s3_bucket}/net?endpoint={s3_endpoint}", capsys)
+    _a_client_pulls_the_sharded_round(h, servers, bytes(result.checkpoint_sha256))
     # Finalized on chain once the last shard voted; each shard opens round 2 after its own close (the
     # next seed committed): wait for both, as a host's daemon polls for the open round.
     deadline = time.monotonic() + 60
@@ -133,6 +144,74 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
         both.submit(closed, h.hosts[1].address, h.payload(updates[1]), h.hosts[1].key, 64)
     assert refused.value.reason == "LATE" and refused.value.message.startswith("shard 0: round 1 is not open there")
     both.close()
+
+
+def _the_shards_publish_to_one_bucket(h: Harness, servers: list[ServerThread], uri: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Each shard publishes its fragment of the round under a key of its own (one bucket for the
+    epoch), and a client's pull takes every fragment from the store, not from the shards' streams."""
+    objects = open_store(uri)
+    assert isinstance(objects, S3Store)
+    for i, server in enumerate(servers):
+        server.engine.publisher = RoundPublisher(server.engine.store, objects, fragment=(i, 2))
+        assert server.engine.publisher.publish(h.epoch, 1) == [
+            f"checkpoints/{h.epoch}/000001.fragment-{i}-of-2.safetensors",
+            f"updates/{h.epoch}/000001.fragment-{i}-of-2.safetensors"]
+        assert server.engine.publisher.upload_key(h.epoch, 1, b"\x01" * 20).endswith(f"01.fragment-{i}-of-2.bin")
+    chain = h.world.client(0)
+    for server, account in zip(servers, ORDER, strict=True):
+        h.world.client(account).announce_aggregator(h.epoch, server.target, h.identity.cert_pem)
+    out = h.tmp / "from-store.safetensors"
+    capsys.readouterr()
+    pull_fragments(chain, 2, chain_checkpoint(chain, h.epoch, "1"), out, timeout_s=30, max_bytes=1 << 30)
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("downloaded ")] == [
+        f"downloaded checkpoints/{h.epoch}/000001.fragment-{i}-of-2.safetensors from the aggregator's object store"
+        for i in range(2)]
+    assert set(load_checkpoint(out).tensors) == set(h.spec)
+    for server in servers:  # what follows reads the shards' own files
+        server.engine.publisher = None
+
+
+def _a_client_pulls_the_sharded_round(h: Harness, servers: list[ServerThread], root: bytes) -> None:
+    """`checkpoint pull` of a sharded round: every shard announced on chain streams its fragment; the
+    merge is written only once its Merkle root is the chain's; a tampered fragment writes nothing."""
+    chain = h.world.client(0)
+    for server, account in zip(servers, ORDER, strict=True):
+        h.world.client(account).announce_aggregator(h.epoch, server.target, h.identity.cert_pem)
+    want = chain_checkpoint(chain, h.epoch, "latest")
+    out = h.tmp / "pulled" / "round-1.safetensors"
+    out.parent.mkdir()
+    size, note = pull_fragments(chain, 2, want, out, timeout_s=30, max_bytes=1 << 30)
+    pulled = load_checkpoint(out)
+    assert want.round == 1 and size == out.stat().st_size and note == "the file records no model config"
+    assert set(pulled.tensors) == set(h.spec) and model_root(pulled.tensors, 2) == root
+    assert "fragment" not in pulled.metadata and pulled.metadata["round"] == "1"
+    # The explorer's download: one fragment from each shard, streamed as one file (headers merged).
+    source = open_checkpoint(chain.aggregator_endpoints(h.epoch), h.epoch, 1, root, 30.0)
+    try:
+        streamed = b"".join(source.chunks)
+    finally:
+        source.close()
+    assert len(streamed) == source.length and source.source == ", ".join(s.target for s in servers)
+    merged = safetensors_load(streamed)
+    assert set(merged) == set(h.spec) and all(torch.equal(merged[n], pulled.tensors[n]) for n in merged)
+    with pytest.raises(NoSource, match=r"fragments \[1\] of 2 only"):
+        open_checkpoint(chain.aggregator_endpoints(h.epoch)[1:], h.epoch, 1, root, 30.0)
+    with pytest.raises(CliError, match=f"epoch {h.epoch} has 3 aggregator shards and 2 announced"):
+        pull_fragments(chain, 3, want, h.tmp / "pulled" / "three.safetensors", timeout_s=30, max_bytes=1 << 30)
+    with pytest.raises(CliError, match=r"FileMeta.length \d[\d,]* exceeds --max-bytes 1,000"):
+        pull_fragments(chain, 2, want, h.tmp / "pulled" / "small.safetensors", timeout_s=30, max_bytes=1000)
+    # Shard 1 serves a fragment with one value changed (its file rewritten, its own recorded hash kept
+    # consistent): every stream checks out, the merged root does not.
+    path = servers[1].engine.store.checkpoint_path(h.epoch, 1)
+    tampered = load_checkpoint(path)
+    name = sorted(tampered.tensors)[0]
+    tampered.tensors[name].view(-1)[0] += 1.0
+    save_file(tampered.tensors, str(path), metadata=tampered.metadata)
+    with pytest.raises(CliError, match=r"Merkle root is [0-9a-f]{64}, the chain records .*nothing was written"):
+        pull_fragments(chain, 2, want, h.tmp / "pulled" / "bad.safetensors", timeout_s=30, max_bytes=1 << 30)
+    assert sorted(p.name for p in (h.tmp / "pulled").iterdir()) == ["round-1.safetensors"]
 
 
 def _taking(engine: RoundEngine, round_: int) -> bool:

@@ -1,0 +1,244 @@
+"""The signed messages a shard holds for its epoch, its own and the other shards', and the rules a
+received one must pass before it is held (docs/PROTOCOL.md "The Shard service").
+
+One file per slot (epoch, round, kind, sender, key) under `root/<epoch>/<round>/`: the signed header,
+its signature and the body, written atomically (a reader sees a whole message or none), so what a shard
+accepted survives its crash, and the signature stays with the bytes as evidence. A shard's own
+messages are its outbox: an `.ack-<peer>` file beside one says that peer has it (or refused it for
+good); a restarted shard sends the rest again.
+
+A received message is refused, with a `ShardReason` and nothing written, when it names another chain,
+registry, epoch or shard count, a sender outside the epoch, a round the receiver closed or one more than
+a round ahead of it, a body over the limit; when its signature does not verify under the sender's node
+key, its body does not hash to the signed digest, or the body names another round or shard; when a
+verdict comes from anyone but the verifier (shard 0) or differs from the verdict held; and when its
+sequence is not above the one held for its slot (a replay of an older message). A message equal to
+the one held is answered as held and changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gonka_node.aggregator.shard import FragmentReport, Verdict
+from gonka_node.aggregator.store import RoundRow
+from gonka_node.core.envelope import SIGNATURE_BYTES, EnvelopeError
+from gonka_node.core.shard_envelope import SHARD_MESSAGE_BYTES, ShardKind, ShardMessage
+from training.durable import atomic_write
+
+VERIFIER = 0  # the shard that decides the verdict
+CLOSED = ("finalized", "skipped")
+DEFAULT_MAX_BODY_BYTES = 4 << 30  # a blob is a host's fragment payload or a base fragment
+
+
+class ShardReason(enum.Enum):
+    """Why a message was refused (`gonka.v1.ShardRefusal` without its `SHARD_` prefix)."""
+
+    MALFORMED = 1
+    WRONG_CHAIN = 2
+    WRONG_EPOCH = 3
+    UNKNOWN_SHARD = 4
+    BAD_SIGNATURE = 5
+    STALE_ROUND = 6
+    FUTURE_ROUND = 7
+    REPLAYED = 8
+    CONFLICT = 9
+    NOT_PERMITTED = 10
+    OVERSIZE = 11
+    DIGEST_MISMATCH = 12
+
+
+class ShardRefused(Exception):
+    """A message refused for `reason`; nothing was stored."""
+
+    def __init__(self, reason: ShardReason, message: str) -> None:
+        super().__init__(f"{reason.name}: {message}")
+        self.reason, self.message = reason, message
+
+
+@dataclass(frozen=True)
+class ShardSelf:
+    """Who this shard is: what every message it accepts must name."""
+
+    chain_id: int
+    registry: bytes
+    epoch: int
+    index: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Signed:
+    header: ShardMessage
+    signature: bytes
+    body: bytes
+
+    def to_bytes(self) -> bytes:
+        return self.header.canonical_bytes() + self.signature + self.body
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Signed:
+        at = SHARD_MESSAGE_BYTES
+        return cls(ShardMessage.from_canonical(data[:at]), data[at : at + SIGNATURE_BYTES], data[at + SIGNATURE_BYTES :])
+
+
+def body_digest(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+class Inbox:
+    """The messages of one shard's epoch on disk, and the acceptance rules (module docstring)."""
+
+    def __init__(
+        self, root: Path, me: ShardSelf, rounds: Callable[[int], Sequence[RoundRow]],
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.root, self.me, self.rounds, self.max_body_bytes = root, me, rounds, max_body_bytes
+        self._lock = threading.Lock()  # one check-and-store at a time (the server's threads, the close)
+
+    # ---- reading -----------------------------------------------------------------------------------
+
+    def _dir(self, epoch: int, round_: int) -> Path:
+        return self.root / str(epoch) / str(round_)
+
+    def path(self, h: ShardMessage) -> Path:
+        suffix = f"-{h.key}" if h.key else ""
+        return self._dir(h.epoch, h.round) / f"{h.kind.name.lower()}-{h.sender}{suffix}.msg"
+
+    def held(self, epoch: int, round_: int, kind: ShardKind) -> list[Signed]:
+        """Every message of `kind` held for the round, by sender index."""
+        found = sorted(self._dir(epoch, round_).glob(f"{kind.name.lower()}-*.msg"))
+        return sorted((Signed.from_bytes(p.read_bytes()) for p in found), key=lambda s: s.header.sender)
+
+    def get(self, h: ShardMessage) -> Signed | None:
+        path = self.path(h)
+        return Signed.from_bytes(path.read_bytes()) if path.exists() else None
+
+    # ---- the outbox ----------------------------------------------------------------------------------
+
+    def keep(self, s: Signed) -> None:
+        """Hold this shard's own message (its outbox), durably, before it is sent anywhere."""
+        with self._lock:
+            self._write(s)
+
+    def outbox(self, epoch: int, round_: int) -> list[Path]:
+        """The files of this shard's own messages of the round (read one only when a peer lacks it)."""
+        return sorted(self._dir(epoch, round_).glob(f"*-{self.me.index}.msg")) + sorted(
+            self._dir(epoch, round_).glob(f"blob-{self.me.index}-*.msg"))
+
+    def acked(self, s: Signed, peer: int) -> bool:
+        return acked_at(self.path(s.header), peer)
+
+    def ack(self, s: Signed, peer: int) -> None:
+        atomic_write(self.path(s.header).with_suffix(f".ack-{peer}"), lambda t: t.write_text(str(s.header.sequence)))
+
+    def _write(self, s: Signed) -> None:
+        path = self.path(s.header)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for old in path.parent.glob(path.stem + ".ack-*"):  # a newer message: no peer has it yet
+            old.unlink()
+        atomic_write(path, lambda t: t.write_bytes(s.to_bytes()))
+
+    # ---- receiving -----------------------------------------------------------------------------------
+
+    def admit(self, h: ShardMessage, signature: bytes, key: bytes | None) -> None:
+        """Everything checkable before the body is read: `screen`, then the signature under `key`."""
+        self.screen(h)
+        if key is None:
+            raise ShardRefused(ShardReason.UNKNOWN_SHARD, f"no node key known for shard {h.sender}: it has not "
+                               f"announced its endpoint and certificate for epoch {self.me.epoch} on chain, or is unreachable")
+        if not h.verify(signature, key):
+            raise ShardRefused(ShardReason.BAD_SIGNATURE, f"the signature does not verify under shard {h.sender}'s node key")
+
+    def screen(self, h: ShardMessage) -> None:
+        """Who, where, when and how large: the checks that need no key."""
+        me = self.me
+        if (h.chain_id, bytes(h.registry)) != (me.chain_id, me.registry):
+            raise ShardRefused(ShardReason.WRONG_CHAIN, f"the message is for chain {h.chain_id}, registry "
+                               f"0x{bytes(h.registry).hex()}; this shard serves chain {me.chain_id}, 0x{me.registry.hex()}")
+        if (h.epoch, h.count) != (me.epoch, me.count):
+            raise ShardRefused(ShardReason.WRONG_EPOCH, f"the message is for epoch {h.epoch} with {h.count} shards; "
+                               f"this shard serves epoch {me.epoch} with {me.count}")
+        if h.sender == me.index:
+            raise ShardRefused(ShardReason.UNKNOWN_SHARD, f"the message claims to come from shard {h.sender}, this shard")
+        self._check_round(h)
+        self._check_size(h)
+        if h.kind == ShardKind.VERDICT and h.sender != VERIFIER:
+            raise ShardRefused(ShardReason.NOT_PERMITTED, f"shard {h.sender} sent a verdict; only shard {VERIFIER} decides")
+
+    def _check_round(self, h: ShardMessage) -> None:
+        rows = {r.round: r for r in self.rounds(h.epoch)}
+        row, latest = rows.get(h.round), max(rows, default=0)
+        if h.round < 1 or (row is not None and row.state in CLOSED):
+            raise ShardRefused(ShardReason.STALE_ROUND, f"round {h.epoch}/{h.round} is closed at shard {self.me.index}")
+        if h.round > latest + 1:
+            raise ShardRefused(ShardReason.FUTURE_ROUND, f"round {h.epoch}/{h.round} is more than one round ahead of "
+                               f"shard {self.me.index} (at round {latest})")
+
+    def _check_size(self, h: ShardMessage) -> None:
+        limit = 32 if h.kind == ShardKind.HASH else self.max_body_bytes
+        if h.body_length > limit or (h.kind == ShardKind.HASH and h.body_length != 32):
+            raise ShardRefused(ShardReason.OVERSIZE, f"a {h.kind.name} body of {h.body_length} bytes "
+                               f"(this shard takes {'exactly 32' if h.kind == ShardKind.HASH else f'at most {limit}'})")
+
+    def store_received(self, s: Signed) -> bool:
+        """Hold an admitted message once its body checks out; False when exactly it was held already."""
+        h = s.header
+        if len(s.body) != h.body_length or body_digest(s.body) != bytes(h.body_sha256):
+            raise ShardRefused(ShardReason.DIGEST_MISMATCH, f"the body ({len(s.body)} bytes) is not the signed "
+                               f"{h.body_length} bytes with sha256 {bytes(h.body_sha256).hex()}")
+        _check_body(s)
+        with self._lock:
+            old = self.get(h)
+            if old is not None and not _replaces(old, s):
+                return False
+            self._write(s)
+        return True
+
+
+def acked_at(path: Path, peer: int) -> bool:
+    """Whether `peer` acknowledged the message in `path` (or refused it for good)."""
+    return path.with_suffix(f".ack-{peer}").exists()
+
+
+def kind_at(path: Path) -> ShardKind:
+    """The kind of the message in `path`, from its name."""
+    return ShardKind[path.name.split("-")[0].upper()]
+
+
+def _replaces(old: Signed, new: Signed) -> bool:
+    """Whether `new` may replace the `old` message held for its slot (False: it is the same message)."""
+    o, n = old.header, new.header
+    if (o.sequence, bytes(o.body_sha256)) == (n.sequence, bytes(n.body_sha256)):
+        return False
+    if n.kind == ShardKind.VERDICT and bytes(o.body_sha256) != bytes(n.body_sha256):
+        raise ShardRefused(ShardReason.CONFLICT, f"round {n.epoch}/{n.round} already has another verdict: the first stands")
+    if n.sequence <= o.sequence:
+        raise ShardRefused(ShardReason.REPLAYED, f"sequence {n.sequence} is not above the {o.sequence} held for "
+                           f"shard {n.sender}'s {n.kind.name} of round {n.epoch}/{n.round}")
+    return True
+
+
+def _check_body(s: Signed) -> None:
+    """A report or verdict must be about the round and shard its signed header names."""
+    h = s.header
+    try:
+        if h.kind == ShardKind.REPORT:
+            r = FragmentReport.from_json(s.body.decode("utf-8"))
+            named = (r.epoch, r.round, r.index, r.count)
+        elif h.kind == ShardKind.VERDICT:
+            v = Verdict.from_json(s.body.decode("utf-8"))
+            named = (v.epoch, v.round, h.sender, h.count)
+        else:
+            return
+    except (ValueError, KeyError, TypeError, IndexError, json.JSONDecodeError, EnvelopeError) as exc:
+        raise ShardRefused(ShardReason.MALFORMED, f"the {h.kind.name} body does not parse: {exc}") from None
+    if named != (h.epoch, h.round, h.sender, h.count):
+        raise ShardRefused(ShardReason.NOT_PERMITTED, f"the {h.kind.name} body is about round {named[0]}/{named[1]}, "
+                           f"shard {named[2]} of {named[3]}; its header says {h.epoch}/{h.round}, shard {h.sender} of {h.count}")

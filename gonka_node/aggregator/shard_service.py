@@ -1,0 +1,91 @@
+"""The `Shard` gRPC servicer: translates protobuf to the shard's `NetExchange` and `Inbox`, and nothing
+else (docs/PROTOCOL.md "The Shard service").
+
+A Put is checked in the order that costs an unauthenticated sender least: the envelope's fields, round
+and declared size, then the signature under the sender's node key, and only then is the body read
+(bounded by the signed length) and checked against the signed digest. A refusal ends the call with a
+status per reason, the reason's name in trailing metadata `gonka-shard-reason`, and a message; nothing
+is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gonka_node.aggregator.shard_inbox import ShardReason, ShardRefused, Signed
+from gonka_node.aggregator.shard_net import CHUNK, REASON_KEY, NetExchange, message_from_pb
+from gonka_node.core.shard_envelope import ShardMessage
+from proto.gonka.v1 import shard_pb2 as spb
+from proto.gonka.v1 import shard_pb2_grpc as spb_grpc
+
+log = logging.getLogger(__name__)
+
+STATUS: dict[ShardReason, grpc.StatusCode] = {
+    ShardReason.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
+    ShardReason.WRONG_CHAIN: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardReason.WRONG_EPOCH: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardReason.UNKNOWN_SHARD: grpc.StatusCode.PERMISSION_DENIED,
+    ShardReason.BAD_SIGNATURE: grpc.StatusCode.UNAUTHENTICATED,
+    ShardReason.STALE_ROUND: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardReason.FUTURE_ROUND: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardReason.REPLAYED: grpc.StatusCode.ALREADY_EXISTS,
+    ShardReason.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    ShardReason.NOT_PERMITTED: grpc.StatusCode.PERMISSION_DENIED,
+    ShardReason.OVERSIZE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ShardReason.DIGEST_MISMATCH: grpc.StatusCode.DATA_LOSS,
+}
+
+
+class ShardService(spb_grpc.ShardServicer):
+    def __init__(self, exchange: NetExchange) -> None:
+        self.exchange = exchange
+
+    async def Hello(self, request: spb.ShardHelloRequest, context: grpc.aio.ServicerContext) -> spb.ShardHello:
+        me = self.exchange.me
+        return spb.ShardHello(epoch=me.epoch, index=me.index, count=me.count, node_key=self.exchange.node_key_bytes)
+
+    async def Put(self, requests: AsyncIterator[spb.ShardPut], context: grpc.aio.ServicerContext) -> spb.ShardAck:
+        try:
+            stored = await self._put(requests)
+        except ShardRefused as exc:
+            log.info("refused a shard message: %s", exc)
+            await context.abort(STATUS[exc.reason], exc.message, trailing_metadata=((REASON_KEY, exc.reason.name),))
+            raise AssertionError("unreachable: abort raises") from exc
+        return spb.ShardAck(stored=stored)
+
+    async def _put(self, requests: AsyncIterator[spb.ShardPut]) -> bool:
+        first = await anext(aiter(requests), None)
+        if first is None or first.WhichOneof("part") != "envelope":
+            raise ShardRefused(ShardReason.MALFORMED, "a Put starts with the signed envelope")
+        header = message_from_pb(first.envelope)
+        signature = bytes(first.envelope.signature)
+        await asyncio.to_thread(self._admit, header, signature)  # the store and a peer are read: off the loop
+        body = await _body(requests, header)
+        return await asyncio.to_thread(self.exchange.inbox.store_received, Signed(header, signature, body))
+
+    def _admit(self, header: ShardMessage, signature: bytes) -> None:
+        inbox = self.exchange.inbox
+        inbox.screen(header)  # before the key: a malformed or stale message makes this shard dial nobody
+        inbox.admit(header, signature, self.exchange.node_key(header.sender))
+
+
+async def _body(requests: AsyncIterator[spb.ShardPut], header: ShardMessage) -> bytes:
+    """The body, read no further than the signed length, hashed as it arrives."""
+    parts, got, digest = [], 0, hashlib.sha256()
+    async for req in requests:
+        if req.WhichOneof("part") != "data" or len(req.data) > CHUNK:
+            raise ShardRefused(ShardReason.MALFORMED, f"after the envelope come body chunks of at most {CHUNK} bytes")
+        got += len(req.data)
+        if got > header.body_length:
+            raise ShardRefused(ShardReason.DIGEST_MISMATCH, f"the body runs past the signed {header.body_length} bytes")
+        digest.update(req.data)
+        parts.append(req.data)
+    if got != header.body_length or digest.digest() != bytes(header.body_sha256):
+        raise ShardRefused(ShardReason.DIGEST_MISMATCH, f"the body ({got} bytes) is not the signed {header.body_length} "
+                           f"bytes with sha256 {bytes(header.body_sha256).hex()}")
+    return b"".join(parts)
