@@ -146,8 +146,6 @@ def check_shards(opts: DevnetOptions) -> None:
     if opts.shards < 1 or opts.hosts + opts.shards > AGGREGATOR:
         raise DevnetError(f"--shards must be at least 1, and hosts + shards at most {AGGREGATOR} (dev accounts "
                           f"1..{AGGREGATOR}), got {opts.hosts} hosts and {opts.shards} shards")
-    if opts.shards > 1 and opts.broadcast != "dense":
-        raise DevnetError("--shards: a sharded epoch serves its update dense; leave --broadcast at dense")
 
 
 def aggregator_account(shard: int) -> int:

@@ -13,6 +13,7 @@ broadcast: nothing of the aggregate is lost, only delayed.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -42,3 +43,23 @@ def compress_broadcast(
     payload = feedback.compress(update, round_codec)
     decoded = round_codec.decode(payload, {name: tuple(t.shape) for name, t in update.items()})
     return payload, {n: t.float() for n, t in decoded.items()}, feedback.residual
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """A round's update as the outer step applies it and as it is written for hosts."""
+
+    update: Mapping[str, Tensor]  # the aggregate ("dense") or the decoded broadcast ("codec")
+    payload: bytes | None = None  # "codec": the bytes hosts download (the update file)
+    residual: dict[str, Tensor] | None = None  # "codec": what the codec left out, for the next round
+
+
+def prepare_broadcast(
+    mode: str, aggregate: Mapping[str, Tensor], codec_name: str, seed: int, previous_residual: Path | None
+) -> Broadcast:
+    """The round's broadcast in the recipe's `mode` (a shard passes its fragment's aggregate and
+    residual: codecs encode tensor by tensor, so a fragment's broadcast is its part of the whole's)."""
+    if mode != "codec":
+        return Broadcast(aggregate)
+    payload, decoded, residual = compress_broadcast(aggregate, codec_name, seed, previous_residual)
+    return Broadcast(decoded, payload, residual)

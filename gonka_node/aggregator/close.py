@@ -25,7 +25,7 @@ from torch import Tensor
 
 from chain.merkle import RewardTree
 from gonka_node.aggregator import robust
-from gonka_node.aggregator.broadcast import compress_broadcast, residual_path
+from gonka_node.aggregator.broadcast import Broadcast, prepare_broadcast, residual_path
 from gonka_node.aggregator.checks import (
     Labelled,
     find_copies,
@@ -215,12 +215,10 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
     step_from = base if step_base is None else checkpoints.load(*step_base)
     params = {name: t.float().clone() for name, t in step_from.items()}
     del base, step_from
-    update_file = store.update_path(epoch, round_)
-    update, payload, residual = agg.update, None, None
-    if ctx.broadcast == "codec":  # the model is defined by the decoded broadcast (aggregator/broadcast.py)
-        payload, update, residual = compress_broadcast(
-            agg.update, ctx.codec_name, round_seed(ctx.epoch_seed, round_), i.prev_residual
-        )
+    # With broadcast "codec" the model is defined by the decoded broadcast (aggregator/broadcast.py).
+    sent = prepare_broadcast(ctx.broadcast, agg.update, ctx.codec_name, round_seed(ctx.epoch_seed, round_),
+                             i.prev_residual)
+    update = sent.update
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
     if i.prev_outer_state is not None:
         outer.restore(*_read_outer(i.prev_outer_state))
@@ -234,12 +232,7 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
     if ctx.model_config is not None:
         meta[MODEL_CONFIG_KEY] = ctx.model_config
     sha = checkpoints.save(store.checkpoint_path(epoch, round_), params, meta)
-    if payload is None:
-        _save_durably(update_file, update, meta)
-    else:
-        assert residual is not None
-        atomic_write(update_file, lambda tmp: tmp.write_bytes(payload))
-        _save_durably(residual_path(update_file), residual, meta)
+    save_broadcast(store.update_path(epoch, round_), sent, meta)
     sketch = count_sketch(update).numpy().tobytes()
     atomic_write(_sketch_path(store, epoch, round_), lambda tmp: tmp.write_bytes(sketch))
     _save_durably(
@@ -383,6 +376,17 @@ def reward_tree(ctx: EpochContext, epoch: int, round_: int, rewards: Mapping[byt
     if not paid:
         return None
     return RewardTree(ctx.chain_id, to_checksum_address(ctx.registry), epoch, round_, paid)
+
+
+def save_broadcast(update_file: Path, sent: Broadcast, meta: dict[str, str]) -> None:
+    """The round's update file (fp32 safetensors, or the codec payload and its residual beside it)."""
+    if sent.payload is None:
+        _save_durably(update_file, sent.update, meta)
+        return
+    payload, residual = sent.payload, sent.residual
+    assert residual is not None
+    atomic_write(update_file, lambda tmp: tmp.write_bytes(payload))
+    _save_durably(residual_path(update_file), residual, meta)
 
 
 def _save_durably(path: Path, tensors: Mapping[str, Tensor], metadata: dict[str, str]) -> None:

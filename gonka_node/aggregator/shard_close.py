@@ -21,7 +21,15 @@ from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 from torch import Tensor
 
-from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, _read_outer, _save_durably, _sketch_path
+from gonka_node.aggregator.broadcast import prepare_broadcast
+from gonka_node.aggregator.close import (
+    ClosingInputs,
+    RoundOutcome,
+    _read_outer,
+    _save_durably,
+    _sketch_path,
+    save_broadcast,
+)
 from gonka_node.aggregator.shard import (
     BASE_KEY,
     FragmentReport,
@@ -41,6 +49,7 @@ from gonka_node.aggregator.store import RoundRow, SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
 from gonka_node.core.fragments import fragment_root, plan_fragments
 from training.checkpoint import HASH_FORMAT, canonical_sha256
+from training.codecs import round_seed
 from training.diloco import OuterOptimizer, StreamingAverager
 from training.durable import atomic_write
 from training.hf_export import MODEL_CONFIG_KEY
@@ -286,7 +295,9 @@ def aggregate_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict) -> d
 def step_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict, base: Mapping[str, Tensor]) -> bytes:
     """Aggregate, outer-step and write this shard's fragment; returns the fragment's canonical hash."""
     ctx, row = i.ctx, i.round_row
-    update = aggregate_fragment(i, role, verdict)
+    sent = prepare_broadcast(ctx.broadcast, aggregate_fragment(i, role, verdict), ctx.codec_name,
+                             round_seed(ctx.epoch_seed, row.round), i.prev_residual)
+    update = sent.update
     step_from = base
     if i.step_base is not None:
         step_from = load_fragment(i.checkpoints, *i.step_base, role, ctx.initial_checkpoint)
@@ -302,7 +313,7 @@ def step_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict, base: Map
     if ctx.model_config is not None:
         meta[MODEL_CONFIG_KEY] = ctx.model_config
     sha = i.checkpoints.save(i.store.checkpoint_path(row.epoch, row.round), params, meta)
-    _save_durably(i.store.update_path(row.epoch, row.round), update, meta)
+    save_broadcast(i.store.update_path(row.epoch, row.round), sent, meta)
     sketch = sketch_at(role, update)
     atomic_write(_sketch_path(i.store, row.epoch, row.round), lambda tmp: tmp.write_bytes(sketch))
     _save_durably(

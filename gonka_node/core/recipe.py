@@ -114,8 +114,6 @@ class Recipe:
             raise RecipeError(f"broadcast: must be one of dense, codec, got {self.broadcast!r}")
         if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards <= 0:
             raise RecipeError(f"shards: must be a positive integer, got {self.shards!r}")
-        if self.shards > 1 and self.broadcast != "dense":
-            raise RecipeError("shards: a sharded epoch serves its update dense (broadcast = \"dense\")")
         if self.tokenizer and (len(self.tokenizer) != 64 or set(self.tokenizer) - set("0123456789abcdef")):
             raise RecipeError("tokenizer: must be the 64 lower-case hex digits of tokenizer.json's sha256")
         if self.assignment_seed not in ASSIGNMENT_SEEDS:

@@ -61,6 +61,25 @@ def split_payload(codec: Codec, payload: bytes, spec: Spec, shards: int) -> list
     return [codec.header(f.spec(spec)) + b"".join(parts[n] for n in f.names) for f in plan_fragments(spec, shards)]
 
 
+def join_payload(codec: Codec, fragments: Sequence[bytes], spec: Spec) -> bytes:
+    """The whole encoded payload of S fragment payloads in fragment order (`split_payload`'s inverse:
+    a sharded epoch's compressed broadcast, one fragment from each shard). Each fragment must be its
+    fragment's encoding in length and header; its values are checked where the result is (decoded,
+    then the stepped model against the chain's hash)."""
+    sections: dict[str, bytes] = {}
+    for fragment, data in zip(plan_fragments(spec, len(fragments)), fragments, strict=True):
+        own = fragment.spec(spec)
+        header = codec.header(own)
+        if len(data) != codec.encoded_size(own) or data[:HEADER_SIZE] != header:
+            raise SplitError(f"fragment {fragment.index}: not the {codec.name} encoding of its "
+                             f"{len(own)} tensors ({len(data)} bytes, {codec.encoded_size(own)} expected)")
+        pos = HEADER_SIZE
+        for name in fragment.names:  # sorted, as the fragment's payload lays them out
+            size = codec.encoded_size({name: spec[name]}) - HEADER_SIZE
+            sections[name], pos = data[pos : pos + size], pos + size
+    return codec.header(spec) + b"".join(sections[name] for name in sorted(spec))
+
+
 def submit_fragments(
     clients: Sequence[ShardClient], round_: int, fragments: Sequence[bytes], host: bytes, key: SigningKey,
     tokens: int,
@@ -122,7 +141,8 @@ def sharded_aggregator(chain: Any, epoch: int, recipe: Recipe, link: Link | None
         spec = {n: tuple(p.shape) for n, p in Llama(recipe.model).named_parameters()}
     codec = get_codec(recipe.codec)
     clients = [AggregatorClient(a.endpoint, a.tls_cert_pem, link=link) for a in announced]
-    return ShardedAggregator(clients, lambda r: codec.for_round(round_seed(recipe.epoch_seed, r)), spec)
+    return ShardedAggregator(clients, lambda r: codec.for_round(round_seed(recipe.epoch_seed, r)), spec,
+                             recipe.broadcast)
 
 
 class ShardedAggregator:
@@ -131,8 +151,10 @@ class ShardedAggregator:
     round's update and checkpoint are every shard's fragment merged (check them with
     `core.fragments.model_root` against the chain)."""
 
-    def __init__(self, clients: Sequence[AggregatorClient], codec_for: Callable[[int], Codec], spec: Spec) -> None:
+    def __init__(self, clients: Sequence[AggregatorClient], codec_for: Callable[[int], Codec], spec: Spec,
+                 broadcast: str = "dense") -> None:
         self.clients, self.codec_for, self.spec = list(clients), codec_for, dict(spec)
+        self.broadcast = broadcast  # the recipe's: "codec" updates are payloads joined, not files merged
         self.target = ", ".join(c.target for c in self.clients)
         # (round, host) -> the shards that hold its fragment: a retry skips them (one that reached its
         # quorum is closing and refuses even to open the round, so it cannot answer DUPLICATE)
@@ -178,7 +200,11 @@ class ShardedAggregator:
         return self.clients[0].reward_proof(epoch, round_, host)
 
     def round_update(self, epoch: int, round_: int) -> Downloaded:
-        return _merged([c.round_update(epoch, round_) for c in self.clients])
+        parts = [c.round_update(epoch, round_) for c in self.clients]
+        if self.broadcast != "codec":
+            return _merged(parts)
+        data = join_payload(self.codec_for(round_), [p.data for p in parts], self.spec)
+        return Downloaded(_meta_of(parts[0].meta, data), data)
 
     def checkpoint(self, epoch: int, round_: int) -> Downloaded:
         return _merged([c.checkpoint(epoch, round_) for c in self.clients])
@@ -190,10 +216,15 @@ def _merged(parts: Sequence[Downloaded]) -> Downloaded:
     for part in parts:
         tensors.update(load(part.data))
     data = save(tensors, metadata=_plain_metadata(parts[0].data))
+    return Downloaded(_meta_of(parts[0].meta, data), data)
+
+
+def _meta_of(first: common.FileMeta, data: bytes) -> common.FileMeta:
+    """The first part's FileMeta (epoch, round, content hash), describing `data`'s bytes."""
     meta = common.FileMeta()
-    meta.CopyFrom(parts[0].meta)
+    meta.CopyFrom(first)
     meta.length, meta.file_sha256 = len(data), hashlib.sha256(data).digest()
-    return Downloaded(meta, data)
+    return meta
 
 
 def _plain_metadata(data: bytes) -> dict[str, str]:

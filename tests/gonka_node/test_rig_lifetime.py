@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,48 +42,43 @@ time.sleep(120)
 """
 
 
-def start_agent(daemon: int) -> tuple[subprocess.Popen[str], int]:
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, RIG_PROCESS.format(daemon=daemon)],
+@contextmanager
+def daemon_agent_and_rig_process() -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[str], int]]:
+    """A stand-in daemon, an agent, and the rig process the agent started (its death signal armed);
+    whatever is left of them is killed afterwards."""
+    daemon = subprocess.Popen(["sleep", "120"])
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, RIG_PROCESS.format(daemon=daemon.pid)],
                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
     assert agent.stdout is not None
     child = int(agent.stdout.readline())
-    assert agent.stdout.readline() == "following\n"  # the rig process inherits the agent's stdout
-    return agent, child
+    try:
+        assert agent.stdout.readline() == "following\n"  # the rig process inherits the agent's stdout
+        yield daemon, agent, child
+    finally:
+        for proc in (agent, daemon):
+            proc.kill()
+            proc.wait()
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_rig_process_dies_with_its_agent_though_it_runs_in_a_session_of_its_own() -> None:
-    daemon = subprocess.Popen(["sleep", "120"])
-    agent, child = start_agent(daemon.pid)
-    try:
+    with daemon_agent_and_rig_process() as (daemon, agent, child):
         assert alive(child) and os.getsid(child) == child  # its own session: killpg(agent) misses it
         agent.kill()
         agent.wait()
         assert wait_gone(child), "the rig process outlived its agent"
         assert daemon.poll() is None  # the daemon is not the rig's to stop
-    finally:
-        for proc in (agent, daemon):
-            proc.kill()
-            proc.wait()
-        if alive(child):
-            os.kill(child, signal.SIGKILL)
 
 
 def test_a_rig_process_stops_its_agent_and_itself_when_the_daemon_is_gone() -> None:
-    daemon = subprocess.Popen(["sleep", "120"])
-    agent, child = start_agent(daemon.pid)
-    try:
+    with daemon_agent_and_rig_process() as (daemon, agent, child):
         assert alive(child)
         daemon.kill()
         daemon.wait()
         assert agent.wait(timeout=20) == -signal.SIGTERM  # the agent is told to stop (it restarts nothing)
         assert wait_gone(child)
-    finally:
-        for proc in (agent, daemon):
-            proc.kill()
-            proc.wait()
-        if alive(child):
-            os.kill(child, signal.SIGKILL)
 
 
 def test_a_rig_that_takes_no_step_fails_the_round_and_is_stopped(tmp_path: Path) -> None:

@@ -10,13 +10,16 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from agg_harness import AGGREGATOR
-from engine_kit import SECOND_AGGREGATOR, SPEC, Kit, initial_tensors, payload, update
+from engine_kit import SECOND_AGGREGATOR, SPEC, Host, Kit, chunks, initial_tensors, payload, update
 from nacl.signing import SigningKey
+from safetensors.torch import load_file
 
+from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.reasons import Reason
@@ -33,11 +36,15 @@ from gonka_node.aggregator.shard import (
 )
 from gonka_node.aggregator.shard_close import file_sha256, load_fragment, read_fragment_hashes
 from gonka_node.aggregator.store import Store
+from gonka_node.core.client import Downloaded
 from gonka_node.core.config import AggregationSettings
 from gonka_node.core.fragments import fragment_proof, fragment_root, verify_fragment
 from gonka_node.core.recipe import Recipe, RecipeError
 from gonka_node.epoch_setup import shard_context
+from gonka_node.host.shards import ShardedAggregator, SplitError, join_payload, split_payload
+from proto.gonka.v1 import common_pb2 as common
 from training.checkpoint import load_checkpoint
+from training.codecs import get_codec
 from training.model import ModelConfig
 
 ORDER = (AGGREGATOR, SECOND_AGGREGATOR)  # epoch4's aggregators on chain: shard 0, shard 1
@@ -47,12 +54,12 @@ def address(kit: Kit, i: int) -> bytes:
     return bytes.fromhex(kit.world.chain.accounts[i].address[2:])
 
 
-def shard_engine(kit: Kit, i: int, exchange: ShardExchange) -> RoundEngine:
+def shard_engine(kit: Kit, i: int, exchange: ShardExchange, **ctx_fields: Any) -> RoundEngine:
     """Shard i of epoch4 on its own store (a second call: the same shard restarted)."""
     whole = kit.context(kit.world.epoch4)
     role = shard_role(whole.spec, [address(kit, a) for a in ORDER], address(kit, ORDER[i]), kit.aggregation.rule)
     assert role is not None
-    ctx = dataclasses.replace(whole, spec=role.spec, shard=role)
+    ctx = dataclasses.replace(whole, spec=role.spec, shard=role, **ctx_fields)
     e = RoundEngine(
         ctx, kit.settings, kit.aggregation, Store(kit.tmp / f"shard{i}").open(),
         ChainView(kit.world.chain.client(ORDER[i])), TrainingCheckpoints(), SigningKey(bytes([ORDER[i]]) * 32),
@@ -128,6 +135,66 @@ def test_two_shards_equal_one_aggregator_bit_for_bit_and_finalize_once_with_the_
     assert verdict.clip_norms[kit.hosts[2].address] > verdict.tau  # the clip was exercised
     # Waiting for the other shard is not a failure: no warning says so (an unrevealed seed still does).
     assert not [m for m in caplog.messages if "ShardPending" in m]
+
+
+def submit_as(kit: Kit, e: RoundEngine, h: Host, data: bytes, codec: str) -> bool:
+    sub = kit.header(e, h, data, codec=codec)
+    return kit.run(e.submit(sub, sub.sign(h.key), chunks(data), e.stream_guard("test"))).body.accepted
+
+
+def test_two_shards_broadcast_the_compressed_update_one_aggregator_would_byte_for_byte(kit: Kit) -> None:
+    """`broadcast = "codec"` (int8): each shard encodes its fragment of the aggregate with its own
+    residual; joined in fragment order, the shards' payloads are the one aggregator's byte for byte,
+    round after round (the residual carried), and so is what a host following the shards decodes."""
+    codec_fields: dict[str, Any] = dict(codec_name="int8", codec=get_codec("int8"), broadcast="codec")
+    whole = kit.engine(start=False)
+    whole.ctx = dataclasses.replace(whole.ctx, **codec_fields)
+    whole.start()
+    shards = [shard_engine(kit, i, LocalExchange(), **codec_fields) for i in range(2)]
+    exchange = LocalExchange()
+    for s in shards:
+        s.exchange = exchange
+    ep, ep4 = kit.world.epoch, kit.world.epoch4
+    for r in (1, 2):
+        codec = whole.ctx.codec_for(r)
+        for i, h in enumerate(kit.hosts):
+            data = codec.encode(update(10 * r + i))
+            assert submit_as(kit, whole, h, data, "int8")
+            for s, fragment in zip(shards, split_payload(codec, data, SPEC, 2), strict=True):
+                assert submit_as(kit, s, h, fragment, "int8")
+        kit.run(whole.tick())
+        for _ in range(3):
+            for s in shards:
+                kit.run(s.tick())
+        assert [s.store.get_round(ep4, r).state for s in shards] == ["finalized"] * 2  # type: ignore[union-attr]
+        sent = whole.store.update_path(ep, r).read_bytes()
+        parts = [s.store.update_path(ep4, r).read_bytes() for s in shards]
+        assert join_payload(codec, parts, SPEC) == sent
+        residual = load_file(str(residual_path(whole.store.update_path(ep, r))))
+        assert any(float(t.abs().max()) > 0 for t in residual.values())  # int8 held something back
+        model = tensors(whole.store.checkpoint_path(ep, r))
+        for s in shards:
+            own = load_file(str(residual_path(s.store.update_path(ep4, r))))
+            assert set(own) == set(s.ctx.spec) and all(torch.equal(own[n], residual[n]) for n in own)
+            assert all(torch.equal(t, model[n]) for n, t in tensors(s.store.checkpoint_path(ep4, r)).items())
+        # A host's view of the shards: their fragments joined into the payload it decodes.
+        clients = [_Serving(s.store.update_path(ep4, r).read_bytes()) for s in shards]
+        joined = ShardedAggregator(clients, whole.ctx.codec_for, SPEC, "codec").round_update(ep4, r)  # type: ignore[arg-type]
+        assert joined.data == sent and joined.meta.length == len(sent)
+    with pytest.raises(SplitError, match="fragment 1: not the int8 encoding of its 1 tensors"):
+        join_payload(codec, [parts[0], parts[1][:-1]], SPEC)
+
+
+class _Serving:
+    """An aggregator client serving one update file (the part of `AggregatorClient` a host's follower uses)."""
+
+    target = "127.0.0.1:0"
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def round_update(self, epoch: int, round_: int) -> Downloaded:
+        return Downloaded(common.FileMeta(epoch=epoch, round=round_, length=len(self.data)), self.data)
 
 
 def test_a_shard_accepts_only_its_fragment(kit: Kit) -> None:
