@@ -9,7 +9,7 @@ it on 127.0.0.1 (`[aggregator] metrics_port`). Names:
 |---|---|---|
 | `gonka_aggregator_rounds_total` | counter | `state`: finalized, skipped |
 | `gonka_aggregator_round` | gauge | the latest round closed |
-| `gonka_aggregator_submissions_total` | counter | `outcome`: accepted, or the rejection reason (LATE, COPY, …) |
+| `gonka_aggregator_submissions_total` | counter | `outcome`: accepted (receipted), or the rejection reason (LATE, COPY, …; a decode-time reason when a receipted payload fails its checks) |
 | `gonka_aggregator_payload_bytes_total` | counter | payload bytes of accepted submissions |
 | `gonka_aggregator_update_bytes_total` | counter | aggregated-update bytes served (`GetRoundUpdate`: hosts' downloads) |
 | `gonka_aggregator_close_seconds` | histogram | from a round's close to its result recorded (chain included) |

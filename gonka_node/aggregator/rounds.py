@@ -13,6 +13,11 @@ States (table `rounds`): open → finalizing → finalized, or open → skipping
 - Copies are ordered by when each host's signed header arrived, not when its upload completed: a
   header commits to the payload digest before any payload byte travels, so whoever saw an honest
   host's bytes on the wire can only send its own header later.
+- A receipt follows the sha256 and the durable store only (plus the checks that need no decode:
+  envelope, signature, limits, round, duplicate, digest copy): the row is stored `pending` and its
+  decode-time checks (names, shapes, finiteness, norm, sketch) run in a bounded pool afterwards
+  (aggregator/deferred.py). The round's tick and close first wait for the round's pending checks; a
+  payload that fails one is recorded as failed (evidence kept, as for a refusal) and is no submission.
 - Closing: (compute, pure) score, copy detection, robust aggregate, outer step, checkpoint, rewards;
   (record) the intent, with everything the chain transaction will say; (chain) finalize unless the
   chain already shows this round finalized; (record) done. A restart in between re-reads the intent
@@ -42,6 +47,7 @@ from chain.seed import new_secret
 from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.chain_view import ChainView, Member
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, reward_tree
+from gonka_node.aggregator.deferred import CheckPool
 from gonka_node.aggregator.eager import EagerBases
 from gonka_node.aggregator.ingest import StreamGuard, StreamLimits, receive_payload
 from gonka_node.aggregator.metrics import RoundMetrics
@@ -51,11 +57,12 @@ from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.shard import ShardExchange, ShardPending, ShardRole
 from gonka_node.aggregator.shard_close import close_fragment
-from gonka_node.aggregator.store import RoundRow, Store, SubmissionRow, now_ms
+from gonka_node.aggregator.store import PENDING, RoundRow, Store, SubmissionRow, now_ms
 from gonka_node.aggregator.validate import Codec, mapped, scan_update
 from gonka_node.core.config import AggregationSettings, RoundSettings
 from gonka_node.core.envelope import ReceiptBody, Submission
 from training.codecs import round_seed
+from training.durable import fsync_path
 from training.model import Llama
 from training.overlap import base_round
 
@@ -164,13 +171,15 @@ class RoundEngine:
         self.stream_limits = StreamLimits(
             settings.stream_idle_s, settings.stream_setup_s, settings.min_upload_kib_per_s * 1024
         )
-        # Payloads checked at once, each in a worker thread (torch and numpy release the GIL), each
-        # holding one decoded tensor (validate.scan_update): memory stays bounded by slots × a tensor.
-        self._decode_slots = asyncio.Semaphore(DECODE_SLOTS)
+        # Payloads checked at once after their receipts, each in a worker thread (torch and numpy release
+        # the GIL), each holding one decoded tensor (validate.scan_update): memory stays bounded by
+        # slots × a tensor, whatever the backlog (aggregator/deferred.py).
+        self.checks = CheckPool(DECODE_SLOTS, self._check_stored)
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()
         self._signin_closed_seen = False
         self._members_of_round: tuple[int, set[bytes]] | None = None  # (round, hosts that may submit)
+        self._warmed: tuple[int, int] | None = None  # the round whose hosts' records were read ahead
         self._close_failed: bool | None = None  # skip flag of a close that failed and must be retried
         self._close_failures: tuple[int, int] = (0, 0)  # (attempts, first failure ms)
         self._opening_failed = 0  # failed attempts to open the next round (its seed commitment): retried
@@ -341,7 +350,8 @@ class RoundEngine:
     async def submit(
         self, sub: Submission, signature: bytes, chunks: AsyncIterator[bytes], guard: StreamGuard
     ) -> SignedReceipt:
-        """Authenticate, stream, validate, persist; returns the signed acceptance or raises Rejected.
+        """Authenticate, stream, persist; returns the signed receipt ("received and stored durably; checks
+        pending") or raises Rejected. The decode-time checks are queued (`checks`) after the store.
         `guard` (armed by the caller) times the stream until its payload is in; it is disarmed then."""
         await self.authenticate(sub, signature)
         started = self.clock()
@@ -355,54 +365,83 @@ class RoundEngine:
                 incoming=self.store.incoming,
                 guard=guard,
             )
-            guard.disarm()  # received: decoding and storing are not interrupted (LATE is checked below)
+            guard.disarm()  # received: storing is not interrupted (LATE is checked below)
             try:
-                async with self._decode_slots:
-                    try:
-                        checked = await asyncio.to_thread(self._check, part, sub.round)
-                    except Rejected as exc:  # the bytes hash to the signed digest: provably the host's
-                        if self.evidence is not None:
-                            self.evidence.signed_rejection(sub, signature, exc.reason, exc.message, part)
-                        raise
+                # Off the event loop: the store's own fsync at `add_submission` then finds nothing to flush.
+                await asyncio.to_thread(fsync_path, part)
                 # The round may have closed while we streamed: its aggregate no longer takes updates.
                 r = self.current
                 if self.closing or r is None or (r.epoch, r.round) != (sub.epoch, sub.round):
                     raise Rejected(
                         Reason.LATE, f"round {sub.epoch}/{sub.round} closed while the payload streamed"
                     )
-                received = self.clock()
-                row = SubmissionRow(
-                    epoch=sub.epoch,
-                    round=sub.round,
-                    host=sub.host,
-                    payload_sha256=sub.payload_sha256,
-                    payload_length=sub.payload_length,
-                    tokens_trained=sub.tokens_trained,
-                    timestamp_ms=sub.timestamp_ms,
-                    signature=signature,
-                    received_ms=received,
-                    started_ms=started,
-                    norm=checked[0],
-                    sketch=checked[1],
-                    path=str(self.store.payload_path(sub.epoch, sub.round, sub.host)),
-                )
+                row = self._pending_row(sub, signature, started)
                 self.store.add_submission(row, part)
             finally:
                 part.unlink(missing_ok=True)
         finally:
             self._in_flight.pop(sub.host, None)
-        return self.receipt(sub, accepted=True, reason=0, received_ms=received)
+        self.checks.schedule(row)
+        return self.receipt(sub, accepted=True, reason=0, received_ms=row.received_ms)
+
+    def _pending_row(self, sub: Submission, signature: bytes, started: int) -> SubmissionRow:
+        """The stored row of a received payload whose checks have not run (no norm, no sketch yet)."""
+        return SubmissionRow(
+            epoch=sub.epoch,
+            round=sub.round,
+            host=sub.host,
+            payload_sha256=sub.payload_sha256,
+            payload_length=sub.payload_length,
+            tokens_trained=sub.tokens_trained,
+            timestamp_ms=sub.timestamp_ms,
+            signature=signature,
+            received_ms=self.clock(),
+            started_ms=started,
+            norm=0.0,
+            sketch=b"",
+            path=str(self.store.payload_path(sub.epoch, sub.round, sub.host)),
+            check_state=PENDING,
+        )
+
+    def _check_stored(self, row: SubmissionRow) -> None:
+        """A stored payload's decode-time checks and their verdict, recorded (in a check thread). A
+        failure is what a refusal at upload was: the signed garbage kept as evidence, the reason
+        recorded and counted, and the host's payload no submission (it may send another)."""
+        try:
+            norm, sketch = self._check(Path(row.path), row.round)
+        except Rejected as exc:  # the bytes hash to the signed digest: provably the host's
+            log.info("payload of 0x%s in round %d/%d failed its checks: %s", row.host.hex(), row.epoch, row.round, exc)
+            if self.evidence is not None:
+                self.evidence.signed_rejection(self._signed(row), row.signature, exc.reason, exc.message, Path(row.path))
+            self.store.mark_failed(row.epoch, row.round, row.host, exc.reason.value, exc.message)
+            Path(row.path).unlink(missing_ok=True)  # as a refused upload's: only the evidence keeps its bytes
+            self.metrics.submission(exc.reason.name)
+            return
+        self.store.mark_checked(row.epoch, row.round, row.host, norm, sketch)
+
+    def _signed(self, row: SubmissionRow) -> Submission:
+        """The header the host signed for a stored row (the fields authenticate() held equal to the round's)."""
+        r = self.store.get_round(row.epoch, row.round)
+        assert r is not None
+        return Submission(
+            chain_id=self.ctx.chain_id, registry=self.ctx.registry, epoch=row.epoch, round=row.round,
+            host=row.host, base_checkpoint_sha256=r.base_sha256, codec=self.ctx.codec_name,
+            payload_sha256=row.payload_sha256, payload_length=row.payload_length,
+            tokens_trained=row.tokens_trained, timestamp_ms=row.timestamp_ms,
+        )
+
+    def resume_checks(self) -> int:
+        """Queue the checks of every stored payload of the epoch still pending (after a restart, or a
+        check that failed for a reason of ours); returns how many were queued now."""
+        return sum(self.checks.schedule(row) for row in self.store.pending_submissions(self.ctx.epoch))
 
     def _check(self, part: Path, round_: int) -> tuple[float, bytes]:
-        """Decode and check the spooled payload (memory-mapped, not copied), then make it durable here,
-        off the event loop: the store's own fsync at `add_submission` then finds nothing to flush."""
-        with open(part, "rb+") as f:
-            with mapped(f) as data:
-                offsets = None if self.ctx.shard is None else self.ctx.shard.offsets
-                norm, sketch = scan_update(
-                    self.ctx.codec_for(round_), data, self.ctx.spec, self.settings.max_update_norm, offsets
-                )
-            os.fsync(f.fileno())
+        """Decode and check a stored payload, memory-mapped, not copied."""
+        with open(part, "rb") as f, mapped(f) as data:
+            offsets = None if self.ctx.shard is None else self.ctx.shard.offsets
+            norm, sketch = scan_update(
+                self.ctx.codec_for(round_), data, self.ctx.spec, self.settings.max_update_norm, offsets
+            )
         return norm, sketch.numpy().tobytes()
 
     def receipt(
@@ -438,7 +477,11 @@ class RoundEngine:
             if self._close_failed is not None:
                 await self.close(skip=self._close_failed)
             return
-        accepted = self.store.submitted_hosts(r.epoch, r.round)
+        await self._warm_members(r)
+        # What counts is checked: the round's pending checks first (uploads go on meanwhile).
+        self.resume_checks()
+        await self.checks.drain(r.epoch, r.round)
+        accepted = self.store.submitted_hosts(r.epoch, r.round, checked_only=True)
         everyone = await self._everyone_submitted(r, accepted)
         if everyone or (self.clock() > r.deadline_ms and len(accepted) >= self.settings.quorum):
             await self.close(skip=False)
@@ -451,6 +494,17 @@ class RoundEngine:
             )
         elif self.clock() > r.deadline_ms:
             await self.close(skip=True)
+
+    async def _warm_members(self, r: RoundRow) -> None:
+        """Once per round, the hosts' chain records read in one pass (uploads then authenticate from the
+        cache); best effort: on a chain failure each upload reads its own record, as without."""
+        if self._warmed == (r.epoch, r.round):
+            return
+        self._warmed = (r.epoch, r.round)
+        try:
+            await self.chain.warm(r.epoch)
+        except Exception as exc:  # the chain is unreachable: nothing lost, uploads read it themselves
+            log.debug("round %d/%d: could not read the hosts' records ahead (%s)", r.epoch, r.round, exc)
 
     async def _signin_closed(self, epoch: int) -> bool:
         """Whether the chain's latest block is past the epoch's sign-in window (cached once true)."""
@@ -484,6 +538,13 @@ class RoundEngine:
         self.closing = True
         self.closed_for_submissions.set()
         self._closing_since = self._closing_since or time.monotonic()
+        # No payload can be stored from here on; those stored before are checked before the close reads them.
+        self.resume_checks()
+        await self.checks.drain(r.epoch, r.round)
+        if any(p.round == r.round for p in self.store.pending_submissions(r.epoch)):  # a check of ours failed
+            self._close_failed = skip
+            log.warning("round %d/%d: payloads still unchecked; the close waits for them", r.epoch, r.round)
+            return
         try:
             row = await asyncio.to_thread(self._close_sync, r, skip)
         except ShardPending as exc:  # a shard waiting on the others is not failing: retried quietly

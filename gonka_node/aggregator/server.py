@@ -22,7 +22,7 @@ from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
 from gonka_node.aggregator.shard_net import NetExchange
 from gonka_node.aggregator.shard_service import ShardService
-from gonka_node.aggregator.store import RoundRow
+from gonka_node.aggregator.store import CHECKED, FAILED, PENDING, RoundRow
 from gonka_node.core.config import RoundSettings
 from gonka_node.core.envelope import EnvelopeError, Submission
 from gonka_node.core.storage import ObjectMissing, StoreError
@@ -62,6 +62,8 @@ STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.STREAM_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.OBJECT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
+CHECK_STATES = {PENDING: pb.SubmissionStatus.PENDING, CHECKED: pb.SubmissionStatus.CHECKED,
+                FAILED: pb.SubmissionStatus.FAILED}
 STORE_READ = 8 << 20  # bytes of a stored payload read per range request (then cut into chunks)
 
 
@@ -255,6 +257,22 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             ("gonka-receipt-bin", receipt_pb(signed, exc.message).SerializeToString()),
         )
         await context.abort(STATUS[exc.reason], exc.message, trailing_metadata=trailing)
+
+    async def GetSubmission(
+        self, request: pb.SubmissionRef, context: grpc.aio.ServicerContext
+    ) -> pb.SubmissionStatus:
+        row = self.engine.store.submission(request.epoch, request.round, bytes(request.host))
+        if row is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no payload of 0x{bytes(request.host).hex()} is "
+                                f"stored in round {request.epoch}/{request.round}")
+            raise AssertionError("unreachable: abort raises")
+        return pb.SubmissionStatus(
+            state=CHECK_STATES[row.check_state],
+            reason=cast(common.RejectReason, row.check_reason),
+            message=row.check_message,
+            payload_sha256=row.payload_sha256,
+            received_unix_ms=row.received_ms,
+        )
 
     async def GetRoundResult(self, request: pb.RoundRef, context: grpc.aio.ServicerContext) -> pb.RoundResult:
         row = await self._done_round(request.epoch, request.round, context)
@@ -509,6 +527,7 @@ class AggregatorServer:
             await self._server.stop(grace_s)
         if isinstance(self.engine.exchange, NetExchange):
             self.engine.exchange.close()
+        await asyncio.to_thread(self.engine.checks.close)  # pending rows stay so: a restart checks them
 
     async def wait(self) -> None:
         assert self._server is not None

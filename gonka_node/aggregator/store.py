@@ -1,7 +1,10 @@
 """Durable aggregator state: SQLite (WAL, synchronous=FULL) plus fsync'd payload files.
 
 The rule (invariant 3): a submission is on disk — file renamed into place and fsync'd, row committed —
-before its receipt leaves the process. Round finalization is recorded as an *intent* before the chain
+before its receipt leaves the process. A row is stored `pending` (received, its decode-time checks not
+yet run), then becomes `checked` (norm and sketch filled in) or `failed` (the refusal recorded): only
+checked rows are a round's submissions (`submissions`), and a restarted aggregator finds the pending
+ones (`pending_submissions`) and checks them (aggregator/deferred.py). Round finalization is recorded as an *intent* before the chain
 transaction is sent, so a restarted aggregator checks the chain instead of finalizing twice.
 """
 
@@ -17,6 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.durable import durable_replace
+
+PENDING, CHECKED, FAILED = "pending", "checked", "failed"  # submissions.check_state
+LIVE = f"check_state != '{FAILED}'"  # a stored payload that counts: the host may not send another
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rounds (
@@ -52,6 +59,9 @@ CREATE TABLE IF NOT EXISTS submissions (
     sketch BLOB NOT NULL,
     path TEXT NOT NULL,
     started_ms INTEGER NOT NULL DEFAULT 0,  -- when its signed header arrived (orders copies)
+    check_state TEXT NOT NULL DEFAULT 'checked',  -- pending | checked | failed (decode-time checks)
+    check_reason INTEGER NOT NULL DEFAULT 0,      -- failed: the RejectReason number
+    check_message TEXT NOT NULL DEFAULT '',       -- failed: what the host is told
     PRIMARY KEY (epoch, round, host)
 );
 CREATE TABLE IF NOT EXISTS contributions (
@@ -102,6 +112,9 @@ class SubmissionRow:
     sketch: bytes
     path: str
     started_ms: int = 0  # when the signed header arrived: the order in which copies are judged
+    check_state: str = CHECKED  # PENDING until its decode-time checks ran (norm and sketch then filled in)
+    check_reason: int = 0  # FAILED: the RejectReason number
+    check_message: str = ""  # FAILED: what the host is told
 
 
 @dataclass(frozen=True)
@@ -278,7 +291,9 @@ class Store:
     # ---- submissions -------------------------------------------------------------------------------
 
     def add_submission(self, row: SubmissionRow, part: Path) -> None:
-        """Move a fully received, verified payload into place and record it; durable on return."""
+        """Move a fully received, verified payload into place and record it (`row.check_state`: PENDING
+        when its decode-time checks run later); durable on return. Replaces a FAILED row of the host:
+        a payload that failed its checks is no submission, as a refusal at upload is none."""
         final = Path(row.path)
         final.parent.mkdir(parents=True, exist_ok=True)
         durable_replace(part, final)
@@ -289,10 +304,12 @@ class Store:
                 ).fetchone()
                 if state is None or state[0] != "open":
                     raise sqlite3.IntegrityError(f"round {row.epoch}/{row.round} is not open")
+                db.execute("DELETE FROM submissions WHERE epoch=? AND round=? AND host=? AND check_state=?",
+                           (row.epoch, row.round, row.host, FAILED))
                 db.execute(
                     "INSERT INTO submissions (epoch, round, host, payload_sha256, payload_length, tokens_trained, "
-                    "timestamp_ms, signature, received_ms, norm, sketch, path, started_ms) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "timestamp_ms, signature, received_ms, norm, sketch, path, started_ms, check_state) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         row.epoch,
                         row.round,
@@ -307,6 +324,7 @@ class Store:
                         row.sketch,
                         row.path,
                         row.started_ms,
+                        row.check_state,
                     ),
                 )
         except BaseException:
@@ -314,26 +332,57 @@ class Store:
             raise
 
     def submissions(self, epoch: int, round_: int) -> list[SubmissionRow]:
-        """Accepted submissions of a round in increasing host-address order (the aggregation order)."""
+        """Checked submissions of a round in increasing host-address order (the aggregation order)."""
+        return self._submissions("epoch=? AND round=? AND check_state=?", (epoch, round_, CHECKED))
+
+    def pending_submissions(self, epoch: int | None = None) -> list[SubmissionRow]:
+        """Received payloads whose decode-time checks have not run (of one epoch, or all), oldest first."""
+        if epoch is None:
+            return self._submissions("check_state=?", (PENDING,))
+        return self._submissions("epoch=? AND check_state=?", (epoch, PENDING))
+
+    def submission(self, epoch: int, round_: int, host: bytes) -> SubmissionRow | None:
+        """The host's stored payload in the round, whatever its check state (None: nothing stored)."""
+        if not (_storable(epoch) and _storable(round_)):
+            return None
+        rows = self._submissions("epoch=? AND round=? AND host=?", (epoch, round_, host))
+        return rows[0] if rows else None
+
+    def _submissions(self, where: str, args: tuple[object, ...]) -> list[SubmissionRow]:
         with self._tx() as db:
-            cur = db.execute(
-                "SELECT * FROM submissions WHERE epoch=? AND round=? ORDER BY host", (epoch, round_)
-            )
+            cur = db.execute(f"SELECT * FROM submissions WHERE {where} ORDER BY host", args)
             names = [d[0] for d in cur.description]
             return [SubmissionRow(**dict(zip(names, r, strict=True))) for r in cur.fetchall()]
 
-    def submitted_hosts(self, epoch: int, round_: int) -> set[bytes]:
-        """Hosts with an accepted submission in the round: what the round's tick asks several times a
-        second, without reading every row's 16 KB sketch (`submissions`)."""
+    def mark_checked(self, epoch: int, round_: int, host: bytes, norm: float, sketch: bytes) -> None:
+        """A pending payload passed its checks: its norm and sketch, and it counts from now on."""
+        self._set_check(epoch, round_, host, "norm=?, sketch=?, check_state=?", (norm, sketch, CHECKED))
+
+    def mark_failed(self, epoch: int, round_: int, host: bytes, reason: int, message: str) -> None:
+        """A pending payload failed a check: recorded with its reason; excluded from the round."""
+        self._set_check(epoch, round_, host, "check_state=?, check_reason=?, check_message=?",
+                        (FAILED, reason, message))
+
+    def _set_check(self, epoch: int, round_: int, host: bytes, assign: str, values: tuple[object, ...]) -> None:
         with self._tx() as db:
-            rows = db.execute("SELECT host FROM submissions WHERE epoch=? AND round=?", (epoch, round_)).fetchall()
+            db.execute(f"UPDATE submissions SET {assign} WHERE epoch=? AND round=? AND host=? AND check_state=?",
+                       (*values, epoch, round_, host, PENDING))
+
+    def submitted_hosts(self, epoch: int, round_: int, checked_only: bool = False) -> set[bytes]:
+        """Hosts with a stored payload in the round that counts (pending or checked; `checked_only`:
+        checked): what the round's tick asks several times a second, without the rows' 16 KB sketches."""
+        where = "check_state=?" if checked_only else "check_state!=?"
+        args = (epoch, round_, CHECKED if checked_only else FAILED)
+        with self._tx() as db:
+            rows = db.execute(f"SELECT host FROM submissions WHERE epoch=? AND round=? AND {where}", args).fetchall()
         return {bytes(r[0]) for r in rows}
 
     def has_submission(self, epoch: int, round_: int, host: bytes) -> bool:
+        """Whether the host has a payload in the round that counts (pending or checked)."""
         with self._tx() as db:
             return (
                 db.execute(
-                    "SELECT 1 FROM submissions WHERE epoch=? AND round=? AND host=?", (epoch, round_, host)
+                    f"SELECT 1 FROM submissions WHERE epoch=? AND round=? AND host=? AND {LIVE}", (epoch, round_, host)
                 ).fetchone()
                 is not None
             )
@@ -341,7 +390,7 @@ class Store:
     def digest_owner(self, epoch: int, round_: int, payload_sha256: bytes) -> bytes | None:
         with self._tx() as db:
             row = db.execute(
-                "SELECT host FROM submissions WHERE epoch=? AND round=? AND payload_sha256=?",
+                f"SELECT host FROM submissions WHERE epoch=? AND round=? AND payload_sha256=? AND {LIVE}",
                 (epoch, round_, payload_sha256),
             ).fetchone()
         return None if row is None else bytes(row[0])
@@ -351,6 +400,9 @@ def _add_missing_columns(db: sqlite3.Connection) -> None:
     """Bring a store written by an older version up to the schema (columns added since, with defaults)."""
     for table, column, decl in (("submissions", "started_ms", "INTEGER NOT NULL DEFAULT 0"),
                                 ("rounds", "seed_secret", "BLOB"), ("rounds", "heldout_loss_base", "REAL"),
-                                ("rounds", "heldout_loss", "REAL")):
+                                ("rounds", "heldout_loss", "REAL"),
+                                ("submissions", "check_state", f"TEXT NOT NULL DEFAULT '{CHECKED}'"),
+                                ("submissions", "check_reason", "INTEGER NOT NULL DEFAULT 0"),
+                                ("submissions", "check_message", "TEXT NOT NULL DEFAULT ''")):
         if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -163,6 +164,22 @@ class AggregatorClient:
         except StoreError as exc:
             raise SubmitRejected(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"payload upload: {exc}", None) from exc
         return [pb.SubmitRequest(header=header), pb.SubmitRequest(stored=pb.StoredPayload(key=slot.key))]
+
+    def submission(self, epoch: int, round_: int, host: bytes) -> pb.SubmissionStatus:
+        """What became of the host's stored payload in the round (its checks run after the receipt)."""
+        ref = pb.SubmissionRef(epoch=epoch, round=round_, host=host)
+        return self._call(lambda: self.stub.GetSubmission(ref, timeout=self.timeout_s))
+
+    def checked(self, epoch: int, round_: int, host: bytes, poll_s: float = 0.05) -> pb.SubmissionStatus:
+        """`submission` once its checks have run (CHECKED or FAILED), asked every `poll_s` until then (at
+        most the client's timeout: TimeoutError)."""
+        deadline = time.monotonic() + self.timeout_s
+        while (status := self.submission(epoch, round_, host)).state == pb.SubmissionStatus.PENDING:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the checks of round {epoch}/{round_}'s payload are still pending after "
+                                   f"{self.timeout_s:g} s")
+            time.sleep(poll_s)
+        return status
 
     def round_result(self, epoch: int, round_: int) -> pb.RoundResult:
         ref = pb.RoundRef(epoch=epoch, round=round_)

@@ -23,6 +23,7 @@ from gonka_node.core.envelope import Submission
 from gonka_node.core.wire import header_pb
 from gonka_node.host.follow import GlobalModel
 from proto.gonka.v1 import aggregator_pb2 as pb
+from proto.gonka.v1 import common_pb2 as common
 from training.codecs import Codec, get_codec, round_seed
 from training.diloco import pseudo_gradient
 from training.worker import DiLoCoWorker
@@ -149,10 +150,17 @@ def stream_of(header: pb.SubmitHeader, body: bytes, chunk: int = 1 << 20) -> lis
 def submit_requests(
     view: RoundView, attack: str, requests: list[pb.SubmitRequest], facts: Mapping[str, Any] | None = None
 ) -> Outcome:
+    """Send `requests`; a payload the aggregator received is followed until its checks ran (they come
+    after the receipt): one that failed them is an attempt refused, with the check's reason."""
+    aggregator = view.host.aggregator
     try:
-        view.host.aggregator.submit_raw(iter(requests))
+        receipt = aggregator.submit_raw(iter(requests))
     except SubmitRejected as exc:
         return Outcome(view.info.round, attack, False, exc.reason or exc.code.name, time.time(), facts or {})
+    status = aggregator.checked(receipt.epoch, receipt.round, receipt.host)
+    if status.state == pb.SubmissionStatus.FAILED:
+        reason = common.RejectReason.Name(status.reason).removeprefix("REJECT_")
+        return Outcome(view.info.round, attack, False, reason, time.time(), facts or {})
     return Outcome(view.info.round, attack, True, "", time.time(), facts or {})
 
 

@@ -1,5 +1,6 @@
 from proto.gonka.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
@@ -141,6 +142,40 @@ class RoundRef(_message.Message):
     epoch: int
     round: int
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class SubmissionRef(_message.Message):
+    __slots__ = ("epoch", "round", "host")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    host: bytes
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., host: _Optional[bytes] = ...) -> None: ...
+
+class SubmissionStatus(_message.Message):
+    __slots__ = ("state", "reason", "message", "payload_sha256", "received_unix_ms")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[SubmissionStatus.State]
+        PENDING: _ClassVar[SubmissionStatus.State]
+        CHECKED: _ClassVar[SubmissionStatus.State]
+        FAILED: _ClassVar[SubmissionStatus.State]
+    STATE_UNSPECIFIED: SubmissionStatus.State
+    PENDING: SubmissionStatus.State
+    CHECKED: SubmissionStatus.State
+    FAILED: SubmissionStatus.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    state: SubmissionStatus.State
+    reason: _common_pb2.RejectReason
+    message: str
+    payload_sha256: bytes
+    received_unix_ms: int
+    def __init__(self, state: _Optional[_Union[SubmissionStatus.State, str]] = ..., reason: _Optional[_Union[_common_pb2.RejectReason, str]] = ..., message: _Optional[str] = ..., payload_sha256: _Optional[bytes] = ..., received_unix_ms: _Optional[int] = ...) -> None: ...
 
 class Contribution(_message.Message):
     __slots__ = ("host", "score", "reward", "aggregated", "reasons", "payload_length")

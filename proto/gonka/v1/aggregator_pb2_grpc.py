@@ -45,6 +45,11 @@ class AggregatorStub(object):
                 request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.Receipt.FromString,
                 _registered_method=True)
+        self.GetSubmission = channel.unary_unary(
+                '/gonka.v1.Aggregator/GetSubmission',
+                request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmissionRef.SerializeToString,
+                response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmissionStatus.FromString,
+                _registered_method=True)
         self.GetRoundResult = channel.unary_unary(
                 '/gonka.v1.Aggregator/GetRoundResult',
                 request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.RoundRef.SerializeToString,
@@ -89,7 +94,16 @@ class AggregatorServicer(object):
 
     def Submit(self, request_iterator, context):
         """Client-streaming: one SubmitHeader, then payload chunks of at most `limits.max_chunk_bytes`.
-        Accepted: OK with a signed Receipt. Refused: an error status, reason in trailing metadata.
+        Accepted: OK with a signed Receipt ("received and stored durably; checks pending": the decode-time
+        checks run afterwards, see GetSubmission). Refused: an error status, reason in trailing metadata.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSubmission(self, request, context):
+        """What became of a host's stored payload in a round: its decode-time checks pending, passed, or
+        failed with the reason a refusal would have named. NOT_FOUND: no payload of the host stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,6 +166,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitRequest.FromString,
                     response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.Receipt.SerializeToString,
+            ),
+            'GetSubmission': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSubmission,
+                    request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmissionRef.FromString,
+                    response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmissionStatus.SerializeToString,
             ),
             'GetRoundResult': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRoundResult,
@@ -238,6 +257,33 @@ class Aggregator(object):
             '/gonka.v1.Aggregator/Submit',
             proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitRequest.SerializeToString,
             proto_dot_gonka_dot_v1_dot_aggregator__pb2.Receipt.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSubmission(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gonka.v1.Aggregator/GetSubmission',
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmissionRef.SerializeToString,
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmissionStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -182,11 +182,15 @@ class Kit:
         return Submission(**fields)
 
     def submit(self, engine: RoundEngine, h: Host, payload: bytes) -> SignedReceipt:
+        """Submit and wait for the payload's checks (they run after the receipt, in the engine's pool)."""
         sub = self.header(engine, h, payload)
-        return self.run(engine.submit(sub, sub.sign(h.key), chunks(payload), engine.stream_guard("test")))
+        receipt = self.run(engine.submit(sub, sub.sign(h.key), chunks(payload), engine.stream_guard("test")))
+        self.run(engine.checks.drain(sub.epoch, sub.round))
+        return receipt
 
     def stop(self) -> None:
         for e in self.engines:
+            e.checks.close()
             e.store.close()
         self.loop.close()
 

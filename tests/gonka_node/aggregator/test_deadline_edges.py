@@ -73,6 +73,7 @@ def test_a_submission_at_the_deadline_is_accepted_one_ms_later_is_late(held: tup
             client.submit(info, late.address, h.payload(small_update(h, 2)), late.key)
     assert refused.value.reason == "LATE"
     assert f"closed for submissions at {clock_text(info.deadline_unix_ms)}" in refused.value.message
+    server.run(server.engine.checks.drain(h.epoch, 1))  # its checks follow the receipt
     assert [s.host for s in server.engine.store.submissions(h.epoch, 1)] == [on_time.address]
 
 

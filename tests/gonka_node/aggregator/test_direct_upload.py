@@ -52,6 +52,7 @@ def test_an_honest_payload_put_into_the_store_is_accepted(kit: Kit, server: Serv
         receipt = client.submit(info, h.address, data, h.key)
     assert receipt.accepted and receipt.payload_length == len(data)
     e = server.engine
+    server.run(e.checks.drain(kit.world.epoch, 1))  # its checks follow the receipt
     stored = e.store.submissions(kit.world.epoch, 1)
     assert [s.host for s in stored] == [h.address]
     assert e.store.payload_path(kit.world.epoch, 1, h.address).read_bytes() == data

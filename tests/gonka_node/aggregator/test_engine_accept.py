@@ -215,6 +215,7 @@ def test_an_accepted_upload_is_stored_as_received_and_receipted(kit: Kit) -> Non
         kit.clock.ms = t0 + 7  # the payload completes 7 ms after its header
 
     receipt = kit.run(e.submit(sub, sig, late_chunks(), e.stream_guard("x")))
+    kit.run(e.checks.drain(kit.world.epoch, 1))  # the receipt came first; the norm and sketch follow
     [row] = e.store.submissions(kit.world.epoch, 1)
     norm = float(torch.cat([t.flatten() for t in u.values()]).norm())
     assert (row.host, row.payload_sha256, row.payload_length, row.tokens_trained, row.timestamp_ms, row.signature) == (
@@ -261,18 +262,23 @@ def test_a_refusal_receipt_names_the_reason_and_an_empty_header(kit: Kit) -> Non
         (payload({"b": torch.zeros(3)}), Reason.WRONG_SHAPE),
     ],
 )
-def test_a_payload_that_fails_its_checks_is_refused_and_kept_as_evidence(kit: Kit, data: bytes, reason: Reason) -> None:
+def test_a_payload_that_fails_its_checks_is_no_submission_and_kept_as_evidence(kit: Kit, data: bytes, reason: Reason) -> None:
     e = kit.engine()
     h = kit.hosts[0]
-    sub = kit.header(e, h, data)
-    with pytest.raises(Rejected) as info:
-        kit.run(e.submit(sub, sub.sign(h.key), chunks(data), e.stream_guard("x")))
-    assert info.value.reason is reason
-    assert e.store.submissions(kit.world.epoch, 1) == [] and e._in_flight == {}
+    ep = kit.world.epoch
+    receipt = kit.submit(e, h, data)  # received and stored: the checks run after the receipt
+    assert receipt.body.accepted
+    failed = e.store.submission(ep, 1, h.address)
+    assert failed is not None and (failed.check_state, failed.check_reason) == ("failed", reason.value)
+    assert e.store.submissions(ep, 1) == [] and e.store.submitted_hosts(ep, 1) == set() and e._in_flight == {}
     assert list(e.store.incoming.iterdir()) == []
     [ev] = kit.evidence.records()
-    assert (ev.kind, ev.host, ev.detail) == (KIND_GARBAGE, to_checksum_address(h.address), f"{reason.name}: {info.value.message}")
+    assert (ev.kind, ev.host, ev.detail) == (KIND_GARBAGE, to_checksum_address(h.address), f"{reason.name}: {failed.check_message}")
     assert (kit.evidence.root / ev.payload_file).read_bytes() == data
+    # As after a refusal at upload, the host may send a payload that passes; it replaces the failed one.
+    kit.submit(e, h, P1)
+    [row] = e.store.submissions(ep, 1)
+    assert (row.host, row.payload_sha256, Path(row.path).read_bytes()) == (h.address, hashlib.sha256(P1).digest(), P1)
 
 
 @pytest.mark.parametrize("change", ["closing", "next round", "no round"])

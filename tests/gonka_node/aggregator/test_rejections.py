@@ -94,6 +94,24 @@ def expect(
     return err
 
 
+def expect_failed_check(
+    server: ServerThread, client: AggregatorClient, requests: Iterator[pb.SubmitRequest], host: bytes, reason: Reason,
+) -> pb.SubmissionStatus:
+    """A payload the decode-time checks refuse: received (an accepted receipt: stored, checks pending),
+    then FAILED with `reason`, and no submission of the round (the round's checked rows unchanged)."""
+    e = server.engine
+    r = e.current
+    assert r is not None
+    before = e.store.submissions(r.epoch, r.round)
+    receipt = client.submit_raw(requests)
+    assert receipt.accepted and verify_receipt(receipt, e.aggregator_key)
+    status = client.checked(r.epoch, r.round, host)
+    assert (status.state, status.reason) == (pb.SubmissionStatus.FAILED, reason.value), status
+    assert status.message and status.payload_sha256 == receipt.payload_sha256  # a sentence a person can act on
+    assert e.store.submissions(r.epoch, r.round) == before and host not in e.store.submitted_hosts(r.epoch, r.round)
+    return status
+
+
 def test_reason_enum_matches_the_proto() -> None:
     proto_names = {
         v.name.removeprefix("REJECT_"): v.number
@@ -215,7 +233,6 @@ def test_content_rejections(running: tuple[Harness, ServerThread, AggregatorClie
     h, server, client = running
     info = client.open_round()
     host = h.hosts[0]
-    S = grpc.StatusCode
     name0 = sorted(h.spec)[0]
 
     def signed(payload: bytes) -> Iterator[pb.SubmitRequest]:
@@ -226,17 +243,23 @@ def test_content_rejections(running: tuple[Harness, ServerThread, AggregatorClie
     nan = bytearray(good_payload(h))
     nan[40:44] = struct.pack("<f", float("nan"))
     nan = bytes(nan)
-    expect(server, client, signed(nan), S.INVALID_ARGUMENT, Reason.NON_FINITE)
+    # Each fails a check after its receipt; a failed payload is no submission, so the host sends the next.
+    expect_failed_check(server, client, signed(nan), host.address, Reason.NON_FINITE)
     huge = mutate(h, lambda u: u[name0].mul_(1e6))
-    expect(server, client, signed(huge), S.INVALID_ARGUMENT, Reason.NORM_TOO_LARGE)
+    expect_failed_check(server, client, signed(huge), host.address, Reason.NORM_TOO_LARGE)
     wrong_shape = h.payload(
         {n: torch.zeros(s) if n != name0 else torch.zeros(3, 3) for n, s in h.spec.items()}
     )
-    expect(server, client, signed(wrong_shape), S.INVALID_ARGUMENT, Reason.WRONG_SHAPE)
+    expect_failed_check(server, client, signed(wrong_shape), host.address, Reason.WRONG_SHAPE)
     missing = h.payload({n: torch.zeros(s) for n, s in h.spec.items() if n != name0})
-    expect(server, client, signed(missing), S.INVALID_ARGUMENT, Reason.WRONG_SHAPE)
+    expect_failed_check(server, client, signed(missing), host.address, Reason.WRONG_SHAPE)
     garbage = hashlib.sha256(b"g").digest() * 1000
-    expect(server, client, signed(garbage), S.INVALID_ARGUMENT, Reason.UNDECODABLE)
+    status = expect_failed_check(server, client, signed(garbage), host.address, Reason.UNDECODABLE)
+    assert status.message.startswith("payload does not decode")
+    # And a good payload after all of them is the host's submission.
+    assert client.submit(info, host.address, good_payload(h), host.key).accepted
+    assert client.checked(info.epoch, info.round, host.address).state == pb.SubmissionStatus.CHECKED
+    assert server.engine.store.submitted_hosts(info.epoch, info.round, checked_only=True) == {host.address}
 
 
 def test_accept_then_replay_and_copy(running: tuple[Harness, ServerThread, AggregatorClient]) -> None:
@@ -249,6 +272,7 @@ def test_accept_then_replay_and_copy(running: tuple[Harness, ServerThread, Aggre
     receipt = client.submit_raw(iter(frozen))
     assert receipt.accepted and verify_receipt(receipt, info.aggregator_key)
     assert receipt.payload_sha256 == hashlib.sha256(payload).digest()
+    assert client.checked(info.epoch, info.round, a.address).state == pb.SubmissionStatus.CHECKED
     assert len(server.engine.store.submissions(info.epoch, info.round)) == 1
     # The very same signed bytes again: a replay.
     expect(server, client, iter(frozen), grpc.StatusCode.ALREADY_EXISTS, Reason.DUPLICATE)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.publish import RoundPublisher
+from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import DirExchange, shard_role
 from gonka_node.aggregator.shard_close import read_fragment_hashes
@@ -96,9 +97,10 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
         if host is h.hosts[2]:
             fragments[1] = fragments[0]  # fragment 0 sent to shard 1: the wrong tensors
         outcomes.append(submit_fragments(clients, 1, fragments, host.address, host.key, 64))
-    assert [ok for ok, _ in outcomes] == [True, True, False]
-    assert outcomes[2][1].startswith("shard 1: WRONG_SHAPE: ")
-    # Host 3's fragment 0 is in shard 0; shard 1 refused it: the round closes at the deadline (quorum 2).
+    assert [ok for ok, _ in outcomes] == [True, True, True]  # received by every shard: checks pending
+    status = clients[1].checked(h.epoch, 1, h.hosts[2].address)
+    assert (status.state, status.reason) == (pb.SubmissionStatus.FAILED, Reason.WRONG_SHAPE.value)
+    # Host 3's fragment 0 is in shard 0; shard 1's checks refused it: the round closes at the deadline (quorum 2).
     for s in servers:
         s.run(_expire(s.engine))
     chain = h.world.client(0)

@@ -149,6 +149,7 @@ def test_an_exact_copy_of_an_upload_still_streaming_is_refused_as_copy(harness: 
         assert copy.value.reason == "COPY" and "whose header came first" in copy.value.message
         gate.set()
     assert slow.outcome() == "ACCEPTED"
+    server.run(server.engine.checks.drain(h.epoch, 1))  # its checks follow the receipt
     stored = server.engine.store.submissions(h.epoch, 1)
     assert [s.host for s in stored] == [victim.address]
 

@@ -1,0 +1,173 @@
+"""Receipts before the checks (aggregator/deferred.py): a payload is receipted once hashed and stored,
+its decode-time checks drained by a bounded pool. A kill between the receipt and the checks loses
+nothing, a payload that fails a check is excluded from the aggregate and the rewards, the close waits
+for pending checks, and the pool never decodes more payloads at once than it has slots.
+(engine_kit.py: a real store, checkpoints and embedded chain; the engine's clock held by the test.)"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from engine_kit import REWARD, Kit, chunks, payload, update
+from eth_utils import to_checksum_address
+from test_engine_close import stepped
+
+from gonka_node.aggregator.deferred import CheckPool
+from gonka_node.aggregator.reasons import Reason
+from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
+from gonka_node.aggregator.store import SubmissionRow
+from gonka_node.aggregator.validate import count_sketch
+from gonka_node.slashing import KIND_GARBAGE
+from training.checkpoint import load_checkpoint
+
+HUGE = payload({"b": torch.full((3,), 9.0), "w": torch.zeros(2, 4)})  # norm 15.6 > the kit's bound 10
+
+
+def receipted(kit: Kit, e: RoundEngine, i: int, data: bytes) -> SignedReceipt:
+    """Submit without waiting for the checks (what a host sees: the receipt)."""
+    h = kit.hosts[i]
+    sub = kit.header(e, h, data)
+    return kit.run(e.submit(sub, sub.sign(h.key), chunks(data), e.stream_guard("test")))
+
+
+def gated(e: RoundEngine, gate: threading.Event) -> CheckPool:
+    """The engine's own checks, each held until `gate` opens (a backlog the test controls)."""
+
+    def check(row: SubmissionRow) -> None:
+        assert gate.wait(30), "the test never opened the gate"
+        e._check_stored(row)
+
+    return CheckPool(2, check)
+
+
+def never_checked(row: SubmissionRow) -> None:
+    """The process dies after the receipt and before the checks: nothing of them is recorded."""
+
+
+def test_a_receipt_then_a_kill_before_the_checks_loses_nothing(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    e.checks = CheckPool(1, never_checked)
+    ups = [update(20 + i) for i in range(3)]
+    receipts = [receipted(kit, e, i, payload(u)) for i, u in enumerate(ups)]
+    assert all(r.body.accepted for r in receipts)
+    pending = e.store.pending_submissions(ep)
+    assert [(s.host, s.check_state) for s in pending] == sorted((h.address, "pending") for h in kit.hosts)
+    assert e.store.submissions(ep, 1) == []  # nothing counts before its checks
+    e.store.close()  # killed
+
+    again = kit.engine()  # restarted on the same store: the payloads and rows are there
+    kit.clock.ms += 100
+    kit.run(again.tick())  # resumes the checks, waits for them, then everyone has submitted: closes
+    r1 = again.store.get_round(ep, 1)
+    assert r1 is not None and r1.state == "finalized"
+    by_host = {s.host: s for s in again.store.submissions(ep, 1)}
+    for h, u in zip(kit.hosts, ups, strict=True):
+        assert by_host[h.address].sketch == count_sketch(u).numpy().tobytes()
+        assert by_host[h.address].norm == pytest.approx(float(torch.cat([t.flatten() for t in u.values()]).norm()))
+    share = REWARD // 3
+    assert [(c.host, c.reward, c.aggregated) for c in again.store.contributions(ep, 1)] == sorted(
+        (h.address, share, True) for h in kit.hosts
+    )
+    ckpt = load_checkpoint(again.store.checkpoint_path(ep, 1), expected_sha256=r1.checkpoint_sha256.hex())
+    want, _ = stepped(load_checkpoint(kit.init_path).tensors, ups, None)
+    for n, t in want.items():
+        torch.testing.assert_close(ckpt.tensors[n], t, rtol=0, atol=1e-7)
+
+
+def test_a_payload_that_fails_a_deferred_check_is_excluded_from_the_aggregate_and_the_rewards(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    ups = [update(30), update(31)]
+    for i, u in enumerate(ups):
+        assert receipted(kit, e, i, payload(u)).body.accepted
+    cheat = kit.hosts[2]
+    assert receipted(kit, e, 2, HUGE).body.accepted  # received: its norm is not known yet
+    kit.clock.ms = e.current.deadline_ms + 1 if e.current else 0  # quorum 2 at the deadline
+    kit.run(e.tick())
+    r1 = e.store.get_round(ep, 1)
+    assert r1 is not None and r1.state == "finalized"
+    failed = e.store.submission(ep, 1, cheat.address)
+    assert failed is not None and (failed.check_state, failed.check_reason) == ("failed", Reason.NORM_TOO_LARGE.value)
+    assert failed.check_message == "update L2 norm 15.59 exceeds the epoch's bound 10"
+    share = REWARD // 2
+    assert [(c.host, c.reward, c.aggregated) for c in e.store.contributions(ep, 1)] == sorted(
+        (h.address, share, True) for h in kit.hosts[:2]
+    )
+    on_chain = kit.world.chain.client(0).round_result(ep, 1)
+    assert (on_chain.n_contributors, on_chain.total_reward) == (2, 2 * share)
+    ckpt = load_checkpoint(e.store.checkpoint_path(ep, 1), expected_sha256=r1.checkpoint_sha256.hex())
+    want, _ = stepped(load_checkpoint(kit.init_path).tensors, ups, None)  # the two honest updates only
+    for n, t in want.items():
+        torch.testing.assert_close(ckpt.tensors[n], t, rtol=0, atol=1e-7)
+    [ev] = kit.evidence.records()  # the same evidence as a refusal at upload kept
+    assert (ev.kind, ev.host, ev.detail) == (
+        KIND_GARBAGE, to_checksum_address(cheat.address), f"NORM_TOO_LARGE: {failed.check_message}")
+    assert (kit.evidence.root / ev.payload_file).read_bytes() == HUGE
+
+
+def test_the_close_waits_for_every_pending_check(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    gate = threading.Event()
+    e.checks = gated(e, gate)
+    ups = [update(40 + i) for i in range(3)]
+    for i, u in enumerate(ups):
+        assert receipted(kit, e, i, payload(u)).body.accepted
+    kit.clock.ms = e.current.deadline_ms + 1 if e.current else 0
+    with pytest.raises(TimeoutError):
+        kit.run(e.close(skip=False), timeout_s=0.5)  # the checks are held: the close cannot read the round
+    r1 = e.store.get_round(ep, 1)
+    assert r1 is not None and r1.state == "open" and e.store.contributions(ep, 1) == []
+    assert e.closing  # no upload joins the round any more while its checks finish
+    gate.set()
+    kit.run(e.close(skip=False))
+    r1 = e.store.get_round(ep, 1)
+    assert r1 is not None and r1.state == "finalized"
+    assert [(c.host, c.aggregated) for c in e.store.contributions(ep, 1)] == sorted((h.address, True) for h in kit.hosts)
+
+
+def test_the_pool_never_decodes_more_payloads_at_once_than_its_slots() -> None:
+    gate, seen = threading.Event(), []
+
+    def check(row: SubmissionRow) -> None:
+        assert gate.wait(30)
+        seen.append(row.host)
+
+    rows = [SubmissionRow(1, 1, bytes([i]) * 20, bytes(32), 1, 0, 0, b"", 0, 0.0, b"", "") for i in range(7)]
+
+    async def scenario() -> tuple[int, int, int, bool]:
+        pool = CheckPool(3, check)
+        assert all(pool.schedule(r) for r in rows) and not pool.schedule(rows[0])  # queued once
+        deadline = time.monotonic() + 10
+        while pool.running < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # time for a fourth to start, were the bound broken
+        running, queued = pool.running, pool.pending(1, 1)
+        gate.set()
+        await pool.drain(1, 1)
+        pool.close()
+        return running, queued, pool.peak, pool.pending(1, 1) == 0
+
+    running, queued, peak, drained = asyncio.run(scenario())
+    assert (running, queued, peak, drained) == (3, 7, 3, True)
+    assert sorted(seen) == sorted(r.host for r in rows)
+
+
+def test_a_rounds_first_tick_reads_every_hosts_record_once_for_its_uploads(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = kit.engine()
+    chain = e.chain.chain
+    asked: list[str] = []
+    real = chain.host_info
+    monkeypatch.setattr(chain, "host_info", lambda epoch, host: asked.append(host) or real(epoch, host))
+    kit.run(e.tick())  # reads the three hosts' records ahead of their uploads
+    assert sorted(asked) == sorted(to_checksum_address(h.address) for h in kit.hosts)
+    for i in range(2):
+        assert receipted(kit, e, i, payload(update(50 + i))).body.accepted
+    assert len(asked) == 3  # the uploads authenticated from the cache: no chain read of their own
