@@ -4,15 +4,19 @@ fragments' canonical hashes (gonka_node/core/fragments.py), not a hash of one fi
 
 Every shard's fragment is downloaded from the shard's object store when it publishes one (each shard
 its own key, `gonka_node/aggregator/publish.py`), else streamed (pinned to the certificate it announced
-on chain, its FileMeta checked as any stream's), into a temporary file; the fragments are merged and the whole model's root
-is compared with the chain's before anything is renamed into place. The merged file is an ordinary
-checkpoint: `export`, `generate` and the model server read it like any other, and `verified_tensors`
-checks it again by its root. Round 0 (the initial model, recorded as a plain sha256) comes whole from
-the first shard.
+on chain, its FileMeta checked as any stream's), into a temporary file. Each file must hold exactly its
+fragment of the plan, and the fragments' Merkle root (each fragment hashed with only it in memory) must
+be the chain's; then the files are merged (bytes copied under one header, no tensor held) and the merge
+is renamed into place. The merged file is an ordinary checkpoint: `export`, `generate` and the model
+server read it like any other, and `checked_by_root` checks it again by its root. Round 0 (the initial
+model, recorded as a plain sha256) comes whole from the first shard.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,8 @@ from gonka_node.cli.checkpoint_pull import MESSAGE_LIMIT, check_aggregator, fetc
 if TYPE_CHECKING:
     from torch import Tensor
 
+COPY_CHUNK = 8 << 20
+
 
 def pull_fragments(
     chain: Any, shards: int, want: ChainCheckpoint, out: Path, *, timeout_s: float, max_bytes: int,
@@ -37,7 +43,7 @@ def pull_fragments(
     announced = chain.aggregator_endpoints(want.epoch)
     if len(announced) != shards:
         raise CliError(f"epoch {want.epoch} has {shards} aggregator shards and {len(announced)} announced "
-                              "their endpoint on chain: every shard's fragment is needed, so wait until all have")
+                       "their endpoint on chain: every shard's fragment is needed, so wait until all have")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
         parts, budget = [], max_bytes
@@ -45,8 +51,8 @@ def pull_fragments(
             part = Path(scratch) / f"fragment-{i}.safetensors"
             budget -= _fetch_fragment(shard, i, want, part, timeout_s, budget)
             parts.append(part)
-        return verified_into(out, want, model, model_source, lambda tmp: _merge(parts, tmp),
-                             lambda tmp: _verify(tmp, want, shards))
+        _verify(parts, want, shards)
+        return verified_into(out, want, model, model_source, lambda tmp: _merge(parts, tmp), lambda tmp: None)
 
 
 def _fetch_fragment(shard: Any, index: int, want: ChainCheckpoint, path: Path, timeout_s: float,
@@ -68,36 +74,61 @@ def _fetch_fragment(shard: Any, index: int, want: ChainCheckpoint, path: Path, t
 
 
 def _merge(parts: list[Path], out: Path) -> int:
-    """The fragments' tensors in one safetensors file with the round's own metadata (each part's
-    description of itself, its fragment index and recorded hash, dropped); returns its size. The merge
-    holds the model's tensors in memory once, as a host following the epoch does."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
+    """The fragments as one safetensors file, bytes copied (a merged header, then each fragment's data):
+    no tensor is held; returns the file's size."""
+    from gonka_node.core.fragments import merged_header
 
-    from gonka_node.core.fragments import plain_metadata
-
-    tensors: dict[str, Tensor] = {}
-    metadata: dict[str, str] = {}
-    for part in parts:
-        try:
-            with safe_open(str(part), framework="pt") as handle:
-                names = list(handle.keys())
-                clash = sorted(set(names) & set(tensors))
-                if clash:
-                    raise CliError(f"{part.name}: tensor {clash[0]} is in two shards' fragments; nothing was written")
-                tensors.update({name: handle.get_tensor(name) for name in names})
-                metadata = metadata or plain_metadata(dict(handle.metadata() or {}))
-        except SafetensorError as exc:
-            raise CliError(f"{part.name}: not a readable safetensors file ({exc}); nothing was written") from None
-    save_file(tensors, str(out), metadata=metadata)
+    headers = [_header(part) for part in parts]
+    with out.open("wb") as sink:
+        sink.write(merged_header([(entries, part.stat().st_size - size) for part, (entries, size) in
+                                  zip(parts, headers, strict=True)]))
+        for part, (_, size) in zip(parts, headers, strict=True):
+            with part.open("rb") as source:
+                source.seek(size)
+                shutil.copyfileobj(source, sink, COPY_CHUNK)
     return out.stat().st_size
 
 
-def _verify(path: Path, want: ChainCheckpoint, shards: int) -> None:
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's parsed header and its size with the 8-byte length."""
+    with path.open("rb") as handle:
+        (n,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(n)), 8 + n
+
+
+def _verify(parts: list[Path], want: ChainCheckpoint, shards: int) -> None:
     try:
-        checked_by_root(path, want, shards)
-    except CliError as exc:
-        raise CliError(f"{exc}; nothing was written") from None
+        _check_fragments(parts, want, shards)
+    except (CliError, KeyError, TypeError, ValueError, struct.error) as exc:  # ValueError: JSON, the plan
+        raise CliError(f"epoch {want.epoch} round {want.round}: {exc}; nothing was written") from None
+
+
+def _check_fragments(parts: list[Path], want: ChainCheckpoint, shards: int) -> None:
+    """Each file is its fragment of the plan and their Merkle root is the chain's: checked one fragment
+    in memory at a time, before anything is merged."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from gonka_node.core.fragments import fragment_root, plan_fragments
+    from training.checkpoint import canonical_sha256
+
+    names = [{n: tuple(e["shape"]) for n, e in _header(p)[0].items() if n != "__metadata__"} for p in parts]
+    spec = {name: shape for held in names for name, shape in held.items()}
+    if sum(len(held) for held in names) != len(spec):
+        raise CliError("a tensor is in two shards' fragments")
+    hashes = []
+    for fragment, part, held in zip(plan_fragments(spec, shards), parts, names, strict=True):
+        if set(held) != set(fragment.names):
+            raise CliError(f"shard {fragment.index} served {len(held)} tensors, not the {len(fragment.names)} of "
+                           f"fragment {fragment.index}")
+        try:
+            hashes.append(bytes.fromhex(canonical_sha256(load_file(str(part)))))
+        except SafetensorError as exc:
+            raise CliError(f"shard {fragment.index}'s file is not a readable safetensors file ({exc})") from None
+    got = fragment_root(hashes)
+    if got != want.sha256:
+        raise CliError(f"the {shards} fragments' Merkle root is {got.hex()}, the chain records "
+                       f"{want.sha256.hex()}: a shard served another fragment")
 
 
 def checked_by_root(path: Path, want: ChainCheckpoint, shards: int) -> dict[str, Tensor]:

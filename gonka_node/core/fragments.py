@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import json
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -146,3 +148,27 @@ def plain_metadata(meta: Mapping[str, str]) -> dict[str, str]:
     """A fragment file's metadata without what describes that file alone (its recorded hash, its
     fragment "k/S"): a merged file keeps the round's own (epoch, round, model config)."""
     return {k: v for k, v in meta.items() if not k.startswith("gonka.") and k != "fragment"}
+
+
+def merged_header(parts: Sequence[tuple[Mapping[str, Any], int]]) -> bytes:
+    """The start of one safetensors file holding every part's tensors (`parts`: each file's parsed
+    header and its data size, in the order their data will follow): the 8-byte length and the JSON, each
+    part's offsets moved past the parts before it, the first part's metadata without what describes that
+    file alone, padded with spaces to 8 bytes as safetensors writes it."""
+    header: dict[str, Any] = {}
+    base = 0
+    for entries, size in parts:
+        for name, entry in entries.items():
+            if name == "__metadata__":
+                continue
+            if name in header:
+                raise FragmentError(f"tensor {name!r} is in two fragments")
+            begin, end = entry["data_offsets"]
+            header[name] = {**entry, "data_offsets": [begin + base, end + base]}
+        base += size
+    meta = parts[0][0].get("__metadata__") if parts else None
+    if isinstance(meta, dict):
+        header["__metadata__"] = plain_metadata(meta)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text

@@ -23,7 +23,7 @@ import grpc
 
 from chain.types import AggregatorEndpoint
 from gonka_node.core.client import MESSAGE_LIMIT
-from gonka_node.core.fragments import plain_metadata
+from gonka_node.core.fragments import FragmentError, merged_header
 from gonka_node.core.tls import pinned_channel
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
@@ -102,10 +102,13 @@ def open_checkpoint(
             continue
         fragments[k], count = opened, of
     if fragments and len(fragments) == count:
-        return _merged([fragments[k] for k in range(count)])
+        try:
+            return _merged([fragments[k] for k in range(count)])
+        except (FragmentError, KeyError, TypeError, ValueError) as exc:  # headers that do not fit together
+            tried.append(f"fragments that do not merge ({exc})")
     for part in fragments.values():
         part.channel.close()
-    if fragments:
+    if fragments and len(fragments) < count:
         tried.append(f"fragments {sorted(fragments)} of {count} only")
     raise NoSource(f"no aggregator serves epoch {epoch} round {round_} with the chain's sha256"
                    + (f": tried {', '.join(tried)}" if tried else ": none announced"))
@@ -149,26 +152,12 @@ def _read_header(stream: Iterator[Any]) -> tuple[dict[str, Any], bytes]:
 
 def _merged(parts: list[_Opened]) -> CheckpointStream:
     """The fragments as one safetensors file: a merged header, then each fragment's data in turn."""
-    header: dict[str, Any] = {}
-    base = 0
-    for part in parts:
-        for name, entry in part.header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = entry["data_offsets"]
-            header[name] = {**entry, "data_offsets": [begin + base, end + base]}
-        base += part.length - part.header_size
-    meta = parts[0].header.get("__metadata__")
-    if isinstance(meta, dict):
-        header["__metadata__"] = plain_metadata(meta)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # tensors stay 8-byte aligned, as safetensors writes them
-    head = struct.pack("<Q", len(text)) + text
+    head = merged_header([(part.header, part.length - part.header_size) for part in parts])
 
     def chunks() -> Iterator[bytes]:
         yield head
         for part in parts:
             yield from part.data()
 
-    return CheckpointStream(", ".join(p.endpoint for p in parts), len(head) + base, chunks(),
-                            [p.channel for p in parts])
+    length = len(head) + sum(part.length - part.header_size for part in parts)
+    return CheckpointStream(", ".join(p.endpoint for p in parts), length, chunks(), [p.channel for p in parts])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from gonka_node.core.fragments import (
     fragment_proof,
     fragment_root,
     global_offsets,
+    merged_header,
     model_root,
     plan_fragments,
     verify_fragment,
@@ -123,3 +125,26 @@ def test_a_whole_models_root_and_one_fragment_checked_alone() -> None:
         assert verify_fragment_tensors(part, f.index, 3, fragment_proof(hashes, f.index), root)
         changed = {n: t + 1 for n, t in part.items()}
         assert not verify_fragment_tensors(changed, f.index, 3, fragment_proof(hashes, f.index), root)
+
+
+def test_merged_header_lays_the_fragments_files_end_to_end_as_one_safetensors_file() -> None:
+    from safetensors.torch import load, save
+
+    g = torch.Generator().manual_seed(3)
+    whole = {"a": torch.randn(3, 5, generator=g), "b": torch.arange(7, dtype=torch.int64),
+             "c": torch.randn(2, generator=g).to(torch.bfloat16)}
+    parts = [save({"b": whole["b"]}, metadata={"round": "4", "fragment": "0/2", "gonka.sha256": "x"}),
+             save({"a": whole["a"], "c": whole["c"]}, metadata={"round": "4", "fragment": "1/2"})]
+
+    def header(data: bytes) -> tuple[dict[str, object], int]:
+        n = int.from_bytes(data[:8], "little")
+        return json.loads(data[8 : 8 + n]), 8 + n
+
+    headers = [header(p) for p in parts]
+    head = merged_header([(h, len(p) - size) for p, (h, size) in zip(parts, headers, strict=True)])
+    merged = head + b"".join(p[size:] for p, (_, size) in zip(parts, headers, strict=True))
+    back = load(merged)
+    assert set(back) == set(whole) and all(torch.equal(back[n], whole[n]) for n in whole)
+    assert len(head) % 8 == 0 and header(merged)[0]["__metadata__"] == {"round": "4"}
+    with pytest.raises(FragmentError, match="tensor 'b' is in two fragments"):
+        merged_header([headers[0], headers[0]])
