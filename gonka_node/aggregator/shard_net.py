@@ -137,6 +137,7 @@ class NetExchange:
         self.me = inbox.me
         self._links: dict[int, _Link] = {}
         self._retry_at: dict[int, float] = {}
+        self._learn_at: dict[int, float] = {}  # no key lookup for a peer before this (monotonic s)
         self._lock = threading.Lock()
 
     @property
@@ -222,6 +223,9 @@ class NetExchange:
         except grpc.RpcError as exc:
             self._failed(s, peer, exc)
             return
+        except ValueError:  # the channel was closed meanwhile (`_drop` from a failed key lookup): later
+            self._retry_at[peer] = time.monotonic() + RETRY_S
+            return
         self.inbox.ack(s, peer)
 
     def _failed(self, s: Signed, peer: int, exc: grpc.RpcError) -> None:
@@ -255,6 +259,26 @@ class NetExchange:
         if link is not None:
             link.channel.close()
         self.peers.forget(peer)
+
+    def known_key(self, index: int) -> bytes | None:
+        """Shard `index`'s node key for checking a received message, learned at most once at a time per
+        peer and not again within `RETRY_S` of a failed lookup: an unsigned Put naming a sender that is
+        not announced or not reachable costs one lookup a second per peer at most, the others are refused
+        at once (`UNKNOWN_SHARD`, which the honest sender retries)."""
+        if index == self.me.index:
+            return self.node_key_bytes
+        with self._lock:
+            link = self._links.get(index)
+            if link is not None and link.node_key is not None:
+                return link.node_key
+            now = time.monotonic()
+            if now < self._learn_at.get(index, 0.0):
+                return None
+            self._learn_at[index] = now + self.timeout_s + RETRY_S  # one lookup in flight per peer
+        key = self.node_key(index)
+        with self._lock:
+            self._learn_at[index] = 0.0 if key is not None else time.monotonic() + RETRY_S
+        return key
 
     def node_key(self, index: int) -> bytes | None:
         """Shard `index`'s node key, as it says over the channel pinned to its announced certificate

@@ -70,8 +70,8 @@ class ShardService(spb_grpc.ShardServicer):
 
     def _admit(self, header: ShardMessage, signature: bytes) -> None:
         inbox = self.exchange.inbox
-        inbox.screen(header)  # before the key: a malformed or stale message makes this shard dial nobody
-        inbox.admit(header, signature, self.exchange.node_key(header.sender))
+        inbox.screen(header)  # before the key: a malformed or stale message costs nothing more
+        inbox.admit(header, signature, self.exchange.known_key(header.sender))
 
 
 async def _body(requests: AsyncIterator[spb.ShardPut], header: ShardMessage) -> bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from nacl.signing import SigningKey
 
 from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict
 from gonka_node.aggregator.shard_inbox import Inbox, ShardReason, ShardSelf, Signed, body_digest
-from gonka_node.aggregator.shard_net import REASON_KEY, NetExchange, ShardPeer, put_requests
+from gonka_node.aggregator.shard_net import REASON_KEY, RETRY_S, NetExchange, ShardPeer, put_requests
 from gonka_node.aggregator.shard_service import ShardService
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.shard_envelope import ShardKind, ShardMessage
@@ -180,8 +181,20 @@ def test_forged_replayed_stale_and_misdirected_messages_are_refused_with_their_r
 
 def test_a_sender_the_receiver_cannot_reach_is_unknown(pair: tuple[ShardNode, ShardNode]) -> None:
     s0 = pair[0]
-    del s0.peers.known[1]  # shard 1 never announced: nobody can say which key signs its messages
+    unreachable = s0.peers.known.pop(1)  # shard 1 never announced: nobody can say which key signs its messages
+    looked_up: list[int] = []
+    directory_peer = s0.peers.peer
+    s0.peers.peer = lambda i: looked_up.append(i) or directory_peer(i)  # type: ignore[method-assign]
     assert _refusal(s0, _signed(ShardKind.HASH, b"\x01" * 32))[0] == ShardReason.UNKNOWN_SHARD
+    # Unsigned Puts naming it again within a second are refused without another lookup (no chain read,
+    # no dial on the receive path: a flood of them costs the shard nothing); a second later it looks again.
+    for _ in range(5):
+        assert _refusal(s0, _signed(ShardKind.HASH, b"\x01" * 32))[0] == ShardReason.UNKNOWN_SHARD
+    assert looked_up == [1]
+    s0.peers.known[1] = unreachable
+    time.sleep(RETRY_S)
+    s0.put_raw(_signed(ShardKind.HASH, b"\x01" * 32))  # its key learned now: taken
+    assert looked_up == [1, 1]
 
 
 def test_a_message_a_peer_missed_while_down_reaches_it_after_a_restart_of_either(tmp_path: Path) -> None:
