@@ -69,6 +69,7 @@ from training.overlap import base_round
 log = logging.getLogger(__name__)
 ZERO32 = bytes(32)
 DECODE_SLOTS = max(1, min(4, os.cpu_count() or 1))  # payloads decoded and checked at once
+CHECK_TRIES = 3  # a payload whose checks fail this often for a reason of ours is dropped (never slashed)
 
 
 class CheckpointIO(Protocol):
@@ -175,6 +176,7 @@ class RoundEngine:
         # the GIL), each holding one decoded tensor (validate.scan_update): memory stays bounded by
         # slots × a tensor, whatever the backlog (aggregator/deferred.py).
         self.checks = CheckPool(DECODE_SLOTS, self._check_stored)
+        self._check_errors: dict[tuple[int, int, bytes], int] = {}  # our failures to check a stored payload
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()
         self._signin_closed_seen = False
@@ -407,15 +409,29 @@ class RoundEngine:
         """A stored payload's decode-time checks and their verdict, recorded (in a check thread). A
         failure is what a refusal at upload was: the signed garbage kept as evidence, the reason
         recorded and counted, and the host's payload no submission (it may send another)."""
+        key = (row.epoch, row.round, row.host)
         try:
             norm, sketch = self._check(Path(row.path), row.round)
         except Rejected as exc:  # the bytes hash to the signed digest: provably the host's
             log.info("payload of 0x%s in round %d/%d failed its checks: %s", row.host.hex(), row.epoch, row.round, exc)
             if self.evidence is not None:
                 self.evidence.signed_rejection(self._signed(row), row.signature, exc.reason, exc.message, Path(row.path))
+            # The file goes before the verdict: the host may upload again (to this path) only once the row
+            # is failed, so a new payload is never the one removed here.
+            Path(row.path).unlink(missing_ok=True)
             self.store.mark_failed(row.epoch, row.round, row.host, exc.reason.value, exc.message)
-            Path(row.path).unlink(missing_ok=True)  # as a refused upload's: only the evidence keeps its bytes
             self.metrics.submission(exc.reason.name)
+            return
+        except Exception as exc:  # ours, not the host's (a file gone after a crash, a disk, a bug)
+            self._check_errors[key] = tries = self._check_errors.get(key, 0) + 1
+            if tries < CHECK_TRIES and not isinstance(exc, FileNotFoundError):
+                raise  # the row stays pending: the close queues it again
+            log.error("cannot check the payload of 0x%s in round %d/%d (%r): dropped, the host may send it again",
+                      row.host.hex(), row.epoch, row.round, exc)
+            Path(row.path).unlink(missing_ok=True)
+            self.store.mark_failed(row.epoch, row.round, row.host, Reason.UNAVAILABLE.value,
+                                   f"the aggregator could not check this payload ({type(exc).__name__}); send it again")
+            self.metrics.submission(Reason.UNAVAILABLE.name)
             return
         self.store.mark_checked(row.epoch, row.round, row.host, norm, sketch)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +172,39 @@ def test_a_rounds_first_tick_reads_every_hosts_record_once_for_its_uploads(
     for i in range(2):
         assert receipted(kit, e, i, payload(update(50 + i))).body.accepted
     assert len(asked) == 3  # the uploads authenticated from the cache: no chain read of their own
+
+
+def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: Kit) -> None:
+    """A stored payload whose checks fail for a reason of the aggregator's (its file gone after a crash
+    between removing a failed payload and recording the verdict, a disk error) does not keep the round
+    from closing: it is dropped as UNAVAILABLE (never slashable: no evidence), and the host may resend."""
+    e = kit.engine()
+    ep = kit.world.epoch
+    e.checks = CheckPool(1, never_checked)
+    ups = [update(40 + i) for i in range(3)]
+    assert all(receipted(kit, e, i, payload(u)).body.accepted for i, u in enumerate(ups))
+    gone, flaky = kit.hosts[0].address, kit.hosts[1].address
+    e.store.payload_path(ep, 1, gone).unlink()
+    e.store.close()
+
+    again = kit.engine()
+    original = again._check
+    tries: list[bytes] = []
+
+    def check(part: Path, round_: int) -> tuple[float, bytes]:
+        if part.name.startswith(flaky.hex()):
+            tries.append(flaky)
+            raise OSError("disk error")
+        return original(part, round_)
+
+    again._check = check  # type: ignore[method-assign]
+    for _ in range(4):  # each tick queues the pending checks again and waits for them
+        kit.clock.ms += 100
+        kit.run(again.tick())
+    assert len(tries) == 3  # tried CHECK_TRIES times, then dropped
+    for host in (gone, flaky):
+        row = again.store.submission(ep, 1, host)
+        assert row is not None and (row.check_state, row.check_reason) == ("failed", Reason.UNAVAILABLE.value)
+        assert "could not check this payload" in (row.check_message or "")
+    assert [s.host for s in again.store.submissions(ep, 1)] == [kit.hosts[2].address]
+    assert not [p for p in (kit.tmp / "evidence").rglob("*") if p.is_file()]  # ours, not the host's: no evidence
