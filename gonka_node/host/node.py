@@ -35,6 +35,7 @@ from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRoun
 from gonka_node.host.store import HostStore, Progress
 from gonka_node.host.upload import PendingUpload
 from proto.gonka.v1 import aggregator_pb2 as pb
+from proto.gonka.v1 import common_pb2 as common
 from training.checkpoint import canonical_sha256
 from training.codecs import get_codec, round_seed
 from training.diloco import OuterOptimizer
@@ -424,7 +425,7 @@ class HostNode:
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
                     r, gm.sha256, result.payload, result.tokens, self._open_round,
-                    lambda info, payload, tokens: self._submit(info, payload, tokens), self.settings.poll_s,
+                    self._submit_checked if eager else self._submit, self.settings.poll_s,
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
                 ).start()
                 self._settle(pending, progress)
@@ -540,6 +541,29 @@ class HostNode:
             self.sleep(delay)
             delay = min(delay * 2, 30.0)
         return False, f"gave up after {self.settings.submit_attempts} attempts"
+
+    def _submit_checked(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
+        """`_submit`, then the checks' verdict an eager host's next forecast depends on: a receipt says
+        "stored, checks pending", and a payload that fails them is no submission, which the aggregator's
+        replay of round r + 1 would then rebuild the base without (docs/PROTOCOL.md "Receipt")."""
+        accepted, reason = self._submit(info, payload, tokens)
+        if not accepted:
+            return accepted, reason
+        while True:
+            try:
+                status = self.aggregator.checked(info.epoch, info.round, self.host_bytes, self.settings.poll_s)
+            except TimeoutError:  # a backlog of checks: the round's close waits for them, so will this
+                continue
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an aggregator that checks before its receipt
+                    return accepted, reason
+                if exc.code() in RETRYABLE:
+                    self.sleep(self.settings.poll_s)
+                    continue
+                raise
+            if status.state != pb.SubmissionStatus.FAILED:
+                return True, reason
+            return False, f"{common.RejectReason.Name(status.reason).removeprefix('REJECT_')}: {status.message}"
 
     def _open_round(self) -> pb.RoundInfo | None:
         try:

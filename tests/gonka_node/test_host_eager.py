@@ -241,3 +241,36 @@ def test_an_eager_host_whose_previous_upload_is_refused_trains_the_round_again_f
     with pytest.raises(HostError, match="round 2: the eager base needs the outer momentum after round 0"):
         node._eager_base(2, replace(gm, outer=None), first.payload)
     node.rounds.close()
+
+
+class _Checking:
+    """An aggregator that receipts every upload and answers its checks' verdict from a script."""
+
+    target = "127.0.0.1:9"
+
+    def __init__(self, verdicts: list[object]) -> None:
+        self.verdicts, self.asked = verdicts, 0
+
+    def submit(self, *_: object) -> None:
+        return None
+
+    def checked(self, epoch: int, round_: int, host: bytes, poll_s: float) -> pb.SubmissionStatus:
+        self.asked += 1
+        verdict = self.verdicts.pop(0)
+        if isinstance(verdict, Exception):
+            raise verdict
+        return verdict  # type: ignore[return-value]
+
+
+def test_an_eager_host_counts_an_upload_only_once_its_checks_passed(tmp_path: Path) -> None:
+    """A receipt says "stored, checks pending": an eager host forecasts its next round with its payload
+    only once the aggregator's checks passed; one that fails them is a refused upload (trained again)."""
+    world = eager_world(tmp_path)
+    node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=Notes())
+    info = pb.RoundInfo(epoch=world.epoch, round=1)
+    failed = pb.SubmissionStatus(state=pb.SubmissionStatus.FAILED, reason=16, message="norm 12 above 10")
+    node.aggregator = _Checking([TimeoutError("backlog"), failed])  # type: ignore[assignment]
+    assert node._submit_checked(info, b"p", 1) == (False, "NORM_TOO_LARGE: norm 12 above 10")
+    node.aggregator = _Checking([pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED)])  # type: ignore[assignment]
+    assert node._submit_checked(info, b"p", 1) == (True, "")
+    assert node.aggregator.asked == 1  # type: ignore[attr-defined]
