@@ -43,13 +43,25 @@ def load_verified(args: argparse.Namespace) -> Verified:
     if (args.epoch is None) != (args.round is None):
         raise CliError("--epoch and --round go together (to verify the file against the chain)")
     want = client = None
+    shards = 1
     if args.epoch is not None:
         client = open_client(args)
         want = chain_checkpoint(client, args.epoch, args.round)
+        recipe, _ = epoch_recipe(client, args.epoch, args.recipe)
+        shards = recipe.shards if recipe is not None and want.round > 0 else 1
     try:
-        checkpoint = load_checkpoint(args.checkpoint, expected_sha256=want.sha256.hex() if want else None)
+        # A sharded epoch's chain records the Merkle root over its fragments (checked after the load).
+        expected = want.sha256.hex() if want is not None and shards == 1 else None
+        checkpoint = load_checkpoint(args.checkpoint, expected_sha256=expected)
     except CheckpointError as exc:
         raise CliError(f"--checkpoint: {exc}") from None
+    if want is not None and shards > 1:
+        from gonka_node.core.fragments import model_root
+
+        got = model_root(checkpoint.tensors, shards)
+        if got != want.sha256:
+            raise CliError(f"--checkpoint: {args.checkpoint}'s Merkle root over {shards} fragments is {got.hex()}, "
+                           f"the chain records {want.sha256.hex()} for epoch {want.epoch} round {want.round}")
     source = {"file": args.checkpoint.name}
     if want is not None:
         source |= {"epoch": str(want.epoch), "round": str(want.round), "chain id": str(want.chain_id),

@@ -86,9 +86,12 @@ def _observe(out: Path, report: dict[str, Any]) -> dict[str, Any]:
     pulled, args = out / "pulled.safetensors", ["--deployment", str(out / "deployment.json"), "--epoch", str(epoch)]
     pull = main(["checkpoint", "pull", *args, "--round", "latest", "--out", str(pulled)])
     one = main(["checkpoint", "pull", *args, "--round", "1", "--aggregator", shards.target.split(", ")[0]])
+    # ... and samples from it, verified against the chain's root (`load_verified`).
+    sampled = main(["checkpoint", "generate", "--checkpoint", str(pulled), *args, "--round", "latest",
+                    "--prompt", "de", "--max-new-tokens", "3", "--greedy"]) if pull == 0 else -1
     return {"results": results, "final": final, "votes": _finalize_votes(backend, chain),
             "aggregators": [str(a) for a in chain.get_epoch(epoch).spec.aggregators],
-            "latest": chain.latest_round(epoch), "pull": pull, "one_shard": one,
+            "latest": chain.latest_round(epoch), "pull": pull, "one_shard": one, "sampled": sampled,
             "pulled": load_checkpoint(pulled).tensors if pull == 0 else {}}
 
 
@@ -137,7 +140,7 @@ def test_devnet_with_two_shards_survives_a_killed_shard_and_finalizes_merkle_roo
     final_root = model_root(seen["final"], 2)
     assert bytes(results[-1].checkpoint_sha256) == final_root != bytes.fromhex(canonical_sha256(seen["final"]))
     # `checkpoint pull` wrote the merged model (the chain's recipe says 2 shards); one shard alone is refused.
-    assert seen["pull"] == 0 and seen["one_shard"] == 2
+    assert seen["pull"] == 0 and seen["one_shard"] == 2 and seen["sampled"] == 0
     assert set(seen["pulled"]) == set(seen["final"])
     assert all(torch.equal(seen["pulled"][n], seen["final"][n]) for n in seen["final"])
     # The killed shard lost nothing: what it had accepted is in the round, and every host counted.
