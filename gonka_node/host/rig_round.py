@@ -341,9 +341,13 @@ def follow_daemon(daemon_pid: int, poll_s: float = 1.0) -> None:
     def watch() -> None:
         while daemon_alive():
             time.sleep(poll_s)
-        if agent != 1:
-            os.kill(agent, signal.SIGTERM)
-        os._exit(1)
+        try:
+            if os.getppid() == agent != 1:  # still ours (a dead agent's pid may name another process)
+                os.kill(agent, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        finally:
+            os._exit(1)
 
     threading.Thread(target=watch, name="follow-daemon", daemon=True).start()
 
