@@ -205,7 +205,25 @@ def _verify_file(path: Path, want: ChainCheckpoint) -> None:
     try:
         load_checkpoint(path, expected_sha256=want.sha256.hex())
     except CheckpointError as exc:
+        fragment = _fragment_of(path)
+        if fragment:  # one shard's part of a sharded epoch's model, pulled as if it were the whole
+            raise CliError(
+                f"epoch {want.epoch} round {want.round}: the aggregator serves fragment {fragment} of a sharded "
+                "epoch, and no recipe says how many shards it has: give the epoch's recipe (--recipe FILE) so "
+                "that every shard's fragment is pulled and checked against the chain's root; it was deleted"
+            ) from None
         raise CliError(
             f"epoch {want.epoch} round {want.round}: the downloaded file fails verification against the "
             f"chain ({exc}); it was deleted"
         ) from None
+
+
+def _fragment_of(path: Path) -> str:
+    """The "k/S" a fragment file's metadata names ("" for a whole checkpoint, or no readable file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return str((handle.metadata() or {}).get("fragment", ""))
+    except (SafetensorError, OSError):
+        return ""

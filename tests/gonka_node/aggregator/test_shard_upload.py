@@ -27,12 +27,13 @@ from gonka_node.aggregator.store import Store
 from gonka_node.cli import CliError
 from gonka_node.cli.checkpoint_chain import chain_checkpoint
 from gonka_node.cli.checkpoint_fragments import pull_fragments
+from gonka_node.cli.checkpoint_pull import pull_checkpoint
 from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.discovery import MissingPinError
 from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.storage import S3Store, open_store
-from gonka_node.core.tls import create_identity
+from gonka_node.core.tls import create_identity, pinned_channel
 from gonka_node.explorer.downloads import NoSource, open_checkpoint
 from gonka_node.host.shards import (
     ShardedAggregator,
@@ -198,6 +199,10 @@ def _a_client_pulls_the_sharded_round(h: Harness, servers: list[ServerThread], r
     assert set(merged) == set(h.spec) and all(torch.equal(merged[n], pulled.tensors[n]) for n in merged)
     with pytest.raises(NoSource, match=r"fragments \[1\] of 2 only"):
         open_checkpoint(chain.aggregator_endpoints(h.epoch)[1:], h.epoch, 1, root, 30.0)
+    # Pulled as one aggregator's (no recipe said the epoch is sharded): refused with what to give instead.
+    with pinned_channel(servers[0].target, h.identity.cert_pem) as channel, \
+            pytest.raises(CliError, match=r"serves fragment 0/2 of a sharded epoch.*--recipe FILE"):
+        pull_checkpoint(channel, want, h.tmp / "pulled" / "one.safetensors", timeout_s=30, max_bytes=1 << 30)
     with pytest.raises(CliError, match=f"epoch {h.epoch} has 3 aggregator shards and 2 announced"):
         pull_fragments(chain, 3, want, h.tmp / "pulled" / "three.safetensors", timeout_s=30, max_bytes=1 << 30)
     with pytest.raises(CliError, match=r"FileMeta.length \d[\d,]* exceeds --max-bytes 1,000"):
