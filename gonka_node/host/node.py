@@ -393,6 +393,8 @@ class HostNode:
         trained = max((int(r) for r in progress.submitted), default=0)
         pending: PendingUpload | None = None
         eager = self.recipe.overlap == "eager"
+        if eager:
+            trained = self._recover_upload(trained + 1, progress) or trained
         applied = 0
         try:
             while True:
@@ -482,6 +484,24 @@ class HostNode:
                 )
             return kept
         return kept if kept is not None and self._contribution(round_) is not None else None
+
+    def _recover_upload(self, round_: int, progress: Progress) -> int | None:
+        """`round_` if this host's kept payload of it is the one the aggregator holds, now recorded: the
+        daemon died after the upload and before recording it. Training the round again would send (and
+        keep, over the only copy) another payload than the one round + 1's replay base is built from."""
+        kept = self.store.load_payload(round_)
+        if kept is None:
+            return None
+        try:
+            held = self.aggregator.submission(self.settings.epoch, round_, self.host_bytes)
+        except grpc.RpcError:  # none held (NOT_FOUND), or an aggregator that cannot say: train it again
+            return None
+        sha = hashlib.sha256(kept).digest()
+        if bytes(held.payload_sha256) != sha or held.state == pb.SubmissionStatus.FAILED:
+            return None
+        progress.submitted[str(round_)] = sha.hex()
+        self.events.note(f"round {round_}: the aggregator holds the payload this host kept (sent before a restart)")
+        return round_
 
     def _update_bytes(self, round_: int) -> bytes:
         return self.aggregator.round_update(self.settings.epoch, round_).data

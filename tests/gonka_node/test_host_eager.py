@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import grpc
 import pytest
 import test_host_node as base
 import torch
@@ -274,3 +275,42 @@ def test_an_eager_host_counts_an_upload_only_once_its_checks_passed(tmp_path: Pa
     node.aggregator = _Checking([pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED)])  # type: ignore[assignment]
     assert node._submit_checked(info, b"p", 1) == (True, "")
     assert node.aggregator.asked == 1  # type: ignore[attr-defined]
+
+
+class _Holding:
+    """An aggregator that holds one payload of the host's in round 2 (or none: NOT_FOUND)."""
+
+    target = "127.0.0.1:9"
+
+    def __init__(self, held: bytes | None) -> None:
+        self.held = held
+
+    def submission(self, epoch: int, round_: int, host: bytes) -> pb.SubmissionStatus:
+        if self.held is None or round_ != 2:
+            raise _NotFound()
+        return pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED, payload_sha256=hashlib.sha256(self.held).digest())
+
+
+class _NotFound(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+
+def test_an_eager_host_restarted_after_an_upload_it_did_not_record_keeps_what_the_aggregator_holds(
+    tmp_path: Path,
+) -> None:
+    """The daemon died after round 2's upload and before recording it: on restart it asks the aggregator,
+    and if that holds the payload it kept, records it instead of training round 2 again (a second payload
+    would replace the only copy of the one round 3's replay base is built from)."""
+    world = eager_world(tmp_path)
+    node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=Notes())
+    progress = Progress(world.epoch, 1, 1, "00" * 32)
+    node.store.save_payload(2, b"round 2 as sent")
+    node.aggregator = _Holding(b"round 2 as sent")  # type: ignore[assignment]
+    assert node._recover_upload(2, progress) == 2
+    assert progress.submitted == {"2": hashlib.sha256(b"round 2 as sent").hexdigest()}
+    for other in (_Holding(b"another payload"), _Holding(None)):  # not what it kept, or nothing: train again
+        node.aggregator = other  # type: ignore[assignment]
+        fresh = Progress(world.epoch, 1, 1, "00" * 32)
+        assert node._recover_upload(2, fresh) is None and fresh.submitted == {}
+    assert node._recover_upload(3, progress) is None  # nothing kept for round 3
