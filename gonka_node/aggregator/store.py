@@ -336,7 +336,7 @@ class Store:
         return self._submissions("epoch=? AND round=? AND check_state=?", (epoch, round_, CHECKED))
 
     def pending_submissions(self, epoch: int | None = None) -> list[SubmissionRow]:
-        """Received payloads whose decode-time checks have not run (of one epoch, or all), oldest first."""
+        """Received payloads whose decode-time checks have not run (of one epoch, or all), by host."""
         if epoch is None:
             return self._submissions("check_state=?", (PENDING,))
         return self._submissions("epoch=? AND check_state=?", (epoch, PENDING))
