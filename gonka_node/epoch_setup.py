@@ -18,8 +18,8 @@ from typing import Any
 from chain.types import EpochInfo, EpochSpec
 from chain.units import NGONKA_PER_GNK
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.engine_types import EpochContext
 from gonka_node.aggregator.replay import ReplayData
-from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.shard import ShardConfigError, shard_role
 from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap

@@ -152,7 +152,8 @@ def serve(n_hosts: int, workdir: Path, params: float | None, checks: bool, shard
     from chain.client import ChainClient
     from gonka_node.aggregator.chain_view import ChainView
     from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-    from gonka_node.aggregator.rounds import EpochContext, RoundEngine
+    from gonka_node.aggregator.engine_types import EpochContext
+    from gonka_node.aggregator.rounds import RoundEngine
     from gonka_node.aggregator.shard import DirExchange, shard_role
     from gonka_node.aggregator.store import Store
     from gonka_node.core.config import AggregationSettings, RoundSettings

@@ -49,7 +49,7 @@ from training.inner import evaluate
 from training.model import Llama
 
 if TYPE_CHECKING:
-    from gonka_node.aggregator.rounds import CheckpointIO, EpochContext
+    from gonka_node.aggregator.engine_types import CheckpointIO, EpochContext
 
 log = logging.getLogger(__name__)
 PUBLIC_ROUNDS = 16  # earlier aggregates in the mixture check's public span

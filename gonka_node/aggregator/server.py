@@ -18,8 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gonka_node.aggregator.engine_types import SignedReceipt
 from gonka_node.aggregator.reasons import Reason, Rejected
-from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
+from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard_net import NetExchange
 from gonka_node.aggregator.shard_service import ShardService
 from gonka_node.aggregator.store import CHECKED, FAILED, PENDING, RoundRow

@@ -44,7 +44,7 @@ from gonka_node.core.fragments import Fragment, Spec, global_offsets, plan_fragm
 from training.durable import atomic_write
 
 if TYPE_CHECKING:
-    from gonka_node.aggregator.rounds import EpochContext
+    from gonka_node.aggregator.engine_types import EpochContext
 
 SHARDABLE_RULES = ("mean", "clip_median")  # centered_clip needs one exchange of distances per iteration
 

@@ -55,7 +55,7 @@ from training.durable import atomic_write
 from training.hf_export import MODEL_CONFIG_KEY
 
 if TYPE_CHECKING:
-    from gonka_node.aggregator.rounds import CheckpointIO
+    from gonka_node.aggregator.engine_types import CheckpointIO
 
 PUBLIC_ROUNDS = 16  # as close.PUBLIC_ROUNDS: earlier aggregates in the mixture check's span
 HASH_CHUNK = 8 << 20  # bytes read at a time when hashing a checkpoint file

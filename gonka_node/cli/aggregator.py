@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from nacl.signing import SigningKey
 
     from gonka_node.aggregator.chain_view import ChainView
-    from gonka_node.aggregator.rounds import EpochContext
+    from gonka_node.aggregator.engine_types import EpochContext
     from gonka_node.aggregator.shard import ShardExchange
     from gonka_node.aggregator.store import Store
 

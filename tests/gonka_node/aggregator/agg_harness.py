@@ -28,7 +28,8 @@ from chain.client import ChainClient
 from chain.types import Deployment, EpochSpec
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.rounds import EpochContext, RoundEngine
+from gonka_node.aggregator.engine_types import EpochContext
+from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.server import AggregatorServer
 from gonka_node.aggregator.store import Store

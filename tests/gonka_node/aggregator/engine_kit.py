@@ -26,7 +26,8 @@ from chain.client import ChainClient
 from chain.types import EpochSpec
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.rounds import EpochContext, RoundEngine, SignedReceipt
+from gonka_node.aggregator.engine_types import EpochContext, SignedReceipt
+from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.store import Store, now_ms
 from gonka_node.core.config import AggregationSettings, RoundSettings
 from gonka_node.core.envelope import Submission

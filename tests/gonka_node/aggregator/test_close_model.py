@@ -16,8 +16,8 @@ from micro_model import INNER, SEED, SEQ, SLOTS, micro_windows, model
 
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, score_step
+from gonka_node.aggregator.engine_types import EpochContext
 from gonka_node.aggregator.replay import ReplayData, chosen_for_replay, replay_comparison, verdict
-from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import Scorer, ScoringData
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch

@@ -30,8 +30,8 @@ from gonka_node.aggregator.close import (
     public_tensors,
     score_step,
 )
+from gonka_node.aggregator.engine_types import EpochContext
 from gonka_node.aggregator.robust import aggregate
-from gonka_node.aggregator.rounds import EpochContext
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch

@@ -16,7 +16,8 @@ from nacl.signing import SigningKey
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.rounds import RoundEngine, clock_text
+from gonka_node.aggregator.engine_types import clock_text
+from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.store import RoundRow, Store, now_ms
 from gonka_node.core.client import SubmitRejected
 from gonka_node.core.config import RoundSettings

@@ -18,8 +18,9 @@ from eth_utils import to_checksum_address
 from test_engine_close import stepped
 
 from gonka_node.aggregator.deferred import CheckPool
+from gonka_node.aggregator.engine_types import SignedReceipt
 from gonka_node.aggregator.reasons import Reason
-from gonka_node.aggregator.rounds import RoundEngine, SignedReceipt
+from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.slashing import KIND_GARBAGE

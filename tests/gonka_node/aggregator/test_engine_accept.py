@@ -20,8 +20,9 @@ from nacl.signing import SigningKey
 from chain.backends import RpcBackend
 from chain.client import ChainClient
 from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.engine_types import clock_text
 from gonka_node.aggregator.reasons import Reason, Rejected
-from gonka_node.aggregator.rounds import RoundEngine, clock_text
+from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.core.envelope import Submission
 from gonka_node.slashing import KIND_COPY, KIND_GARBAGE

@@ -20,9 +20,10 @@ from safetensors.torch import load_file
 from chain.merkle import RewardTree
 from chain.seed import new_secret, seed_commitment
 from gonka_node.aggregator.broadcast import residual_path
+from gonka_node.aggregator.engine_types import clock_text
 from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
-from gonka_node.aggregator.rounds import RoundEngine, _tx_bytes, clock_text
+from gonka_node.aggregator.rounds import RoundEngine, _tx_bytes
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.envelope import Submission
 from training.checkpoint import load_checkpoint

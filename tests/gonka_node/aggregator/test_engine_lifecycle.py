@@ -22,8 +22,9 @@ from chain.client import ChainClient, round_result_hash
 from chain.merkle import RewardTree
 from chain.seed import new_secret, seed_commitment
 from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.engine_types import clock_text
 from gonka_node.aggregator.metrics import PrometheusMetrics
-from gonka_node.aggregator.rounds import RoundEngine, clock_text
+from gonka_node.aggregator.rounds import RoundEngine
 
 
 def unreachable(kit: Kit) -> ChainView:

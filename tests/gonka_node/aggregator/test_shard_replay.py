@@ -22,8 +22,9 @@ from test_shard_round import ORDER, address, fragment_payload
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.close import NOT_SAMPLED, score_step
+from gonka_node.aggregator.engine_types import EpochContext
 from gonka_node.aggregator.replay import MISMATCH, PASSED, ReplayData, chosen_for_replay
-from gonka_node.aggregator.rounds import EpochContext, RoundEngine
+from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.scoring import Scorer, ScoringData
 from gonka_node.aggregator.shard import (
     BASE_KEY,
