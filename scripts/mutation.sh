@@ -47,7 +47,7 @@ MODULES=(
   "deferred|gonka_node/aggregator/deferred.py|tests/gonka_node/aggregator/test_deferred_checks.py tests/gonka_node/aggregator/test_engine_accept.py|"
   "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_replay_pick.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
   "diloco|training/diloco.py|tests/training/test_diloco.py tests/training/test_diloco_edges.py|"
-  "codecs|training/codecs.py|tests/training/test_codecs.py tests/training/test_fuzz_codecs.py tests/training/test_codec_contract.py tests/training/test_codec_refusals.py|"
+  "codecs|training/codec*.py|tests/training/test_codecs.py tests/training/test_fuzz_codecs.py tests/training/test_codec_contract.py tests/training/test_codec_refusals.py|"
   "envelope|gonka_node/core/envelope.py|tests/gonka_node/test_envelope.py tests/gonka_node/test_fuzz_envelope.py tests/gonka_node/test_envelope_edges.py|"
   "merkle|chain/merkle.py|tests/chain/test_merkle.py tests/chain/test_merkle_refusals.py|"
   "follow|gonka_node/host/follow.py|tests/gonka_node/host/test_follow.py|"

@@ -21,7 +21,8 @@ from gonka_node.aggregator.validate import (
     mapped,
     scan_update,
 )
-from training.codecs import _NUMEL, HEADER_SIZE, CodecError, get_codec
+from training.codec_base import _NUMEL
+from training.codecs import HEADER_SIZE, CodecError, get_codec
 
 # Tensors that cross the sketch's chunk boundary (65,536) and one that ends mid-block for int8.
 SPEC = {"a.weight": (300, 250), "b.bias": (1001,), "c.weight": (70_000,)}
