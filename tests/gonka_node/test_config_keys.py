@@ -25,6 +25,7 @@ from gonka_node.host.config import _HOST_KEYS, load_host_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_AGG, ROUNDS, CLOSE = "gonka_node/cli/aggregator.py", "gonka_node/aggregator/rounds.py", "gonka_node/aggregator/close.py"
+ACCEPT = "gonka_node/aggregator/acceptance.py"  # the engine's acceptance half
 CLI_HOST = "gonka_node/cli/host.py"
 
 # (section, key) -> (TOML line with a value unlike the default, module that reads it, attribute it reads)
@@ -48,10 +49,10 @@ AGGREGATOR: dict[tuple[str, str], tuple[str, str, str]] = {
     ("round", "quorum"): ("quorum = 3", ROUNDS, "quorum"),
     ("round", "extend_s"): ("extend_s = 7", ROUNDS, "extend_s"),
     ("round", "max_extensions"): ("max_extensions = 5", ROUNDS, "max_extensions"),
-    ("round", "max_payload_bytes"): ("max_payload_bytes = 1000", ROUNDS, "max_payload_bytes"),
+    ("round", "max_payload_bytes"): ("max_payload_bytes = 1000", ACCEPT, "max_payload_bytes"),
     ("round", "max_chunk_bytes"): ("max_chunk_bytes = 1000", "gonka_node/aggregator/server.py", "max_chunk_bytes"),
     ("round", "max_update_norm"): ("max_update_norm = 3.5", ROUNDS, "max_update_norm"),
-    ("round", "max_clock_skew_s"): ("max_clock_skew_s = 9", ROUNDS, "max_clock_skew_s"),
+    ("round", "max_clock_skew_s"): ("max_clock_skew_s = 9", ACCEPT, "max_clock_skew_s"),
     ("round", "stream_idle_s"): ("stream_idle_s = 9", ROUNDS, "stream_idle_s"),
     ("round", "stream_setup_s"): ("stream_setup_s = 9", ROUNDS, "stream_setup_s"),
     ("round", "min_upload_kib_per_s"): ("min_upload_kib_per_s = 9", ROUNDS, "min_upload_kib_per_s"),
