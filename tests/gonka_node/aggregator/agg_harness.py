@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,3 +280,46 @@ def harness(chain_world: ChainWorld, windows: Windows, tmp_path: Path) -> Iterat
         h.stop()
         chain_world.backend.revert(snapshot)
         torch.set_num_threads(threads)
+
+
+async def expire(engine: RoundEngine) -> None:
+    """Move the open round's deadline into the past (the store's own call), as time passing would."""
+    r = engine.current
+    assert r is not None
+    engine.store.extend_round(r.epoch, r.round, 0)
+    engine.current = engine.store.get_round(r.epoch, r.round)
+
+
+def close_shards_at_deadline(h: Harness, servers: list[ServerThread], timeout_s: float) -> Any:
+    """Every shard's open round past its deadline; round 1 finalized on chain within `timeout_s`, its
+    hash the Merkle root over the fragment hashes the shards wrote. Returns the chain's round result."""
+    from gonka_node.aggregator.shard_close import read_fragment_hashes
+    from gonka_node.core.fragments import fragment_root
+
+    for s in servers:
+        s.run(expire(s.engine))
+    chain = h.world.client(0)
+    deadline = time.monotonic() + timeout_s
+    while not chain.round_result(h.epoch, 1).finalized and time.monotonic() < deadline:
+        time.sleep(0.2)
+    result = chain.round_result(h.epoch, 1)
+    hashes = read_fragment_hashes(servers[0].engine.store.checkpoint_path(h.epoch, 1))
+    assert result.finalized and bytes(result.checkpoint_sha256) == fragment_root(hashes)
+    return result
+
+
+SECOND = 8  # the second aggregator's dev account in the two-shard tests (AGGREGATOR is the first)
+SHARD_ORDER = (AGGREGATOR, SECOND)  # the epoch's aggregators in order: shard i is SHARD_ORDER[i]
+
+
+def shard_context(h: Harness, i: int) -> EpochContext:
+    """Shard i's context in an epoch naming SHARD_ORDER (no scoring: the shard tests check the fragments)."""
+    import dataclasses
+
+    from gonka_node.aggregator.shard import shard_role
+
+    me = bytes.fromhex(h.world.accounts[SHARD_ORDER[i]].address[2:])
+    agg = [bytes.fromhex(h.world.accounts[a].address[2:]) for a in SHARD_ORDER]
+    role = shard_role(h.spec, agg, me, h.aggregation.rule)
+    assert role is not None
+    return dataclasses.replace(h.context(), spec=role.spec, shard=role, model_factory=None, scoring=None)

@@ -7,37 +7,37 @@ every host's fragment kept."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
-from agg_harness import AGGREGATOR, Harness, ServerThread
+from agg_harness import (
+    AGGREGATOR,
+    SECOND,
+    SHARD_ORDER,
+    Harness,
+    ServerThread,
+    close_shards_at_deadline,
+    shard_context,
+)
 from nacl.signing import SigningKey
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import DirExchange, shard_role
-from gonka_node.aggregator.shard_close import read_fragment_hashes
 from gonka_node.aggregator.shard_inbox import Inbox, ShardSelf
 from gonka_node.aggregator.shard_net import ChainDirectory, NetExchange
 from gonka_node.aggregator.store import Store
 from gonka_node.cli.aggregator import shard_exchange
 from gonka_node.core.config import AggregatorConfig
-from gonka_node.core.fragments import fragment_root
 from gonka_node.core.shard_envelope import ShardKind
 from gonka_node.core.tls import TlsIdentity, create_identity
 from gonka_node.host.shards import split_payload, submit_fragments
 
-SECOND = 8
-ORDER = (AGGREGATOR, SECOND)
+ORDER = SHARD_ORDER
 
 
 def shard_server(h: Harness, i: int, identity: TlsIdentity) -> ServerThread:
-    me = bytes.fromhex(h.world.accounts[ORDER[i]].address[2:])
-    agg = [bytes.fromhex(h.world.accounts[a].address[2:]) for a in ORDER]
-    role = shard_role(h.spec, agg, me, h.aggregation.rule)
-    assert role is not None
-    ctx = dataclasses.replace(h.context(), spec=role.spec, shard=role, model_factory=None, scoring=None)
+    ctx = shard_context(h, i)
     key = SigningKey(bytes([ORDER[i]]) * 32)
 
     def build() -> RoundEngine:
@@ -73,15 +73,8 @@ def test_shards_over_grpc_finalize_once_with_the_root_after_one_is_killed_and_re
     servers[1].stop()  # killed with two fragments accepted; the round is not closed anywhere
     servers[1] = shard_server(h, 1, identities[1])  # restarted from its data_dir, on another port
     assert servers[1].engine.store.submitted_hosts(h.epoch, 1) == {x.address for x in h.hosts[:2]}
-    for s in servers:
-        s.run(_expire(s.engine))
+    close_shards_at_deadline(h, servers, 90)
     chain = h.world.client(0)
-    deadline = time.monotonic() + 90
-    while not chain.round_result(h.epoch, 1).finalized and time.monotonic() < deadline:
-        time.sleep(0.2)
-    result = chain.round_result(h.epoch, 1)
-    hashes = read_fragment_hashes(servers[0].engine.store.checkpoint_path(h.epoch, 1))
-    assert result.finalized and bytes(result.checkpoint_sha256) == fragment_root(hashes)
     for i, s in enumerate(servers):
         assert chain.round_vote(h.epoch, 1, h.world.accounts[ORDER[i]].address) != bytes(32)  # each shard voted
         rows = {c.host: c for c in s.engine.store.contributions(h.epoch, 1)}
@@ -97,14 +90,6 @@ def test_shards_over_grpc_finalize_once_with_the_root_after_one_is_killed_and_re
     assert not (h.tmp / "shard-exchange").exists()
     for c in clients:
         c.close()
-
-
-async def _expire(engine: RoundEngine) -> None:
-    """Move the open round's deadline into the past (the store's own call), as time passing would."""
-    r = engine.current
-    assert r is not None
-    engine.store.extend_round(r.epoch, r.round, 0)
-    engine.current = engine.store.get_round(r.epoch, r.round)
 
 
 def test_the_aggregator_command_meets_the_other_shards_as_shard_transport_says(harness: Harness) -> None:

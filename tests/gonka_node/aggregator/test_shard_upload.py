@@ -11,7 +11,15 @@ import time
 import grpc
 import pytest
 import torch
-from agg_harness import AGGREGATOR, Harness, ServerThread
+from agg_harness import (
+    AGGREGATOR,
+    SECOND,
+    SHARD_ORDER,
+    Harness,
+    ServerThread,
+    close_shards_at_deadline,
+    shard_context,
+)
 from nacl.signing import SigningKey
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
@@ -21,8 +29,7 @@ from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.rounds import RoundEngine
-from gonka_node.aggregator.shard import DirExchange, shard_role
-from gonka_node.aggregator.shard_close import read_fragment_hashes
+from gonka_node.aggregator.shard import DirExchange
 from gonka_node.aggregator.store import Store
 from gonka_node.cli import CliError
 from gonka_node.cli.checkpoint_chain import chain_checkpoint
@@ -30,7 +37,7 @@ from gonka_node.cli.checkpoint_fragments import pull_fragments
 from gonka_node.cli.checkpoint_pull import pull_checkpoint
 from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.discovery import MissingPinError
-from gonka_node.core.fragments import fragment_root, model_root, plan_fragments
+from gonka_node.core.fragments import model_root, plan_fragments
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.storage import S3Store, open_store
 from gonka_node.core.tls import create_identity, pinned_channel
@@ -47,8 +54,7 @@ from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import load_checkpoint
 from training.codecs import get_codec
 
-SECOND = 8
-ORDER = (AGGREGATOR, SECOND)
+ORDER = SHARD_ORDER
 
 
 @pytest.mark.parametrize("codec_name", ["fp32", "int8", "topk:chunk=64,k=8,bits=2"])
@@ -66,11 +72,7 @@ def test_a_split_payload_is_each_fragments_own_encoding(codec_name: str) -> None
 
 
 def shard_server(h: Harness, i: int, exchange_dir: str) -> ServerThread:
-    me = bytes.fromhex(h.world.accounts[ORDER[i]].address[2:])
-    agg = [bytes.fromhex(h.world.accounts[a].address[2:]) for a in ORDER]
-    role = shard_role(h.spec, agg, me, h.aggregation.rule)
-    assert role is not None
-    ctx = dataclasses.replace(h.context(), spec=role.spec, shard=role, model_factory=None, scoring=None)
+    ctx = shard_context(h, i)
 
     def build() -> RoundEngine:
         return RoundEngine(
@@ -102,15 +104,7 @@ def test_hosts_upload_fragments_to_two_shard_servers_and_the_round_finalizes_wit
     status = clients[1].checked(h.epoch, 1, h.hosts[2].address)
     assert (status.state, status.reason) == (pb.SubmissionStatus.FAILED, Reason.WRONG_SHAPE.value)
     # Host 3's fragment 0 is in shard 0; shard 1's checks refused it: the round closes at the deadline (quorum 2).
-    for s in servers:
-        s.run(_expire(s.engine))
-    chain = h.world.client(0)
-    deadline = time.monotonic() + 60
-    while not chain.round_result(h.epoch, 1).finalized and time.monotonic() < deadline:
-        time.sleep(0.2)
-    result = chain.round_result(h.epoch, 1)
-    hashes = read_fragment_hashes(servers[0].engine.store.checkpoint_path(h.epoch, 1))
-    assert result.finalized and bytes(result.checkpoint_sha256) == fragment_root(hashes)
+    result = close_shards_at_deadline(h, servers, 60)
     for s in servers:
         rows = {c.host: c for c in s.engine.store.contributions(h.epoch, 1)}
         assert [a for a, c in rows.items() if c.aggregated] == sorted(x.address for x in h.hosts[:2])
@@ -223,14 +217,6 @@ def _taking(engine: RoundEngine, round_: int) -> bool:
     """Whether `engine` takes submissions for `round_` now."""
     r = engine.current
     return r is not None and r.round == round_ and not engine.closing
-
-
-async def _expire(engine: RoundEngine) -> None:
-    """Move the open round's deadline into the past (the store's own call), as time passing would."""
-    r = engine.current
-    assert r is not None
-    engine.store.extend_round(r.epoch, r.round, 0)
-    engine.current = engine.store.get_round(r.epoch, r.round)
 
 
 def test_one_client_per_fragment() -> None:
