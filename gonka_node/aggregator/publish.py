@@ -6,8 +6,10 @@ Key layout: the aggregator's data directory's own names, relative to the store's
 holds the codec payload when the recipe's `broadcast = "codec"`). A shard of a sharded epoch holds one
 fragment of each file and publishes it under its own key, `<round:06d>.fragment-<k>-of-<S>.safetensors`,
 so the S shards of an epoch can share one bucket (a client takes every fragment and checks the merge by
-its Merkle root). The default store is the data directory itself, so an aggregator configured with no
-store keeps today's layout and publishing writes nothing.
+its Merkle root), and beside it the round's S fragment hashes (the root's leaves, with which a client
+checks one fragment alone), `<round:06d>.fragments.fragment-<k>-of-<S>.json`. The default store is the
+data directory itself, so an aggregator configured with no store keeps today's layout and publishing
+writes nothing.
 
 `publish` runs in `RoundEngine._finish`, after the finalize intent is recorded and before the chain
 transaction, on the first attempt and on every resume: it writes each object unless the store already
@@ -30,6 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from gonka_node.aggregator.shard_close import fragments_path
 from gonka_node.aggregator.store import Store
 from gonka_node.core.storage import LocalStore, S3Store
 
@@ -75,10 +78,19 @@ class RoundPublisher:
         stem, _, suffix = key.rpartition(".")
         return f"{stem}.fragment-{self.fragment[0]}-of-{self.fragment[1]}.{suffix}"
 
+    def _to_publish(self, epoch: int, round_: int) -> list[Path]:
+        """The round's files, and a shard's S fragment hashes kept beside its checkpoint (the root's
+        leaves: with them a client checks one fragment alone, from the store only)."""
+        paths = list(self.files(epoch, round_).values())
+        leaves = fragments_path(self.rounds.checkpoint_path(epoch, round_))
+        if self.fragment is not None and leaves.is_file():
+            paths.append(leaves)
+        return paths
+
     def publish(self, epoch: int, round_: int) -> list[str]:
         """Write the round's files into the store unless already there; returns the keys written."""
         written = []
-        for path in self.files(epoch, round_).values():
+        for path in self._to_publish(epoch, round_):
             key = self.key(path)
             if self._in_place(key, path) or self._present(key, path):
                 continue

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from gonka_node.aggregator.engine_types import SignedReceipt
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.shard_close import served_proof
 from gonka_node.aggregator.shard_net import NetExchange
 from gonka_node.aggregator.shard_service import ShardService
 from gonka_node.aggregator.store import CHECKED, FAILED, PENDING, RoundRow
@@ -342,6 +343,9 @@ class AggregatorService(pb_grpc.AggregatorServicer):
     async def LocateRound(self, request: pb.RoundRef, context: grpc.aio.ServicerContext) -> pb.RoundLocation:
         row = await self._done_round(request.epoch, request.round, context)
         out = pb.RoundLocation(epoch=row.epoch, round=row.round)
+        proof = await self._fragment_proof(row)
+        if proof is not None:
+            out.fragment.CopyFrom(proof)
         publisher = self.engine.publisher
         if publisher is None or row.state != "finalized":
             return out
@@ -356,6 +360,18 @@ class AggregatorService(pb_grpc.AggregatorServicer):
                 expires_unix_ms=where.expires_ms,
             ))
         return out
+
+    async def _fragment_proof(self, row: RoundRow) -> pb.FragmentProof | None:
+        """A shard's proof of its fragment of a finalized round (None: unsharded, or nothing stepped)."""
+        shard = self.engine.ctx.shard
+        if shard is None or row.state != "finalized":
+            return None
+        path = self.engine.store.checkpoint_path(row.epoch, row.round)
+        proof = await asyncio.to_thread(served_proof, path, shard)
+        if proof is None:
+            return None
+        return pb.FragmentProof(index=proof.index, count=proof.count, fragment_sha256=proof.fragment_sha256,
+                                siblings=proof.siblings)
 
     async def _done_round(self, epoch: int, round_: int, context: grpc.aio.ServicerContext) -> RoundRow:
         row = self.engine.store.get_round(epoch, round_)

@@ -47,7 +47,7 @@ from gonka_node.aggregator.shard import (
 )
 from gonka_node.aggregator.store import RoundRow, SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
-from gonka_node.core.fragments import fragment_root, plan_fragments
+from gonka_node.core.fragments import FragmentProof, fragment_root, plan_fragments
 from training.checkpoint import HASH_FORMAT, canonical_sha256
 from training.codecs import round_seed
 from training.diloco import OuterOptimizer, StreamingAverager
@@ -68,6 +68,14 @@ def fragments_path(checkpoint: Path) -> Path:
 
 def read_fragment_hashes(checkpoint: Path) -> list[bytes]:
     return [bytes.fromhex(h) for h in json.loads(fragments_path(checkpoint).read_text())]
+
+
+def served_proof(checkpoint: Path, role: ShardRole) -> FragmentProof | None:
+    """This shard's fragment's proof under a round's root, from the leaves kept beside its checkpoint
+    (None where there are none: a round this shard did not step). What `LocateRound` serves."""
+    if not fragments_path(checkpoint).is_file():
+        return None
+    return FragmentProof.of(read_fragment_hashes(checkpoint), role.index)
 
 
 def load_fragment(

@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pull = add_verb(
         actions, "pull", help="download a checkpoint from an aggregator, verified against the chain",
         examples=["gonka-node checkpoint pull --epoch 1 --round latest --out model.safetensors",
-                  "gonka-node checkpoint pull --epoch 1 --round 3 --aggregator HOST:PORT --tls-cert cert.pem"],
+                  "gonka-node checkpoint pull --epoch 1 --round 3 --aggregator HOST:PORT --tls-cert cert.pem",
+                  "gonka-node checkpoint pull --epoch 2 --round latest --fragment 1"],
         next="gonka-node checkpoint export --checkpoint FILE --out hf-model (or generate --checkpoint FILE)",
     )
     add_connection_args(pull, need_key=False)
@@ -78,6 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pull.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest file accepted")
     pull.add_argument("--recipe", type=Path,
                       help="the epoch's recipe file, to verify the file's model config when the chain has none")
+    pull.add_argument("--fragment", type=int, metavar="K",
+                      help="a sharded epoch (recipe shards S > 1): only fragment K (0 to S-1), from shard K, checked "
+                      "alone against the chain's root by its Merkle proof (default: every fragment, merged)")
     pull.set_defaults(func=chain_errors(_pull))
 
     export = add_verb(
@@ -179,6 +183,8 @@ def _pull(args: argparse.Namespace) -> int:
 
     client = open_client(args)
     want = chain_checkpoint(client, args.epoch, args.round)
+    if args.fragment is not None:
+        return _pull_one_fragment(args, client, want)
     out = args.out or Path(f"epoch-{want.epoch}-round-{want.round}.safetensors")
     if out.exists() and not args.force:
         raise CliError(f"--out {out}: file exists; pass --force to replace it")
@@ -213,6 +219,31 @@ def _pull_fragments(args: argparse.Namespace, client: Any, shards: int, want: Ch
                                 model=model, model_source=where)
     _pulled(want, f"the epoch's {shards} shards (certificates from the chain)", out, size,
             f"Merkle root over {shards} fragments", note)
+    return 0
+
+
+def _pull_one_fragment(args: argparse.Namespace, client: Any, want: ChainCheckpoint) -> int:
+    """Fragment K of a sharded epoch's round, from shard K, checked alone by its Merkle proof."""
+    from gonka_node.cli.checkpoint_one_fragment import check_fragment_index, pull_one_fragment
+
+    if args.aggregator or args.tls_cert:
+        raise CliError("--fragment K is pulled from shard K as announced on chain: leave out --aggregator and --tls-cert")
+    recipe, where = epoch_recipe(client, args.epoch, args.recipe)
+    if recipe is None:
+        raise CliError(f"--fragment: epoch {want.epoch} has no recipe on chain to say how many shards it has; give "
+                       "the epoch's recipe (--recipe FILE)")
+    check_fragment_index(args.fragment, recipe.shards, want)
+    out = args.out or Path(f"epoch-{want.epoch}-round-{want.round}.fragment-{args.fragment}-of-{recipe.shards}.safetensors")
+    if out.exists() and not args.force:
+        raise CliError(f"--out {out}: file exists; pass --force to replace it")
+    size, proof, note = pull_one_fragment(client, recipe.shards, args.fragment, want, out, timeout_s=args.timeout,
+                                          max_bytes=args.max_bytes, model=recipe.model, model_source=where)
+    print(
+        f"pulled fragment {proof.index} of {proof.count} of epoch {want.epoch} round {want.round} from shard "
+        f"{proof.index} (certificate from the chain) to {out} ({size:,} bytes)\n"
+        f"fragment sha256 {proof.fragment_sha256.hex()} with {len(proof.siblings)} sibling hash(es) leads to the "
+        f"Merkle root {want.sha256.hex()} on chain {want.chain_id} registry {want.registry}\n{note}"
+    )
     return 0
 
 

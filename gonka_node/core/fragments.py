@@ -123,6 +123,33 @@ def verify_fragment(fragment_sha256: bytes, index: int, shards: int, proof: Sequ
     return next(steps, None) is None and node == root
 
 
+@dataclass(frozen=True)
+class FragmentProof:
+    """Fragment `index` of `count`'s place under a round's root: its canonical hash and the sibling
+    hashes from its leaf up (`fragment_proof`). No side bits: the side of each sibling follows from
+    the index (an even node is the left one), so a proof cannot claim a side its index contradicts.
+    What a shard serves with its fragment; a client trusts none of it but what `proves` checks."""
+
+    index: int
+    count: int
+    fragment_sha256: bytes
+    siblings: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, hashes: Sequence[bytes], index: int) -> FragmentProof:
+        """Fragment `index`'s proof from the S fragment hashes, in fragment order."""
+        siblings = tuple(fragment_proof(hashes, index))  # refuses an index outside the hashes
+        return cls(index, len(hashes), bytes(hashes[index]), siblings)
+
+    def proves(self, root: bytes) -> bool:
+        """Whether this proof places its fragment hash at its index under `root` (a malformed one, an
+        index outside its count or a hash not 32 bytes long, proves nothing)."""
+        try:
+            return verify_fragment(self.fragment_sha256, self.index, self.count, self.siblings, root)
+        except FragmentError:
+            return False
+
+
 def model_root(tensors: Mapping[str, Tensor], shards: int) -> bytes:
     """The checkpoint hash the chain records for a whole model of a sharded epoch: the root over its
     fragments' canonical hashes (one shard: the canonical hash itself). What a host following rounds,

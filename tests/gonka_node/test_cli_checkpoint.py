@@ -220,6 +220,16 @@ def test_pull_refusals(world: World, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
 
 
+def test_pull_fragment_refusals_on_an_unsharded_epoch(world: World, tmp_path, capsys):
+    """`--fragment K` needs a sharded epoch's round: here epoch 1's recipe has one shard."""
+    pull = ["pull", *world.chain_args(), "--epoch", "1", "--out", str(tmp_path / "x")]
+    code, _, err = run(capsys, *pull, "--round", "1", "--fragment", "0")
+    assert code == 2 and "--fragment: epoch 1 is not sharded (one aggregator holds the whole model)" in err
+    code, _, err = run(capsys, *pull, "--round", "1", "--fragment", "0", "--aggregator", world.aggregator)
+    assert code == 2 and "--fragment K is pulled from shard K as announced on chain: leave out --aggregator" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pull_trusts_only_the_pinned_certificate_over_tls(world: World, tmp_path, capsys):
     other = create_identity()
     (tmp_path / "other.pem").write_bytes(other.cert_pem)

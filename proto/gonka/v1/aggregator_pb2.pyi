@@ -262,13 +262,27 @@ class StoredObject(_message.Message):
     def __init__(self, url: _Optional[str] = ..., key: _Optional[str] = ..., length: _Optional[int] = ..., file_sha256: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RoundLocation(_message.Message):
-    __slots__ = ("epoch", "round", "checkpoint", "update")
+    __slots__ = ("epoch", "round", "checkpoint", "update", "fragment")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     checkpoint: StoredObject
     update: StoredObject
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[StoredObject, _Mapping]] = ..., update: _Optional[_Union[StoredObject, _Mapping]] = ...) -> None: ...
+    fragment: FragmentProof
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[StoredObject, _Mapping]] = ..., update: _Optional[_Union[StoredObject, _Mapping]] = ..., fragment: _Optional[_Union[FragmentProof, _Mapping]] = ...) -> None: ...
+
+class FragmentProof(_message.Message):
+    __slots__ = ("index", "count", "fragment_sha256", "siblings")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIBLINGS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    fragment_sha256: bytes
+    siblings: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., fragment_sha256: _Optional[bytes] = ..., siblings: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -151,7 +151,8 @@ def _the_shards_publish_to_one_bucket(h: Harness, servers: list[ServerThread], u
         server.engine.publisher = RoundPublisher(server.engine.store, objects, fragment=(i, 2))
         assert server.engine.publisher.publish(h.epoch, 1) == [
             f"checkpoints/{h.epoch}/000001.fragment-{i}-of-2.safetensors",
-            f"updates/{h.epoch}/000001.fragment-{i}-of-2.safetensors"]
+            f"updates/{h.epoch}/000001.fragment-{i}-of-2.safetensors",
+            f"checkpoints/{h.epoch}/000001.fragments.fragment-{i}-of-2.json"]  # the leaves: one fragment's proof
         assert server.engine.publisher.upload_key(h.epoch, 1, b"\x01" * 20).endswith(f"01.fragment-{i}-of-2.bin")
     chain = h.world.client(0)
     for server, account in zip(servers, ORDER, strict=True):
