@@ -23,7 +23,7 @@ from chain.backends import RpcBackend
 from chain.client import ChainClient
 from chain.types import Deployment
 from gonka_node.cli import main
-from gonka_node.core.fragments import model_root
+from gonka_node.core.fragments import model_root, plan_fragments
 from gonka_node.core.recipe import Recipe
 from gonka_node.devnet import DevnetOptions, run_devnet
 from gonka_node.devnet_procs import Children, aggregator_name, restart_aggregator
@@ -86,13 +86,17 @@ def _observe(out: Path, report: dict[str, Any]) -> dict[str, Any]:
     pulled, args = out / "pulled.safetensors", ["--deployment", str(out / "deployment.json"), "--epoch", str(epoch)]
     pull = main(["checkpoint", "pull", *args, "--round", "latest", "--out", str(pulled)])
     one = main(["checkpoint", "pull", *args, "--round", "1", "--aggregator", shards.target.split(", ")[0]])
+    # One fragment alone: from shard 1 only, checked by the proof it serves against the chain's root.
+    fragment = out / "fragment-1.safetensors"
+    one_fragment = main(["checkpoint", "pull", *args, "--round", "latest", "--fragment", "1", "--out", str(fragment)])
     # ... and samples from it, verified against the chain's root (`load_verified`).
     sampled = main(["checkpoint", "generate", "--checkpoint", str(pulled), *args, "--round", "latest",
                     "--prompt", "de", "--max-new-tokens", "3", "--greedy"]) if pull == 0 else -1
     return {"results": results, "final": final, "votes": _finalize_votes(backend, chain),
             "aggregators": [str(a) for a in chain.get_epoch(epoch).spec.aggregators],
             "latest": chain.latest_round(epoch), "pull": pull, "one_shard": one, "sampled": sampled,
-            "pulled": load_checkpoint(pulled).tensors if pull == 0 else {}}
+            "pulled": load_checkpoint(pulled).tensors if pull == 0 else {}, "one_fragment": one_fragment,
+            "fragment": load_checkpoint(fragment).tensors if one_fragment == 0 else {}}
 
 
 def test_devnet_with_two_shards_survives_a_killed_shard_and_finalizes_merkle_roots(tmp_path: Path) -> None:
@@ -143,6 +147,10 @@ def test_devnet_with_two_shards_survives_a_killed_shard_and_finalizes_merkle_roo
     assert seen["pull"] == 0 and seen["one_shard"] == 2 and seen["sampled"] == 0
     assert set(seen["pulled"]) == set(seen["final"])
     assert all(torch.equal(seen["pulled"][n], seen["final"][n]) for n in seen["final"])
+    # `--fragment 1` wrote fragment 1 of the plan alone, its values the final model's.
+    names = plan_fragments({n: tuple(t.shape) for n, t in seen["final"].items()}, 2)[1].names
+    assert seen["one_fragment"] == 0 and set(seen["fragment"]) == set(names)
+    assert all(torch.equal(seen["fragment"][n], seen["final"][n]) for n in names)
     # The killed shard lost nothing: what it had accepted is in the round, and every host counted.
     assert [r.n_contributors for r in results] == [2, 2]
     aggregated = "SELECT host FROM contributions WHERE round=? AND aggregated=1"
