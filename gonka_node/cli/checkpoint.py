@@ -20,7 +20,9 @@ keeping an unverified claim.
 
 This module holds the verbs; what they build on lives beside it, one job each: `checkpoint_chain.py`
 (what the chain vouches for: a round's hash, the epoch's recipe), `checkpoint_pull.py` (the verified
-transfer) and `checkpoint_load.py` (a local file verified and loaded, its config and tokenizer).
+transfer), `checkpoint_fragments.py` (a sharded round, every fragment merged), `checkpoint_one_fragment.py`
+(`--fragment K`: one fragment checked alone by its Merkle proof) and `checkpoint_load.py` (a local file
+verified and loaded, its config and tokenizer).
 """
 
 from __future__ import annotations

@@ -87,8 +87,9 @@ def served_proof(channel: grpc.Channel, want: ChainCheckpoint, index: int, shard
     location = pb_grpc.AggregatorStub(channel).LocateRound(pb.RoundRef(epoch=want.epoch, round=want.round),
                                                           timeout=timeout_s)
     if not location.HasField("fragment"):
-        raise CliError(f"{where} serves no proof of its fragment of epoch {want.epoch} round {want.round} (an "
-                       "aggregator from before fragment proofs?): pull the whole checkpoint without --fragment")
+        raise CliError(f"{where} serves no proof of its fragment of epoch {want.epoch} round {want.round} (a "
+                       "skipped round, or an aggregator from before fragment proofs): pull the whole checkpoint "
+                       "without --fragment")
     served = location.fragment
     proof = FragmentProof(served.index, served.count, bytes(served.fragment_sha256),
                           tuple(bytes(s) for s in served.siblings))
