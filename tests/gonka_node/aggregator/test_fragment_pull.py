@@ -87,6 +87,10 @@ def test_a_client_pulls_one_fragment_and_checks_it_alone_by_its_proof(
     assert isinstance(objects, S3Store)
     servers = [publishing_shard(h, i, objects) for i in range(2)]
     root = finalized_round(h, servers)
+    want = chain_checkpoint(h.world.client(0), h.epoch, "1")
+    pulled = h.tmp / "pulled"
+    with pytest.raises(CliError, match=r"shard 1 of epoch \d+ \(aggregator 0x[0-9a-fA-F]{40}\) has not announced"):
+        pull(h, want, 1, pulled / "early.safetensors")
     for server, account in zip(servers, SHARD_ORDER, strict=True):
         h.world.client(account).announce_aggregator(h.epoch, server.target, h.identity.cert_pem)
     # Each shard published the round's S leaf hashes beside its fragment: a store-only client's proof.
@@ -97,8 +101,6 @@ def test_a_client_pulls_one_fragment_and_checks_it_alone_by_its_proof(
         assert FragmentProof.of(leaves, i).proves(root) and fragment_root(leaves) == root
         assert bytes.fromhex(canonical_sha256(tensors_view(stored))) == leaves[i]
     servers[0].stop()  # fragment 1 alone: shard 0 is not needed
-    want = chain_checkpoint(h.world.client(0), h.epoch, "1")
-    pulled = h.tmp / "pulled"
     capsys.readouterr()
     size, proof, note = pull(h, want, 1, pulled / "one.safetensors")
     got = load_checkpoint(pulled / "one.safetensors")
