@@ -86,6 +86,11 @@ class ErrorFeedback:
     classic error feedback (the sum of everything decoded converges on the sum of every Δ); decay < 1
     is SparseLoCo's variant, where the residual also acts as a momentum. The residual is decoded from
     the very payload sent, so it matches what the aggregator sees bit for bit.
+
+    `previous` is the residual before the latest compress (e_{r−1}; a name absent there was zero) and
+    `residual` the one after (e_r): the two a host opens when its round is challenged
+    (training/residual_commit.py). Compressing replaces residual tensors and never mutates them, so
+    `previous` holds the old tensors themselves: one residual of memory, no copy.
     """
 
     def __init__(self, codec: Codec, decay: float = 1.0) -> None:
@@ -93,17 +98,18 @@ class ErrorFeedback:
             raise ValueError(f"ErrorFeedback: decay must be in [0, 1], got {decay}")
         self.codec, self.decay = codec, decay
         self.residual: dict[str, Tensor] = {}
+        self.previous: dict[str, Tensor] = {}
 
     def compress(self, delta: Mapping[str, Tensor], codec: Codec | None = None) -> bytes:
         """Encode Δ plus the residual; `codec` overrides this round's codec (see `Codec.for_round`)."""
         codec = codec or self.codec
         if self.residual and set(self.residual) != set(delta):
             raise ValueError("ErrorFeedback.compress: tensor names differ from the previous round's")
-        before = dict(self.residual)  # compress_tensor replaces tensors, never mutates them
+        before, previous = dict(self.residual), dict(self.previous)  # compress_tensor replaces, never mutates
         try:
             parts = [self.compress_tensor(name, delta[name], codec) for name in sorted(delta)]
         except ValueError:
-            self.residual = before  # a Δ with NaN or infinity changes nothing
+            self.residual, self.previous = before, previous  # a Δ with NaN or infinity changes nothing
             raise
         return codec.header(spec_of(delta)) + b"".join(parts)
 
@@ -120,6 +126,10 @@ class ErrorFeedback:
             target = (prev if self.decay == 1.0 else prev * torch.tensor(self.decay, dtype=torch.float32)) + d
         part = codec.encode_tensor(name, target)
         self.residual[name] = target - codec.decode_tensor(name, part, tuple(target.shape))
+        if prev is None:
+            self.previous.pop(name, None)
+        else:
+            self.previous[name] = prev
         return part
 
     def state_dict(self) -> dict[str, Any]:
@@ -127,6 +137,7 @@ class ErrorFeedback:
             "codec": self.codec.name,
             "decay": self.decay,
             "residual": {n: t.clone() for n, t in self.residual.items()},
+            "previous": {n: t.clone() for n, t in self.previous.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -135,6 +146,7 @@ class ErrorFeedback:
                 f"ErrorFeedback.load_state_dict: saved codec/decay {state.get('codec')}/{state.get('decay')} differ from {self.codec.name}/{self.decay}"
             )
         self.residual = {n: t.clone() for n, t in state["residual"].items()}
+        self.previous = {n: t.clone() for n, t in state.get("previous", {}).items()}  # absent in older saves
 
 
 def round_seed(epoch_seed: int, round_index: int) -> int:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-from typing import ClassVar
+import math
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from training.codec_base import (
+    _NUMEL,
     Codec,
     MalformedSectionError,
     Spec,
@@ -97,6 +99,44 @@ class TopKCodec(Codec):
         return (sign | mag.to(torch.int64)).reshape(-1)
 
     def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
+        kept = self._entries(buf, numel, name)
+        c = kept.codes
+        if self.bits == 1:
+            mag = kept.lo[kept.owner]
+        else:
+            step = (kept.hi - kept.lo) / float(self.levels)
+            mag = kept.lo[kept.owner] + (c & self.levels).to(torch.float32) * step[kept.owner]
+        values = torch.where((c >> (self.bits - 1)) == 1, -mag, mag)
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[kept.owner * self.chunk + kept.idx] = values
+        return _finite(out, self.name, name)  # lo + 127·step can round past fp32's max when hi is near it
+
+    def residual_bound(self, part: bytes | memoryview, shape: tuple[int, ...], name: str = "") -> Tensor:
+        """The largest |residual| an honest `ErrorFeedback` keeps after sending this tensor's `part`
+        (fp64, per element): what an opened residual must respect (training/residual_commit.py).
+
+        In a chunk, the encoder sent the k largest |e| of its target e. An element not sent keeps e
+        itself (decoded 0, so the subtraction is exact): |e| ≤ lo, the smallest sent magnitude, stored
+        exactly. A sent element with bits ≥ 2 keeps its quantisation error: at most step/2 with step =
+        (hi − lo)/levels, plus the fp32 rounding of the quantiser and of the decode (≤ 6·2⁻²⁴·hi, so
+        2⁻²⁰·hi is a safe margin). With bits = 1 only the mean sent magnitude m is stored: an unsent
+        element has |e| ≤ lo ≤ m, and a sent one is unbounded (its magnitude is not in the payload):
+        the bound there is infinite."""
+        view = memoryview(part).cast("B")
+        self.decode_tensor(name, view, shape)  # every check of the part: size, numel, scales, positions
+        numel = math.prod(shape)
+        kept = self._entries(view[_NUMEL.size :], numel, name)
+        lo, hi = kept.lo.double(), kept.hi.double()
+        if self.bits == 1:  # lo = hi = m, the fp32 mean of k magnitudes: off by < k·2⁻²⁴·m
+            unsent, sent = lo * (1 + self.k * 2.0**-23), torch.full_like(lo, math.inf)
+        else:
+            unsent, sent = lo, (hi - lo) / self.levels / 2 + hi * 2.0**-20
+        bound = unsent.repeat_interleave(self.chunk)[:numel]
+        bound[kept.owner * self.chunk + kept.idx] = sent[kept.owner]
+        return bound.reshape(shape)
+
+    def _entries(self, buf: memoryview, numel: int, name: str) -> _Kept:
+        """A section's entries, checked: chunk scales, and per kept entry its chunk, position and code."""
         chunks, kept = self._kept(numel)
         pos = 4 * self.scales * chunks
         scales = np.frombuffer(buf[:pos], dtype="<f4").astype(np.float32).reshape(chunks, self.scales)
@@ -125,17 +165,18 @@ class TopKCodec(Codec):
                 f"topk payload: tensor {name} has positions not strictly increasing within a chunk"
             )
         lo, hi = torch.from_numpy(scales[:, 0].copy()), torch.from_numpy(scales[:, -1].copy())
-        owner_t = torch.from_numpy(owner)
-        c = torch.from_numpy(codes)
-        if self.bits == 1:
-            mag = lo[owner_t]
-        else:
-            step = (hi - lo) / float(self.levels)
-            mag = lo[owner_t] + (c & self.levels).to(torch.float32) * step[owner_t]
-        values = torch.where((c >> (self.bits - 1)) == 1, -mag, mag)
-        out = torch.zeros(numel, dtype=torch.float32)
-        out[torch.from_numpy(owner * self.chunk + idx)] = values
-        return _finite(out, self.name, name)  # lo + 127·step can round past fp32's max when hi is near it
+        return _Kept(lo, hi, torch.from_numpy(owner), torch.from_numpy(idx), torch.from_numpy(codes))
+
+
+class _Kept(NamedTuple):
+    """A top-k section read back: per chunk (lo, hi) (bits = 1: the mean magnitude twice), per kept
+    entry its chunk, its position in the chunk and its code."""
+
+    lo: Tensor
+    hi: Tensor
+    owner: Tensor
+    idx: Tensor
+    codes: Tensor
 
 
 class SharedMaskCodec(Codec):

@@ -374,8 +374,15 @@ class RoundEngine(Acceptance):
         return seed.seed
 
     def _compute(self, r: RoundRow, seed: bytes, skip: bool = False) -> RoundOutcome:
+        inputs = self._closing_inputs(r, seed)
+        if self.ctx.shard is None:
+            return compute_outcome(inputs)
+        return self._close_fragment(inputs, skip)
+
+    def _closing_inputs(self, r: RoundRow, seed: bytes) -> ClosingInputs:
+        """Everything round `r`'s close reads (gonka_node/aggregator/close.py), gathered before it computes."""
         ctx = self.ctx
-        inputs = ClosingInputs(
+        return ClosingInputs(
             ctx=ctx,
             round_row=r,
             seed=seed,
@@ -392,10 +399,11 @@ class RoundEngine(Acceptance):
             checkpoints=self.checkpoints,
             aggregation=self.aggregation,
         )
-        if ctx.shard is None:
-            return compute_outcome(inputs)
-        assert self.exchange is not None, "a shard's engine needs its exchange"
-        return close_fragment(inputs, ctx.shard, self.exchange, skip, self.settings.max_update_norm)
+
+    def _close_fragment(self, inputs: ClosingInputs, skip: bool) -> RoundOutcome:
+        """A shard's close of its fragment (gonka_node/aggregator/shard_close.py)."""
+        assert self.ctx.shard is not None and self.exchange is not None  # a shard's engine has both
+        return close_fragment(inputs, self.ctx.shard, self.exchange, skip, self.settings.max_update_norm)
 
     def _prev_residual(self, round_: int) -> Path | None:
         """The compressed broadcast's residual after the last finalized round before `round_`."""

@@ -162,7 +162,8 @@ def test_error_feedback_keeps_what_was_not_sent_with_its_decay() -> None:
     assert torch.equal(sent2, codec.decode(codec.encode({"w": target}), {"w": (4,)})["w"])
     assert torch.equal(ef.residual["w"], target - sent2)
     state = ef.state_dict()
-    assert state == {"codec": "topk", "decay": 0.5, "residual": state["residual"]}
+    assert state == {"codec": "topk", "decay": 0.5, "residual": state["residual"], "previous": state["previous"]}
+    assert torch.equal(state["previous"]["w"], d1 - sent1)  # e_{r−1}, kept for a challenge of this round
     state["residual"]["w"].zero_()  # the state is a copy
     assert not torch.equal(ef.residual["w"], torch.zeros(4))
 

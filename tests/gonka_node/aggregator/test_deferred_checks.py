@@ -209,3 +209,33 @@ def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: 
         assert "could not check this payload" in (row.check_message or "")
     assert [s.host for s in again.store.submissions(ep, 1)] == [kit.hosts[2].address]
     assert not [p for p in (kit.tmp / "evidence").rglob("*") if p.is_file()]  # ours, not the host's: no evidence
+
+
+def test_a_payload_whose_check_awaits_a_retry_keeps_the_round_open_not_closing(kit: Kit) -> None:
+    """Everyone has a payload stored, but one's check failed for a reason of the aggregator's and waits
+    for its retry: the round is not "everyone submitted" yet, so it neither closes nor starts closing
+    (which would refuse every resend as late); the next tick's retry passes and the round closes."""
+    e = kit.engine()
+    ep = kit.world.epoch
+    e.checks = CheckPool(1, never_checked)
+    for i in range(3):
+        assert receipted(kit, e, i, payload(update(60 + i))).body.accepted
+    e.store.close()
+    again = kit.engine()
+    original, flaky, failures = again._check, kit.hosts[1].address, [OSError("disk error")]
+
+    def check(part: Path, round_: int) -> tuple[float, bytes]:
+        if part.name.startswith(flaky.hex()) and failures:
+            raise failures.pop()
+        return original(part, round_)
+
+    again._check = check  # type: ignore[method-assign]
+    kit.clock.ms += 100
+    kit.run(again.tick())
+    pending = again.store.submission(ep, 1, flaky)
+    assert pending is not None and pending.check_state == "pending" and not again.closing
+    assert again.store.get_round(ep, 1) == again.current and again.current.state == "open"
+    kit.clock.ms += 100
+    kit.run(again.tick())
+    closed = again.store.get_round(ep, 1)
+    assert closed is not None and closed.state == "finalized"

@@ -10,6 +10,7 @@ import itertools
 import logging
 import sqlite3
 import time
+from pathlib import Path
 
 import pytest
 from agg_harness import AGGREGATOR
@@ -189,6 +190,8 @@ def test_another_epochs_rounds_in_the_same_store_are_not_this_epochs_models(kit:
     assert row(e).state == "skipped"
     assert e.global_path(1) == kit.init_path and e.base_path(2) == kit.init_path
     assert row(e, 2).base_sha256 == kit.world.init_sha
+    inputs = e._closing_inputs(row(e, 2), b"\x02" * 32)  # nothing carried over from the other epoch's round 1
+    assert (inputs.prev_outer_state, inputs.prev_residual, inputs.earlier) == (None, None, [])
 
 
 def test_a_host_that_left_is_not_paid(kit: Kit) -> None:
@@ -347,3 +350,46 @@ def test_the_loop_ticks_every_fifth_of_a_second_by_default(kit: Kit) -> None:
     gaps = [b - a for a, b in itertools.pairwise(ticked)]
     assert len(gaps) == 2 and all(0.19 < g < 1.1 for g in gaps), gaps  # 0.2 s apart (not 1 s or more)
     assert row(e).state == "open"
+
+
+def test_a_close_reads_its_own_epochs_earlier_rounds_and_the_seed_it_is_given(kit: Kit) -> None:
+    other = kit.engine()
+    submit_all(kit, other, 3)
+    kit.run(other.tick())  # another epoch's round 1 in the same store: not this epoch's history
+    e = kit.engine(kit.world.epoch2)
+    for seed in (10, 20):
+        submit_all(kit, e, 3, seed=seed)
+        kit.run(e.tick())
+    assert (row(e, 1).state, row(e, 2).state, row(e, 3).state) == ("finalized", "finalized", "open")
+    submit_all(kit, e, 1, seed=30)  # round 3's own submission is not "earlier"
+    inputs = e._closing_inputs(row(e, 3), b"\x07" * 32)
+    assert inputs.seed == b"\x07" * 32 and inputs.round_row.round == 3
+    assert [s.host for s in inputs.submissions] == [kit.hosts[0].address]
+    hosts = sorted(h.address for h in kit.hosts)
+    assert sorted((s.epoch, s.round, s.host) for s in inputs.earlier) == [
+        (kit.world.epoch2, r, h) for r in (1, 2) for h in hosts
+    ]
+    assert inputs.step_base == (e.global_path(2), e.global_sha256(2)) and inputs.base_path == e.base_path(3)
+    assert inputs.eager is None and inputs.prev_outer_state == e.store.outer_state_path(kit.world.epoch2, 2)
+
+
+def test_an_eager_close_rebuilds_bases_from_the_last_rounds_payloads_and_the_momentum_before_it(kit: Kit) -> None:
+    e = kit.engine(start=False)
+    e.ctx = dataclasses.replace(e.ctx, overlap="eager", outer_momentum=0.9)  # unlike outer_lr = 0.5
+    e.start()
+    ep = kit.world.epoch
+    submit_all(kit, e, 3)
+    kit.run(e.tick())
+    first = e._closing_inputs(row(e, 2), b"\x01" * 32).eager
+    assert first is not None and first.outer_state is None  # no round before round 1: fresh momentum
+    assert first.previous == {s.host: Path(s.path) for s in e.store.submissions(ep, 1)} and len(first.previous) == 3
+    submit_all(kit, e, 2, seed=20)
+    kit.clock.ms = row(e, 2).deadline_ms + 1  # two of three: closed at the deadline
+    kit.run(e.tick())
+    assert row(e, 2).state == "finalized"
+    eager = e._closing_inputs(row(e, 3), b"\x01" * 32).eager
+    assert eager is not None
+    assert eager.previous == {s.host: Path(s.path) for s in e.store.submissions(ep, 2)} and len(eager.previous) == 2
+    assert eager.outer_state == e.store.outer_state_path(ep, 1)  # the momentum after round r − 2
+    assert (eager.outer_lr, eager.outer_momentum, dict(eager.spec)) == (e.ctx.outer_lr, e.ctx.outer_momentum, dict(e.ctx.spec))
+    assert eager.codec.name == e.ctx.codec_for(2).name

@@ -1,0 +1,230 @@
+"""training/residual_commit.py: commitments to the error-feedback residual and the top-k replay check's
+pieces (openings, the challenge sample, the claimed Δ, the bounds a payload puts on its residual)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import struct
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import Tensor
+
+from gonka_node.aggregator.replay import verdict
+from training.codecs import ErrorFeedback, HeaderError, TopKCodec, get_codec
+from training.residual_commit import (
+    ChunkLayout,
+    claimed_delta,
+    compare,
+    gather_chunks,
+    open_chunks,
+    payload_bounds,
+    residual_root,
+    sample_chunks,
+    verify_opening,
+    within_bounds,
+    zero_root,
+)
+
+SPEC = {"a": (10, 30), "b": (100,), "c": (5,)}  # chunks of 64: a → 0..4 (the 5th short), b → 5, 6, c → 7
+LAYOUT = ChunkLayout.of(SPEC, 64)
+TOPK = "topk:chunk=64,k=8,bits=2"
+
+
+def _tensors(seed: int, scale: float = 1.0) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: scale * torch.randn(s, generator=g) for n, s in SPEC.items()}
+
+
+def _topk() -> TopKCodec:
+    codec = get_codec(TOPK)
+    assert isinstance(codec, TopKCodec)
+    return codec
+
+
+def test_the_layout_cuts_each_tensor_in_sorted_name_order() -> None:
+    assert LAYOUT.n_chunks == 8
+    assert LAYOUT.locate(4) == ("a", 256, 300)  # a tensor's last chunk is short; none straddles two
+    assert LAYOUT.locate(5) == ("b", 0, 64)
+    assert LAYOUT.locate(7) == ("c", 0, 5)
+    with pytest.raises(IndexError, match="chunk 8 is outside the layout's 8 chunks"):
+        LAYOUT.locate(8)
+
+
+def test_an_opening_verifies_against_its_root_and_carries_the_chunks() -> None:
+    residual = _tensors(1)
+    root = residual_root(residual, LAYOUT)
+    sample = (0, 4, 6, 7)
+    opening = open_chunks(residual, LAYOUT, sample)
+    assert verify_opening(root, opening, LAYOUT, sample)
+    assert torch.equal(opening.values(), gather_chunks(residual, LAYOUT, sample))
+    assert opening.values()[:64].tolist() == residual["a"].reshape(-1)[:64].tolist()
+    assert not verify_opening(residual_root(_tensors(2), LAYOUT), opening, LAYOUT, sample)  # another root
+
+
+def test_a_flipped_byte_a_wrong_index_or_a_wrong_path_fails() -> None:
+    residual = _tensors(1)
+    root = residual_root(residual, LAYOUT)
+    good = open_chunks(residual, LAYOUT, (2, 5))
+    flipped = bytearray(good.chunks[0])
+    flipped[7] ^= 0x01
+    assert not verify_opening(root, replace(good, chunks=(bytes(flipped), good.chunks[1])), LAYOUT, (2, 5))
+    # chunk 2's bytes and path presented as chunk 3 (a leaf binds its index)
+    moved = replace(good, indices=(3, 5))
+    assert not verify_opening(root, moved, LAYOUT, (3, 5))
+    assert not verify_opening(root, replace(good, paths=(good.paths[1], good.paths[0])), LAYOUT, (2, 5))
+    assert not verify_opening(root, replace(good, paths=(good.paths[0][:-1], good.paths[1])), LAYOUT, (2, 5))
+    assert not verify_opening(root, good, LAYOUT, (2, 6))  # not the challenged sample
+    assert verify_opening(root, good, LAYOUT, (5, 2))
+
+
+def test_a_committed_non_finite_residual_does_not_verify() -> None:
+    residual = _tensors(1)
+    residual["b"][3] = math.nan
+    opening = open_chunks(residual, LAYOUT, (5,))
+    assert not verify_opening(residual_root(residual, LAYOUT), opening, LAYOUT, (5,))
+
+
+def test_the_zero_root_is_the_residual_before_round_one() -> None:
+    zeros = {n: torch.zeros(s) for n, s in SPEC.items()}
+    assert zero_root(LAYOUT) == residual_root(zeros, LAYOUT) == residual_root({}, LAYOUT)
+    zeros["c"][4] = 1e-30
+    assert residual_root(zeros, LAYOUT) != zero_root(LAYOUT)
+    ef = ErrorFeedback(_topk())
+    ef.compress(_tensors(3))
+    assert ef.previous == {} and residual_root(ef.previous, LAYOUT) == zero_root(LAYOUT)
+
+
+def test_the_sample_is_a_pure_function_of_the_seed_and_stays_in_range() -> None:
+    a = sample_chunks(b"seed-1", 1000, 0.01, 4)
+    assert a == sample_chunks(b"seed-1", 1000, 0.01, 4)
+    assert len(a) == 10 and list(a) == sorted(set(a)) and all(0 <= i < 1000 for i in a)
+    assert a != sample_chunks(b"seed-2", 1000, 0.01, 4)
+    assert len(sample_chunks(b"seed-1", 100, 0.01, 4)) == 4  # the minimum
+    assert sample_chunks(b"seed-1", 3, 0.01, 4) == (0, 1, 2)  # never more than there are
+    with pytest.raises(ValueError, match="fraction in"):
+        sample_chunks(b"seed-1", 100, 0.0, 4)
+
+
+def test_error_feedback_keeps_the_previous_residual_without_copying_it() -> None:
+    ef = ErrorFeedback(_topk(), decay=0.9)
+    ef.compress(_tensors(1))
+    first = dict(ef.residual)
+    ef.compress(_tensors(2))
+    assert all(ef.previous[n] is first[n] for n in SPEC)
+    bad = _tensors(3)
+    bad["b"][0] = math.inf
+    with pytest.raises(ValueError):
+        ef.compress(bad)
+    assert all(ef.previous[n] is first[n] for n in SPEC)  # a refused Δ changes neither residual
+
+
+def _honest_rounds(decay: float, rounds: int) -> list[tuple[dict[str, Tensor], bytes, ErrorFeedback]]:
+    """(Δ, payload, the feedback right after) per round; the residuals are copied (dicts of the tensors)."""
+    ef, out = ErrorFeedback(_topk(), decay), []
+    for r in range(rounds):
+        delta = _tensors(10 + r, scale=1.0 + r)
+        payload = ef.compress(delta)
+        snap = ErrorFeedback(ef.codec, decay)
+        snap.residual, snap.previous = dict(ef.residual), dict(ef.previous)
+        out.append((delta, payload, snap))
+    return out
+
+
+def _claimed(decay: float, payload: bytes, ef: ErrorFeedback, sample: tuple[int, ...]) -> Tensor:
+    decoded = _topk().decode(payload, SPEC)
+    prev = {n: ef.previous.get(n, torch.zeros(s)) for n, s in SPEC.items()}
+    return claimed_delta(gather_chunks(decoded, LAYOUT, sample), gather_chunks(prev, LAYOUT, sample),
+                         gather_chunks(ef.residual, LAYOUT, sample), decay)
+
+
+def test_an_honest_claimed_delta_is_the_hosts_delta_up_to_the_rounding_of_its_target() -> None:
+    everything = tuple(range(LAYOUT.n_chunks))
+    delta, payload, ef = _honest_rounds(1.0, 1)[0]
+    got, want = _claimed(1.0, payload, ef, everything), gather_chunks(delta, LAYOUT, everything).double()
+    unsent = gather_chunks(_topk().decode(payload, SPEC), LAYOUT, everything) == 0
+    assert torch.equal(got[unsent], want[unsent])  # round 1, unsent: e_r is Δ itself, bit for bit
+    for decay in (1.0, 0.9):
+        for delta, payload, ef in _honest_rounds(decay, 4):
+            got = _claimed(decay, payload, ef, everything)
+            want = gather_chunks(delta, LAYOUT, everything).double()
+            e_now = gather_chunks(ef.residual, LAYOUT, everything).double()
+            target = gather_chunks(_topk().decode(payload, SPEC), LAYOUT, everything).double() + e_now
+            # fp32 rounds the target d·e + Δ and e_r = target − decode once each: 2⁻²⁴ of each
+            assert bool(((got - want).abs() <= 2.0**-23 * (target.abs() + e_now.abs())).all())
+            cos, ratio = compare(got, want)
+            assert cos > 1 - 1e-12 and abs(ratio - 1) < 1e-8
+
+
+def test_a_host_that_skipped_training_fails_the_verdict() -> None:
+    """It sends C(d·e_{r−1}) and keeps the truthful residual: Δ̂ is zero. A scaled Δ keeps the direction
+    and fails on length. The old dense comparison fails the honest host too."""
+    decay, sample = 0.9, sample_chunks(b"round-3", LAYOUT.n_chunks, 0.5, 2)
+    rounds = _honest_rounds(decay, 3)
+    delta, payload, ef = rounds[-1]
+    replay = gather_chunks(delta, LAYOUT, sample)
+    assert verdict(3, 0, *compare(_claimed(decay, payload, ef, sample), replay), 0.9, 0.1)[0]
+    dense = compare(gather_chunks(_topk().decode(payload, SPEC), LAYOUT, sample), replay)
+    assert not verdict(3, 0, *dense, 0.9, 0.1)[0]
+    for scale in (0.0, 2.0):
+        cheat = ErrorFeedback(_topk(), decay)
+        cheat.residual = dict(ef.previous)
+        sent = cheat.compress({n: scale * t for n, t in delta.items()})
+        cos, ratio = compare(_claimed(decay, sent, cheat, sample), replay)
+        assert not verdict(3, 0, cos, ratio, 0.9, 0.1)[0]
+        assert ratio == pytest.approx(scale, abs=1e-6)
+
+
+def test_the_bound_of_a_top_k_chunk_is_lo_unsent_and_half_a_step_sent() -> None:
+    t = torch.tensor([3.0, -1.0, 0.5, 0.25])
+    for bits, sent in ((2, 1.0), (4, 1 / 7)):  # step = (hi − lo) / levels, levels = 2^(bits−1) − 1
+        codec = get_codec(f"topk:chunk=4,k=2,bits={bits}")
+        assert isinstance(codec, TopKCodec)
+        part = codec.encode_tensor("w", t)
+        assert codec.residual_bound(part, (4,), "w").tolist() == [sent + 3 * 2.0**-20] * 2 + [1.0, 1.0]
+    one_bit = get_codec("topk:chunk=4,k=2,bits=1")
+    assert isinstance(one_bit, TopKCodec)
+    bound = one_bit.residual_bound(one_bit.encode_tensor("w", t), (4,), "w").tolist()
+    unsent = 2.0 * (1 + 2 * 2.0**-23)  # the mean sent magnitude, with the margin of its fp32 sum of k = 2
+    assert bound == [math.inf, math.inf, unsent, unsent]  # a sent magnitude is not in a 1-bit payload
+
+
+def test_honest_residuals_hold_their_bounds_and_an_injected_one_does_not() -> None:
+    codec, everything = _topk(), tuple(range(LAYOUT.n_chunks))
+    for decay in (1.0, 0.9):
+        rounds = _honest_rounds(decay, 4)
+        for (_, before, _), (_, payload, ef) in itertools.pairwise(rounds):
+            prev = gather_chunks(ef.previous, LAYOUT, everything)
+            assert within_bounds(prev, payload_bounds(codec, before, SPEC, LAYOUT, everything))
+            assert within_bounds(gather_chunks(ef.residual, LAYOUT, everything),
+                                 payload_bounds(codec, payload, SPEC, LAYOUT, everything))
+    _, payload, ef = rounds[-1]
+    bound = payload_bounds(codec, payload, SPEC, LAYOUT, (5,))
+    honest = gather_chunks(ef.residual, LAYOUT, (5,))
+    unsent = int(torch.nonzero(codec.decode(payload, SPEC)["b"][:64] == 0)[0])
+    injected = honest.clone()
+    injected[unsent] = float(bound[unsent]) * 1.01  # content injected past the chunk's k-th magnitude
+    assert within_bounds(honest, bound) and not within_bounds(injected, bound)
+    with pytest.raises(HeaderError):
+        payload_bounds(codec, get_codec("topk:chunk=64,k=4,bits=2").encode(_tensors(1)), SPEC, LAYOUT, (5,))
+
+
+def test_the_tree_is_the_one_the_protocol_states() -> None:
+    """leaf_i = sha256(LEAF_TAG ‖ uint64_be(i) ‖ fp32 LE bytes), node = sha256(NODE_TAG ‖ left ‖ right), an
+    odd last node moves up unchanged."""
+    layout = ChunkLayout.of({"w": (5,)}, 2)  # chunks [0, 1], [2, 3], [4]
+    w = torch.arange(5, dtype=torch.float32)
+
+    def leaf(i: int, values: list[float]) -> bytes:
+        data = struct.pack(f"<{len(values)}f", *values)
+        return hashlib.sha256(b"gonka-residual-leaf-v1" + i.to_bytes(8, "big") + data).digest()
+
+    def node(left: bytes, right: bytes) -> bytes:
+        return hashlib.sha256(b"gonka-residual-node-v1" + left + right).digest()
+
+    want = node(node(leaf(0, [0.0, 1.0]), leaf(1, [2.0, 3.0])), leaf(2, [4.0]))
+    assert residual_root({"w": w}, layout) == want
+    assert residual_root({"w": w[:2]}, ChunkLayout.of({"w": (2,)}, 2)) == leaf(0, [0.0, 1.0])
