@@ -281,3 +281,24 @@ def test_the_engines_verdict_names_the_reports_it_was_decided_from(kit: Kit) -> 
     for s in shards:
         row = s.store.get_round(kit.world.epoch4, 1)
         assert row is not None and row.state == "finalized"
+
+
+def test_a_shard_that_reported_other_submissions_signs_no_second_report(
+    kit: Kit, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "gonka_node.aggregator.rounds")
+    exchange = LocalExchange()
+    earlier = FragmentReport(kit.world.epoch4, 1, 1, 2, ("b",), False, (), (), ())  # as if sent before a crash
+    exchange.put_report(earlier)
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    for h, u in zip(kit.hosts, [update(95), update(96), update(97)], strict=True):
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    for _ in range(3):
+        for s in shards:
+            kit.run(s.tick())
+    assert [r for r in exchange.reports(kit.world.epoch4, 1) if r.index == 1] == [earlier]
+    row = shards[1].store.get_round(kit.world.epoch4, 1)
+    assert row is not None and row.state == "open"
+    assert any("shard 1 reported other submissions before (or a skip): it signs one report per round" in m
+               for m in caplog.messages)
