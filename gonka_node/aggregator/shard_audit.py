@@ -4,8 +4,9 @@ applying it (docs/PROTOCOL.md "Sharded aggregators", "What each shard checks").
 The reports fix, per host, which shards accepted its fragment and each fragment's per-tensor squared
 norms; from them alone follow each aggregated host's whole-update clip norm and the clip τ (the
 verifier's own sums, `shard._whole_norm`, in the same sorted order). These are deterministic fp64 sums
-over the same inputs, so the verdict must carry exactly them: no tolerance. What the reports do not
-decide (which hosts the whole-model checks, replay and scoring exclude) is the verifier's to say.
+over the same inputs, so the verdict must carry exactly them: no tolerance. The rewards follow from the
+host set and the epoch's pool (`rewards_contradiction`). What the reports do not decide (which hosts
+the whole-model checks, replay and scoring exclude) is the verifier's to say.
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from gonka_node.aggregator.close import equal_shares, reward_tree
 from gonka_node.aggregator.shard import SHARDABLE_RULES, FragmentReport, Verdict, _by_host, _whole_norm
+
+if TYPE_CHECKING:
+    from gonka_node.aggregator.engine_types import EpochContext
 
 
 def contradiction(verdict: Verdict, reports: Sequence[FragmentReport]) -> str | None:
@@ -71,6 +77,21 @@ def expected_tau(rule: str, reports: Sequence[FragmentReport], aggregated: Seque
     if rule == "mean" or not aggregated:
         return None
     return float(statistics.median(_whole_norm(reports, h, clip=False) for h in aggregated))
+
+
+def rewards_contradiction(verdict: Verdict, ctx: EpochContext) -> str | None:
+    """Why the verdict's rewards are not the round pool's equal shares among the hosts it aggregates
+    (`close.equal_shares`, as the verifier pays them) under their Merkle root, or None."""
+    rewards = equal_shares(ctx.reward_per_round, verdict.aggregated)
+    tree = reward_tree(ctx, verdict.epoch, verdict.round, rewards)
+    root = tree.root if tree is not None else bytes(32)
+    if (verdict.rewards_root, verdict.total_reward) != (root, sum(rewards.values())):
+        return "its rewards root or total is not the pool's equal shares among the hosts it aggregates"
+    if {r.host for r in verdict.rows if r.aggregated} != set(verdict.aggregated):
+        return "its rows mark other hosts aggregated than it aggregates"
+    if any(r.reward != rewards.get(r.host, 0) for r in verdict.rows):
+        return "its rows pay other amounts than the equal shares"
+    return None
 
 
 def _same(a: float, b: float) -> bool:

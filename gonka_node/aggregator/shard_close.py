@@ -47,7 +47,7 @@ from gonka_node.aggregator.shard import (
     report_digest,
     sampled,
 )
-from gonka_node.aggregator.shard_audit import contradiction
+from gonka_node.aggregator.shard_audit import contradiction, rewards_contradiction
 from gonka_node.aggregator.store import RoundRow, SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
 from gonka_node.core.fragments import fragment_root, plan_fragments
@@ -136,6 +136,9 @@ def close_fragment(
         raise ShardPending(f"round {epoch}/{round_}: no verdict from shard 0 yet")
     _check_verdict(verdict, i.submissions, role)
     audit_verdict(exchange, verdict, role, i.aggregation.rule_for(epoch))
+    paid = rewards_contradiction(verdict, ctx)
+    if paid is not None:
+        raise ShardMismatch(f"round {epoch}/{round_}: shard {role.index} refuses the verifier's verdict: {paid}")
     if not verdict.aggregated:
         return RoundOutcome(row.base_sha256, bytes(32), 0, verdict.rule, list(verdict.rows), 0)
     own = _stepped(exchange, i, role)

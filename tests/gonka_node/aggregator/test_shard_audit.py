@@ -10,7 +10,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -31,7 +31,7 @@ from gonka_node.aggregator.shard import (
     report_digest,
     shard_role,
 )
-from gonka_node.aggregator.shard_audit import contradiction, expected_tau
+from gonka_node.aggregator.shard_audit import contradiction, expected_tau, rewards_contradiction
 from gonka_node.aggregator.shard_close import audit_verdict
 from gonka_node.aggregator.shard_evidence import check_shard_evidence
 from gonka_node.aggregator.shard_inbox import ShardReason
@@ -42,26 +42,35 @@ HOSTS = (b"\x07" * 20, b"\x08" * 20, b"\x09" * 20)
 KEYS_BY_INDEX = {i: bytes(k.verify_key) for i, k in enumerate(KEYS)}
 
 
-class DoublingVerifier(LocalExchange):
-    """Shards in one process whose verifier doubles one host's clip norm in the verdict it puts (that
-    host's fragments would be scaled by half its honest clip factor at every shard)."""
+class TamperingVerifier(LocalExchange):
+    """Shards in one process whose verifier puts its honest verdict changed by `tamper`."""
 
-    def __init__(self, host: bytes) -> None:
+    def __init__(self, tamper: Callable[[Verdict], Verdict]) -> None:
         super().__init__()
-        self.host = host
+        self.tamper = tamper
 
     def put_verdict(self, verdict: Verdict) -> None:
-        norms = dict(verdict.clip_norms)
-        norms[self.host] *= 2
-        super().put_verdict(dataclasses.replace(verdict, clip_norms=norms))
+        super().put_verdict(self.tamper(verdict))
 
 
-def test_a_verdict_with_one_hosts_clip_norm_doubled_is_applied_by_no_shard(
-    kit: Kit, caplog: pytest.LogCaptureFixture
+def _double_clip_norm(host: int) -> Callable[[Verdict], Verdict]:
+    """One host's clip norm doubled: its fragments would be scaled by half its honest clip factor."""
+    def tamper(v: Verdict) -> Verdict:
+        address = sorted(v.clip_norms)[host]
+        return dataclasses.replace(v, clip_norms={h: n * (2 if h == address else 1) for h, n in v.clip_norms.items()})
+    return tamper
+
+
+@pytest.mark.parametrize(("tamper", "refusal"), [
+    (_double_clip_norm(1), "'s clip norm is"),
+    (lambda v: dataclasses.replace(v, rewards_root=b"\x05" * 32), "its rewards root or total is not the pool's"),
+])
+def test_a_verdict_the_reports_and_pool_do_not_give_is_applied_by_no_shard(
+    kit: Kit, caplog: pytest.LogCaptureFixture, tamper: Callable[[Verdict], Verdict], refusal: str
 ) -> None:
     caplog.set_level(logging.WARNING, "gonka_node.aggregator.rounds")
     kit.aggregation = AggregationSettings(rule="clip_median")
-    exchange = DoublingVerifier(kit.hosts[1].address)
+    exchange = TamperingVerifier(tamper)
     shards = [shard_engine(kit, i, exchange) for i in range(2)]
     for h, u in zip(kit.hosts, [update(80), update(81), update(82)], strict=True):
         for s in shards:
@@ -77,8 +86,7 @@ def test_a_verdict_with_one_hosts_clip_norm_doubled_is_applied_by_no_shard(
         assert not s.store.checkpoint_path(kit.world.epoch4, 1).exists()
     assert exchange.hashes(kit.world.epoch4, 1) == {}
     assert not kit.world.chain.client(0).round_result(kit.world.epoch4, 1).finalized
-    refusals = [m for m in caplog.messages if "refuses the verifier's verdict" in m]
-    assert any("shard 1 refuses" in m and f"0x{kit.hosts[1].address.hex()}'s clip norm is" in m for m in refusals)
+    assert any("shard 1 refuses the verifier's verdict" in m and refusal in m for m in caplog.messages)
 
 
 @pytest.fixture
@@ -281,6 +289,14 @@ def test_the_engines_verdict_names_the_reports_it_was_decided_from(kit: Kit) -> 
     for s in shards:
         row = s.store.get_round(kit.world.epoch4, 1)
         assert row is not None and row.state == "finalized"
+    # The rewards follow from the host set and the epoch's pool: another root, total or row pay is refused.
+    ctx = shards[1].ctx
+    assert verdict.total_reward > 0 and rewards_contradiction(verdict, ctx) is None
+    richer = (dataclasses.replace(verdict.rows[0], reward=verdict.rows[0].reward + 1), *verdict.rows[1:])
+    for bad, why in ((dataclasses.replace(verdict, rewards_root=b"\x05" * 32), "rewards root or total"),
+                     (dataclasses.replace(verdict, total_reward=verdict.total_reward + 1), "rewards root or total"),
+                     (dataclasses.replace(verdict, rows=richer), "pay other amounts")):
+        assert why in (rewards_contradiction(bad, ctx) or ""), why
 
 
 def test_a_shard_that_reported_other_submissions_signs_no_second_report(
