@@ -175,14 +175,19 @@ class Inbox:
 
     def _note_equivocation(self, h: ShardMessage, signature: bytes, key: bytes) -> None:
         """Record a second signed body for a slot that holds one honest shards sign once (whatever
-        becomes of the message: a verdict is then refused, a newer report replaces the held one)."""
-        held = self.get(h) if h.kind in ONE_PER_SLOT else None
-        if held is None:
+        becomes of the message: a verdict is then refused, a newer report replaces the held one). The
+        two signed headers prove it (each commits to its body's digest): no body is read or kept, and
+        one record per slot is enough, so a peer signing many cannot fill the disk."""
+        path, marker = self.path(h), self.evidence_dir / f"{self.path(h).stem}-{h.epoch}-{h.round}.noted"
+        if h.kind not in ONE_PER_SLOT or not path.exists() or marker.exists():
             return
-        ev = equivocation(SignedPart(held.header, held.signature, held.body), SignedPart(h, signature, None), key)
+        with open(path, "rb") as f:
+            held = Signed.from_bytes(f.read(SHARD_MESSAGE_BYTES + SIGNATURE_BYTES))
+        ev = equivocation(SignedPart(held.header, held.signature, None), SignedPart(h, signature, None), key)
         if ev is not None:
-            path = write_evidence(self.evidence_dir, ev)
-            log.warning("%s: evidence kept in %s", ev.detail, path)
+            kept = write_evidence(self.evidence_dir, ev)
+            marker.write_text(kept.name)
+            log.warning("%s: evidence kept in %s", ev.detail, kept)
 
     def screen(self, h: ShardMessage) -> None:
         """Who, where, when and how large: the checks that need no key."""

@@ -256,6 +256,11 @@ def test_a_shard_that_signs_two_bodies_for_one_slot_leaves_evidence_against_itse
         assert dict(refused.value.trailing_metadata() or ())["gonka-shard-reason"] == ShardReason.CONFLICT.name
     else:  # a newer report replaces the held one, as before; the older stays in the evidence
         assert receiver.put_raw(_signed(kind, second, KEYS[sender], sender, sequence=7)).stored
+    third = (_honest(reports, "mean") if kind == ShardKind.VERDICT else dataclasses.replace(reports[1], hosts=()))
+    try:  # a third body for the slot: refused or taken as before, but one record per slot is kept
+        receiver.put_raw(_signed(kind, third.to_json().encode() + b" ", KEYS[sender], sender, sequence=9))
+    except grpc.RpcError:
+        assert kind == ShardKind.VERDICT
     (path,) = evidence.glob("*.json")
     assert check_shard_evidence(path) == check_shard_evidence(path, KEYS_BY_INDEX) is not None
     assert (check_shard_evidence(path) or "").startswith(f"shard {sender} signed two different {kind.name}s for round 4/1")
