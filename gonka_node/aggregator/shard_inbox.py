@@ -114,6 +114,9 @@ class Inbox:
         self._held: dict[tuple[int, int, int], dict[str, int]] = {}
         self._pending: dict[tuple[int, int, int], dict[int, tuple[str, int]]] = {}
         self._tokens = itertools.count()
+        # A body a crashed process was receiving: never held (the rename is the store), so only disk.
+        for stale in root.glob("*/*/.*.tmp"):
+            stale.unlink(missing_ok=True)
 
     # ---- reading -----------------------------------------------------------------------------------
 
