@@ -17,6 +17,10 @@ when its body runs past or falls short of the signed length or does not hash to 
 a verdict comes from anyone but the verifier (shard 0) or differs from the verdict held; and when its
 sequence is not above the one held for its slot (a replay of an older message). A message equal to
 the one held is answered as held and changes nothing.
+
+A signed REPORT or VERDICT whose body digest differs from the one held for its slot is, before anything
+else happens to it, recorded as evidence against its sender (`shard_evidence`, in `evidence_dir`): an
+honest shard signs one report per round, the verifier one verdict.
 """
 
 from __future__ import annotations
@@ -25,18 +29,21 @@ import enum
 import hashlib
 import itertools
 import json
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gonka_node.aggregator.shard import FragmentReport, Verdict
+from gonka_node.aggregator.shard_evidence import ONE_PER_SLOT, SignedPart, equivocation, write_evidence
 from gonka_node.aggregator.shard_quota import QuotaRule, over_quota
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.envelope import SIGNATURE_BYTES, EnvelopeError
 from gonka_node.core.shard_envelope import SHARD_MESSAGE_BYTES, ShardKind, ShardMessage
 from training.durable import atomic_write, durable_replace
 
+log = logging.getLogger(__name__)
 VERIFIER = 0  # the shard that decides the verdict
 CLOSED = ("finalized", "skipped")
 DEFAULT_MAX_BODY_BYTES = 4 << 30  # a blob is a host's fragment payload or a base fragment
@@ -114,6 +121,9 @@ class Inbox:
         self._held: dict[tuple[int, int, int], dict[str, int]] = {}
         self._pending: dict[tuple[int, int, int], dict[int, tuple[str, int]]] = {}
         self._tokens = itertools.count()
+        # A body a crashed process was receiving: never held (the rename is the store), so only disk.
+        for stale in root.glob("*/*/.*.tmp"):
+            stale.unlink(missing_ok=True)
 
     # ---- reading -----------------------------------------------------------------------------------
 
@@ -132,6 +142,15 @@ class Inbox:
     def get(self, h: ShardMessage) -> Signed | None:
         path = self.path(h)
         return Signed.from_bytes(path.read_bytes()) if path.exists() else None
+
+    def files(self, epoch: int, round_: int, kind: ShardKind) -> list[Path]:
+        """The files of every message of `kind` held for the round (read one only when needed)."""
+        return sorted(self._dir(epoch, round_).glob(f"{kind.name.lower()}-*.msg"))
+
+    @property
+    def evidence_dir(self) -> Path:
+        """Where contradictions between signed messages are recorded (`shard_evidence`), beside the inbox."""
+        return self.root.parent / "shard-evidence"
 
     # ---- the outbox ----------------------------------------------------------------------------------
 
@@ -168,6 +187,23 @@ class Inbox:
                                f"announced its endpoint and certificate for epoch {self.me.epoch} on chain, or is unreachable")
         if not h.verify(signature, key):
             raise ShardRefused(ShardReason.BAD_SIGNATURE, f"the signature does not verify under shard {h.sender}'s node key")
+        self._note_equivocation(h, signature, key)
+
+    def _note_equivocation(self, h: ShardMessage, signature: bytes, key: bytes) -> None:
+        """Record a second signed body for a slot that holds one honest shards sign once (whatever
+        becomes of the message: a verdict is then refused, a newer report replaces the held one). The
+        two signed headers prove it (each commits to its body's digest): no body is read or kept, and
+        one record per slot is enough, so a peer signing many cannot fill the disk."""
+        path, marker = self.path(h), self.evidence_dir / f"{self.path(h).stem}-{h.epoch}-{h.round}.noted"
+        if h.kind not in ONE_PER_SLOT or not path.exists() or marker.exists():
+            return
+        with open(path, "rb") as f:
+            held = Signed.from_bytes(f.read(SHARD_MESSAGE_BYTES + SIGNATURE_BYTES))
+        ev = equivocation(SignedPart(held.header, held.signature, None), SignedPart(h, signature, None), key)
+        if ev is not None:
+            kept = write_evidence(self.evidence_dir, ev)
+            marker.write_text(kept.name)
+            log.warning("%s: evidence kept in %s", ev.detail, kept)
 
     def screen(self, h: ShardMessage) -> None:
         """Who, where, when and how large: the checks that need no key."""

@@ -31,6 +31,7 @@ FLOAT_JSON = 32  # a float's repr with its separator
 HOST_JSON = 256 + SKETCH_JSON  # one report host entry without its norms: address, times, brackets
 SKETCH_ENTRY_JSON = 256 + SKETCH_JSON  # one earlier-round or public entry: its round, host or label
 VERDICT_FIXED = 4 << 10
+VERDICT_PER_SHARD = 70  # the digest of one shard's report the verdict names, in hex with its separator
 VERDICT_PER_HOST = 16 << 10  # a row (score, reward, its reasons), the address aggregated, its clip norm
 SAFETENSORS_SLACK = 64 << 10  # a fragment file's header beyond its tensors' entries: the metadata
 
@@ -104,7 +105,7 @@ class ShardBudget:
         return fixed + hosts + earlier + (1 + PUBLIC_ROUNDS) * SKETCH_ENTRY_JSON
 
     def verdict_bytes(self) -> int:
-        return VERDICT_FIXED + self.max_hosts * VERDICT_PER_HOST
+        return VERDICT_FIXED + len(self.fragments) * VERDICT_PER_SHARD + self.max_hosts * VERDICT_PER_HOST
 
 
 def over_quota(q: Quota, h: ShardMessage, slot: str, held: Mapping[str, int], pending: Mapping[int, tuple[str, int]]) -> str:

@@ -211,34 +211,14 @@ def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: 
     assert not [p for p in (kit.tmp / "evidence").rglob("*") if p.is_file()]  # ours, not the host's: no evidence
 
 
-def test_a_payload_whose_check_awaits_a_retry_keeps_the_round_open_not_closing(kit: Kit) -> None:
-    """Everyone has a payload stored, but one's check failed for a reason of the aggregator's and waits
-    for its retry: the round is not "everyone submitted" yet, so it neither closes nor starts closing
-    (which would refuse every resend as late); the next tick's retry passes and the round closes."""
+def unchecked_then_restarted(kit: Kit, seed: int) -> RoundEngine:
+    """Three payloads receipted, the process killed before their checks ran, the engine started again."""
     e = kit.engine()
-    ep = kit.world.epoch
     e.checks = CheckPool(1, never_checked)
     for i in range(3):
-        assert receipted(kit, e, i, payload(update(60 + i))).body.accepted
+        assert receipted(kit, e, i, payload(update(seed + i))).body.accepted
     e.store.close()
-    again = kit.engine()
-    original, flaky, failures = again._check, kit.hosts[1].address, [OSError("disk error")]
-
-    def check(part: Path, round_: int) -> tuple[float, bytes]:
-        if part.name.startswith(flaky.hex()) and failures:
-            raise failures.pop()
-        return original(part, round_)
-
-    again._check = check  # type: ignore[method-assign]
-    kit.clock.ms += 100
-    kit.run(again.tick())
-    pending = again.store.submission(ep, 1, flaky)
-    assert pending is not None and pending.check_state == "pending" and not again.closing
-    assert again.store.get_round(ep, 1) == again.current and again.current.state == "open"
-    kit.clock.ms += 100
-    kit.run(again.tick())
-    closed = again.store.get_round(ep, 1)
-    assert closed is not None and closed.state == "finalized"
+    return kit.engine()
 
 
 def flaky_checks(e: RoundEngine, host: bytes, failures: int) -> None:
@@ -253,14 +233,27 @@ def flaky_checks(e: RoundEngine, host: bytes, failures: int) -> None:
     e._check = check  # type: ignore[method-assign]
 
 
+def test_a_payload_whose_check_awaits_a_retry_keeps_the_round_open_not_closing(kit: Kit) -> None:
+    """Everyone has a payload stored, but one's check failed for a reason of the aggregator's and waits
+    for its retry: the round is not "everyone submitted" yet, so it neither closes nor starts closing
+    (which would refuse every resend as late); the next tick's retry passes and the round closes."""
+    ep, flaky = kit.world.epoch, kit.hosts[1].address
+    again = unchecked_then_restarted(kit, 60)
+    flaky_checks(again, flaky, 1)
+    kit.clock.ms += 100
+    kit.run(again.tick())
+    pending = again.store.submission(ep, 1, flaky)
+    assert pending is not None and pending.check_state == "pending" and not again.closing
+    assert again.store.get_round(ep, 1) == again.current and again.current.state == "open"
+    kit.clock.ms += 100
+    kit.run(again.tick())
+    closed = again.store.get_round(ep, 1)
+    assert closed is not None and closed.state == "finalized"
+
+
 def test_a_close_that_finds_a_check_awaiting_its_retry_waits_and_finishes_at_the_next_tick(kit: Kit) -> None:
-    e = kit.engine()
     ep = kit.world.epoch
-    e.checks = CheckPool(1, never_checked)
-    for i in range(3):
-        assert receipted(kit, e, i, payload(update(70 + i))).body.accepted
-    e.store.close()
-    again = kit.engine()
+    again = unchecked_then_restarted(kit, 70)
     flaky_checks(again, kit.hosts[1].address, 2)  # fails in the tick's drain and in the close's: passes next
     kit.clock.ms = row(again).deadline_ms + 1  # the deadline passed with a quorum checked: the round closes
     kit.run(again.tick())

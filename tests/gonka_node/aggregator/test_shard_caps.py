@@ -224,3 +224,16 @@ def test_the_quota_holds_what_an_honest_shard_sends(tmp_path: Path) -> None:
 def test_a_sender_refused_for_quota_sends_again_later() -> None:
     """Its earlier Puts still streaming may end and give their bytes back; an oversized body will not."""
     assert ShardReason.QUOTA not in FINAL and ShardReason.OVERSIZE in FINAL
+
+
+def test_a_body_a_crash_left_half_received_is_removed_when_the_shard_starts_again(tmp_path: Path) -> None:
+    round_dir = tmp_path / "s0" / str(EPOCH) / "1"
+    round_dir.mkdir(parents=True)
+    stale, held = round_dir / ".blob-1-base.msg.k2j4.tmp", round_dir / "hash-1.msg"
+    stale.write_bytes(b"x" * 500)  # never renamed into its slot: never held, only disk
+    held.write_bytes(b"h" * 10)
+    node = ShardNode(tmp_path / "s0", 0, Peers(), [_row(1)], count=3, quota=lambda sender, round_: SMALL).start()
+    try:
+        assert not stale.exists() and held.read_bytes() == b"h" * 10
+    finally:
+        node.stop()
