@@ -84,7 +84,9 @@ def verify_evidence(ev: Evidence, node_key: bytes, evidence_dir: Path | None = N
     """What a voter checks: the signature is the accused's node key over the header; a kept payload
     hashes to the signed digest."""
     h = dict(ev.header)
-    for name in ("registry", "host", "base_checkpoint_sha256", "payload_sha256"):
+    if "residual_root" not in h:  # a layout-1 header (before residual commitments): verifies nowhere now
+        return False
+    for name in ("registry", "host", "base_checkpoint_sha256", "payload_sha256", "residual_root"):
         h[name] = bytes.fromhex(h[name])
     sub = Submission(**h)
     if not sub.verify(bytes.fromhex(ev.signature), node_key):
@@ -194,6 +196,7 @@ def _from_row(
         chain_id=ident.chain_id, registry=ident.registry, epoch=s.epoch, round=s.round, host=bytes(s.host),
         base_checkpoint_sha256=base, codec=ident.codec, payload_sha256=bytes(s.payload_sha256),
         payload_length=s.payload_length, tokens_trained=s.tokens_trained, timestamp_ms=s.timestamp_ms,
+        residual_root=bytes(s.residual_root),
     )
     return Evidence(kind, s.epoch, s.round, to_checksum_address(s.host), header_fields(sub),
                     bytes(s.signature).hex(), detail, other)

@@ -311,7 +311,7 @@ def bare_grpc_mb_s(data: list[bytes]) -> float:
 
             def submit(i: int) -> None:
                 evm, node = host_keys(i)
-                header = header_for(info, hashlib.sha256(evm).digest()[:20], data[i], 1000, node)
+                header = header_for(info, hashlib.sha256(evm).digest()[:20], data[i], 1000, node, bytes(32))
                 assert client.submit_raw(_requests(header, data[i], 1 << 20)).accepted
 
             seconds = upload_all(len(data), submit)
@@ -344,7 +344,8 @@ def run_one(
             def submit(i: int) -> None:
                 evm, node = host_keys(i)
                 addr = bytes.fromhex(Account.from_key(evm).address[2:])
-                accepted, why = submit_fragments(clients, info.round, parts[i], addr, node, 1000)
+                accepted, why = submit_fragments(clients, info.round, parts[i], addr, node, 1000,
+                                                 residual_root=bytes(32))
                 assert accepted, why
 
             seconds = upload_all(n_hosts, submit)

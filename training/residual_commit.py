@@ -106,8 +106,39 @@ def chunk_bytes(residual: Mapping[str, Tensor], layout: ChunkLayout, index: int)
     return flat[start:end].numpy().astype("<f4").tobytes()
 
 
-def leaf_hash(index: int, data: bytes) -> bytes:
-    return hashlib.sha256(LEAF_TAG + index.to_bytes(8, "big") + data).digest()
+def leaf_hash(index: int, data: bytes | memoryview) -> bytes:
+    h = hashlib.sha256(LEAF_TAG)
+    h.update(index.to_bytes(8, "big"))
+    h.update(data)  # a slice of a residual's buffer, hashed in place
+    return h.digest()
+
+
+def tensor_leaves(residual: Mapping[str, Tensor], layout: ChunkLayout, name: str) -> list[bytes]:
+    """The leaves of tensor `name`'s chunks (missing from `residual`: zero), in layout order: what one
+    process of a sharded rig contributes for a tensor it owns. The tensor's fp32 bytes are read once."""
+    t = [n for n, _ in layout.tensors].index(name)
+    first, numel = layout.firsts[t], layout.tensors[t][1]
+    if name in residual:
+        flat = residual[name].detach().to(device="cpu", dtype=torch.float32).reshape(-1).numpy()
+        data = np.ascontiguousarray(flat, dtype="<f4").data.cast("B")
+        if len(data) != 4 * numel:
+            raise ValueError(f"{name}: {len(data) // 4} elements, the layout has {numel}")
+    else:
+        data = memoryview(bytes(4 * numel))
+    step = 4 * layout.chunk
+    return [leaf_hash(first + j, data[j * step : (j + 1) * step]) for j in range(layout.firsts[t + 1] - first)]
+
+
+def residual_leaves(residual: Mapping[str, Tensor], layout: ChunkLayout) -> list[bytes]:
+    """Every chunk's leaf, in layout order."""
+    return [leaf for name, _ in layout.tensors for leaf in tensor_leaves(residual, layout, name)]
+
+
+def root_of_leaves(leaves: Sequence[bytes]) -> bytes:
+    """The root over leaves already in layout order (a rig's rank 0 joins its processes' leaves)."""
+    if not leaves:
+        raise ValueError("a residual commitment needs at least one element")
+    return _levels(list(leaves))[-1][0]
 
 
 def _node(left: bytes, right: bytes) -> bytes:
@@ -131,7 +162,9 @@ def _tree(leaf_of: Callable[[int], bytes], layout: ChunkLayout) -> list[list[byt
 
 def residual_tree(residual: Mapping[str, Tensor], layout: ChunkLayout) -> list[list[bytes]]:
     """Every level of the tree over `residual`'s chunks, leaves first, the root last."""
-    return _tree(lambda i: leaf_hash(i, chunk_bytes(residual, layout, i)), layout)
+    if layout.n_chunks == 0:
+        raise ValueError("a residual commitment needs at least one element")
+    return _levels(residual_leaves(residual, layout))
 
 
 def residual_root(residual: Mapping[str, Tensor], layout: ChunkLayout) -> bytes:

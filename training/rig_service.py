@@ -80,6 +80,7 @@ class RoundReport:
     seconds: float  # the inner loop's
     round_s: float  # from reading the order to the payload on disk: what the daemon waited, less polling
     ranks: list[dict[str, Any]]  # per process: pid, held bytes, peak RSS
+    residual_root: str = ""  # hex: the root of the rig's residual after the round (rank 0 joins the leaves)
 
 
 class Mailbox:
@@ -220,7 +221,7 @@ class ReplicatedWorker:
         if self.rig.is_rank0:
             atomic_write(payload_path, lambda p: p.write_bytes(result.payload))
         return RoundFigures(result.round, result.delta_norm, result.mean_loss, result.last_loss, result.tokens,
-                            result.seconds)
+                            result.seconds, result.residual_root)
 
     def reset(self) -> None:
         self.worker.trainer.restart(0)
@@ -285,7 +286,8 @@ class RigService:
         self.held = order.round
         ranks = self.rig.gather_object(self._describe())
         report = RoundReport(order.seq, order.round, order.base, figures.delta_norm, figures.mean_loss,
-                             figures.last_loss, figures.tokens, figures.seconds, round_s, ranks or [])
+                             figures.last_loss, figures.tokens, figures.seconds, round_s, ranks or [],
+                             figures.residual_root.hex())
         if self.rig.is_rank0:
             self.mailbox.write_report(report)
         return report

@@ -39,8 +39,11 @@ from training.data import Windows
 from training.durable import durable_replace
 from training.inner import InnerConfig, InnerResult
 from training.model import Llama
+from training.residual_commit import ChunkLayout, root_of_leaves, tensor_leaves
 from training.rig import Rig
 from training.worker import Assignment, RoundFigures, SlotWorker
+
+Parts = tuple[dict[str, int], dict[str, float], dict[str, list[bytes]]]  # one process's index, Σ Δ², leaves
 
 
 @dataclass(frozen=True)
@@ -215,8 +218,8 @@ class ShardedWorker(SlotWorker):
             result = self.trainer.run(self.rig.shard(batches), on_step=on_step)
             codec = self.round_codec(round_index)
             parts = part_path(payload_path, self.rig.rank)
-            index, squares = self._encode_parts(rows, codec, parts)
-        return self._finish(round_index, result, codec, parts, index, squares, payload_path)
+            mine = self._encode_parts(rows, codec, parts)
+        return self._finish(round_index, result, codec, parts, mine, payload_path)
 
     @torch.no_grad()
     def _load(self, rows: GlobalRows) -> None:
@@ -224,11 +227,14 @@ class ShardedWorker(SlotWorker):
             _local(param).copy_(rows[name])
 
     @torch.no_grad()
-    def _encode_parts(self, rows: GlobalRows, codec: Codec, path: Path) -> tuple[dict[str, int], dict[str, float]]:
+    def _encode_parts(self, rows: GlobalRows, codec: Codec, path: Path) -> Parts:
         """Δ's rows here, each tensor gathered on its owner, which appends its payload part to `path`.
-        Returns {name: part length} and {name: Σ Δ²} for the tensors this process owns."""
+        Returns {name: part length}, {name: Σ Δ²} and {name: its chunks' leaves of the new residual} for
+        the tensors this process owns: rank 0 joins the leaves into the root (32 bytes per 4096 elements
+        travel, not the residual, and each owner hashes only its own tensors)."""
         params = dict(self.model.named_parameters())
-        index, squares = {}, {}
+        commit = ChunkLayout.of(self.layout.spec())
+        index, squares, leaves = {}, {}, {}
         with path.open("wb") as out:
             for name in sorted(params):  # every process takes part in every gather, in one order
                 delta = rows[name].float() - _local(params[name]).detach().float()
@@ -240,20 +246,22 @@ class ShardedWorker(SlotWorker):
                 part = self.feedback.compress_tensor(name, whole, codec)
                 out.write(part)
                 index[name] = len(part)
-        return index, squares
+                leaves[name] = tensor_leaves(self.feedback.residual, commit, name)
+        return index, squares, leaves
 
     def _finish(
-        self, round_index: int, result: InnerResult, codec: Codec, parts: Path,
-        index: dict[str, int], squares: dict[str, float], payload_path: Path,
+        self, round_index: int, result: InnerResult, codec: Codec, parts: Path, mine: Parts, payload_path: Path,
     ) -> RoundFigures:
-        indexes = self.rig.gather_object((index, squares))
-        norm = math.nan
+        gathered = self.rig.gather_object(mine)
+        norm, root = math.nan, b""
         if self.rig.is_rank0:
-            assert indexes is not None
-            norm = assemble_payload(codec.header(self.layout.spec()), indexes, payload_path)
+            assert gathered is not None
+            norm = assemble_payload(codec.header(self.layout.spec()), [(i, s) for i, s, _ in gathered], payload_path)
+            leaves = {name: ls for _, _, owned in gathered for name, ls in owned.items()}
+            root = root_of_leaves([leaf for name in sorted(leaves) for leaf in leaves[name]])
         self.rig.barrier()  # the parts are read before anyone deletes theirs
         parts.unlink(missing_ok=True)
-        return RoundFigures(round_index, norm, result.mean_loss, result.last_loss, result.tokens, result.seconds)
+        return RoundFigures(round_index, norm, result.mean_loss, result.last_loss, result.tokens, result.seconds, root)
 
     def reset(self) -> None:
         """The state before the epoch's first round: fresh AdamW, schedule at 0, no residual."""

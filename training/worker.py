@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from training.codecs import Codec, ErrorFeedback, get_codec, round_seed
+from training.codecs import Codec, ErrorFeedback, Spec, get_codec, round_seed
 from training.data import Windows, window_seed
 from training.diloco import pseudo_gradient
 from training.inner import Batch, GradSync, InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
+from training.residual_commit import ChunkLayout, residual_root
 from training.rig import Rig
 
 
@@ -41,7 +42,7 @@ class Assignment:
 
 @dataclass(frozen=True)
 class WorkerRound:
-    """What one round produced: the payload to send and what it cost."""
+    """What one round produced: the payload to send, the root of the residual it left, and what it cost."""
 
     round: int
     payload: bytes
@@ -50,6 +51,7 @@ class WorkerRound:
     last_loss: float
     tokens: int
     seconds: float
+    residual_root: bytes  # residual_root(e_r) after this round's compress: the host signs it (commitment_root)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class RoundFigures:
     last_loss: float
     tokens: int
     seconds: float
+    residual_root: bytes  # rank 0's: the whole residual's (b"" in a sharded rig's other processes)
 
 
 class SlotWorker:
@@ -133,6 +136,7 @@ class DiLoCoWorker(SlotWorker):
         delta, result = self.local_delta(round_index, global_params, on_step)
         norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         payload = self.feedback.compress(delta, self.round_codec(round_index))
+        root = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()})
         return WorkerRound(
             round=round_index,
             payload=payload,
@@ -141,6 +145,7 @@ class DiLoCoWorker(SlotWorker):
             last_loss=result.last_loss,
             tokens=result.tokens,
             seconds=result.seconds,
+            residual_root=root,
         )
 
     def local_delta(
@@ -165,6 +170,13 @@ class DiLoCoWorker(SlotWorker):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.load_state_dict(dict(state["inner"]))
         self.feedback.load_state_dict(state["feedback"])
+
+
+def commitment_root(residual: Mapping[str, Tensor], spec: Spec) -> bytes:
+    """The root a host signs for its residual after a round: `residual_root` in the epoch's layout (the
+    model's tensors, chunk 4096). Every codec here runs through `ErrorFeedback`; one that loses nothing
+    (fp32) leaves an exactly zero residual, whose root is `zero_root`, as before a host's first round."""
+    return residual_root(residual, ChunkLayout.of(spec))
 
 
 def round_start_step(round_index: int, first_round: int, steps: int) -> int:

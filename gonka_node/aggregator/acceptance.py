@@ -184,6 +184,7 @@ class Acceptance:
             sketch=b"",
             path=str(self.store.payload_path(sub.epoch, sub.round, sub.host)),
             check_state=PENDING,
+            residual_root=sub.residual_root,
         )
 
     def _check_stored(self, row: SubmissionRow) -> None:
@@ -224,7 +225,7 @@ class Acceptance:
             chain_id=self.ctx.chain_id, registry=self.ctx.registry, epoch=row.epoch, round=row.round,
             host=row.host, base_checkpoint_sha256=r.base_sha256, codec=self.ctx.codec_name,
             payload_sha256=row.payload_sha256, payload_length=row.payload_length,
-            tokens_trained=row.tokens_trained, timestamp_ms=row.timestamp_ms,
+            tokens_trained=row.tokens_trained, timestamp_ms=row.timestamp_ms, residual_root=row.residual_root,
         )
 
     def resume_checks(self) -> int:

@@ -102,6 +102,7 @@ def submission_from_pb(h: pb.SubmitHeader) -> Submission:
             payload_length=h.payload_length,
             tokens_trained=h.tokens_trained,
             timestamp_ms=h.timestamp_unix_ms,
+            residual_root=h.residual_root,  # any 32 bytes: what it commits to is checked when opened
         )
     except EnvelopeError as exc:
         raise Rejected(Reason.MALFORMED, f"header: {exc}") from exc

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import json
 import math
 import statistics
@@ -55,6 +56,10 @@ class ShardPending(RuntimeError):
 
 class ShardMismatch(RuntimeError):
     """A verdict or fragment hashes that contradict what this shard accepted: never finalize on it."""
+
+
+class VerdictRefused(ShardMismatch):
+    """A verdict that does not follow from the signed reports it names (`shard_audit`): never applied."""
 
 
 class ShardConfigError(ValueError):
@@ -141,6 +146,12 @@ class FragmentReport:
         )
 
 
+def report_digest(report: FragmentReport) -> bytes:
+    """What a verdict names a report by: the sha256 of its JSON as `to_json` writes it (a parsed report
+    writes the same bytes again, so every shard computes the same digest from what it holds)."""
+    return hashlib.sha256(report.to_json().encode("utf-8")).digest()
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -162,6 +173,7 @@ class Verdict:
     rows: tuple[ContributionRow, ...]  # every host any shard accepted, increasing address
     rewards_root: bytes
     total_reward: int
+    reports: tuple[bytes, ...] = ()  # `report_digest` of each shard's report it was decided from, by index
 
     def to_json(self) -> str:
         return json.dumps({
@@ -170,6 +182,7 @@ class Verdict:
             "clip_norms": {h.hex(): v for h, v in self.clip_norms.items()}, "tau": self.tau,
             "rows": [[r.host.hex(), r.score, r.reward, r.aggregated, list(r.reasons)] for r in self.rows],
             "rewards_root": self.rewards_root.hex(), "total_reward": self.total_reward,
+            "reports": [d.hex() for d in self.reports],
         }, sort_keys=True)
 
     @classmethod
@@ -179,7 +192,7 @@ class Verdict:
         return cls(
             d["epoch"], d["round"], d["rule"], tuple(bytes.fromhex(h) for h in d["aggregated"]),
             {bytes.fromhex(h): float(v) for h, v in d["clip_norms"].items()}, d["tau"], rows,
-            bytes.fromhex(d["rewards_root"]), d["total_reward"],
+            bytes.fromhex(d["rewards_root"]), d["total_reward"], tuple(bytes.fromhex(h) for h in d["reports"]),
         )
 
 
@@ -202,6 +215,10 @@ class ShardExchange(Protocol):
         """Shard `index`'s bytes under `key` (a picked host's fragment payload, its base fragment)."""
 
     def blob(self, epoch: int, round_: int, index: int, key: str) -> bytes | None: ...
+
+    def file_contradiction(self, epoch: int, round_: int, why: str) -> Path | None:
+        """Keep the round's verdict and the reports it names, as signed, as evidence against the verifier
+        (`shard_evidence`); the record's path, or None where messages are not signed."""
 
 
 def payload_key(host: bytes) -> str:
@@ -244,6 +261,9 @@ class LocalExchange:
 
     def blob(self, epoch: int, round_: int, index: int, key: str) -> bytes | None:
         return self._blobs.get((epoch, round_, index, key))
+
+    def file_contradiction(self, epoch: int, round_: int, why: str) -> Path | None:
+        return None  # unsigned: nothing in it proves who wrote what
 
 
 class DirExchange:
@@ -288,6 +308,9 @@ class DirExchange:
     def blob(self, epoch: int, round_: int, index: int, key: str) -> bytes | None:
         path = self._dir(epoch, round_) / f"blob-{index}-{key}"
         return path.read_bytes() if path.exists() else None
+
+    def file_contradiction(self, epoch: int, round_: int, why: str) -> Path | None:
+        return None  # unsigned: nothing in it proves who wrote what
 
 
 # ---- the verifier --------------------------------------------------------------------------------
@@ -380,6 +403,7 @@ def _verdict(
     return Verdict(
         v.round_row.epoch, v.round_row.round, rule, tuple(eligible), clip, tau, tuple(rows),
         tree.root if tree is not None else bytes(32), sum(rewards.values()),
+        tuple(report_digest(r) for r in sorted(reports, key=lambda r: r.index)),
     )
 
 

@@ -39,12 +39,15 @@ from gonka_node.aggregator.shard import (
     ShardPending,
     ShardRole,
     Verdict,
+    VerdictRefused,
     VerifierInputs,
     WholeInputs,
     decide,
     payload_key,
+    report_digest,
     sampled,
 )
+from gonka_node.aggregator.shard_audit import contradiction, rewards_contradiction
 from gonka_node.aggregator.store import RoundRow, SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
 from gonka_node.core.fragments import FragmentProof, fragment_root, plan_fragments
@@ -140,6 +143,10 @@ def close_fragment(
     if verdict is None:
         raise ShardPending(f"round {epoch}/{round_}: no verdict from shard 0 yet")
     _check_verdict(verdict, i.submissions, role)
+    audit_verdict(exchange, verdict, role, i.aggregation.rule_for(epoch))
+    paid = rewards_contradiction(verdict, ctx)
+    if paid is not None:
+        raise ShardMismatch(f"round {epoch}/{round_}: shard {role.index} refuses the verifier's verdict: {paid}")
     if not verdict.aggregated:
         return RoundOutcome(row.base_sha256, bytes(32), 0, verdict.rule, list(verdict.rows), 0)
     own = _stepped(exchange, i, role)
@@ -161,10 +168,17 @@ def close_fragment(
 
 
 def _reported(exchange: ShardExchange, i: ClosingInputs, role: ShardRole, skip: bool) -> bool:
-    """Whether the exchange already holds this shard's report of exactly these submissions."""
+    """Whether the exchange already holds this shard's report of exactly these submissions. A shard signs
+    one report per round (a second, different one is evidence against it): a close that would report
+    otherwise waits for good, saying why."""
     row = i.round_row
     mine = next((r for r in exchange.reports(row.epoch, row.round) if r.index == role.index), None)
-    return mine is not None and mine.skip == skip and [h.host for h in mine.hosts] == [s.host for s in i.submissions]
+    if mine is None:
+        return False
+    if mine.skip != skip or [h.host for h in mine.hosts] != [s.host for s in i.submissions]:
+        raise ShardMismatch(f"round {row.epoch}/{row.round}: shard {role.index} reported other submissions "
+                            f"before (or a skip): it signs one report per round")
+    return True
 
 
 def _stepped(exchange: ShardExchange, i: ClosingInputs, role: ShardRole) -> bytes | None:
@@ -184,6 +198,36 @@ def _check_verdict(verdict: Verdict, submissions: list[SubmissionRow], role: Sha
         raise ShardMismatch(
             f"round {verdict.epoch}/{verdict.round}: the verdict does not match the hosts shard {role.index} accepted"
         )
+
+
+def audit_verdict(exchange: ShardExchange, verdict: Verdict, role: ShardRole, rule: str) -> None:
+    """Refuse (`VerdictRefused`, evidence filed) a verdict whose host set, clip norms or τ do not follow
+    from the reports it names (`shard_audit.contradiction`); wait for a named report not in yet."""
+    reports = _named_reports(exchange, verdict, role)
+    where = f"round {verdict.epoch}/{verdict.round}"
+    if verdict.rule != rule:
+        raise ShardMismatch(f"{where}: the verdict's rule is {verdict.rule!r}; shard {role.index} runs {rule!r}")
+    why = contradiction(verdict, reports)
+    if why is None:
+        return
+    kept = exchange.file_contradiction(verdict.epoch, verdict.round, why)
+    raise VerdictRefused(f"{where}: shard {role.index} refuses the verifier's verdict: {why}"
+                         + (f"; evidence kept in {kept}" if kept is not None else ""))
+
+
+def _named_reports(exchange: ShardExchange, verdict: Verdict, role: ShardRole) -> list[FragmentReport]:
+    """The S reports the verdict names by digest, as this shard holds them."""
+    where = f"round {verdict.epoch}/{verdict.round}"
+    if len(verdict.reports) != role.count:
+        raise ShardMismatch(f"{where}: the verdict names {len(verdict.reports)} reports, not one per shard ({role.count})")
+    held = {r.index: r for r in exchange.reports(verdict.epoch, verdict.round)}
+    for k, digest in enumerate(verdict.reports):
+        if k not in held:
+            raise ShardPending(f"{where}: shard {k}'s report, which the verdict names, is not in yet")
+        if report_digest(held[k]) != digest:
+            raise ShardMismatch(f"{where}: the verdict names a report of shard {k} ({digest.hex()[:16]}…) "
+                                f"other than the one shard {role.index} holds")
+    return [held[k] for k in range(role.count)]
 
 
 # ---- the sampled hosts' whole updates -------------------------------------------------------------

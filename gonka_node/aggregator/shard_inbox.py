@@ -10,28 +10,40 @@ good); a restarted shard sends the rest again.
 A received message is refused, with a `ShardReason` and nothing written, when it names another chain,
 registry, epoch or shard count, a sender outside the epoch, a round the receiver closed or one more than
 a round ahead of it, a body over the limit; when its signature does not verify under the sender's node
-key, its body does not hash to the signed digest, or the body names another round or shard; when a
-verdict comes from anyone but the verifier (shard 0) or differs from the verdict held; and when its
+key; when holding it would put its sender over its quota for the round (`shard_quota`: slots and bytes
+held or still streaming, reserved before a body byte is read, so concurrent Puts cannot race past it);
+when its body runs past or falls short of the signed length or does not hash to the signed digest
+(`shard_receive` streams it to a temporary file beside its slot), or names another round or shard; when
+a verdict comes from anyone but the verifier (shard 0) or differs from the verdict held; and when its
 sequence is not above the one held for its slot (a replay of an older message). A message equal to
 the one held is answered as held and changes nothing.
+
+A signed REPORT or VERDICT whose body digest differs from the one held for its slot is, before anything
+else happens to it, recorded as evidence against its sender (`shard_evidence`, in `evidence_dir`): an
+honest shard signs one report per round, the verifier one verdict.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import json
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gonka_node.aggregator.shard import FragmentReport, Verdict
+from gonka_node.aggregator.shard_evidence import ONE_PER_SLOT, SignedPart, equivocation, write_evidence
+from gonka_node.aggregator.shard_quota import QuotaRule, over_quota
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.envelope import SIGNATURE_BYTES, EnvelopeError
 from gonka_node.core.shard_envelope import SHARD_MESSAGE_BYTES, ShardKind, ShardMessage
-from training.durable import atomic_write
+from training.durable import atomic_write, durable_replace
 
+log = logging.getLogger(__name__)
 VERIFIER = 0  # the shard that decides the verdict
 CLOSED = ("finalized", "skipped")
 DEFAULT_MAX_BODY_BYTES = 4 << 30  # a blob is a host's fragment payload or a base fragment
@@ -52,6 +64,7 @@ class ShardReason(enum.Enum):
     NOT_PERMITTED = 10
     OVERSIZE = 11
     DIGEST_MISMATCH = 12
+    QUOTA = 13
 
 
 class ShardRefused(Exception):
@@ -97,10 +110,20 @@ class Inbox:
 
     def __init__(
         self, root: Path, me: ShardSelf, rounds: Callable[[int], Sequence[RoundRow]],
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, quota: QuotaRule | None = None,
     ) -> None:
-        self.root, self.me, self.rounds, self.max_body_bytes = root, me, rounds, max_body_bytes
+        """`quota(sender, round)`: what one peer may have this shard hold for a round (`shard_quota.
+        ShardBudget`); None: no quota beyond `max_body_bytes` per message (in-process tests only)."""
+        self.root, self.me, self.rounds, self.max_body_bytes, self.quota = root, me, rounds, max_body_bytes, quota
         self._lock = threading.Lock()  # one check-and-store at a time (the server's threads, the close)
+        # Per (epoch, round, sender): the bodies held (file name -> bytes; read from disk once, then kept
+        # by `settle`) and those still streaming (token -> file name, bytes): what its quota counts.
+        self._held: dict[tuple[int, int, int], dict[str, int]] = {}
+        self._pending: dict[tuple[int, int, int], dict[int, tuple[str, int]]] = {}
+        self._tokens = itertools.count()
+        # A body a crashed process was receiving: never held (the rename is the store), so only disk.
+        for stale in root.glob("*/*/.*.tmp"):
+            stale.unlink(missing_ok=True)
 
     # ---- reading -----------------------------------------------------------------------------------
 
@@ -119,6 +142,15 @@ class Inbox:
     def get(self, h: ShardMessage) -> Signed | None:
         path = self.path(h)
         return Signed.from_bytes(path.read_bytes()) if path.exists() else None
+
+    def files(self, epoch: int, round_: int, kind: ShardKind) -> list[Path]:
+        """The files of every message of `kind` held for the round (read one only when needed)."""
+        return sorted(self._dir(epoch, round_).glob(f"{kind.name.lower()}-*.msg"))
+
+    @property
+    def evidence_dir(self) -> Path:
+        """Where contradictions between signed messages are recorded (`shard_evidence`), beside the inbox."""
+        return self.root.parent / "shard-evidence"
 
     # ---- the outbox ----------------------------------------------------------------------------------
 
@@ -155,6 +187,23 @@ class Inbox:
                                f"announced its endpoint and certificate for epoch {self.me.epoch} on chain, or is unreachable")
         if not h.verify(signature, key):
             raise ShardRefused(ShardReason.BAD_SIGNATURE, f"the signature does not verify under shard {h.sender}'s node key")
+        self._note_equivocation(h, signature, key)
+
+    def _note_equivocation(self, h: ShardMessage, signature: bytes, key: bytes) -> None:
+        """Record a second signed body for a slot that holds one honest shards sign once (whatever
+        becomes of the message: a verdict is then refused, a newer report replaces the held one). The
+        two signed headers prove it (each commits to its body's digest): no body is read or kept, and
+        one record per slot is enough, so a peer signing many cannot fill the disk."""
+        path, marker = self.path(h), self.evidence_dir / f"{self.path(h).stem}-{h.epoch}-{h.round}.noted"
+        if h.kind not in ONE_PER_SLOT or not path.exists() or marker.exists():
+            return
+        with open(path, "rb") as f:
+            held = Signed.from_bytes(f.read(SHARD_MESSAGE_BYTES + SIGNATURE_BYTES))
+        ev = equivocation(SignedPart(held.header, held.signature, None), SignedPart(h, signature, None), key)
+        if ev is not None:
+            kept = write_evidence(self.evidence_dir, ev)
+            marker.write_text(kept.name)
+            log.warning("%s: evidence kept in %s", ev.detail, kept)
 
     def screen(self, h: ShardMessage) -> None:
         """Who, where, when and how large: the checks that need no key."""
@@ -187,19 +236,67 @@ class Inbox:
             raise ShardRefused(ShardReason.OVERSIZE, f"a {h.kind.name} body of {h.body_length} bytes "
                                f"(this shard takes {'exactly 32' if h.kind == ShardKind.HASH else f'at most {limit}'})")
 
-    def store_received(self, s: Signed) -> bool:
-        """Hold an admitted message once its body checks out; False when exactly it was held already."""
-        h = s.header
-        if len(s.body) != h.body_length or body_digest(s.body) != bytes(h.body_sha256):
-            raise ShardRefused(ShardReason.DIGEST_MISMATCH, f"the body ({len(s.body)} bytes) is not the signed "
-                               f"{h.body_length} bytes with sha256 {bytes(h.body_sha256).hex()}")
-        _check_body(s)
+    # ---- an admitted message's body: reserved, streamed (`shard_receive.Incoming`), settled -------------
+
+    def reserve(self, h: ShardMessage) -> int:
+        """Count an admitted message against its sender's quota for the round before its body is read;
+        returns the token that `settle` or `release` gives back (ShardRefused OVERSIZE or QUOTA)."""
+        with self._lock:  # with `settle`: a body moves from streaming to held without being missed
+            pending = self._pending.setdefault((h.epoch, h.round, h.sender), {})
+            if self.quota is not None:
+                self._check_quota(h, pending)
+            token = next(self._tokens)
+            pending[token] = (self.path(h).name, h.body_length)
+        return token
+
+    def _check_quota(self, h: ShardMessage, pending: dict[int, tuple[str, int]]) -> None:
+        assert self.quota is not None
+        q = self.quota(h.sender, h.round)
+        if h.body_length > q.largest(h):
+            raise ShardRefused(ShardReason.OVERSIZE, f"a {h.kind.name} body of {h.body_length} bytes; shard "
+                               f"{h.sender}'s is at most {q.largest(h)} in round {h.epoch}/{h.round}")
+        why = over_quota(q, h, self.path(h).name, self._held_bodies(h), pending)
+        if why:
+            raise ShardRefused(ShardReason.QUOTA, why)
+
+    def _held_bodies(self, h: ShardMessage) -> dict[str, int]:
+        """The body length of each message held from `h`'s sender for its round, by file name."""
+        key = (h.epoch, h.round, h.sender)
+        if key not in self._held:
+            folder, prefix = self._dir(h.epoch, h.round), SHARD_MESSAGE_BYTES + SIGNATURE_BYTES
+            found = [*folder.glob(f"*-{h.sender}.msg"), *folder.glob(f"blob-{h.sender}-*.msg")]
+            self._held[key] = {p.name: p.stat().st_size - prefix for p in found}
+        return self._held[key]
+
+    def release(self, h: ShardMessage, token: int) -> None:
+        """Give back a reservation whose body was refused or broke off (nothing was held)."""
         with self._lock:
-            old = self.get(h)
-            if old is not None and not _replaces(old, s):
-                return False
-            self._write(s)
-        return True
+            self._unreserve(h, token)
+
+    def _unreserve(self, h: ShardMessage, token: int) -> None:
+        key = (h.epoch, h.round, h.sender)
+        pending = self._pending.get(key, {})
+        pending.pop(token, None)
+        if not pending:
+            self._pending.pop(key, None)
+
+    def settle(self, h: ShardMessage, tmp: Path, token: int) -> bool:
+        """Move a checked body's file `tmp` (beside its slot, header and signature first) into the slot;
+        False when exactly this message was held already (`tmp` is left to the caller to remove)."""
+        with self._lock:
+            try:
+                path = self.path(h)
+                old = _header_at(path)
+                if old is not None and not _replaces(old, h):
+                    return False
+                for ack in path.parent.glob(path.stem + ".ack-*"):
+                    ack.unlink()
+                durable_replace(tmp, path)  # `tmp` was fsync'd before the lock: this is the rename
+                if self.quota is not None:
+                    self._held_bodies(h)[path.name] = h.body_length
+                return True
+            finally:
+                self._unreserve(h, token)
 
 
 def acked_at(path: Path, peer: int) -> bool:
@@ -212,9 +309,16 @@ def kind_at(path: Path) -> ShardKind:
     return ShardKind[path.name.split("-")[0].upper()]
 
 
-def _replaces(old: Signed, new: Signed) -> bool:
-    """Whether `new` may replace the `old` message held for its slot (False: it is the same message)."""
-    o, n = old.header, new.header
+def _header_at(path: Path) -> ShardMessage | None:
+    """The signed header of the message held in `path` (its body, maybe large, is not read)."""
+    if not path.exists():
+        return None
+    with open(path, "rb") as f:
+        return ShardMessage.from_canonical(f.read(SHARD_MESSAGE_BYTES))
+
+
+def _replaces(o: ShardMessage, n: ShardMessage) -> bool:
+    """Whether `n` may replace the `o` message held for its slot (False: it is the same message)."""
     if (o.sequence, bytes(o.body_sha256)) == (n.sequence, bytes(n.body_sha256)):
         return False
     if n.kind == ShardKind.VERDICT and bytes(o.body_sha256) != bytes(n.body_sha256):
@@ -225,15 +329,14 @@ def _replaces(old: Signed, new: Signed) -> bool:
     return True
 
 
-def _check_body(s: Signed) -> None:
+def check_body(h: ShardMessage, body: bytes) -> None:
     """A report or verdict must be about the round and shard its signed header names."""
-    h = s.header
     try:
         if h.kind == ShardKind.REPORT:
-            r = FragmentReport.from_json(s.body.decode("utf-8"))
+            r = FragmentReport.from_json(body.decode("utf-8"))
             named = (r.epoch, r.round, r.index, r.count)
         elif h.kind == ShardKind.VERDICT:
-            v = Verdict.from_json(s.body.decode("utf-8"))
+            v = Verdict.from_json(body.decode("utf-8"))
             named = (v.epoch, v.round, h.sender, h.count)
         else:
             return

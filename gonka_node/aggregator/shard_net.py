@@ -3,7 +3,9 @@
 
 Every message this shard puts is signed with its node key, held in its own `Inbox` (the outbox,
 durable before anything is sent) and pushed to the shards that read it: reports and blobs to the
-verifier, verdicts and fragment hashes to every shard. What others push is checked and held by the
+verifier, verdicts and fragment hashes to every shard. The verifier forwards every shard's signed report
+(as its signer signed it) to every other shard before its verdict, so each shard can check the verdict
+against the reports it names (`shard_audit`). What others push is checked and held by the
 `ShardService` beside the round engine's `Aggregator` service (same port, same TLS identity). Reads are
 local: the close that polls them (every tick while `ShardPending`) first sends again whatever a peer
 has not acknowledged, so a peer that was down, or this shard after a restart, catches up.
@@ -22,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -29,6 +32,7 @@ from nacl.signing import SigningKey
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.shard import FragmentReport, Verdict
+from gonka_node.aggregator.shard_evidence import SignedPart, verdict_evidence, write_evidence
 from gonka_node.aggregator.shard_inbox import (
     VERIFIER,
     Inbox,
@@ -51,8 +55,10 @@ MESSAGE_LIMIT = 4 << 20
 REASON_KEY = "gonka-shard-reason"
 RETRY_S = 1.0  # a peer that failed is tried again after this long (the close polls every tick)
 PUT_BYTES_PER_S = 8 << 20  # a Put's deadline grows with its body at this rate
-# Refusals that will not change by sending again: the peer has moved on or the message is wrong.
-FINAL = frozenset(r for r in ShardReason if r not in (ShardReason.FUTURE_ROUND, ShardReason.UNKNOWN_SHARD))
+# Refusals that will not change by sending again: the peer has moved on or the message is wrong. A
+# QUOTA refusal may: the sender's earlier Puts still streaming there end and give their bytes back.
+RETRIED = (ShardReason.FUTURE_ROUND, ShardReason.UNKNOWN_SHARD, ShardReason.QUOTA)
+FINAL = frozenset(r for r in ShardReason if r not in RETRIED)
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ class NetExchange:
 
     def put_verdict(self, verdict: Verdict) -> None:
         if self.verdict(verdict.epoch, verdict.round) is None:  # the first verdict stands
+            self._forward_reports(verdict.epoch, verdict.round)  # the reports it names, first
             self._put(verdict.epoch, verdict.round, ShardKind.VERDICT, "", verdict.to_json().encode("utf-8"))
 
     def verdict(self, epoch: int, round_: int) -> Verdict | None:
@@ -181,6 +188,15 @@ class NetExchange:
         held = self.inbox.get(probe)
         return held.body if held is not None else None
 
+    def file_contradiction(self, epoch: int, round_: int, why: str) -> Path | None:
+        held = self.inbox.held(epoch, round_, ShardKind.VERDICT) + self.inbox.held(epoch, round_, ShardKind.REPORT)
+        keys = {s.header.sender: self.known_key(s.header.sender) for s in held}
+        known = {k: v for k, v in keys.items() if v is not None}
+        if not held or held[0].header.kind != ShardKind.VERDICT or len(known) < len(keys):
+            return None
+        parts = [SignedPart(s.header, s.signature, s.body) for s in held]
+        return write_evidence(self.inbox.evidence_dir, verdict_evidence(parts[0], parts[1:], known, why))
+
     def _own(self, index: int) -> None:
         if index != self.me.index:
             raise ValueError(f"shard {self.me.index} cannot put shard {index}'s messages")
@@ -201,15 +217,26 @@ class NetExchange:
         return everyone if kind in (ShardKind.VERDICT, ShardKind.HASH) else [k for k in everyone if k == VERIFIER]
 
     def flush(self, epoch: int, round_: int) -> None:
-        """Send again this shard's messages of the round that a peer has not acknowledged."""
+        """Send again this shard's messages of the round that a peer has not acknowledged (the verifier,
+        once its verdict is held: the reports it forwards too)."""
         for path in self.inbox.outbox(epoch, round_):
-            now = time.monotonic()
-            due = [p for p in self._recipients(kind_at(path))
-                   if not acked_at(path, p) and now >= self._retry_at.get(p, 0.0)]
-            if due:  # read the message (a blob may be large) only when some peer still lacks it
-                signed = Signed.from_bytes(path.read_bytes())
-                for peer in due:
-                    self._deliver(signed, peer)
+            self._send_due(path, self._recipients(kind_at(path)))
+        if self.me.index == VERIFIER and self.inbox.files(epoch, round_, ShardKind.VERDICT):
+            self._forward_reports(epoch, round_)
+
+    def _forward_reports(self, epoch: int, round_: int) -> None:
+        """Every held report, as its signer signed it, to every shard but its signer and this one."""
+        for path in self.inbox.files(epoch, round_, ShardKind.REPORT):
+            signer = int(path.stem.split("-")[1])
+            self._send_due(path, [k for k in range(self.me.count) if k not in (self.me.index, signer)])
+
+    def _send_due(self, path: Path, recipients: list[int]) -> None:
+        now = time.monotonic()
+        due = [p for p in recipients if not acked_at(path, p) and now >= self._retry_at.get(p, 0.0)]
+        if due:  # read the message (a blob may be large) only when some peer still lacks it
+            signed = Signed.from_bytes(path.read_bytes())
+            for peer in due:
+                self._deliver(signed, peer)
 
     def _deliver(self, s: Signed, peer: int) -> None:
         if time.monotonic() < self._retry_at.get(peer, 0.0):

@@ -2,23 +2,24 @@
 else (docs/PROTOCOL.md "The Shard service").
 
 A Put is checked in the order that costs an unauthenticated sender least: the envelope's fields, round
-and declared size, then the signature under the sender's node key, and only then is the body read
-(bounded by the signed length) and checked against the signed digest. A refusal ends the call with a
-status per reason, the reason's name in trailing metadata `gonka-shard-reason`, and a message; nothing
-is stored.
+and declared size, then the signature under the sender's node key, then the sender's quota for the round
+(reserved), and only then is the body read: streamed to a file beside its slot (`shard_receive`), one
+chunk in memory at a time, bounded by the signed length and checked against the signed digest. A
+refusal ends the call with a status per reason, the reason's name in trailing metadata
+`gonka-shard-reason`, and a message; nothing is stored.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from gonka_node.aggregator.shard_inbox import ShardReason, ShardRefused, Signed
+from gonka_node.aggregator.shard_inbox import ShardReason, ShardRefused
 from gonka_node.aggregator.shard_net import CHUNK, REASON_KEY, NetExchange, message_from_pb
+from gonka_node.aggregator.shard_receive import Incoming
 from gonka_node.core.shard_envelope import ShardMessage
 from proto.gonka.v1 import shard_pb2 as spb
 from proto.gonka.v1 import shard_pb2_grpc as spb_grpc
@@ -38,6 +39,7 @@ STATUS: dict[ShardReason, grpc.StatusCode] = {
     ShardReason.NOT_PERMITTED: grpc.StatusCode.PERMISSION_DENIED,
     ShardReason.OVERSIZE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ShardReason.DIGEST_MISMATCH: grpc.StatusCode.DATA_LOSS,
+    ShardReason.QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -64,28 +66,20 @@ class ShardService(spb_grpc.ShardServicer):
             raise ShardRefused(ShardReason.MALFORMED, "a Put starts with the signed envelope")
         header = message_from_pb(first.envelope)
         signature = bytes(first.envelope.signature)
-        await asyncio.to_thread(self._admit, header, signature)  # the store and a peer are read: off the loop
-        body = await _body(requests, header)
-        return await asyncio.to_thread(self.exchange.inbox.store_received, Signed(header, signature, body))
+        # The store and a peer are read, the quota reserved and the file opened: off the loop.
+        incoming = await asyncio.to_thread(self._admit, header, signature)
+        try:
+            async for req in requests:
+                data = req.data
+                if req.WhichOneof("part") != "data" or len(data) > CHUNK:
+                    raise ShardRefused(ShardReason.MALFORMED, f"after the envelope come body chunks of at most {CHUNK} bytes")
+                await asyncio.to_thread(incoming.write, data)
+            return await asyncio.to_thread(incoming.finish)
+        finally:  # a refused or broken stream leaves no file and no reservation (off the loop: it takes a lock)
+            await asyncio.to_thread(incoming.discard)
 
-    def _admit(self, header: ShardMessage, signature: bytes) -> None:
+    def _admit(self, header: ShardMessage, signature: bytes) -> Incoming:
         inbox = self.exchange.inbox
         inbox.screen(header)  # before the key: a malformed or stale message costs nothing more
         inbox.admit(header, signature, self.exchange.known_key(header.sender))
-
-
-async def _body(requests: AsyncIterator[spb.ShardPut], header: ShardMessage) -> bytes:
-    """The body, read no further than the signed length, hashed as it arrives."""
-    parts, got, digest = [], 0, hashlib.sha256()
-    async for req in requests:
-        if req.WhichOneof("part") != "data" or len(req.data) > CHUNK:
-            raise ShardRefused(ShardReason.MALFORMED, f"after the envelope come body chunks of at most {CHUNK} bytes")
-        got += len(req.data)
-        if got > header.body_length:
-            raise ShardRefused(ShardReason.DIGEST_MISMATCH, f"the body runs past the signed {header.body_length} bytes")
-        digest.update(req.data)
-        parts.append(req.data)
-    if got != header.body_length or digest.digest() != bytes(header.body_sha256):
-        raise ShardRefused(ShardReason.DIGEST_MISMATCH, f"the body ({got} bytes) is not the signed {header.body_length} "
-                           f"bytes with sha256 {bytes(header.body_sha256).hex()}")
-    return b"".join(parts)
+        return Incoming(inbox, header, signature).open()

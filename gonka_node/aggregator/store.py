@@ -62,6 +62,7 @@ CREATE TABLE IF NOT EXISTS submissions (
     check_state TEXT NOT NULL DEFAULT 'checked',  -- pending | checked | failed (decode-time checks)
     check_reason INTEGER NOT NULL DEFAULT 0,      -- failed: the RejectReason number
     check_message TEXT NOT NULL DEFAULT '',       -- failed: what the host is told
+    residual_root BLOB NOT NULL DEFAULT X'0000000000000000000000000000000000000000000000000000000000000000',  -- signed: the host's residual after the round
     PRIMARY KEY (epoch, round, host)
 );
 CREATE TABLE IF NOT EXISTS contributions (
@@ -115,6 +116,9 @@ class SubmissionRow:
     check_state: str = CHECKED  # PENDING until its decode-time checks ran (norm and sketch then filled in)
     check_reason: int = 0  # FAILED: the RejectReason number
     check_message: str = ""  # FAILED: what the host is told
+    # The root of the host's residual after the round, as it signed it (envelope layout 2). 32 zero bytes:
+    # a row stored before the column existed (or a shard's merged row), which no signature covers.
+    residual_root: bytes = bytes(32)
 
 
 @dataclass(frozen=True)
@@ -308,8 +312,8 @@ class Store:
                            (row.epoch, row.round, row.host, FAILED))
                 db.execute(
                     "INSERT INTO submissions (epoch, round, host, payload_sha256, payload_length, tokens_trained, "
-                    "timestamp_ms, signature, received_ms, norm, sketch, path, started_ms, check_state) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "timestamp_ms, signature, received_ms, norm, sketch, path, started_ms, check_state, residual_root) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         row.epoch,
                         row.round,
@@ -325,6 +329,7 @@ class Store:
                         row.path,
                         row.started_ms,
                         row.check_state,
+                        row.residual_root,
                     ),
                 )
         except BaseException:
@@ -403,6 +408,7 @@ def _add_missing_columns(db: sqlite3.Connection) -> None:
                                 ("rounds", "heldout_loss", "REAL"),
                                 ("submissions", "check_state", f"TEXT NOT NULL DEFAULT '{CHECKED}'"),
                                 ("submissions", "check_reason", "INTEGER NOT NULL DEFAULT 0"),
-                                ("submissions", "check_message", "TEXT NOT NULL DEFAULT ''")):
+                                ("submissions", "check_message", "TEXT NOT NULL DEFAULT ''"),
+                                ("submissions", "residual_root", f"BLOB NOT NULL DEFAULT X'{'00' * 32}'")):
         if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")

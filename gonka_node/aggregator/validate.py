@@ -38,6 +38,8 @@ class Codec(Protocol):
 
     def for_round(self, round_seed: int) -> Codec: ...
 
+    def encoded_size(self, spec: Mapping[str, tuple[int, ...]]) -> int: ...
+
 
 @dataclass(frozen=True)
 class Checked:

@@ -249,10 +249,12 @@ def shard_exchange(
     from gonka_node.aggregator.shard import DirExchange
     from gonka_node.aggregator.shard_inbox import Inbox, ShardSelf
     from gonka_node.aggregator.shard_net import ChainDirectory, NetExchange
+    from gonka_node.aggregator.shard_quota import ShardBudget
 
     assert ctx.shard is not None
     if cfg.shard_transport == "dir":
         return DirExchange(cfg.shard_exchange or cfg.data_dir.parent / "shard-exchange")
     me = ShardSelf(ctx.chain_id, ctx.registry, ctx.epoch, ctx.shard.index, ctx.shard.count)
-    inbox = Inbox(cfg.data_dir / SHARD_MESSAGES_DIR, me, store.rounds)
+    max_hosts = chain.call(chain.chain.get_epoch, ctx.epoch).spec.max_hosts  # what sizes a peer's quota
+    inbox = Inbox(cfg.data_dir / SHARD_MESSAGES_DIR, me, store.rounds, quota=ShardBudget.of(ctx, max_hosts))
     return NetExchange(inbox, signer, ChainDirectory(chain, ctx.epoch))

@@ -33,7 +33,7 @@ from nacl.signing import SigningKey
 from gonka_node.core.link import Link, TokenBucket
 from gonka_node.core.storage import StoreError, download_url, upload_url
 from gonka_node.core.tls import check_peer, pinned_channel
-from gonka_node.core.wire import header_for, verify_receipt
+from gonka_node.core.wire import NO_RESIDUAL, header_for, verify_receipt
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import aggregator_pb2_grpc as pb_grpc
 from proto.gonka.v1 import common_pb2 as common
@@ -132,8 +132,13 @@ class AggregatorClient:
         payload: bytes,
         key: SigningKey,
         tokens_trained: int = 0,
+        *,
+        residual_root: bytes = NO_RESIDUAL,
     ) -> pb.Receipt:
-        header = header_for(info, host, payload, tokens_trained, key)
+        """Sign and send `payload`. The host daemon passes its residual's root after the round
+        (`WorkerRound.residual_root`); the default, 32 zero bytes, is for tools and tests that send a
+        payload without training one (the aggregator takes any 32 bytes until a challenge opens them)."""
+        header = header_for(info, host, payload, tokens_trained, key, residual_root)
         if info.direct_upload:
             receipt = self.submit_raw(iter(self.put_payload(header, payload)))
         else:

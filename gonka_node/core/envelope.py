@@ -17,16 +17,20 @@ from nacl.signing import SigningKey, VerifyKey
 
 SUBMISSION_TAG = b"gonka/submission"
 RECEIPT_TAG = b"gonka/receipt".ljust(16, b"\x00")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 1  # the receipt's layout
+# The submission's layout: 2 added `residual_root`. Version 1 is verified nowhere (no network runs hosts
+# that sign it), so a signature over the old bytes simply does not verify.
+SUBMISSION_LAYOUT_VERSION = 2
 CODEC_FIELD_BYTES = 64  # the chain's EpochSpec allows codec strings of 1..64 bytes
 SIGNATURE_BYTES = 64
 PUBLIC_KEY_BYTES = 32
 
-# tag, version, chain id, registry, epoch, round, host, base sha, codec, payload sha, length, tokens, time
-_SUBMISSION = struct.Struct(">16sHQ20sQQ20s32s64s32sQQQ")
+# tag, version, chain id, registry, epoch, round, host, base sha, codec, payload sha, length, tokens, time,
+# residual root
+_SUBMISSION = struct.Struct(">16sHQ20sQQ20s32s64s32sQQQ32s")
 # tag, version, chain id, registry, epoch, round, host, payload sha, length, accepted, reason, time
 _RECEIPT = struct.Struct(">16sHQ20sQQ20s32sQBHQ")
-SUBMISSION_BYTES = _SUBMISSION.size  # 234
+SUBMISSION_BYTES = _SUBMISSION.size  # 266
 RECEIPT_BYTES = _RECEIPT.size  # 133
 
 _U64_MAX = 2**64 - 1
@@ -72,7 +76,9 @@ class SignedRecord:
 
 @dataclass(frozen=True)
 class Submission(SignedRecord):
-    """What a host signs: the payload's digest bound to one round of one registry on one chain."""
+    """What a host signs: the payload's digest bound to one round of one registry on one chain, and the
+    root of its error-feedback residual after the round's compress (training/residual_commit.py; the
+    zero residual's root where it keeps none), which a replay challenge opens against."""
 
     chain_id: int
     registry: bytes  # 20-byte contract address
@@ -85,6 +91,7 @@ class Submission(SignedRecord):
     payload_length: int
     tokens_trained: int
     timestamp_ms: int
+    residual_root: bytes  # 32 bytes: residual_root(e_r) with the epoch's layout, chunk 4096
 
     def __post_init__(self) -> None:
         for name in ("chain_id", "epoch", "round", "payload_length", "tokens_trained", "timestamp_ms"):
@@ -93,12 +100,13 @@ class Submission(SignedRecord):
         _check_bytes("host", self.host, 20)
         _check_bytes("base_checkpoint_sha256", self.base_checkpoint_sha256, 32)
         _check_bytes("payload_sha256", self.payload_sha256, 32)
+        _check_bytes("residual_root", self.residual_root, 32)
         encode_codec(self.codec)
 
     def canonical_bytes(self) -> bytes:
         return _SUBMISSION.pack(
             SUBMISSION_TAG,
-            LAYOUT_VERSION,
+            SUBMISSION_LAYOUT_VERSION,
             self.chain_id,
             bytes(self.registry),
             self.epoch,
@@ -110,6 +118,7 @@ class Submission(SignedRecord):
             self.payload_length,
             self.tokens_trained,
             self.timestamp_ms,
+            bytes(self.residual_root),
         )
 
 

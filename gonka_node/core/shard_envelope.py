@@ -23,7 +23,7 @@ SHARD_LAYOUT_VERSION = 1
 KEY_FIELD_BYTES = 64
 # tag, version, chain id, registry, epoch, round, kind, sender, count, key, body sha, body length, sequence
 _SHARD = struct.Struct(">16sHQ20sQQBHH64s32sQQ")
-SHARD_MESSAGE_BYTES = _SHARD.size  # 227
+SHARD_MESSAGE_BYTES = _SHARD.size  # 179
 _BLOB_KEY = re.compile(r"base|payload-[0-9a-f]{40}")
 _U64_MAX = 2**64 - 1
 

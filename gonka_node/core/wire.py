@@ -34,14 +34,20 @@ def verify_receipt(r: pb.Receipt, aggregator_key: bytes) -> bool:
     return receipt_body(r).verify(r.signature, aggregator_key)
 
 
+NO_RESIDUAL = bytes(32)  # what a sender that trained nothing signs as its residual root (tools, tests)
+
+
 def header_for(
     info: pb.RoundInfo,
     host: bytes,
     payload: bytes,
     tokens_trained: int,
     key: SigningKey,
+    residual_root: bytes,
     timestamp_ms: int | None = None,
 ) -> pb.SubmitHeader:
+    """The signed header of `payload` in `info`'s round; `residual_root`: the host's residual after the
+    round's compress (`training.residual_commit.residual_root`; `zero_root` of the spec when it has none)."""
     sub = Submission(
         chain_id=info.chain_id,
         registry=info.registry,
@@ -54,6 +60,7 @@ def header_for(
         payload_length=len(payload),
         tokens_trained=tokens_trained,
         timestamp_ms=time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms,
+        residual_root=residual_root,
     )
     return header_pb(sub, sub.sign(key))
 
@@ -72,4 +79,5 @@ def header_pb(sub: Submission, signature: bytes) -> pb.SubmitHeader:
         tokens_trained=sub.tokens_trained,
         timestamp_unix_ms=sub.timestamp_ms,
         signature=signature,
+        residual_root=sub.residual_root,
     )

@@ -61,6 +61,9 @@ class HostNode:
         self.sleep = sleep
         self.store = HostStore(settings.state_dir)
         self.host_bytes = bytes.fromhex(keys.evm_address[2:])
+        # round → the root of the residual its training left (`WorkerRound.residual_root`), signed with
+        # its payload; a round trained again (a refusal, a restart) records its new root
+        self.residual_roots: dict[int, bytes] = {}
 
     # ---- sign-in ----------------------------------------------------------------------------------
 
@@ -301,6 +304,7 @@ class HostNode:
         except RigError as exc:
             raise HostError(str(exc)) from exc
         self.events.round_trained(round_, result.last_loss, result.tokens, result.seconds, len(result.payload))
+        self.residual_roots[round_] = result.residual_root
         now = time.monotonic()
         wall, self._busy_until = max(now - self._busy_until, result.seconds), now
         progress.utilisation[str(round_)] = [round(result.seconds, 4), round(wall, 4)]
@@ -477,7 +481,8 @@ class HostNode:
         delay = self.settings.backoff_s
         for attempt in range(1, self.settings.submit_attempts + 1):
             try:
-                self.aggregator.submit(info, self.host_bytes, payload, self.keys.node_key.signing_key, tokens)
+                self.aggregator.submit(info, self.host_bytes, payload, self.keys.node_key.signing_key, tokens,
+                                       residual_root=self.residual_roots[info.round])
                 return True, ""
             except SubmitRejected as exc:
                 if exc.reason == "DUPLICATE":

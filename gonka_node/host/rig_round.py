@@ -248,7 +248,7 @@ class RigRounds:
         self.base = round_index
         self.last_report = report
         return WorkerRound(round_index, payload, report.delta_norm, report.mean_loss, report.last_loss,
-                           report.tokens, report.seconds)
+                           report.tokens, report.seconds, bytes.fromhex(report.residual_root))
 
     def _await(self, order: RoundOrder, on_step: StepHook) -> RoundReport:
         """The round's report, passing its steps on as they come; a rig that stopped, or went

@@ -27,6 +27,7 @@ from gonka_node.core.discovery import MissingPinError
 from gonka_node.core.fragments import plain_metadata, plan_fragments
 from gonka_node.core.link import Link
 from gonka_node.core.recipe import Recipe
+from gonka_node.core.wire import NO_RESIDUAL
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import common_pb2 as common
 from training.codecs import HEADER_SIZE, Codec
@@ -44,7 +45,8 @@ class ShardClient(Protocol):
     def open_round(self) -> pb.RoundInfo: ...
 
     def submit(
-        self, info: pb.RoundInfo, host: bytes, payload: bytes, key: SigningKey, tokens_trained: int = 0
+        self, info: pb.RoundInfo, host: bytes, payload: bytes, key: SigningKey, tokens_trained: int = 0, *,
+        residual_root: bytes = NO_RESIDUAL,
     ) -> pb.Receipt: ...
 
 
@@ -82,16 +84,17 @@ def join_payload(codec: Codec, fragments: Sequence[bytes], spec: Spec) -> bytes:
 
 def submit_fragments(
     clients: Sequence[ShardClient], round_: int, fragments: Sequence[bytes], host: bytes, key: SigningKey,
-    tokens: int,
+    tokens: int, *, residual_root: bytes = NO_RESIDUAL,
 ) -> tuple[bool, str]:
-    """Upload fragment i to shard i, all at once; (accepted by every shard, the refusals joined)."""
-    refusals = _refusals(clients, round_, fragments, host, key, tokens)
+    """Upload fragment i to shard i, all at once; (accepted by every shard, the refusals joined). Every
+    fragment's header signs the same `residual_root`: the host's whole residual's."""
+    refusals = _refusals(clients, round_, fragments, host, key, tokens, residual_root)
     return not refusals, "; ".join(f"shard {i}: {r.reason or r.code.name}: {r.message}" for i, r in refusals)
 
 
 def _refusals(
     clients: Sequence[ShardClient], round_: int, fragments: Sequence[bytes], host: bytes, key: SigningKey,
-    tokens: int,
+    tokens: int, residual_root: bytes = NO_RESIDUAL,
 ) -> list[tuple[int, SubmitRejected]]:
     if len(clients) != len(fragments):
         raise SplitError(f"{len(fragments)} fragments for {len(clients)} shards")
@@ -99,14 +102,15 @@ def _refusals(
         return []
 
     def one(i: int) -> SubmitRejected | None:
-        return _submit_one(clients[i], round_, fragments[i], host, key, tokens)
+        return _submit_one(clients[i], round_, fragments[i], host, key, tokens, residual_root)
 
     with ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shard-upload") as pool:
         return [(i, r) for i, r in enumerate(pool.map(one, range(len(clients)))) if r is not None]
 
 
 def _submit_one(
-    client: ShardClient, round_: int, fragment: bytes, host: bytes, key: SigningKey, tokens: int
+    client: ShardClient, round_: int, fragment: bytes, host: bytes, key: SigningKey, tokens: int,
+    residual_root: bytes,
 ) -> SubmitRejected | None:
     """None when the shard holds the fragment (now, or from an earlier upload: DUPLICATE); else its refusal.
     A shard that cannot be reached (down, restarting) is a refusal with its gRPC code, which the host
@@ -119,7 +123,7 @@ def _submit_one(
         why = f"round {round_} is not open there (it is at round {info.round})"
         return SubmitRejected(grpc.StatusCode.FAILED_PRECONDITION, "LATE" if info.round > round_ else "", why, None)
     try:
-        client.submit(info, host, fragment, key, tokens)
+        client.submit(info, host, fragment, key, tokens, residual_root=residual_root)
     except SubmitRejected as exc:
         return None if exc.reason == "DUPLICATE" else exc
     return None
@@ -168,7 +172,8 @@ class ShardedAggregator:
         return self.clients[0].open_round()
 
     def submit(
-        self, info: pb.RoundInfo, host: bytes, payload: bytes, key: SigningKey, tokens_trained: int = 0
+        self, info: pb.RoundInfo, host: bytes, payload: bytes, key: SigningKey, tokens_trained: int = 0, *,
+        residual_root: bytes = NO_RESIDUAL,
     ) -> None:
         """Every shard's fragment accepted, or the first refusal raised (its code and reason kept, so a
         retry re-sends only what is missing: shards that accepted it before are skipped)."""
@@ -176,7 +181,7 @@ class ShardedAggregator:
         held = self._held.setdefault((info.round, host), set())
         todo = [i for i in range(len(self.clients)) if i not in held]
         found = _refusals([self.clients[i] for i in todo], info.round, [fragments[i] for i in todo], host, key,
-                          tokens_trained)
+                          tokens_trained, residual_root)
         refusals = [(todo[j], r) for j, r in found]
         held.update(set(todo) - {i for i, _ in refusals})
         for i, r in refusals:

@@ -130,6 +130,7 @@ def signed_header(
     host: bytes | None = None,
     codec: str | None = None,
     signature: bytes | None = None,
+    residual_root: bytes = bytes(32),  # an adversary commits to what it likes; the aggregator takes any 32 bytes
 ) -> pb.SubmitHeader:
     h, info = view.host, view.info
     sub = Submission(
@@ -137,6 +138,7 @@ def signed_header(
         host=host or h.host_bytes, base_checkpoint_sha256=info.base_checkpoint_sha256,
         codec=codec or info.codec, payload_sha256=hashlib.sha256(payload).digest(),
         payload_length=len(payload), tokens_trained=tokens, timestamp_ms=time.time_ns() // 1_000_000,
+        residual_root=residual_root,
     )
     return header_pb(sub, signature if signature is not None else sub.sign(key or h.keys.node_key.signing_key))
 

@@ -199,7 +199,7 @@ def test_the_rule_slashes_each_host_once_with_its_first_evidence(tmp_path: Path)
 
     def ev(kind: str, round_: int) -> Evidence:
         sub = Submission(1, b"\x01" * 20, 1, round_, bytes.fromhex(host[2:]), b"\x02" * 32, "int8",
-                         b"\x03" * 32, 10, 0, 1)
+                         b"\x03" * 32, 10, 0, 1, b"\x04" * 32)
         fields = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in sub.__dict__.items()}
         return Evidence(kind, 1, round_, host, fields, sub.sign(key.signing_key).hex(), "")
 

@@ -40,7 +40,7 @@ class World:
 
 def record(path: Path, key: NodeSigningKey, host: str, registry: str, chain_id: int) -> Path:
     sub = Submission(chain_id, bytes.fromhex(registry[2:]), 1, 1, bytes.fromhex(host[2:]), b"\x02" * 32,
-                     "int8", b"\x03" * 32, 10, 0, 1)
+                     "int8", b"\x03" * 32, 10, 0, 1, b"\x04" * 32)
     ev = Evidence("garbage", 1, 1, host, header_fields(sub), sub.sign(key.signing_key).hex(), "UNDECODABLE: …")
     out = path / f"{ev.hash.hex()}.json"
     out.write_bytes(ev.canonical())

@@ -30,6 +30,7 @@ def make_submission(**overrides: object) -> Submission:
         payload_length=123_456,
         tokens_trained=65_536,
         timestamp_ms=1_700_000_000_123,
+        residual_root=hashlib.sha256(b"residual").digest(),
     )
     fields.update(overrides)
     return Submission(**fields)  # type: ignore[arg-type]
@@ -38,9 +39,9 @@ def make_submission(**overrides: object) -> Submission:
 def test_submission_layout_matches_the_documented_offsets() -> None:
     s = make_submission()
     raw = s.canonical_bytes()
-    assert len(raw) == SUBMISSION_BYTES == 234
+    assert len(raw) == SUBMISSION_BYTES == 266
     assert raw[0:16] == b"gonka/submission"
-    assert raw[16:18] == b"\x00\x01"
+    assert raw[16:18] == b"\x00\x02"
     assert raw[18:26] == (31337).to_bytes(8, "big")
     assert raw[26:46] == bytes(range(20))
     assert raw[46:54] == (7).to_bytes(8, "big")
@@ -53,6 +54,7 @@ def test_submission_layout_matches_the_documented_offsets() -> None:
     assert raw[210:218] == (123_456).to_bytes(8, "big")
     assert raw[218:226] == (65_536).to_bytes(8, "big")
     assert raw[226:234] == (1_700_000_000_123).to_bytes(8, "big")
+    assert raw[234:266] == hashlib.sha256(b"residual").digest()
 
 
 def test_submission_golden_digest() -> None:
@@ -62,7 +64,24 @@ def test_submission_golden_digest() -> None:
     assert digest == GOLDEN_SUBMISSION_SHA256
 
 
-GOLDEN_SUBMISSION_SHA256 = "cc87088debe5ca370fee302fa8c00b275a200065fb09054bb2ef6e5170f1df52"
+# Layout 2, computed by concatenating the documented fields by hand (tag, u16 2, the twelve fields, the
+# root), not from this code; the same construction with version 1 and no root gives layout 1's digest,
+# cc87088d…f1df52, which this test pinned before.
+GOLDEN_SUBMISSION_SHA256 = "19fbbb81bc64925a77c5e54ea582a3a70e918ed9492e5fe788c3ba2f44595e96"
+
+
+def layout_1_bytes(s: Submission) -> bytes:
+    """Layout 1 as it was: version 1, no residual root (what a host signed before residual commitments)."""
+    return b"gonka/submission" + (1).to_bytes(2, "big") + s.canonical_bytes()[18:234]
+
+
+def test_a_signature_over_layout_1_does_not_verify() -> None:
+    key = SigningKey(b"\x01" * 32)
+    s = make_submission()
+    old = key.sign(layout_1_bytes(s)).signature
+    assert hashlib.sha256(layout_1_bytes(s)).hexdigest().startswith("cc87088d")  # the bytes are layout 1's
+    assert not s.verify(old, bytes(key.verify_key))
+    assert s.verify(s.sign(key), bytes(key.verify_key))
 
 
 def test_signature_verifies_and_binds_every_field() -> None:
@@ -84,6 +103,7 @@ def test_signature_verifies_and_binds_every_field() -> None:
         "payload_length": 123_457,
         "tokens_trained": 1,
         "timestamp_ms": 1,
+        "residual_root": b"\x00" * 32,
     }
     for name, value in changed.items():
         assert not dataclasses.replace(s, **{name: value}).verify(sig, pub), name
@@ -105,6 +125,8 @@ def test_verify_rejects_wrong_key_and_malformed_inputs() -> None:
         ("registry", b"\x00" * 19, "registry must be 20 bytes"),
         ("host", b"\x00" * 32, "host must be 20 bytes"),
         ("payload_sha256", b"", "payload_sha256 must be 32 bytes"),
+        ("residual_root", b"", "residual_root must be 32 bytes"),
+        ("residual_root", b"\x00" * 33, "residual_root must be 32 bytes"),
         ("epoch", -1, "epoch must be an integer"),
         ("round", 2**64, "round must be an integer"),
         ("codec", "", "codec must be"),

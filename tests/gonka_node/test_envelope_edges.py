@@ -16,6 +16,7 @@ def submission(**overrides: object) -> Submission:
         chain_id=1, registry=bytes(20), epoch=1, round=1, host=bytes(20),
         base_checkpoint_sha256=hashlib.sha256(b"base").digest(), codec="int8",
         payload_sha256=hashlib.sha256(b"payload").digest(), payload_length=1, tokens_trained=0, timestamp_ms=0,
+        residual_root=bytes(32),
     )
     return Submission(**{**fields, **overrides})  # type: ignore[arg-type]
 
@@ -28,13 +29,14 @@ def receipt(**overrides: object) -> ReceiptBody:
     return ReceiptBody(**{**fields, **overrides})  # type: ignore[arg-type]
 
 
-BYTE_FIELDS = [("registry", 20), ("host", 20), ("base_checkpoint_sha256", 32), ("payload_sha256", 32)]
+BYTE_FIELDS = [("registry", 20), ("host", 20), ("base_checkpoint_sha256", 32), ("payload_sha256", 32),
+               ("residual_root", 32)]
 INT_FIELDS = ["chain_id", "epoch", "round", "payload_length", "tokens_trained", "timestamp_ms"]
 
 
 @pytest.mark.parametrize(("make", "field", "width"), [
     *((submission, f, w) for f, w in BYTE_FIELDS),
-    *((receipt, f, w) for f, w in BYTE_FIELDS if f != "base_checkpoint_sha256"),
+    *((receipt, f, w) for f, w in BYTE_FIELDS if f not in ("base_checkpoint_sha256", "residual_root")),
 ])
 def test_a_byte_field_of_another_width_or_type_is_refused_by_name(make, field: str, width: int) -> None:
     with pytest.raises(EnvelopeError, match=rf"^{field} must be {width} bytes, got {width - 1}$"):
@@ -58,7 +60,7 @@ def test_an_integer_field_out_of_u64_or_not_an_int_is_refused_by_name(make, fiel
 @pytest.mark.parametrize("field", INT_FIELDS)
 def test_u64_bounds_are_inclusive(field: str) -> None:
     for value in (0, 2**64 - 1):
-        assert len(submission(**{field: value}).canonical_bytes()) == 234
+        assert len(submission(**{field: value}).canonical_bytes()) == 266
 
 
 def test_codec_strings_of_one_to_64_printable_bytes() -> None:

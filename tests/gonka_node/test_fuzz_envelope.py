@@ -1,7 +1,7 @@
 """Property-based tests of the canonical envelope and of the protobuf header that feeds it.
 
 Claims: whatever the field values, building a `Submission`/`ReceiptBody` either succeeds with a
-234/133-byte record that unpacks to the same fields, or raises `EnvelopeError` (never another
+266/133-byte record that unpacks to the same fields, or raises `EnvelopeError` (never another
 exception); the server's header parser (`submission_from_pb`) turns any decodable `SubmitRequest` into
 a `Submission` or a MALFORMED rejection; and a signature verifies only over the exact bytes it signed —
 any flipped bit in the record, the signature or the key makes `verify` return False, never raise.
@@ -61,29 +61,30 @@ def valid_submissions() -> st.SearchStrategy[Submission]:
         payload_length=U64,
         tokens_trained=U64,
         timestamp_ms=U64,
+        residual_root=st.binary(min_size=32, max_size=32),
     )
 
 
 @FUZZ
 @given(
     chain_id=ANY_INT, registry=width(20), epoch=ANY_INT, round_=ANY_INT, host=width(20),
-    base=width(32), codec=CODEC, digest=width(32), length=ANY_INT, tokens=ANY_INT, ts=ANY_INT,
+    base=width(32), codec=CODEC, digest=width(32), length=ANY_INT, tokens=ANY_INT, ts=ANY_INT, root=width(32),
 )
 def test_any_field_values_build_a_canonical_record_or_raise_envelope_error(
     chain_id: int, registry: bytes, epoch: int, round_: int, host: bytes, base: bytes, codec: str,
-    digest: bytes, length: int, tokens: int, ts: int,
+    digest: bytes, length: int, tokens: int, ts: int, root: bytes,
 ) -> None:
     try:
-        sub = Submission(chain_id, registry, epoch, round_, host, base, codec, digest, length, tokens, ts)
+        sub = Submission(chain_id, registry, epoch, round_, host, base, codec, digest, length, tokens, ts, root)
     except EnvelopeError:
         return
     raw = sub.canonical_bytes()
     assert len(raw) == SUBMISSION_BYTES
-    fields = struct.unpack(">16sHQ20sQQ20s32s64s32sQQQ", raw)
-    assert fields[0] == SUBMISSION_TAG and fields[1] == 1
+    fields = struct.unpack(">16sHQ20sQQ20s32s64s32sQQQ32s", raw)
+    assert fields[0] == SUBMISSION_TAG and fields[1] == 2
     assert fields[2:8] == (chain_id, registry, epoch, round_, host, base)
     assert fields[8].rstrip(b"\x00").decode("ascii") == codec
-    assert fields[9:] == (digest, length, tokens, ts)
+    assert fields[9:] == (digest, length, tokens, ts, root)
 
 
 @FUZZ
@@ -123,6 +124,7 @@ def test_any_bytes_parse_to_a_submission_or_a_malformed_rejection(data: bytes) -
         chain_id=U64, registry=width(20), epoch=U64, round=U64, host=width(20),
         base_checkpoint_sha256=width(32), codec=CODEC, payload_sha256=width(32),
         payload_length=U64, tokens_trained=U64, timestamp_unix_ms=U64, signature=width(64),
+        residual_root=width(32),
     )
 )
 def test_protobuf_headers_round_trip_through_the_parser(header: pb.SubmitHeader) -> None:
@@ -136,8 +138,8 @@ def test_protobuf_headers_round_trip_through_the_parser(header: pb.SubmitHeader)
     assert (sub.chain_id, sub.registry, sub.epoch, sub.round, sub.host) == (
         header.chain_id, header.registry, header.epoch, header.round, header.host,
     )
-    assert (sub.payload_sha256, sub.payload_length, sub.timestamp_ms) == (
-        header.payload_sha256, header.payload_length, header.timestamp_unix_ms,
+    assert (sub.payload_sha256, sub.payload_length, sub.timestamp_ms, sub.residual_root) == (
+        header.payload_sha256, header.payload_length, header.timestamp_unix_ms, header.residual_root,
     )
 
 

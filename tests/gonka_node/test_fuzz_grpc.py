@@ -173,6 +173,7 @@ def fuzzed_fields(
         "payload_length": len(body),
         "tokens_trained": 1000,
         "timestamp_ms": now,
+        "residual_root": hashlib.sha256(host).digest(),
     }
     other: dict[str, st.SearchStrategy[object]] = {
         "chain_id": U64,
@@ -186,6 +187,7 @@ def fuzzed_fields(
         "payload_length": st.one_of(st.integers(0, len(body) + 10), st.just(2**40), U64),
         "tokens_trained": U64,
         "timestamp_ms": st.one_of(st.just(now - 10**9), U64),
+        "residual_root": st.binary(max_size=40),
     }
     for name in data.draw(st.sets(st.sampled_from(sorted(true)), max_size=2)):
         true[name] = data.draw(other[name])

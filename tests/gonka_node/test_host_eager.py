@@ -251,9 +251,10 @@ class _Checking:
 
     def __init__(self, verdicts: list[object]) -> None:
         self.verdicts, self.asked = verdicts, 0
+        self.roots: list[bytes] = []
 
-    def submit(self, *_: object) -> None:
-        return None
+    def submit(self, *_: object, residual_root: bytes) -> None:
+        self.roots.append(residual_root)
 
     def checked(self, epoch: int, round_: int, host: bytes, poll_s: float) -> pb.SubmissionStatus:
         self.asked += 1
@@ -269,9 +270,11 @@ def test_an_eager_host_counts_an_upload_only_once_its_checks_passed(tmp_path: Pa
     world = eager_world(tmp_path)
     node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=Notes())
     info = pb.RoundInfo(epoch=world.epoch, round=1)
+    node.residual_roots[1] = b"\x07" * 32  # what training round 1 recorded
     failed = pb.SubmissionStatus(state=pb.SubmissionStatus.FAILED, reason=16, message="norm 12 above 10")
     node.aggregator = _Checking([TimeoutError("backlog"), failed])  # type: ignore[assignment]
     assert node._submit_checked(info, b"p", 1) == (False, "NORM_TOO_LARGE: norm 12 above 10")
+    assert node.aggregator.roots == [b"\x07" * 32]  # type: ignore[attr-defined]  # the round's, signed
     node.aggregator = _Checking([pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED)])  # type: ignore[assignment]
     assert node._submit_checked(info, b"p", 1) == (True, "")
     assert node.aggregator.asked == 1  # type: ignore[attr-defined]

@@ -47,6 +47,7 @@ from training.checkpoint import canonical_sha256
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
 from training.model import ModelConfig, build_model
+from training.residual_commit import ChunkLayout, residual_root, zero_root
 
 GNK = 10**9
 AGG = 9
@@ -106,6 +107,8 @@ def world(tmp_path: Path) -> World:
 class AggregatorThread:
     """A real RoundEngine on its own store, served by the Byzantine runner's `Aggregator` (TLS: `TLS`)."""
 
+    last_store: Store  # the store of the latest one entered (the fixtures' tests read what it kept)
+
     def __init__(self, world: World, root: Path, aggregation: AggregationSettings | None = None) -> None:
         self.world, self.root, self.aggregation = world, root, aggregation or AggregationSettings()
 
@@ -116,7 +119,7 @@ class AggregatorThread:
             w.recipe, chain.get_epoch(w.epoch), chain_id=w.deployment.chain_id,
             registry=w.deployment.registry, init_path=w.init_path,
         )
-        self.store = Store(self.root).open()
+        self.store = AggregatorThread.last_store = Store(self.root).open()
         engine = RoundEngine(
             ctx, RoundSettings(quorum=2), self.aggregation, self.store,
             ChainView(chain), TrainingCheckpoints(), SigningKey(b"\x09" * 32),
@@ -144,16 +147,16 @@ def make_node(
 
 
 @pytest.fixture
-def two_hosts_finished(world: World, tmp_path: Path) -> Iterator[tuple[World, list]]:
+def two_hosts_finished(world: World, tmp_path: Path) -> Iterator[tuple[World, list, list[HostNode], Store]]:
     with AggregatorThread(world, tmp_path / "agg") as target:
         nodes = [make_node(world, i, target, tmp_path / f"host{i}") for i in (1, 2)]
         with ThreadPoolExecutor(2) as pool:
             results = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
-        yield world, results
+        yield world, results, nodes, AggregatorThread.last_store
 
 
 def test_two_hosts_train_an_epoch_and_hold_the_chains_model(two_hosts_finished, tmp_path: Path) -> None:
-    world, progresses = two_hosts_finished
+    world, progresses, _, _ = two_hosts_finished
 
     chain = world.client(0)
     assert chain.latest_round(world.epoch) == 2
@@ -177,6 +180,28 @@ def test_two_hosts_train_an_epoch_and_hold_the_chains_model(two_hosts_finished, 
     trained = build_model(world.recipe.model, world.recipe.init_seed)
     trained.load_state_dict(HostStore(tmp_path / "host1").load().global_params)
     assert evaluate(trained, windows.batches(held, 8)) < evaluate(init, windows.batches(held, 8)) - 0.05
+
+
+def test_each_host_signs_the_root_of_its_residual_and_keeps_the_last_two(two_hosts_finished, tmp_path: Path) -> None:
+    """The root a host signed with each round's payload (stored by the aggregator) is residual_root of
+    its error feedback after that round: round 2's of e_2, round 1's of e_1, which the host still holds
+    as `previous`, in memory and in the state it saved (int8 keeps a residual: no zero root)."""
+    world, _, nodes, store = two_hosts_finished
+    layout = ChunkLayout.of({n: tuple(p.shape) for n, p in build_model(world.recipe.model, 0).named_parameters()})
+    roots = []
+    for i, node in zip((1, 2), nodes, strict=True):
+        signed = {r: store.submission(world.epoch, r, node.host_bytes) for r in (1, 2)}
+        assert all(row is not None for row in signed.values())
+        feedback = node._local_worker().feedback
+        assert signed[2].residual_root == residual_root(feedback.residual, layout)
+        assert signed[1].residual_root == residual_root(feedback.previous, layout)
+        saved = HostStore(tmp_path / f"host{i}").load()
+        assert saved is not None and saved.worker_state is not None
+        kept = saved.worker_state["feedback"]
+        assert residual_root(kept["residual"], layout) == signed[2].residual_root
+        assert residual_root(kept["previous"], layout) == signed[1].residual_root
+        roots += [signed[1].residual_root, signed[2].residual_root]
+    assert len(set(roots)) == 4 and zero_root(layout) not in roots
 
 
 def test_a_restarted_host_resumes_from_its_state_dir(world: World, tmp_path: Path) -> None:

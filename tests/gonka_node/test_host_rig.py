@@ -110,6 +110,7 @@ def test_a_sharded_rig_sends_one_process_payloads_and_survives_a_killed_process(
             got = rig.train_round(r, params, lambda p=path: p, hook)
             assert got.payload == want.payload, f"round {r}"
             assert got.last_loss == want.last_loss and got.tokens == want.tokens
+            assert got.residual_root == want.residual_root and len(got.residual_root) == 32  # from the report
             payloads.append(got.payload)
             if r == 2:  # rank 1 died after step 2; the restarted rig trained the round again from step 1
                 assert steps[:2] == [1, 2] and steps[-30:] == list(range(1, 31)) and len(steps) >= 32

@@ -215,7 +215,8 @@ class StalledUpload(threading.Thread):
         payload = self.net.update_payload(seed=self.i)
         keys = self.net.keys(self.i)
         yield pb.SubmitRequest(
-            header=header_for(info, self.net.host_address(self.i), payload, 1000, keys.node_key.signing_key)
+            header=header_for(info, self.net.host_address(self.i), payload, 1000, keys.node_key.signing_key,
+                                  bytes(32))
         )
         yield pb.SubmitRequest(chunk=payload[: len(payload) // 2])
         self.half_sent_at = time.monotonic()

@@ -23,7 +23,9 @@ from training.residual_commit import (
     open_chunks,
     payload_bounds,
     residual_root,
+    root_of_leaves,
     sample_chunks,
+    tensor_leaves,
     verify_opening,
     within_bounds,
     zero_root,
@@ -228,3 +230,17 @@ def test_the_tree_is_the_one_the_protocol_states() -> None:
     want = node(node(leaf(0, [0.0, 1.0]), leaf(1, [2.0, 3.0])), leaf(2, [4.0]))
     assert residual_root({"w": w}, layout) == want
     assert residual_root({"w": w[:2]}, ChunkLayout.of({"w": (2,)}, 2)) == leaf(0, [0.0, 1.0])
+
+
+def test_owners_leaves_joined_in_layout_order_give_the_one_process_root() -> None:
+    """A sharded rig: each process hashes the tensors it owns (numbering chunks by the whole layout), rank
+    0 joins the leaves by name; the root is the one a process holding the whole residual computes."""
+    residual = _tensors(3)
+    owners = [{"a": residual["a"], "c": residual["c"]}, {"b": residual["b"]}]
+    leaves = {name: tensor_leaves(own, LAYOUT, name) for own in owners for name in own}
+    assert [len(leaves[n]) for n in ("a", "b", "c")] == [5, 2, 1]
+    joined = root_of_leaves([leaf for name in sorted(leaves) for leaf in leaves[name]])
+    assert joined == residual_root(residual, LAYOUT) != zero_root(LAYOUT)
+    assert tensor_leaves({}, LAYOUT, "b") == tensor_leaves({"b": torch.zeros(100)}, LAYOUT, "b")  # absent: zero
+    with pytest.raises(ValueError, match="at least one element"):
+        root_of_leaves([])

@@ -23,10 +23,11 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch import nn
 
-from training.codecs import get_codec, round_seed
+from training.codecs import get_codec, round_seed, spec_of
 from training.data import Windows
 from training.inner import InnerConfig, clip_grad_norm
 from training.model import Llama, ModelConfig, build_model
+from training.residual_commit import ChunkLayout, residual_root, zero_root
 from training.rig import Rig
 from training.sharded import (
     ShardedWorker,
@@ -67,7 +68,8 @@ def _rig_process(rank: int, world_size: int, store: str, out: Path) -> None:
             worker = ShardedWorker(model, inner(accum), get_codec(codec), windows(), ASSIGNMENT, rig, ef_decay=0.9)
             worker.reset()
             for r in (1, 2, 3) if accum == 2 else (1,):
-                worker.run_round(r, out / f"global-{r}.safetensors", out / f"payload-{accum}-{r}.bin")
+                figures = worker.run_round(r, out / f"global-{r}.safetensors", out / f"payload-{accum}-{r}.bin")
+                results[f"root-{accum}-{r}"] = figures.residual_root.hex()  # rank 0's joins every owner's leaves
                 if r == 2:  # what a restarted rig does: reload this process's share from a file
                     torch.save(worker.state_dict(), out / f"state-{rank}.pt")
                     worker.reset()
@@ -88,11 +90,19 @@ def test_sharded_rig_sends_one_process_payloads_and_holds_half_the_state(tmp_pat
     mp.spawn(_rig_process, args=(2, str(tmp_path / "store"), tmp_path), nprocs=2, join=True)
 
     alone = DiLoCoWorker(build_model(CFG, 0), inner(2), get_codec(CODEC), windows(), ASSIGNMENT, ef_decay=0.9)
+    roots: list[str] = []
     for r in (1, 2, 3):
         want = alone.train_round(r, _load(tmp_path / f"global-{r}.safetensors"))
         assert (tmp_path / f"payload-2-{r}.bin").read_bytes() == want.payload, f"round {r}"
+        roots.append(want.residual_root.hex())
+        assert want.residual_root == residual_root(alone.feedback.residual, ChunkLayout.of(spec_of(alone.feedback.residual)))
 
     ranks = [torch.load(tmp_path / f"rank-{k}.pt", weights_only=True) for k in (0, 1)]
+    # The rig's root (rank 0, from the two owners' leaves) is the one-process worker's, round by round;
+    # the other process reports none. fp32 loses nothing: its residual is zero, and so its root.
+    assert [ranks[0][f"root-2-{r}"] for r in (1, 2, 3)] == roots and len(set(roots)) == 3
+    assert ranks[1]["root-2-1"] == ""
+    assert ranks[0]["root-4-1"] == zero_root(ChunkLayout.of(spec_of(alone.feedback.residual))).hex()
     owned = [set(x["residual-2"]) for x in ranks]
     assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == set(alone.feedback.residual)
     assert min(len(o) for o in owned) >= 9  # 21 tensors split about evenly: nobody holds all of Δ

@@ -52,7 +52,7 @@ class RoundInfo(_message.Message):
     def __init__(self, chain_id: _Optional[int] = ..., registry: _Optional[bytes] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., base_checkpoint_sha256: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., codec: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., aggregator_key: _Optional[bytes] = ..., submissions: _Optional[int] = ..., expected_hosts: _Optional[int] = ..., direct_upload: bool = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("chain_id", "registry", "epoch", "round", "host", "base_checkpoint_sha256", "codec", "payload_sha256", "payload_length", "tokens_trained", "timestamp_unix_ms", "signature")
+    __slots__ = ("chain_id", "registry", "epoch", "round", "host", "base_checkpoint_sha256", "codec", "payload_sha256", "payload_length", "tokens_trained", "timestamp_unix_ms", "signature", "residual_root")
     CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class SubmitHeader(_message.Message):
     TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_ROOT_FIELD_NUMBER: _ClassVar[int]
     chain_id: int
     registry: bytes
     epoch: int
@@ -77,7 +78,8 @@ class SubmitHeader(_message.Message):
     tokens_trained: int
     timestamp_unix_ms: int
     signature: bytes
-    def __init__(self, chain_id: _Optional[int] = ..., registry: _Optional[bytes] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., host: _Optional[bytes] = ..., base_checkpoint_sha256: _Optional[bytes] = ..., codec: _Optional[str] = ..., payload_sha256: _Optional[bytes] = ..., payload_length: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    residual_root: bytes
+    def __init__(self, chain_id: _Optional[int] = ..., registry: _Optional[bytes] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., host: _Optional[bytes] = ..., base_checkpoint_sha256: _Optional[bytes] = ..., codec: _Optional[str] = ..., payload_sha256: _Optional[bytes] = ..., payload_length: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., signature: _Optional[bytes] = ..., residual_root: _Optional[bytes] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("header", "chunk", "stored")

@@ -28,6 +28,7 @@ class ShardRefusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_NOT_PERMITTED: _ClassVar[ShardRefusal]
     SHARD_OVERSIZE: _ClassVar[ShardRefusal]
     SHARD_DIGEST_MISMATCH: _ClassVar[ShardRefusal]
+    SHARD_QUOTA: _ClassVar[ShardRefusal]
 SHARD_KIND_UNSPECIFIED: ShardKind
 SHARD_REPORT: ShardKind
 SHARD_VERDICT: ShardKind
@@ -46,6 +47,7 @@ SHARD_CONFLICT: ShardRefusal
 SHARD_NOT_PERMITTED: ShardRefusal
 SHARD_OVERSIZE: ShardRefusal
 SHARD_DIGEST_MISMATCH: ShardRefusal
+SHARD_QUOTA: ShardRefusal
 
 class ShardHelloRequest(_message.Message):
     __slots__ = ("epoch",)

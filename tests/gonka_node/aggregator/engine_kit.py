@@ -177,7 +177,7 @@ class Kit:
             chain_id=engine.ctx.chain_id, registry=engine.ctx.registry, epoch=r.epoch, round=r.round,
             host=h.address, base_checkpoint_sha256=r.base_sha256, codec="fp32",
             payload_sha256=hashlib.sha256(payload).digest(), payload_length=len(payload), tokens_trained=64,
-            timestamp_ms=self.clock.ms,
+            timestamp_ms=self.clock.ms, residual_root=hashlib.sha256(h.address).digest(),
         )
         fields.update(changes)
         return Submission(**fields)

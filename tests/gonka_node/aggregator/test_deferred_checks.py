@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_kit import REWARD, Kit, chunks, payload, update
 from eth_utils import to_checksum_address
-from test_engine_close import stepped
+from test_engine_close import row, stepped, submit_all
 
 from gonka_node.aggregator.deferred import CheckPool
 from gonka_node.aggregator.engine_types import SignedReceipt
@@ -211,25 +211,35 @@ def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: 
     assert not [p for p in (kit.tmp / "evidence").rglob("*") if p.is_file()]  # ours, not the host's: no evidence
 
 
+def unchecked_then_restarted(kit: Kit, seed: int) -> RoundEngine:
+    """Three payloads receipted, the process killed before their checks ran, the engine started again."""
+    e = kit.engine()
+    e.checks = CheckPool(1, never_checked)
+    for i in range(3):
+        assert receipted(kit, e, i, payload(update(seed + i))).body.accepted
+    e.store.close()
+    return kit.engine()
+
+
+def flaky_checks(e: RoundEngine, host: bytes, failures: int) -> None:
+    """The engine's checks, with `host`'s first `failures` tries failing for a reason of the aggregator's."""
+    original, left = e._check, [OSError("disk error")] * failures
+
+    def check(part: Path, round_: int) -> tuple[float, bytes]:
+        if part.name.startswith(host.hex()) and left:
+            raise left.pop()
+        return original(part, round_)
+
+    e._check = check  # type: ignore[method-assign]
+
+
 def test_a_payload_whose_check_awaits_a_retry_keeps_the_round_open_not_closing(kit: Kit) -> None:
     """Everyone has a payload stored, but one's check failed for a reason of the aggregator's and waits
     for its retry: the round is not "everyone submitted" yet, so it neither closes nor starts closing
     (which would refuse every resend as late); the next tick's retry passes and the round closes."""
-    e = kit.engine()
-    ep = kit.world.epoch
-    e.checks = CheckPool(1, never_checked)
-    for i in range(3):
-        assert receipted(kit, e, i, payload(update(60 + i))).body.accepted
-    e.store.close()
-    again = kit.engine()
-    original, flaky, failures = again._check, kit.hosts[1].address, [OSError("disk error")]
-
-    def check(part: Path, round_: int) -> tuple[float, bytes]:
-        if part.name.startswith(flaky.hex()) and failures:
-            raise failures.pop()
-        return original(part, round_)
-
-    again._check = check  # type: ignore[method-assign]
+    ep, flaky = kit.world.epoch, kit.hosts[1].address
+    again = unchecked_then_restarted(kit, 60)
+    flaky_checks(again, flaky, 1)
     kit.clock.ms += 100
     kit.run(again.tick())
     pending = again.store.submission(ep, 1, flaky)
@@ -239,3 +249,25 @@ def test_a_payload_whose_check_awaits_a_retry_keeps_the_round_open_not_closing(k
     kit.run(again.tick())
     closed = again.store.get_round(ep, 1)
     assert closed is not None and closed.state == "finalized"
+
+
+def test_a_close_that_finds_a_check_awaiting_its_retry_waits_and_finishes_at_the_next_tick(kit: Kit) -> None:
+    ep = kit.world.epoch
+    again = unchecked_then_restarted(kit, 70)
+    flaky_checks(again, kit.hosts[1].address, 2)  # fails in the tick's drain and in the close's: passes next
+    kit.clock.ms = row(again).deadline_ms + 1  # the deadline passed with a quorum checked: the round closes
+    kit.run(again.tick())
+    assert again.closing and again._close_failed is False and row(again).state == "open"  # waiting, not skipped
+    kit.run(again.tick())
+    assert row(again).state == "finalized"
+    assert sorted(x.host for x in again.store.contributions(ep, 1) if x.reward > 0) == sorted(h.address for h in kit.hosts)
+
+
+def test_another_epochs_unchecked_payload_does_not_hold_this_epochs_close(kit: Kit) -> None:
+    other = kit.engine(kit.world.epoch2)  # the same store
+    other.checks = CheckPool(1, never_checked)
+    assert receipted(kit, other, 0, payload(update(80))).body.accepted  # its round 1: unchecked for good
+    e = kit.engine()
+    submit_all(kit, e, 3)
+    kit.run(e.tick())
+    assert row(e).state == "finalized"

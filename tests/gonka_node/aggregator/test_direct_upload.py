@@ -72,7 +72,7 @@ def test_an_object_that_is_not_the_signed_payload_is_refused(
     h, data = kit.hosts[1], payload(update(2))
     with server.client(20) as client:
         info = open_round(kit, client)
-        header = header_for(info, h.address, data, 64, h.key)
+        header = header_for(info, h.address, data, 64, h.key, b"\x05" * 32)
         slot = client.upload_slot(header)
         if callable(put):
             upload_url(slot.url, put(data))
@@ -92,7 +92,7 @@ def test_another_hosts_key_and_unsigned_slot_requests_are_refused(kit: Kit, serv
     h, other, data = kit.hosts[0], kit.hosts[1], payload(update(3))
     with server.client(20) as client:
         info = open_round(kit, client)
-        header = header_for(info, h.address, data, 64, h.key)
+        header = header_for(info, h.address, data, 64, h.key, b"\x05" * 32)
         forged = pb.SubmitHeader()
         forged.CopyFrom(header)
         forged.signature = bytes(64)

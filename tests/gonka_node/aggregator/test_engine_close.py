@@ -214,7 +214,7 @@ def test_an_epoch_over_is_no_round_and_ticks_do_nothing(kit: Kit) -> None:
     kit.run(e.tick())
     d = kit.world.chain.deployment
     late = Submission(d.chain_id, bytes.fromhex(d.registry[2:]), kit.world.epoch, N_ROUNDS, kit.hosts[0].address,
-                      bytes(32), "fp32", bytes(32), 1, 1, kit.clock.ms)
+                      bytes(32), "fp32", bytes(32), 1, 1, kit.clock.ms, bytes(32))
     with pytest.raises(Rejected) as info:
         kit.run(e.authenticate(late, b""))
     assert info.value.reason is Reason.WRONG_ROUND

@@ -21,6 +21,8 @@ from gonka_node.core.wire import header_pb, receipt_body, verify_receipt
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import common_pb2
 
+RESIDUAL_ROOT = hashlib.sha256(b"a host's residual").digest()  # any 32 bytes: opened in the next slice
+
 
 def envelope(info: pb.RoundInfo, host: Host, payload: bytes, **overrides: object) -> Submission:
     fields: dict[str, object] = dict(
@@ -35,6 +37,7 @@ def envelope(info: pb.RoundInfo, host: Host, payload: bytes, **overrides: object
         payload_length=len(payload),
         tokens_trained=1000,
         timestamp_ms=time.time_ns() // 1_000_000,
+        residual_root=RESIDUAL_ROOT,
     )
     fields.update(overrides)
     return Submission(**fields)  # type: ignore[arg-type]

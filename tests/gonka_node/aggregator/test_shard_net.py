@@ -20,6 +20,7 @@ from nacl.signing import SigningKey
 from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict
 from gonka_node.aggregator.shard_inbox import Inbox, ShardReason, ShardSelf, Signed, body_digest
 from gonka_node.aggregator.shard_net import REASON_KEY, RETRY_S, NetExchange, ShardPeer, put_requests
+from gonka_node.aggregator.shard_quota import QuotaRule
 from gonka_node.aggregator.shard_service import ShardService
 from gonka_node.aggregator.store import RoundRow
 from gonka_node.core.shard_envelope import ShardKind, ShardMessage
@@ -28,7 +29,7 @@ from proto.gonka.v1 import shard_pb2 as spb
 from proto.gonka.v1 import shard_pb2_grpc as spb_grpc
 
 CHAIN, REGISTRY, EPOCH = 31337, bytes(range(20)), 4
-KEYS = [SigningKey(bytes([40 + i]) * 32) for i in range(2)]
+KEYS = [SigningKey(bytes([40 + i]) * 32) for i in range(3)]
 
 
 @dataclass
@@ -48,8 +49,10 @@ class Peers:
 class ShardNode:
     """One shard's exchange and its Shard service on 127.0.0.1:0, on an event loop in a thread."""
 
-    def __init__(self, root: Path, index: int, peers: Peers, rows: list[RoundRow]) -> None:
+    def __init__(self, root: Path, index: int, peers: Peers, rows: list[RoundRow], count: int = 2,
+                 max_body: int = 1 << 20, quota: QuotaRule | None = None) -> None:
         self.root, self.index, self.peers, self.rows = root, index, peers, rows
+        self.count, self.max_body, self.quota = count, max_body, quota
         self.identity: TlsIdentity = create_identity()
         self.exchange = self._exchange()
         self.loop = asyncio.new_event_loop()
@@ -57,7 +60,8 @@ class ShardNode:
         self.server: grpc.aio.Server | None = None
 
     def _exchange(self) -> NetExchange:
-        inbox = Inbox(self.root, ShardSelf(CHAIN, REGISTRY, EPOCH, self.index, 2), lambda e: self.rows, 1 << 20)
+        me = ShardSelf(CHAIN, REGISTRY, EPOCH, self.index, self.count)
+        inbox = Inbox(self.root, me, lambda e: self.rows, self.max_body, self.quota)
         return NetExchange(inbox, KEYS[self.index], self.peers, timeout_s=5)
 
     def start(self) -> ShardNode:

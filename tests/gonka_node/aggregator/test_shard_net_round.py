@@ -26,6 +26,7 @@ from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import DirExchange, shard_role
 from gonka_node.aggregator.shard_inbox import Inbox, ShardSelf
 from gonka_node.aggregator.shard_net import ChainDirectory, NetExchange
+from gonka_node.aggregator.shard_quota import ShardBudget
 from gonka_node.aggregator.store import Store
 from gonka_node.cli.aggregator import shard_exchange
 from gonka_node.core.config import AggregatorConfig
@@ -43,7 +44,8 @@ def shard_server(h: Harness, i: int, identity: TlsIdentity) -> ServerThread:
     def build() -> RoundEngine:
         store, view = Store(h.tmp / f"shard{i}").open(), ChainView(h.world.client(ORDER[i]))
         who = ShardSelf(ctx.chain_id, ctx.registry, ctx.epoch, i, 2)
-        exchange = NetExchange(Inbox(h.tmp / f"shard{i}" / "shard-messages", who, store.rounds), key,
+        quota = ShardBudget.of(ctx, max_hosts=8)  # the epoch's: every honest message fits it
+        exchange = NetExchange(Inbox(h.tmp / f"shard{i}" / "shard-messages", who, store.rounds, quota=quota), key,
                                ChainDirectory(view, h.epoch), timeout_s=5)
         return RoundEngine(ctx, h.settings, h.aggregation, store, view, TrainingCheckpoints(), key, exchange=exchange)
 
@@ -102,6 +104,7 @@ def test_the_aggregator_command_meets_the_other_shards_as_shard_transport_says(h
     over_grpc = shard_exchange(AggregatorConfig(data_dir=h.tmp / "agg"), ctx, store, view, key)
     assert isinstance(over_grpc, NetExchange) and over_grpc.inbox.root == h.tmp / "agg" / "shard-messages"
     assert over_grpc.me == ShardSelf(ctx.chain_id, ctx.registry, h.epoch, 1, 2)
+    assert over_grpc.inbox.quota == ShardBudget.of(ctx, max_hosts=8)  # the epoch's max_hosts, read on chain
     in_dir = shard_exchange(AggregatorConfig(data_dir=h.tmp / "agg", shard_transport="dir"), ctx, store, view, key)
     assert isinstance(in_dir, DirExchange) and in_dir.root == h.tmp / "shard-exchange"
     store.close()
