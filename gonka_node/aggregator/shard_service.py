@@ -67,7 +67,14 @@ class ShardService(spb_grpc.ShardServicer):
         header = message_from_pb(first.envelope)
         signature = bytes(first.envelope.signature)
         # The store and a peer are read, the quota reserved and the file opened: off the loop.
-        incoming = await asyncio.to_thread(self._admit, header, signature)
+        admitting = asyncio.ensure_future(asyncio.to_thread(self._admit, header, signature))
+        try:
+            incoming = await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            # The stream ended (the peer reset it) while the thread admits: the thread still finishes, and
+            # what it reserved and opened is given back then, never left to outlive the stream.
+            admitting.add_done_callback(_discard_admitted)
+            raise
         try:
             async for req in requests:
                 data = req.data
@@ -83,3 +90,8 @@ class ShardService(spb_grpc.ShardServicer):
         inbox.screen(header)  # before the key: a malformed or stale message costs nothing more
         inbox.admit(header, signature, self.exchange.known_key(header.sender))
         return Incoming(inbox, header, signature).open()
+
+
+def _discard_admitted(done: asyncio.Future[Incoming]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        done.result().discard()

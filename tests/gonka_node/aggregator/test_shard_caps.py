@@ -5,12 +5,13 @@ on 127.0.0.1 (TLS), real files; the quota's sizes checked against what an honest
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,8 @@ from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict
 from gonka_node.aggregator.shard_inbox import ShardReason, Signed
 from gonka_node.aggregator.shard_net import FINAL, REASON_KEY, envelope_pb
 from gonka_node.aggregator.shard_quota import Quota, ShardBudget
+from gonka_node.aggregator.shard_receive import Incoming
+from gonka_node.aggregator.shard_service import ShardService
 from gonka_node.aggregator.store import ContributionRow
 from gonka_node.aggregator.validate import Sketcher
 from gonka_node.core.envelope import SIGNATURE_BYTES
@@ -237,3 +240,40 @@ def test_a_body_a_crash_left_half_received_is_removed_when_the_shard_starts_agai
         assert not stale.exists() and held.read_bytes() == b"h" * 10
     finally:
         node.stop()
+
+
+def test_a_put_reset_while_it_is_being_admitted_gives_back_its_reservation_and_file(trio: list[ShardNode]) -> None:
+    """A peer that resets its stream while the receiver's thread admits the header (learning its key,
+    reserving, opening the file) leaves nothing behind: not a reservation that counts against its quota,
+    not a temporary file (repeated, such resets would otherwise pile up without limit)."""
+    s0 = trio[0]
+    service, admitted = ShardService(s0.exchange), threading.Event()
+    admit = service._admit
+
+    def slow_admit(header: ShardMessage, signature: bytes) -> Incoming:
+        incoming = admit(header, signature)
+        admitted.wait(5)  # the stream is reset while this thread still admits
+        return incoming
+
+    service._admit = slow_admit  # type: ignore[method-assign]
+
+    async def reset_puts() -> None:
+        for sequence in range(10, 15):
+            s = _header(b"", 1, sequence=sequence)
+
+            async def requests(s: Signed = s) -> AsyncIterator[spb.ShardPut]:
+                yield spb.ShardPut(envelope=envelope_pb(s))
+                await asyncio.sleep(30)
+
+            put = asyncio.ensure_future(service._put(requests()))
+            await asyncio.sleep(0.05)
+            put.cancel()
+            admitted.set()
+            with pytest.raises(asyncio.CancelledError):
+                await put
+            admitted.clear()
+        await asyncio.sleep(0.2)  # the admitting threads finish, their callbacks run
+
+    asyncio.run(reset_puts())
+    assert all(not reserved for reserved in s0.exchange.inbox._pending.values())
+    assert list(s0.root.rglob("*.tmp")) == []
