@@ -345,10 +345,31 @@ def sampled(ctx: EpochContext, seed: bytes, round_: int, hosts: Sequence[bytes])
     return chosen_for_replay(ctx.replay_probability, seed, round_, hosts)
 
 
+def misfit(reports: Sequence[FragmentReport], role: ShardRole) -> str | None:
+    """Why a report does not fit the epoch's fragment plan, or None: each names exactly its own
+    fragment's tensors (sorted) and gives every host one finite, non-negative squared norm per tensor.
+    Whole norms are summed over the reports by tensor name, so a shard naming another's tensors, or a
+    negative square, would set a host's norm below its honest size (past the norm bound and the clip)."""
+    plan = plan_fragments(role.whole_spec, role.count)
+    for r in reports:
+        names = tuple(sorted(plan[r.index].names)) if 0 <= r.index < len(plan) else None
+        if r.names != names:
+            return f"shard {r.index}'s report names tensors {list(r.names)[:3]}…, not its fragment's"
+        for h in r.hosts:
+            for sq in (h.scan_sq, h.clip_sq):
+                if len(sq) != len(names) or not all(math.isfinite(x) and x >= 0 for x in sq):
+                    return (f"shard {r.index}'s report gives 0x{h.host.hex()} {len(sq)} squared norms for its "
+                            f"{len(names)} tensors, or one that is negative or not finite")
+    return None
+
+
 def decide(v: VerifierInputs, reports: Sequence[FragmentReport]) -> Verdict:
     """The round's verdict from all S shards' reports: every host checked on whole-model sketches and norms."""
     if sorted(r.index for r in reports) != list(range(v.role.count)):
         raise ShardPending(f"{len(reports)} of {v.role.count} shard reports in")
+    why = misfit(reports, v.role)
+    if why is not None:
+        raise ShardMismatch(f"round {v.round_row.epoch}/{v.round_row.round}: {why}; no verdict can follow from it")
     everyone = sorted({h.host for r in reports for h in r.hosts})
     complete = [h for h in everyone if all(h in _by_host(r) for r in reports)]
     whole = [_whole_row(v, reports, h) for h in complete]

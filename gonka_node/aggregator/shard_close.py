@@ -43,6 +43,7 @@ from gonka_node.aggregator.shard import (
     VerifierInputs,
     WholeInputs,
     decide,
+    misfit,
     payload_key,
     report_digest,
     sampled,
@@ -207,7 +208,7 @@ def audit_verdict(exchange: ShardExchange, verdict: Verdict, role: ShardRole, ru
     where = f"round {verdict.epoch}/{verdict.round}"
     if verdict.rule != rule:
         raise ShardMismatch(f"{where}: the verdict's rule is {verdict.rule!r}; shard {role.index} runs {rule!r}")
-    why = contradiction(verdict, reports)
+    why = misfit(reports, role) or contradiction(verdict, reports)
     if why is None:
         return
     kept = exchange.file_contradiction(verdict.epoch, verdict.round, why)

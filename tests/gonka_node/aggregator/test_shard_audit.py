@@ -28,6 +28,7 @@ from gonka_node.aggregator.shard import (
     Verdict,
     VerdictRefused,
     _whole_norm,
+    misfit,
     report_digest,
     shard_role,
 )
@@ -103,12 +104,13 @@ def pair(tmp_path: Path) -> Iterator[tuple[ShardNode, ShardNode]]:
 
 
 def _reports(skip: bool = False) -> list[FragmentReport]:
-    """Shard 0 holds tensors a, b of the model, shard 1 tensor c; three hosts, the third 3x larger."""
+    """Shard 0 holds tensors a, c of the model, shard 1 tensor b (the plan's split, `_role`); three hosts,
+    the third 3x larger."""
     def frag(i: int, sq: tuple[float, ...]) -> HostFragment:
         return HostFragment(HOSTS[i], 1, 2, sq, tuple(x * 1.000001 for x in sq), bytes(8))
-    r0 = FragmentReport(EPOCH, 1, 0, 2, ("a", "b"), skip,
+    r0 = FragmentReport(EPOCH, 1, 0, 2, ("a", "c"), skip,
                         (frag(0, (0.5, 0.25)), frag(1, (0.75, 0.5)), frag(2, (4.5, 2.25))), (), ())
-    r1 = FragmentReport(EPOCH, 1, 1, 2, ("c",), False, (frag(0, (0.125,)), frag(1, (0.0625,)), frag(2, (1.125,))), (), ())
+    r1 = FragmentReport(EPOCH, 1, 1, 2, ("b",), False, (frag(0, (0.125,)), frag(1, (0.0625,)), frag(2, (1.125,))), (), ())
     return [r0, r1]
 
 
@@ -142,6 +144,24 @@ def test_only_the_verdict_the_reports_give_passes_the_check() -> None:
     # the clip norm is the clip's sum (clip_sq), not the ingest check's: the verdict may not take one for the other
     scan = {h: _whole_norm(reports, h, clip=False) for h in HOSTS}
     assert "clip norm is" in (contradiction(dataclasses.replace(honest, clip_norms=scan), reports) or "")
+
+
+def test_a_report_that_does_not_fit_the_fragment_plan_gives_no_verdict_and_is_refused() -> None:
+    """Whole norms are summed over the reports by tensor name: a shard naming another's tensors (with
+    zeros) would set a host's norm below its honest size, and a negative square would too."""
+    reports = _reports()
+    assert misfit(reports, _role(0)) is None
+    zeros = tuple(HostFragment(h.host, 1, 2, (0.0, 0.0), (0.0, 0.0), bytes(8)) for h in reports[0].hosts)
+    posing = [reports[0], dataclasses.replace(reports[1], names=("a", "c"), hosts=zeros)]  # shard 1 names 0's
+    assert _whole_norm(posing, HOSTS[2], clip=False) == 0.0  # what the unchecked sum would have believed
+    negative = dataclasses.replace(reports[1], hosts=(*reports[1].hosts[:2], dataclasses.replace(
+        reports[1].hosts[2], scan_sq=(-1.125,))))
+    short = dataclasses.replace(reports[1], hosts=(dataclasses.replace(reports[1].hosts[0], clip_sq=()),
+                                                   *reports[1].hosts[1:]))
+    for bad, expected in (([posing[0], posing[1]], "names tensors"), ([reports[0], negative], "negative"),
+                          ([reports[0], short], "0 squared norms")):
+        why = misfit(bad, _role(1))
+        assert why is not None and expected in why, (expected, why)
 
 
 # ---- over the network: the refusal's evidence, and equivocation -------------------------------------
