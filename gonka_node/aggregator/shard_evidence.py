@@ -9,7 +9,7 @@ Two contradictions are provable from signatures alone:
 - `verdict_contradicts_reports`: the verifier signed a verdict naming (by `report_digest`) S signed
   reports from which its clip norms, τ or host set do not follow (`shard_audit.contradiction`).
 
-A record holds the signed messages whole (the 227-byte header, the signature, the body when held) and
+A record holds the signed messages whole (the 179-byte header, the signature, the body when held) and
 the node key of each signer; `check_shard_evidence` re-checks it with nothing else. The chain holds no
 stake of an aggregator and no node key of one (a shard learns a peer's key over the TLS channel pinned
 to the certificate its account announced), so no on-chain rule can slash on a record yet: it is written
@@ -60,7 +60,7 @@ class SignedPart:
         body = None if d["body"] is None else base64.b64decode(d["body"], validate=True)
         header = bytes.fromhex(d["header"])
         if len(header) != SHARD_MESSAGE_BYTES or len(bytes.fromhex(d["signature"])) != SIGNATURE_BYTES:
-            raise ValueError("a header of 227 bytes and a signature of 64")
+            raise ValueError(f"a header of {SHARD_MESSAGE_BYTES} bytes and a signature of {SIGNATURE_BYTES}")
         return cls(ShardMessage.from_canonical(header), bytes.fromhex(d["signature"]), body)
 
     def holds(self, keys: Mapping[int, bytes]) -> bool:

@@ -219,10 +219,10 @@ class NetExchange:
     def flush(self, epoch: int, round_: int) -> None:
         """Send again this shard's messages of the round that a peer has not acknowledged (the verifier,
         once its verdict is held: the reports it forwards too)."""
+        if self.me.index == VERIFIER and self.inbox.files(epoch, round_, ShardKind.VERDICT):
+            self._forward_reports(epoch, round_)  # first: a verdict that arrives before them waits a tick
         for path in self.inbox.outbox(epoch, round_):
             self._send_due(path, self._recipients(kind_at(path)))
-        if self.me.index == VERIFIER and self.inbox.files(epoch, round_, ShardKind.VERDICT):
-            self._forward_reports(epoch, round_)
 
     def _forward_reports(self, epoch: int, round_: int) -> None:
         """Every held report, as its signer signed it, to every shard but its signer and this one."""
