@@ -226,6 +226,20 @@ def test_a_close_that_leaves_nobody_eligible_is_a_skip_that_keeps_the_reasons(ki
     assert on_chain.finalized and (on_chain.checkpoint_sha256, on_chain.n_contributors) == (kit.world.init_sha, 0)
 
 
+def test_a_later_round_whose_updates_are_all_excluded_keeps_the_model_of_the_round_before(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    submit_all(kit, e, 3)
+    kit.run(e.tick())
+    r1 = row(e)
+    assert r1.state == "finalized" and r1.checkpoint_sha256 != kit.world.init_sha
+    submit_all(kit, e, 3)  # round 1's updates again: every one a copy of its own earlier submission
+    kit.run(e.tick())
+    r2 = row(e, 2)
+    assert (r2.state, r2.checkpoint_sha256, r2.total_reward) == ("skipped", r1.checkpoint_sha256, 0)
+    assert all(not x.aggregated and x.reasons[0].startswith("copy:") for x in e.store.contributions(ep, 2))
+
+
 def test_with_two_votes_needed_a_restart_does_not_vote_twice(kit: Kit, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, "gonka_node.aggregator.rounds")
     ep = kit.world.epoch4
