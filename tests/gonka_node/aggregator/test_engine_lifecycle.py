@@ -240,6 +240,22 @@ def test_a_later_round_whose_updates_are_all_excluded_keeps_the_model_of_the_rou
     assert all(not x.aggregated and x.reasons[0].startswith("copy:") for x in e.store.contributions(ep, 2))
 
 
+def test_the_hosts_records_are_read_ahead_once_per_round_not_every_tick(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = kit.engine()
+    warmed: list[int] = []
+    real = e.chain.warm
+
+    async def counted(epoch: int) -> int:
+        warmed.append(epoch)
+        return await real(epoch)
+
+    monkeypatch.setattr(e.chain, "warm", counted)
+    for _ in range(3):  # nobody submits: the round stays open
+        kit.clock.ms += 100
+        kit.run(e.tick())
+    assert warmed == [kit.world.epoch] and row(e).state == "open"
+
+
 def test_with_two_votes_needed_a_restart_does_not_vote_twice(kit: Kit, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, "gonka_node.aggregator.rounds")
     ep = kit.world.epoch4
