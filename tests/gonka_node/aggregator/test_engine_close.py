@@ -21,10 +21,10 @@ from chain.merkle import RewardTree
 from chain.seed import new_secret, seed_commitment
 from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.engine_types import clock_text
-from gonka_node.aggregator.metrics import PrometheusMetrics
+from gonka_node.aggregator.metrics import PrometheusMetrics, RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine, _tx_bytes
-from gonka_node.aggregator.store import RoundRow
+from gonka_node.aggregator.store import ContributionRow, RoundRow
 from gonka_node.core.envelope import Submission
 from training.checkpoint import load_checkpoint
 from training.codecs import get_codec, round_seed
@@ -311,3 +311,28 @@ def test_clock_text_is_utc_to_the_millisecond(monkeypatch: pytest.MonkeyPatch) -
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+class ClosedRounds(RoundMetrics):
+    """Metrics that want each closed round's contributions, and keep what they were given."""
+
+    def __init__(self, wants: bool) -> None:
+        self.wants, self.closed = wants, list[tuple[int, list[ContributionRow]]]()
+
+    @property
+    def wants_contributions(self) -> bool:
+        return self.wants
+
+    def round_closed(self, row: RoundRow, seconds: float, contributions: list[ContributionRow]) -> None:
+        self.closed.append((row.round, contributions))
+
+
+@pytest.mark.parametrize("wants", [True, False])
+def test_metrics_get_the_closed_rounds_contributions_only_when_they_want_them(kit: Kit, wants: bool) -> None:
+    e = kit.engine()
+    e.metrics = metrics = ClosedRounds(wants)
+    submit_all(kit, e, 3)
+    kit.run(e.tick())
+    contributions = e.store.contributions(kit.world.epoch, 1)
+    assert len(contributions) == 3
+    assert metrics.closed == [(1, contributions if wants else [])]
