@@ -281,6 +281,19 @@ def test_a_restart_finishes_a_recorded_close_without_finalizing_twice(kit: Kit, 
         kit.engine()
 
 
+def test_a_restart_finishes_a_recorded_skip_too(kit: Kit) -> None:
+    e = kit.engine()
+    ep = kit.world.epoch
+    for _ in range(2):  # nobody submits: extended once, then skipped
+        kit.clock.ms = row(e).deadline_ms + 1
+        kit.run(e.tick())
+    assert row(e).state == "skipped"
+    set_state(kit, ep, 1, "skipping")  # a crash after the chain recorded the skip, before the store did
+    again = kit.engine()
+    assert row(again).state == "skipped" and row(again).checkpoint_sha256 == kit.world.init_sha
+    assert again.current == row(again, 2)
+
+
 def set_state(kit: Kit, epoch: int, round_: int, state: str, checkpoint: bytes | None = None) -> None:
     db = sqlite3.connect(kit.tmp / "agg" / "state.sqlite3")
     with db:
