@@ -18,6 +18,7 @@ from eth_utils import to_checksum_address
 from safetensors import safe_open
 
 from chain.merkle import RewardTree
+from gonka_node.aggregator.broadcast import Broadcast, residual_path
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.close import (
     MIN_SCORE_STEP,
@@ -28,6 +29,8 @@ from gonka_node.aggregator.close import (
     equal_shares,
     gate,
     public_tensors,
+    reward_tree,
+    save_broadcast,
     score_step,
 )
 from gonka_node.aggregator.engine_types import EpochContext
@@ -417,3 +420,30 @@ def test_the_epochs_own_rule_overrides_the_default(tmp_path: Path) -> None:
         rd.add(addr(i), honest(i), started=i)
     out = rd.outcome({addr(1): 0, addr(2): 1}, AggregationSettings(rule="mean", per_epoch={1: "clip_median"}))
     assert out.rule == "clip_median" and load_checkpoint(rd.store.checkpoint_path(1, 1)).metadata["rule"] == "clip_median"
+
+
+def test_the_reward_tree_holds_every_host_paid_down_to_one_ngonka_and_nobody_unpaid(tmp_path: Path) -> None:
+    ctx = Round(tmp_path).ctx()
+    rewards = {addr(1): 250, addr(2): 1, addr(3): 0}
+    tree = reward_tree(ctx, 1, 2, rewards)
+    want = RewardTree(31337, to_checksum_address(REGISTRY), 1, 2, [(to_checksum_address(addr(i)), a) for i, a in ((1, 250), (2, 1))])
+    assert tree is not None and tree.root == want.root
+    assert reward_tree(ctx, 1, 2, {addr(3): 0}) is None
+
+
+def test_a_broadcast_is_saved_as_its_update_or_as_its_payload_with_the_residual_beside_it(tmp_path: Path) -> None:
+    update = {"w": torch.tensor([0.5, -0.25]), "b": torch.tensor([1.0])}
+    dense = tmp_path / "dense" / "update.safetensors"
+    save_broadcast(dense, Broadcast(update), {"round": "3"})
+    with safe_open(str(dense), "pt") as f:
+        assert f.metadata() == {"round": "3"} and torch.equal(f.get_tensor("w"), update["w"])
+    coded = tmp_path / "codec" / "update.bin"
+    coded.parent.mkdir()
+    residual = {"w": torch.tensor([0.125, 0.0]), "b": torch.tensor([-2.0])}
+    save_broadcast(coded, Broadcast(update, b"\x07payload-bytes", residual), {"round": "4"})
+    assert coded.read_bytes() == b"\x07payload-bytes"
+    with safe_open(str(residual_path(coded)), "pt") as f:
+        assert f.metadata() == {"round": "4"}
+        assert {n: f.get_tensor(n).tolist() for n in sorted(f.keys())} == {"w": [0.125, 0.0], "b": [-2.0]}
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(
+        ["update.safetensors", "update.bin", residual_path(coded).name])  # no temporary file left
