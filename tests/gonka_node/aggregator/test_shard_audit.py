@@ -10,19 +10,21 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from engine_kit import Kit, update
-from test_shard_net import EPOCH, KEYS, Peers, ShardNode, _row, _signed
+from test_shard_net import EPOCH, KEYS, ShardNode, _signed
 from test_shard_round import fragment_payload, shard_engine
 
+from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import (
     FragmentReport,
     HostFragment,
     LocalExchange,
+    ShardExchange,
     ShardPending,
     ShardRole,
     Verdict,
@@ -62,6 +64,19 @@ def _double_clip_norm(host: int) -> Callable[[Verdict], Verdict]:
     return tamper
 
 
+def closed_by_two_shards(kit: Kit, exchange: ShardExchange, seed: int) -> list[RoundEngine]:
+    """Two shard engines on `exchange`; the kit's three hosts each upload both fragments of an update,
+    and three ticks of both close the round as far as the exchange lets them."""
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    for h, u in zip(kit.hosts, [update(seed + i) for i in range(3)], strict=True):
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    for _ in range(3):
+        for s in shards:
+            kit.run(s.tick())
+    return shards
+
+
 @pytest.mark.parametrize(("tamper", "refusal"), [
     (_double_clip_norm(1), "'s clip norm is"),
     (lambda v: dataclasses.replace(v, rewards_root=b"\x05" * 32), "its rewards root or total is not the pool's"),
@@ -72,13 +87,7 @@ def test_a_verdict_the_reports_and_pool_do_not_give_is_applied_by_no_shard(
     caplog.set_level(logging.WARNING, "gonka_node.aggregator.rounds")
     kit.aggregation = AggregationSettings(rule="clip_median")
     exchange = TamperingVerifier(tamper)
-    shards = [shard_engine(kit, i, exchange) for i in range(2)]
-    for h, u in zip(kit.hosts, [update(80), update(81), update(82)], strict=True):
-        for s in shards:
-            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
-    for _ in range(3):
-        for s in shards:
-            kit.run(s.tick())
+    shards = closed_by_two_shards(kit, exchange, 80)
     verdict = exchange.verdict(kit.world.epoch4, 1)
     assert verdict is not None and len(verdict.aggregated) == 3
     for s in shards:
@@ -88,16 +97,6 @@ def test_a_verdict_the_reports_and_pool_do_not_give_is_applied_by_no_shard(
     assert exchange.hashes(kit.world.epoch4, 1) == {}
     assert not kit.world.chain.client(0).round_result(kit.world.epoch4, 1).finalized
     assert any("shard 1 refuses the verifier's verdict" in m and refusal in m for m in caplog.messages)
-
-
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[ShardNode, ShardNode]]:
-    """Shards 0 and 1 of a two-shard epoch, each a real Shard server (test_shard_net.py's)."""
-    peers, rows = Peers(), [_row(1)]
-    nodes = (ShardNode(tmp_path / "s0", 0, peers, rows).start(), ShardNode(tmp_path / "s1", 1, peers, rows).start())
-    yield nodes
-    for n in nodes:
-        n.stop()
 
 
 # ---- the check itself, on reports and verdicts -----------------------------------------------------
@@ -300,13 +299,7 @@ def test_a_shard_that_signs_two_bodies_for_one_slot_leaves_evidence_against_itse
 
 def test_the_engines_verdict_names_the_reports_it_was_decided_from(kit: Kit) -> None:
     exchange = LocalExchange()
-    shards = [shard_engine(kit, i, exchange) for i in range(2)]
-    for h, u in zip(kit.hosts, [update(90), update(91), update(92)], strict=True):
-        for s in shards:
-            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
-    for _ in range(3):
-        for s in shards:
-            kit.run(s.tick())
+    shards = closed_by_two_shards(kit, exchange, 90)
     verdict = exchange.verdict(kit.world.epoch4, 1)
     reports = exchange.reports(kit.world.epoch4, 1)
     assert verdict is not None and verdict.reports == tuple(report_digest(r) for r in reports)
