@@ -242,6 +242,7 @@ class Inbox:
         """Count an admitted message against its sender's quota for the round before its body is read;
         returns the token that `settle` or `release` gives back (ShardRefused OVERSIZE or QUOTA)."""
         with self._lock:  # with `settle`: a body moves from streaming to held without being missed
+            self._forget_closed(h.epoch)
             pending = self._pending.setdefault((h.epoch, h.round, h.sender), {})
             if self.quota is not None:
                 self._check_quota(h, pending)
@@ -258,6 +259,13 @@ class Inbox:
         why = over_quota(q, h, self.path(h).name, self._held_bodies(h), pending)
         if why:
             raise ShardRefused(ShardReason.QUOTA, why)
+
+    def _forget_closed(self, epoch: int) -> None:
+        """Drop the counts of closed rounds: nothing more is taken for them (`screen`), so a long-running
+        shard keeps counts for its open rounds only."""
+        closed = {r.round for r in self.rounds(epoch) if r.state in CLOSED}
+        for key in [k for k in self._held if k[0] == epoch and k[1] in closed]:
+            del self._held[key]
 
     def _held_bodies(self, h: ShardMessage) -> dict[str, int]:
         """The body length of each message held from `h`'s sender for its round, by file name."""

@@ -277,3 +277,13 @@ def test_a_put_reset_while_it_is_being_admitted_gives_back_its_reservation_and_f
     asyncio.run(reset_puts())
     assert all(not reserved for reserved in s0.exchange.inbox._pending.values())
     assert list(s0.root.rglob("*.tmp")) == []
+
+
+def test_a_closed_rounds_counts_are_dropped_once_the_next_round_takes_messages(trio: list[ShardNode]) -> None:
+    s0 = trio[0]
+    assert _put(s0, _header(b"b" * 300, 1))
+    assert (EPOCH, 1, 1) in s0.exchange.inbox._held
+    s0.rows[:] = [_row(1, "finalized"), _row(2)]  # round 1 closed, round 2 open
+    h = ShardMessage(CHAIN, REGISTRY, EPOCH, 2, ShardKind.BLOB, 1, 3, "base", hashlib.sha256(b"c").digest(), 1, 5)
+    assert _put(s0, Signed(h, h.sign(KEYS[1]), b"c"))
+    assert set(s0.exchange.inbox._held) == {(EPOCH, 2, 1)}
