@@ -15,7 +15,16 @@ import torch
 from micro_model import INNER, SEED, SEQ, SLOTS, micro_windows, model
 
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, score_step
+from gonka_node.aggregator.close import (
+    NOT_SAMPLED,
+    Closing,
+    ClosingInputs,
+    RoundOutcome,
+    _scores,
+    compute_outcome,
+    public_tensors,
+    score_step,
+)
 from gonka_node.aggregator.engine_types import EpochContext
 from gonka_node.aggregator.replay import ReplayData, chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer, ScoringData
@@ -360,3 +369,25 @@ def test_with_overlapping_rounds_the_step_and_the_losses_start_from_the_latest_g
         return evaluate(m, [batch], autocast="off")
 
     assert out.heldout == (loss(latest), loss(new)) and loss(latest) != loss(base)
+
+
+def test_a_sharded_verifier_scores_only_the_sampled_hosts_and_the_rest_score_one(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    rd = ModelRound(tmp_path, windows, base)
+    ups = {addr(i): {n: 0.01 * t for n, t in replayed(windows, base, i).items()} for i in (1, 2, 3)}
+    for i, (h, u) in enumerate(ups.items()):
+        rd.add(h, u, started=i)
+    subs = rd.store.submissions(1, 1)
+
+    def decode(sub: SubmissionRow) -> dict[str, torch.Tensor]:
+        return {n: t.float() for n, t in get_codec("fp32").decode(Path(sub.path).read_bytes(), rd.context(0.0).spec).items()}
+
+    c = Closing(rd.context(0.0, replay=False), rd.row, b"\x03" * 32, subs, [], {addr(i): i for i in (1, 2, 3)}, base,
+                public_tensors(rd.store, 1, 1, base), decode, AggregationSettings(rule="mean"))
+    scores = _scores(c, only={addr(2)})
+    tau = float(np.median([norm(u) for u in ups.values()]))  # over every live host, sampled or not
+    assert scores[addr(2)] == rd.expected_score(ups[addr(2)], tau, 3, 2, veto=True) != 1.0
+    assert (scores[addr(1)], scores[addr(3)]) == (1.0, 1.0)
+    assert c.reasons[addr(1)] == [NOT_SAMPLED] and c.reasons[addr(3)] == [NOT_SAMPLED]
+    assert NOT_SAMPLED not in c.reasons[addr(2)] and c.reasons[addr(2)]
