@@ -16,6 +16,7 @@ import pytest
 import torch
 from eth_utils import to_checksum_address
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from chain.merkle import RewardTree
 from gonka_node.aggregator.broadcast import Broadcast, residual_path
@@ -99,9 +100,11 @@ class Round:
         fields.update(changes)
         return EpochContext(**fields)  # type: ignore[arg-type]
 
-    def add(self, host: bytes, u: dict[str, torch.Tensor], started: int, round_: int | None = None) -> SubmissionRow:
+    def add(
+        self, host: bytes, u: dict[str, torch.Tensor], started: int, round_: int | None = None, codec: str = "fp32"
+    ) -> SubmissionRow:
         r = self.round if round_ is None else round_
-        data = get_codec("fp32").encode(u)
+        data = get_codec(codec).encode(u)
         part = self.store.incoming / f"{host.hex()}.part"
         part.write_bytes(data)
         row = SubmissionRow(
@@ -447,3 +450,34 @@ def test_a_broadcast_is_saved_as_its_update_or_as_its_payload_with_the_residual_
         assert {n: f.get_tensor(n).tolist() for n in sorted(f.keys())} == {"w": [0.125, 0.0], "b": [-2.0]}
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(
         ["update.safetensors", "update.bin", residual_path(coded).name])  # no temporary file left
+
+
+def test_a_codec_broadcast_carries_the_aggregate_plus_the_previous_residual_and_keeps_what_it_left_out(
+    tmp_path: Path
+) -> None:
+    rd = Round(tmp_path)
+    int8 = get_codec("int8")
+    ups = {addr(i): honest(i) for i in (1, 2, 3, 4)}
+    for i, (h, u) in enumerate(ups.items()):
+        rd.add(h, u, started=100 + i, codec="int8")
+    previous = tmp_path / "previous-residual.safetensors"
+    carried = {n: torch.full(shape, 0.01 * (k + 1)) for k, (n, shape) in enumerate(sorted(SPEC.items()))}
+    save_file(carried, str(previous))
+    ctx = rd.ctx(codec_name="int8", codec=int8, broadcast="codec")
+    out = compute_outcome(ClosingInputs(
+        ctx=ctx, round_row=rd.row, seed=b"\x07" * 32, submissions=rd.store.submissions(1, 1),
+        slots={h: i for i, h in enumerate(ups)}, base_path=rd.init_path, prev_outer_state=None,
+        prev_residual=previous, store=rd.store, checkpoints=TrainingCheckpoints(),
+        aggregation=AggregationSettings(rule="mean"),
+    ))
+    assert out.aggregated == 4
+    update_file = rd.store.update_path(1, 1)
+    sent = int8.decode(update_file.read_bytes(), SPEC)  # the file is the codec payload hosts download
+    left = load_file(str(residual_path(update_file)))
+    mean = {n: torch.stack([int8.decode(int8.encode(u), SPEC)[n] for u in ups.values()]).mean(0) for n in SPEC}
+    for n in SPEC:  # error feedback: what was sent plus what is kept is the aggregate plus what was carried
+        torch.testing.assert_close(sent[n].float() + left[n], mean[n] + carried[n], rtol=0, atol=1e-6)
+        assert left[n].abs().max() > 0  # int8 left something out
+    with safe_open(str(rd.store.outer_state_path(1, 1)), "pt") as f:  # the outer step took the decoded broadcast
+        for n in SPEC:
+            torch.testing.assert_close(f.get_tensor(n), sent[n].float(), rtol=0, atol=0)
