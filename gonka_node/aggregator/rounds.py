@@ -373,7 +373,7 @@ class RoundEngine(Acceptance):
             )
         return seed.seed
 
-    def _compute(self, r: RoundRow, seed: bytes, skip: bool = False) -> RoundOutcome:
+    def _compute(self, r: RoundRow, seed: bytes, skip: bool) -> RoundOutcome:
         inputs = self._closing_inputs(r, seed)
         if self.ctx.shard is None:
             return compute_outcome(inputs)
