@@ -206,7 +206,9 @@ def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: 
     for host in (gone, flaky):
         row = again.store.submission(ep, 1, host)
         assert row is not None and (row.check_state, row.check_reason) == ("failed", Reason.UNAVAILABLE.value)
-        assert "could not check this payload" in (row.check_message or "")
+        assert "could not check this payload (" in (row.check_message or "")
+    flaky_row = again.store.submission(ep, 1, flaky)
+    assert flaky_row is not None and "could not check this payload (OSError); send it again" in flaky_row.check_message
     assert [s.host for s in again.store.submissions(ep, 1)] == [kit.hosts[2].address]
     assert not [p for p in (kit.tmp / "evidence").rglob("*") if p.is_file()]  # ours, not the host's: no evidence
 
@@ -271,3 +273,5 @@ def test_another_epochs_unchecked_payload_does_not_hold_this_epochs_close(kit: K
     submit_all(kit, e, 3)
     kit.run(e.tick())
     assert row(e).state == "finalized"
+    theirs = e.store.submission(kit.world.epoch2, 1, kit.hosts[0].address)
+    assert theirs is not None and theirs.check_state == "pending"  # this epoch's engine checks only its own

@@ -222,6 +222,7 @@ def test_an_accepted_upload_is_stored_as_received_and_receipted(kit: Kit) -> Non
     assert (row.host, row.payload_sha256, row.payload_length, row.tokens_trained, row.timestamp_ms, row.signature) == (
         h.address, hashlib.sha256(data).digest(), len(data), 64, t0, sig
     )
+    assert row.residual_root == sub.residual_root == hashlib.sha256(h.address).digest()  # the signed root, kept
     assert (row.started_ms, row.received_ms) == (t0, t0 + 7)
     assert row.norm == pytest.approx(norm, rel=1e-6)
     assert row.sketch == count_sketch(u).numpy().tobytes()
