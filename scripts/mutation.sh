@@ -42,8 +42,9 @@ MODULES=(
   # the model-free tests miss pays for the micro-model closes).
   "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
   "rounds|gonka_node/aggregator/acceptance.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_deferred_checks.py|"
-  # The epoch context's codec per round and the log's clock (engine_types.py), against the acceptance tests.
-  "engine-types|gonka_node/aggregator/engine_types.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_lifecycle.py|*ǁcodec_for__mutmut_* *.x_clock_text__mutmut_*"
+  # The epoch context's codec per round and the log's clock (engine_types.py; the clock's own test is
+  # among the close tests).
+  "engine-types|gonka_node/aggregator/engine_types.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_lifecycle.py tests/gonka_node/aggregator/test_engine_close.py|*ǁcodec_for__mutmut_* *.x_clock_text__mutmut_*"
   # The checks a receipt no longer waits for (decode, shape, finiteness, norm, sketch), drained by a pool.
   "deferred|gonka_node/aggregator/deferred.py|tests/gonka_node/aggregator/test_deferred_checks.py tests/gonka_node/aggregator/test_engine_accept.py|"
   "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_replay_pick.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
