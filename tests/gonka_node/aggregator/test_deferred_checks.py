@@ -7,6 +7,7 @@ for pending checks, and the pool never decodes more payloads at once than it has
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from engine_kit import REWARD, Kit, chunks, payload, update
 from eth_utils import to_checksum_address
 from test_engine_close import row, stepped, submit_all
 
-from gonka_node.aggregator.deferred import CheckPool
+from gonka_node.aggregator.deferred import CHECK_NICE, CheckPool
 from gonka_node.aggregator.engine_types import SignedReceipt
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.rounds import RoundEngine
@@ -275,3 +276,27 @@ def test_another_epochs_unchecked_payload_does_not_hold_this_epochs_close(kit: K
     assert row(e).state == "finalized"
     theirs = e.store.submission(kit.world.epoch2, 1, kit.hosts[0].address)
     assert theirs is not None and theirs.check_state == "pending"  # this epoch's engine checks only its own
+
+
+def test_checks_run_on_named_threads_below_the_transport_and_are_counted_out_when_done() -> None:
+    """The decode-time checks yield a shared core to the threads that move bytes (nice + CHECK_NICE),
+    run on threads named for them, and `running` falls back to 0 once they are done."""
+    seen: list[tuple[str, int]] = []
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def check(row: SubmissionRow) -> None:
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+
+    rows = [SubmissionRow(1, 1, bytes([i]) * 20, bytes(32), 1, 0, 0, b"", 0, 0.0, b"", "") for i in range(3)]
+
+    async def scenario() -> int:
+        pool = CheckPool(2, check)
+        for r in rows:
+            pool.schedule(r)
+        await pool.drain(1, 1)
+        pool.close()
+        return pool.running
+
+    assert asyncio.run(scenario()) == 0
+    assert len(seen) == 3
+    assert all(name.startswith("check_") and nice == min(ours + CHECK_NICE, 19) for name, nice in seen)
