@@ -16,7 +16,7 @@ from safetensors.torch import save
 from torch import Tensor
 
 from gonka_node.core.fragments import model_root
-from gonka_node.host.follow import FollowError, GlobalModel, follow_to
+from gonka_node.host.follow import FollowError, GlobalModel, NextModel, adopt, follow_to, step_ahead
 from training.checkpoint import canonical_sha256
 from training.diloco import OuterOptimizer
 
@@ -216,3 +216,33 @@ def test_a_sharded_epochs_model_is_followed_by_its_fragment_root() -> None:
     unsharded = fresh_model()  # the canonical hash is not the root: the update and the checkpoint are refused
     with pytest.raises(FollowError, match="checkpoint of round 2 hashes to"):
         agg.follow(unsharded, 2)
+
+
+def test_a_model_stepped_ahead_is_the_next_rounds_and_the_held_one_stays_untouched() -> None:
+    agg, model = two_rounds(), fresh_model()
+    before = {n: t.clone() for n, t in model.params.items()}
+    ahead = step_ahead(model, 1, tensors(1, 0.1))
+    assert ahead is not None and ahead.round == 1
+    assert bits_equal(ahead.params, agg.params[1]) and ahead.sha256 == agg.chain.hashes[1]
+    assert ahead.outer.steps == 1 and model.outer is not None and model.outer.steps == 0
+    assert set(ahead.outer.buffers) == set(before) and model.outer.buffers == {}  # its momentum untouched too
+    assert bits_equal(model.params, before) and model.round_done == 0 and model.sha256 == sha(before)
+    assert step_ahead(model, 2, tensors(2, 0.1)) is None  # not the round after the one held
+    assert step_ahead(fresh_model(outer=False), 1, tensors(1, 0.1)) is None  # no momentum to step with
+
+
+def test_a_model_ahead_is_adopted_only_as_the_next_round_with_the_chains_hash(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "gonka_node.host.follow")
+    agg, model = two_rounds(), fresh_model()
+    ahead = step_ahead(model, 1, tensors(1, 0.1))
+    assert ahead is not None
+    other = tampered(ahead.params)
+    assert not adopt(model, NextModel(1, other, ahead.outer, sha(other)), agg.chain)
+    assert model.round_done == 0 and "hashes to" in caplog.text and "not the chain's" in caplog.text
+    assert not adopt(model, NextModel(2, ahead.params, ahead.outer, ahead.sha256), agg.chain)
+    assert not adopt(fresh_model(outer=False), ahead, agg.chain)
+    assert model.round_done == 0 and bits_equal(model.params, tensors(0))
+    assert adopt(model, ahead, agg.chain)
+    assert (model.round_done, model.sha256) == (1, agg.chain.hashes[1])
+    assert model.params is ahead.params and model.outer is ahead.outer
+    assert agg.follow(model, 2) == "updates" and bits_equal(model.params, agg.params[2])  # on from the adopted state
