@@ -157,6 +157,7 @@ def test_receipt_layout_and_signature() -> None:
     assert len(raw) == RECEIPT_BYTES == 133
     assert raw[:16] == b"gonka/receipt\x00\x00\x00"
     assert raw[122] == 0 and raw[123:125] == (11).to_bytes(2, "big")
+    assert dataclasses.replace(body, accepted=True, reason=0).canonical_bytes()[122:125] == b"\x01\x00\x00"
     key = SigningKey(b"\x03" * 32)
     sig = body.sign(key)
     assert body.verify(sig, bytes(key.verify_key))
