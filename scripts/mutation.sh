@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut) of the modules where a silent bug costs money or trust, each against its
-# fast unit tests. Not part of CI: more than an hour of wall time at two workers on two idle cores (the
-# round engine alone, 674 mutants, took 40 CPU-minutes in stop 25's run). Results and timings:
-# docs/benchmarks.md "Mutation testing".
+# fast unit tests. Not part of CI: about 90–100 CPU-minutes (measured part by part in stop 25's run, the
+# round engine 40 of them), so about an hour of wall time at two workers on two idle cores, far longer on
+# a loaded machine. Results and timings: docs/benchmarks.md "Mutation testing".
 #
 #   bash scripts/mutation.sh                 # every module below
 #   bash scripts/mutation.sh codecs follow   # some of them
