@@ -28,6 +28,7 @@ from training.durable import fsync_path
 log = logging.getLogger("gonka_node.aggregator.rounds")  # one logger for the engine, as before the split
 ZERO32 = bytes(32)
 CHECK_TRIES = 3  # a payload whose checks fail this often for a reason of ours is dropped (never slashed)
+MAX_TOKENS = 2**63 - 1  # the largest tokens_trained the store (SQLite INTEGER) can keep
 
 
 class Acceptance:
@@ -81,6 +82,8 @@ class Acceptance:
                 Reason.STALE_BASE,
                 f"base checkpoint must be {r.base_sha256.hex()}, got {sub.base_checkpoint_sha256.hex()}",
             )
+        if sub.tokens_trained > MAX_TOKENS:  # signed as uint64; the store keeps signed 64-bit integers
+            raise Rejected(Reason.MALFORMED, f"tokens_trained {sub.tokens_trained} is above {MAX_TOKENS}")
         if sub.codec != ctx.codec_name:
             raise Rejected(
                 Reason.WRONG_CODEC, f"epoch {ctx.epoch} uses codec {ctx.codec_name!r}, not {sub.codec!r}"

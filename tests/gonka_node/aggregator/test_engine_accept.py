@@ -116,6 +116,15 @@ def test_the_declared_length_may_be_the_limit_not_one_byte_more(kit: Kit) -> Non
     assert (got.reason, got.message) == (Reason.OVERSIZE, "declared 4097 bytes, limit 4096")
 
 
+def test_the_tokens_trained_may_be_as_large_as_the_store_keeps_not_one_more(kit: Kit) -> None:
+    e = kit.engine()
+    h = kit.hosts[0]
+    got = refusal(kit, e, kit.header(e, h, P1, tokens_trained=2**63))  # a uint64 on the wire
+    assert (got.reason, got.message) == (Reason.MALFORMED, f"tokens_trained {2**63} is above {2**63 - 1}")
+    assert e.store.submissions(kit.world.epoch, 1) == []
+    assert accepted(kit, e, kit.header(e, h, P1, tokens_trained=2**63 - 1), h.key)
+
+
 def test_the_timestamp_may_be_off_by_the_skew_either_way_not_one_ms_more(kit: Kit) -> None:
     e = kit.engine()
     h, now = kit.hosts[0], kit.clock.ms
