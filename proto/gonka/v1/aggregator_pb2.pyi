@@ -156,28 +156,106 @@ class SubmissionRef(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., host: _Optional[bytes] = ...) -> None: ...
 
 class SubmissionStatus(_message.Message):
-    __slots__ = ("state", "reason", "message", "payload_sha256", "received_unix_ms")
+    __slots__ = ("state", "reason", "message", "payload_sha256", "received_unix_ms", "round_seed", "challenged_chunks", "opening_deadline_unix_ms")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[SubmissionStatus.State]
         PENDING: _ClassVar[SubmissionStatus.State]
         CHECKED: _ClassVar[SubmissionStatus.State]
         FAILED: _ClassVar[SubmissionStatus.State]
+        CHALLENGED: _ClassVar[SubmissionStatus.State]
+        OPENED: _ClassVar[SubmissionStatus.State]
     STATE_UNSPECIFIED: SubmissionStatus.State
     PENDING: SubmissionStatus.State
     CHECKED: SubmissionStatus.State
     FAILED: SubmissionStatus.State
+    CHALLENGED: SubmissionStatus.State
+    OPENED: SubmissionStatus.State
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SEED_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    OPENING_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     state: SubmissionStatus.State
     reason: _common_pb2.RejectReason
     message: str
     payload_sha256: bytes
     received_unix_ms: int
-    def __init__(self, state: _Optional[_Union[SubmissionStatus.State, str]] = ..., reason: _Optional[_Union[_common_pb2.RejectReason, str]] = ..., message: _Optional[str] = ..., payload_sha256: _Optional[bytes] = ..., received_unix_ms: _Optional[int] = ...) -> None: ...
+    round_seed: bytes
+    challenged_chunks: _containers.RepeatedScalarFieldContainer[int]
+    opening_deadline_unix_ms: int
+    def __init__(self, state: _Optional[_Union[SubmissionStatus.State, str]] = ..., reason: _Optional[_Union[_common_pb2.RejectReason, str]] = ..., message: _Optional[str] = ..., payload_sha256: _Optional[bytes] = ..., received_unix_ms: _Optional[int] = ..., round_seed: _Optional[bytes] = ..., challenged_chunks: _Optional[_Iterable[int]] = ..., opening_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class OpeningHeader(_message.Message):
+    __slots__ = ("chain_id", "registry", "epoch", "round", "host", "previous_root", "residual_root", "body_sha256", "body_length", "timestamp_unix_ms", "signature")
+    CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROOT_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_ROOT_FIELD_NUMBER: _ClassVar[int]
+    BODY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    BODY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    chain_id: int
+    registry: bytes
+    epoch: int
+    round: int
+    host: bytes
+    previous_root: bytes
+    residual_root: bytes
+    body_sha256: bytes
+    body_length: int
+    timestamp_unix_ms: int
+    signature: bytes
+    def __init__(self, chain_id: _Optional[int] = ..., registry: _Optional[bytes] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., host: _Optional[bytes] = ..., previous_root: _Optional[bytes] = ..., residual_root: _Optional[bytes] = ..., body_sha256: _Optional[bytes] = ..., body_length: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class OpeningRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: OpeningHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[OpeningHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class OpenedChunk(_message.Message):
+    __slots__ = ("index", "previous", "previous_path", "current", "current_path")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_PATH_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    previous: bytes
+    previous_path: _containers.RepeatedScalarFieldContainer[bytes]
+    current: bytes
+    current_path: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, index: _Optional[int] = ..., previous: _Optional[bytes] = ..., previous_path: _Optional[_Iterable[bytes]] = ..., current: _Optional[bytes] = ..., current_path: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ResidualOpening(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[OpenedChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[OpenedChunk, _Mapping]]] = ...) -> None: ...
+
+class OpeningReceipt(_message.Message):
+    __slots__ = ("accepted", "reason", "message", "body_sha256", "received_unix_ms")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BODY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: _common_pb2.RejectReason
+    message: str
+    body_sha256: bytes
+    received_unix_ms: int
+    def __init__(self, accepted: bool = ..., reason: _Optional[_Union[_common_pb2.RejectReason, str]] = ..., message: _Optional[str] = ..., body_sha256: _Optional[bytes] = ..., received_unix_ms: _Optional[int] = ...) -> None: ...
 
 class Contribution(_message.Message):
     __slots__ = ("host", "score", "reward", "aggregated", "reasons", "payload_length")

@@ -80,6 +80,11 @@ class AggregatorStub(object):
                 request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.SerializeToString,
                 response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.FromString,
                 _registered_method=True)
+        self.OpenResidual = channel.stream_unary(
+                '/gonka.v1.Aggregator/OpenResidual',
+                request_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.OpeningRequest.SerializeToString,
+                response_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.OpeningReceipt.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer(object):
@@ -154,6 +159,16 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenResidual(self, request_iterator, context):
+        """Client-streaming, for a submission GetSubmission reports CHALLENGED (a top-k round picked for the
+        replay): one signed OpeningHeader, then the body (a serialized ResidualOpening) in chunks of at most
+        `limits.max_chunk_bytes`. Accepted: stored durably, checked when the round closes. Refused: an error
+        status, reason in trailing metadata. Design: docs/PROTOCOL.md "Challenge and opening".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +216,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.GetUploadSlot,
                     request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.FromString,
                     response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.SerializeToString,
+            ),
+            'OpenResidual': grpc.stream_unary_rpc_method_handler(
+                    servicer.OpenResidual,
+                    request_deserializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.OpeningRequest.FromString,
+                    response_serializer=proto_dot_gonka_dot_v1_dot_aggregator__pb2.OpeningReceipt.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +466,33 @@ class Aggregator(object):
             '/gonka.v1.Aggregator/GetUploadSlot',
             proto_dot_gonka_dot_v1_dot_aggregator__pb2.SubmitHeader.SerializeToString,
             proto_dot_gonka_dot_v1_dot_aggregator__pb2.UploadSlot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenResidual(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gonka.v1.Aggregator/OpenResidual',
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.OpeningRequest.SerializeToString,
+            proto_dot_gonka_dot_v1_dot_aggregator__pb2.OpeningReceipt.FromString,
             options,
             channel_credentials,
             insecure,

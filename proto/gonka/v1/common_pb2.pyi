@@ -29,6 +29,8 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_UNAVAILABLE: _ClassVar[RejectReason]
     REJECT_STREAM_TIMEOUT: _ClassVar[RejectReason]
     REJECT_OBJECT_MISMATCH: _ClassVar[RejectReason]
+    REJECT_NOT_CHALLENGED: _ClassVar[RejectReason]
+    REJECT_ROOT_MISMATCH: _ClassVar[RejectReason]
 REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_MALFORMED: RejectReason
 REJECT_WRONG_CHAIN: RejectReason
@@ -51,6 +53,8 @@ REJECT_CLOCK_SKEW: RejectReason
 REJECT_UNAVAILABLE: RejectReason
 REJECT_STREAM_TIMEOUT: RejectReason
 REJECT_OBJECT_MISMATCH: RejectReason
+REJECT_NOT_CHALLENGED: RejectReason
+REJECT_ROOT_MISMATCH: RejectReason
 
 class FileMeta(_message.Message):
     __slots__ = ("length", "file_sha256", "content_sha256", "epoch", "round", "format")
