@@ -40,13 +40,13 @@ class EnvelopeError(ValueError):
     """A field does not fit the canonical layout (wrong width, out of range, non-ASCII codec)."""
 
 
-def _check_bytes(name: str, value: bytes, width: int) -> None:
+def check_bytes(name: str, value: bytes, width: int) -> None:
     if not isinstance(value, bytes | bytearray) or len(value) != width:
         got = len(value) if isinstance(value, bytes | bytearray) else type(value).__name__
         raise EnvelopeError(f"{name} must be {width} bytes, got {got}")
 
 
-def _check_u64(name: str, value: int) -> None:
+def check_u64(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _U64_MAX:
         raise EnvelopeError(f"{name} must be an integer in [0, 2^64), got {value!r}")
 
@@ -95,12 +95,12 @@ class Submission(SignedRecord):
 
     def __post_init__(self) -> None:
         for name in ("chain_id", "epoch", "round", "payload_length", "tokens_trained", "timestamp_ms"):
-            _check_u64(name, getattr(self, name))
-        _check_bytes("registry", self.registry, 20)
-        _check_bytes("host", self.host, 20)
-        _check_bytes("base_checkpoint_sha256", self.base_checkpoint_sha256, 32)
-        _check_bytes("payload_sha256", self.payload_sha256, 32)
-        _check_bytes("residual_root", self.residual_root, 32)
+            check_u64(name, getattr(self, name))
+        check_bytes("registry", self.registry, 20)
+        check_bytes("host", self.host, 20)
+        check_bytes("base_checkpoint_sha256", self.base_checkpoint_sha256, 32)
+        check_bytes("payload_sha256", self.payload_sha256, 32)
+        check_bytes("residual_root", self.residual_root, 32)
         encode_codec(self.codec)
 
     def canonical_bytes(self) -> bytes:
@@ -139,10 +139,10 @@ class ReceiptBody(SignedRecord):
 
     def __post_init__(self) -> None:
         for name in ("chain_id", "epoch", "round", "payload_length", "received_ms"):
-            _check_u64(name, getattr(self, name))
-        _check_bytes("registry", self.registry, 20)
-        _check_bytes("host", self.host, 20)
-        _check_bytes("payload_sha256", self.payload_sha256, 32)
+            check_u64(name, getattr(self, name))
+        check_bytes("registry", self.registry, 20)
+        check_bytes("host", self.host, 20)
+        check_bytes("payload_sha256", self.payload_sha256, 32)
         if not 0 <= self.reason <= 0xFFFF:
             raise EnvelopeError(f"reason must fit in uint16, got {self.reason}")
 
