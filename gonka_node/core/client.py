@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -56,16 +57,20 @@ class Downloaded:
     data: bytes
 
 
+def _chunks(data: bytes, chunk: int, up: TokenBucket | None = None) -> Iterator[bytes]:
+    view = memoryview(data)
+    for start in range(0, len(data), chunk):
+        part = bytes(view[start : start + chunk])
+        if up is not None:  # a shaped uplink: the chunk leaves once the link could have carried it
+            up.pace(len(part), first=start == 0)
+        yield part
+
+
 def _requests(
     header: pb.SubmitHeader, payload: bytes, chunk: int, up: TokenBucket | None = None
 ) -> Iterator[pb.SubmitRequest]:
     yield pb.SubmitRequest(header=header)
-    view = memoryview(payload)
-    for start in range(0, len(payload), chunk):
-        part = bytes(view[start : start + chunk])
-        if up is not None:  # a shaped uplink: the chunk leaves once the link could have carried it
-            up.pace(len(part), first=start == 0)
-        yield pb.SubmitRequest(chunk=part)
+    yield from (pb.SubmitRequest(chunk=part) for part in _chunks(payload, chunk, up))
 
 
 class AggregatorClient:
@@ -169,6 +174,19 @@ class AggregatorClient:
         except StoreError as exc:
             raise SubmitRejected(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", f"payload upload: {exc}", None) from exc
         return [pb.SubmitRequest(header=header), pb.SubmitRequest(stored=pb.StoredPayload(key=slot.key))]
+
+    def open_residual(self, header: pb.OpeningHeader, body: bytes, chunk: int) -> pb.OpeningReceipt:
+        """Send a challenged submission's opening (`core.opening.signed_opening` and `encode_body`) in
+        chunks of `chunk` bytes (the round's `max_chunk_bytes`) over the shaped uplink when there is one.
+        A refusal is `SubmitRejected` with the reason (NOT_CHALLENGED, ROOT_MISMATCH, LATE, ...)."""
+        up = self.link.up if self.link is not None else None
+        parts = (pb.OpeningRequest(chunk=part) for part in _chunks(body, chunk, up))
+        try:
+            return self.stub.OpenResidual(itertools.chain([pb.OpeningRequest(header=header)], parts),
+                                          timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            self._explain(exc)
+            raise _rejected(exc) from exc
 
     def submission(self, epoch: int, round_: int, host: bytes) -> pb.SubmissionStatus:
         """What became of the host's stored payload in the round (its checks run after the receipt)."""

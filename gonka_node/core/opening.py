@@ -14,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import time
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
+from nacl.signing import SigningKey
 
 from gonka_node.core.envelope import SignedRecord, check_bytes, check_u64
 from proto.gonka.v1 import aggregator_pb2 as pb
@@ -126,3 +128,36 @@ def decode_body(data: bytes, sample: tuple[int, ...]) -> tuple[Opening, Opening]
     current = Opening(indices, tuple(c.current for c in body.chunks),
                       tuple(tuple(c.current_path) for c in body.chunks))
     return previous, current
+
+
+def opening_header(record: OpeningRecord, signature: bytes) -> pb.OpeningHeader:
+    """The wire form of a signed opening record."""
+    return pb.OpeningHeader(
+        chain_id=record.chain_id, registry=record.registry, epoch=record.epoch, round=record.round,
+        host=record.host, previous_root=record.previous_root, residual_root=record.residual_root,
+        body_sha256=record.body_sha256, body_length=record.body_length, timestamp_unix_ms=record.timestamp_ms,
+        signature=signature,
+    )
+
+
+def record_of(header: pb.OpeningHeader) -> OpeningRecord:
+    """The record a header's signature must cover, rebuilt from its fields (never from signed bytes on
+    the wire); raises `EnvelopeError` naming a field of the wrong width."""
+    return OpeningRecord(
+        chain_id=header.chain_id, registry=header.registry, epoch=header.epoch, round=header.round,
+        host=header.host, previous_root=header.previous_root, residual_root=header.residual_root,
+        body_sha256=header.body_sha256, body_length=header.body_length, timestamp_ms=header.timestamp_unix_ms,
+    )
+
+
+def signed_opening(
+    info: pb.RoundInfo, round_: int, host: bytes, previous_root: bytes, residual_root: bytes, body: bytes,
+    key: SigningKey,
+) -> pb.OpeningHeader:
+    """The signed header of `body`, the host's opening of `round_` of `info`'s epoch and registry."""
+    record = OpeningRecord(
+        chain_id=info.chain_id, registry=info.registry, epoch=info.epoch, round=round_, host=host,
+        previous_root=previous_root, residual_root=residual_root, body_sha256=hashlib.sha256(body).digest(),
+        body_length=len(body), timestamp_ms=time.time_ns() // 1_000_000,
+    )
+    return opening_header(record, record.sign(key))

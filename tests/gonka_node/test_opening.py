@@ -19,6 +19,8 @@ from gonka_node.core.opening import (
     challenge_seed,
     decode_body,
     encode_body,
+    record_of,
+    signed_opening,
 )
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.residual_commit import ChunkLayout, open_chunks, residual_root, verify_opening
@@ -100,3 +102,19 @@ def test_a_body_that_is_not_the_challenges_answer_is_refused() -> None:
         decode_body(reordered.SerializeToString(), (1, 2))
     with pytest.raises(OpeningError, match="not a ResidualOpening"):
         decode_body(b"\xff\xff\xff", (1, 2))
+
+
+def test_a_signed_header_rebuilds_the_record_its_signature_covers() -> None:
+    key = SigningKey(b"\x08" * 32)
+    info = pb.RoundInfo(chain_id=31337, registry=b"\x22" * 20, epoch=2, round=5)
+    body = b"opening body"
+    header = signed_opening(info, 4, HOST, b"\x01" * 32, b"\x02" * 32, body, key)
+    record = record_of(header)
+    assert (record.round, record.epoch, record.body_length) == (4, 2, len(body))
+    assert record.body_sha256 == hashlib.sha256(body).digest()
+    assert record.verify(header.signature, bytes(key.verify_key))
+    header.residual_root = b"\x03" * 32
+    assert not record_of(header).verify(header.signature, bytes(key.verify_key))
+    header.previous_root = b"\x03" * 31
+    with pytest.raises(EnvelopeError, match="previous_root"):
+        record_of(header)
