@@ -1,10 +1,12 @@
 """The host daemon's loop: sign in, then for each round follow the global model, train, submit, wait.
 
-Crash safety: progress is saved after every applied round (`HostStore`). A restarted node reloads it,
-follows the chain to the current round and carries on; a round it had already submitted is not trained
-again (the aggregator would answer DUPLICATE anyway). A round whose submission is refused (late, wrong
-round) leaves no trace: the inner optimizer and the error-feedback residual go back to their state
-before that round, so nothing the aggregator never saw leaks into the next payload.
+Crash safety: progress is saved after every applied round (`HostStore`), and a trained round (its
+payload, signed residual root and the worker state it left) before its upload starts. A restarted node
+reloads the progress, adopts a kept round the aggregator holds (`_recover_upload`: the round is not
+trained again, and the residual it opens if challenged is the one whose root it signed), follows the
+chain to the current round and carries on. A round whose submission is refused (late, wrong round)
+leaves no trace: the inner optimizer and the error-feedback residual go back to their state before that
+round, so nothing the aggregator never saw leaks into the next payload.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class HostNode:
             gm = GlobalModel(snap.global_params, bytes.fromhex(progress.model_sha256), progress.round_done, outer,
                              self.recipe.shards)
             self.events.note(f"resumed at round {progress.round_done} from {self.store.root}")
+            self._recover_uploads(progress)
             self.rounds.start()
             return gm, progress
         # The daemon's copy of the global model: a model of its own (a rig trains in other processes).
@@ -136,6 +139,7 @@ class HostNode:
                 f"{spec.init_checkpoint_hash.hex()}"
             )
         progress = Progress(self.settings.epoch, slot, 0, sha.hex())
+        self._recover_uploads(progress)
         self.rounds.start()
         return GlobalModel(params, sha, 0, self._outer(), self.recipe.shards), progress
 
@@ -276,14 +280,23 @@ class HostNode:
         through `self.rounds`, which holds the same worker."""
         before = copy.deepcopy(self.rounds.state_dict())
         result = self._train(info.round, gm, progress)
+        self._keep(result)
         started = time.monotonic()
         accepted, reason = self._submit(info, result.payload, result.tokens)
         self.events.submitted(info.round, accepted, reason, time.monotonic() - started)
         if accepted:
-            progress.submitted[str(info.round)] = hashlib.sha256(result.payload).hexdigest()
-            progress.bytes_sent += len(result.payload)
+            self._record_accepted(info.round, result.payload, progress)
         else:
             self.rounds.load_state_dict(before)
+
+    def _keep(self, result: WorkerRound) -> None:
+        """Save the trained round durably before its upload starts (`HostStore.save_sent`)."""
+        self.store.save_sent(result.round, result.payload, result.residual_root, self.rounds.state_dict())
+
+    def _record_accepted(self, round_: int, payload: bytes, progress: Progress) -> None:
+        progress.submitted[str(round_)] = hashlib.sha256(payload).hexdigest()
+        progress.bytes_sent += len(payload)
+        progress.residual_roots[str(round_)] = self.residual_roots[round_].hex()
 
     def _train(
         self, round_: int, gm: GlobalModel, progress: Progress, base: Mapping[str, Tensor] | None = None
@@ -328,8 +341,6 @@ class HostNode:
         trained = max((int(r) for r in progress.submitted), default=0)
         pending: PendingUpload | None = None
         eager = self.recipe.overlap == "eager"
-        if eager:
-            trained = self._recover_upload(trained + 1, progress) or trained
         applied = 0
         try:
             while True:
@@ -356,8 +367,7 @@ class HostNode:
                     pending = None
                     return progress
                 result = self._train_eager(r, gm, progress, pending) if eager else self._train(r, gm, progress)
-                if eager:  # kept before it is sent: round r + 1's base is forecast with it
-                    self.store.save_payload(r, result.payload)
+                self._keep(result)  # before it is sent: an eager round r + 1's base is forecast with it
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
@@ -420,23 +430,41 @@ class HostNode:
             return kept
         return kept if kept is not None and self._contribution(round_) is not None else None
 
-    def _recover_upload(self, round_: int, progress: Progress) -> int | None:
-        """`round_` if this host's kept payload of it is the one the aggregator holds, now recorded: the
-        daemon died after the upload and before recording it. Training the round again would send (and
-        keep, over the only copy) another payload than the one round + 1's replay base is built from."""
-        kept = self.store.load_payload(round_)
+    def _recover_uploads(self, progress: Progress) -> None:
+        """Adopt, in order, the rounds after the last recorded one that were kept and that the aggregator
+        holds (an overlapping host may have two uploads unrecorded)."""
+        r = max([progress.round_done, *(int(k) for k in progress.submitted)]) + 1
+        while self._recover_upload(r, progress):
+            r += 1
+
+    def _recover_upload(self, round_: int, progress: Progress) -> bool:
+        """Whether this host's payload of `round_` as kept before its upload (`HostStore.save_sent`) is the
+        one the aggregator holds: the daemon died after the upload and before recording it. Then the
+        round is recorded and the worker state it left restored, not trained again: a second training
+        would send (and keep, over the only copy) another payload than the one round + 1's eager base is
+        built from, and on a GPU leave another residual than the one whose root the aggregator holds
+        (the upload answers DUPLICATE), which the round's opening could then not open."""
+        kept = self.store.load_sent(round_)
         if kept is None:
-            return None
+            return False
         try:
-            held = self.aggregator.submission(self.settings.epoch, round_, self.host_bytes)
-        except grpc.RpcError:  # none held (NOT_FOUND), or an aggregator that cannot say: train it again
-            return None
-        sha = hashlib.sha256(kept).digest()
-        if bytes(held.payload_sha256) != sha or held.state == pb.SubmissionStatus.FAILED:
-            return None
-        progress.submitted[str(round_)] = sha.hex()
-        self.events.note(f"round {round_}: the aggregator holds the payload this host kept (sent before a restart)")
-        return round_
+            held = self._patiently(f"round {round_}'s submission",
+                                   lambda: self.aggregator.submission(self.settings.epoch, round_, self.host_bytes))
+        except grpc.RpcError:  # none held (NOT_FOUND): train it again
+            return False
+        if bytes(held.payload_sha256) != hashlib.sha256(kept.payload).digest() or \
+                held.state == pb.SubmissionStatus.FAILED:
+            return False
+        if kept.has_state:
+            try:
+                self.rounds.load_state_dict(self.store.load_sent_state(round_))
+            except RigError as exc:
+                raise HostError(f"{self.store.root}: {exc}") from exc
+        self.residual_roots[round_] = kept.residual_root
+        self._record_accepted(round_, kept.payload, progress)
+        self.events.note(f"round {round_}: the aggregator holds the payload this host kept (sent before a restart); "
+                         "resuming from the state it left instead of training it again")
+        return True
 
     def _update_bytes(self, round_: int) -> bytes:
         return self.aggregator.round_update(self.settings.epoch, round_).data
@@ -474,8 +502,7 @@ class HostNode:
         self._ahead = outcome.ahead
         self.events.submitted(pending.round, outcome.accepted, outcome.reason, outcome.seconds)
         if outcome.accepted:
-            progress.submitted[str(pending.round)] = hashlib.sha256(pending.payload).hexdigest()
-            progress.bytes_sent += len(pending.payload)
+            self._record_accepted(pending.round, pending.payload, progress)
 
     def _submit(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
         delay = self.settings.backoff_s
