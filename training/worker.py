@@ -7,6 +7,7 @@ one process), so what a simulated host sends is byte for byte what a real one wo
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -166,6 +167,12 @@ class DiLoCoWorker(SlotWorker):
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.trainer.state_dict(), "feedback": self.feedback.state_dict()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """`state_dict()` as of now, to keep while training goes on (a refused round's rollback point):
+        the optimizer's tensors, which its steps update in place, copied; the residuals, which a compress
+        replaces and never updates, shared. One copy of the AdamW state, none of the residuals."""
+        return {"inner": copy.deepcopy(self.trainer.state_dict()), "feedback": self.feedback.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.load_state_dict(dict(state["inner"]))

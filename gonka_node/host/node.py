@@ -11,7 +11,6 @@ round, so nothing the aggregator never saw leaks into the next payload.
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import time
@@ -278,7 +277,7 @@ class HostNode:
         """Train the round and upload it. `worker`: the one-process worker (None on a rig), what a
         subclass that replaces the honest round works with (`gonka_node.testing.adversary`); this one goes
         through `self.rounds`, which holds the same worker."""
-        before = copy.deepcopy(self.rounds.state_dict())
+        before = self.rounds.snapshot()
         result = self._train(info.round, gm, progress)
         self._keep(result)
         started = time.monotonic()
@@ -390,7 +389,7 @@ class HostNode:
         it, the replay's base is the held model itself (the aggregator holds no payload of ours), so the
         round is trained again from that, the worker's state first taken back."""
         uploading = pending is not None and pending.round == r - 1
-        before = copy.deepcopy(self.rounds.state_dict()) if uploading else None
+        before = self.rounds.snapshot() if uploading else None
         result = self._train(r, gm, progress, self._eager_base(r, gm, self._sent_payload(r - 1, pending, progress)))
         if pending is not None and before is not None and not pending.accepted():
             self.events.note(f"round {r}: round {r - 1}'s upload was refused; training round {r} again from "

@@ -122,6 +122,10 @@ class Rounds(Protocol):
 
     def state_dict(self) -> dict[str, Any]: ...
 
+    def snapshot(self) -> dict[str, Any]:
+        """`state_dict()` as of now, unchanged by the rounds trained after it (a rollback point)."""
+        ...
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
     def close(self) -> None: ...
@@ -144,6 +148,9 @@ class LocalRounds:
 
     def state_dict(self) -> dict[str, Any]:
         return self.worker.state_dict()
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.worker.snapshot()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "rig" in state:
@@ -280,6 +287,9 @@ class RigRounds:
 
     def state_dict(self) -> dict[str, Any]:
         return {"rig": {"base": self.base, "procs": self.options.procs}}
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.state_dict()  # a version's name: the rig's files of it do not change
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         rig = state.get("rig")
