@@ -30,6 +30,7 @@ from gonka_node.core.keys import NodeKeys
 from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from gonka_node.host.events import HostEvents, LogEvents
 from gonka_node.host.follow import GlobalModel, NextModel, adopt, dense_update, follow_to, step_ahead
+from gonka_node.host.opening import ChallengeRefused, build_opening, sample_settings, signed_roots
 from gonka_node.host.rig_round import LocalRounds, RigError, RigRounds, Rounds, make_worker
 from gonka_node.host.settings import RETRYABLE, ChainHashes, HostError, HostSettings, patiently
 from gonka_node.host.store import HostStore, Progress
@@ -38,9 +39,11 @@ from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import common_pb2 as common
 from training.checkpoint import canonical_sha256
 from training.codecs import get_codec, round_seed
+from training.codecs_sparse import TopKCodec
 from training.diloco import OuterOptimizer
 from training.model import build_model
 from training.overlap import base_round, eager_base
+from training.residual_commit import ChunkLayout
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 T = TypeVar("T")
@@ -197,6 +200,8 @@ class HostNode:
                 self.events.note(f"epoch {self.settings.epoch} finished after {latest} rounds")
                 return progress
             info = self._open_round()
+            if info is None:
+                self._await_closing(latest + 1, progress)
             if info is None or info.round <= gm.round_done:
                 self.sleep(self.settings.poll_s)
                 continue
@@ -213,7 +218,10 @@ class HostNode:
             if str(info.round) not in progress.submitted:
                 self._train_and_submit(self._local_worker(), gm, info, progress)
                 submitted_at = time.monotonic()
-            self._wait_finalized(info.round)
+            if str(info.round) in progress.submitted:
+                self._await_verdict(info, progress)
+            else:
+                self._wait_finalized(info.round)
             how = self._follow(gm, info.round, hashes, progress)
             reward = self._reward(info.round)
             progress.rewards[str(info.round)] = reward
@@ -580,6 +588,83 @@ class HostNode:
     def _wait_finalized(self, round_: int) -> None:
         while self.chain.latest_round(self.settings.epoch) < round_:
             self.sleep(self.settings.poll_s)
+
+    # ---- the challenge of a top-k round (docs/PROTOCOL.md "Challenge and opening") -----------------
+
+    def _await_verdict(self, info: pb.RoundInfo, progress: Progress) -> None:
+        """`_wait_finalized` for a round this host submitted to; in a top-k epoch it asks meanwhile
+        whether the replay challenged the round (GetSubmission) and answers once. Both residuals are
+        still the worker's: the next round starts only after this one is final (overlap "off")."""
+        if not self._challengeable:
+            return self._wait_finalized(info.round)
+        answered = False
+        while self.chain.latest_round(self.settings.epoch) < info.round:
+            answered = answered or self._answer_challenge(info, progress)
+            self.sleep(self.settings.poll_s)
+        return None
+
+    def _await_closing(self, round_: int, progress: Progress) -> None:
+        """`_await_verdict` for a round this host submitted to that is no longer open and not yet final
+        (the host restarted meanwhile: it may be challenged now). What the opening's header binds is
+        the chain's (its id, the registry); the round's chunk limit is not known here: 1 MiB."""
+        deployment = self.chain.deployment
+        if str(round_) not in progress.submitted or deployment is None:
+            return
+        info = pb.RoundInfo(chain_id=self.chain.chain_id, registry=bytes.fromhex(deployment.registry.removeprefix("0x")),
+                            epoch=self.settings.epoch, round=round_)
+        self._await_verdict(info, progress)
+
+    @functools.cached_property
+    def _challengeable(self) -> bool:
+        return isinstance(get_codec(self.recipe.codec), TopKCodec)
+
+    def _answer_challenge(self, info: pb.RoundInfo, progress: Progress) -> bool:
+        """Whether the round's challenge is settled: answered, refused, or none will come (the
+        submission failed its checks, or is opened already). False: ask again."""
+        try:
+            status = self.aggregator.submission(info.epoch, info.round, self.host_bytes)
+        except grpc.RpcError:  # unreachable for now: ask again at the next poll
+            return False
+        if status.state in (pb.SubmissionStatus.PENDING, pb.SubmissionStatus.CHECKED):
+            return False
+        if status.state != pb.SubmissionStatus.CHALLENGED:
+            return True
+        layout = ChunkLayout.of(self._spec)
+        try:
+            roots = signed_roots(progress, info.round, layout)
+            header, body = build_opening(status, info, self.host_bytes, self.keys.node_key.signing_key, layout,
+                                         sample_settings(self.recipe), roots, self.rounds.residuals())
+        except ChallengeRefused as exc:
+            self.events.note(str(exc))
+            return True
+        self._send_opening(info, header, body, len(status.challenged_chunks), status.opening_deadline_unix_ms)
+        return True
+
+    def _send_opening(
+        self, info: pb.RoundInfo, header: pb.OpeningHeader, body: bytes, chunks: int, deadline_ms: int
+    ) -> None:
+        """Upload the opening over the host's link; an outage is retried while the deadline allows, a
+        refusal is logged (one line) and final."""
+        delay = self.settings.backoff_s
+        while True:
+            try:
+                receipt = self.aggregator.open_residual(header, body, info.limits.max_chunk_bytes or (1 << 20))
+            except SubmitRejected as exc:
+                outage = exc.code in RETRYABLE or exc.reason == "UNAVAILABLE"
+                if outage and time.time() + delay < deadline_ms / 1000:
+                    self.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+                    continue
+                self.events.note(f"round {info.round}: the opening of its residual was refused: "
+                                 f"{exc.reason or exc.code.name}: {exc.message}")
+                return
+            if not receipt.accepted:
+                self.events.note(f"round {info.round}: the opening of its residual was refused: "
+                                 f"{common.RejectReason.Name(receipt.reason).removeprefix('REJECT_')}: {receipt.message}")
+                return
+            self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
+                             f"({len(body)} bytes)")
+            return
 
     def _reward(self, round_: int) -> int:
         mine = self._contribution(round_)
