@@ -213,7 +213,7 @@ class Killed(Exception):
 class KilledAfterUpload(HostNode):
     """Dies once its upload of a round was accepted, before the round's result: nothing recorded since."""
 
-    def _wait_finalized(self, *args: Any) -> None:
+    def _await_verdict(self, *args: Any) -> None:  # what follows an accepted upload
         raise Killed()
 
 
