@@ -243,7 +243,11 @@ def test_a_host_killed_after_its_upload_resumes_from_what_it_kept_without_traini
             other_done = pool.submit(other.run)
             with pytest.raises(Killed):
                 killed.run()
-            assert HostStore(tmp_path / "host1").load() is None  # nothing recorded: only the kept round
+            kept_store = HostStore(tmp_path / "host1")
+            assert kept_store.load() is None  # nothing recorded: only the kept round
+            kept = kept_store.load_sent(1)
+            assert kept is not None and kept.residual_root == killed.residual_roots[1]
+            kept_residual = kept_store.load_sent_state(1)["feedback"]["residual"]
             chain = world.client(0)
             while chain.latest_round(world.epoch) < 1:
                 time.sleep(0.05)
@@ -255,6 +259,7 @@ def test_a_host_killed_after_its_upload_resumes_from_what_it_kept_without_traini
     assert events.rounds == [2]  # round 1 was not trained again
     assert any(n.startswith("round 1: the aggregator holds the payload this host kept") for n in events.notes)
     layout = ChunkLayout.of({n: tuple(t.shape) for n, t in build_model(world.recipe.model, 0).named_parameters()})
+    assert residual_root(kept_residual, layout) == kept.residual_root == signed[1].residual_root  # saved = signed
     # Round 2 compressed from the residual restored from the kept state: e_1, whose root round 1 signed
     # (a fresh worker's would be zero), as recorded for round 2's opening.
     feedback = again._local_worker().feedback
