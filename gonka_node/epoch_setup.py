@@ -162,6 +162,9 @@ def aggregator_context(
         recipe_json=recipe.canonical_json(),
         overlap=recipe.overlap,
         broadcast=recipe.broadcast,
+        ef_decay=recipe.ef_decay,
+        residual_sample=recipe.residual_sample,
+        residual_sample_min=recipe.residual_sample_min,
     )
 
 
