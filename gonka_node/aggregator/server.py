@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gonka_node.aggregator.challenges import challenges_round
 from gonka_node.aggregator.engine_types import SignedReceipt
 from gonka_node.aggregator.ingest import StreamGuard
 from gonka_node.aggregator.reasons import Reason, Rejected
@@ -286,6 +287,8 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             payload_sha256=row.payload_sha256,
             received_unix_ms=row.received_ms,
         )
+        if not challenges_round(self.engine.ctx):
+            return status
         chosen = await asyncio.to_thread(self.engine.openings.challenge, row)  # a sample hashes every chunk index
         if chosen is not None:
             opened = self.engine.store.opening(row.epoch, row.round, row.host) is not None
