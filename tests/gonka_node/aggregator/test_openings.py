@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,8 +72,12 @@ class TopkHost:
         self.ef = ErrorFeedback(get_codec(CODEC), DECAY)
         self.roots: list[bytes] = []
 
-    def submit(self, e: RoundEngine, delta: Mapping[str, torch.Tensor]) -> None:
+    def submit(self, e: RoundEngine, delta: Mapping[str, torch.Tensor], park: float = 0.0) -> None:
+        """Compress and send `delta`; `park`: add this to every element of the residual kept and signed
+        (what the payload did not leave behind)."""
         payload = self.ef.compress(delta)
+        if park:
+            self.ef.residual = {n: t + park for n, t in self.ef.residual.items()}
         self.roots.append(residual_root(self.ef.residual, self.layout))
         sub = self.kit.header(e, self.h, payload, codec=CODEC, residual_root=self.roots[-1])
         receipt = self.kit.run(e.submit(sub, sub.sign(self.h.key), chunks(payload, 4096), e.stream_guard("t")))
@@ -131,15 +136,15 @@ def altered(opening: Opening, chunk: int, element: int) -> Opening:
     return dataclasses.replace(opening, chunks=(*opening.chunks[:chunk], bytes(data), *opening.chunks[chunk + 1:]))
 
 
-def test_an_honest_opening_passes_a_missing_one_is_excluded_and_an_altered_one_fails(kit: Kit, windows: Windows) -> None:
+def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails_and_e_prev_meets_its_bound(kit: Kit, windows: Windows) -> None:
     ctx = topk_context(kit, windows)
     e = start(kit, ctx)
     layout = ChunkLayout.of(ctx.spec)
     h1, h2, h3 = (TopkHost(kit, h, layout) for h in kit.hosts)
     where = slots(e)
     base = {n: p.detach().clone() for n, p in model().named_parameters()}
-    for host in (h1, h2, h3):
-        host.submit(e, honest(windows, base, where[host.h.address], 1))
+    for host in (h1, h2, h3):  # h2 keeps (and signs) a residual its payload did not leave: found in round 2
+        host.submit(e, honest(windows, base, where[host.h.address], 1), park=0.05 if host is h2 else 0.0)
     kit.run(e.tick())  # everyone submitted: the close reveals the seed and waits for the openings
     row = e.store.get_round(ctx.epoch, 1)
     assert row is not None and row.round_seed is not None and row.seed_complete_ms == kit.clock.ms
@@ -173,7 +178,7 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_and_an_altered_one_f
     assert [(r.kind, r.host.lower()) for r in records] == [(KIND_REPLAY_MISMATCH, "0x" + h3.h.address.hex())]
 
     # Round 2: e_{r-1} opens against round 1's signed roots (h2's too, which it never opened), bounded by
-    # the round-1 payloads the aggregator kept.
+    # the round-1 payload the aggregator kept (h2's) or not (h1's, removed).
     base = load_checkpoint(e.store.checkpoint_path(ctx.epoch, 1)).tensors
     for host in (h1, h2):
         host.submit(e, honest(windows, base, where[host.h.address], 2))
@@ -181,22 +186,31 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_and_an_altered_one_f
     kit.run(e.tick())
     for host in (h1, h2):
         assert host.ef.previous and host.open(e, 2, *host.body(host.challenged(e, 2))).previous_root == host.roots[0]
+    gone = e.store.submission(ctx.epoch, 1, h1.h.address)
+    assert gone is not None
+    Path(gone.path).unlink()  # an operator removed h1's round-1 payload: e_{r-1} has no bound to meet
     kit.run(e.tick())  # every challenged host opened: no wait for the deadline
     assert state(e, 2) == "finalized"
     got = by_host(e, 2)
-    assert all(got[h.h.address].aggregated and got[h.h.address].reasons[0].startswith(f"{PASSED} cosine +1.0000")
-               for h in (h1, h2))
+    one, two = got[h1.h.address], got[h2.h.address]
+    assert one.aggregated and one.reasons[0].startswith(f"{PASSED} cosine +1.0000")
+    assert one.reasons[0].endswith("; round 1's payload is no longer held: e_{r-1} checked against its root only)")
+    # h2's claimed Δ̂ is its true Δ (error feedback carried the parked residual on), but e_{r-1} is not
+    # what its round-1 payload left.
+    assert not two.aggregated and two.reasons[0].startswith(
+        f"{MISMATCH}: e_{{r-1}}'s opened values exceed what the host's round-1 payload leaves behind (by up to 0.")
 
 
-def test_a_restart_resumes_the_wait_and_an_inflated_update_fails_on_length(kit: Kit, windows: Windows) -> None:
+def test_a_restart_resumes_the_wait_an_inflated_update_fails_on_length_and_a_parked_residual_on_its_bound(kit: Kit, windows: Windows) -> None:
     ctx = topk_context(kit, windows)
     e = start(kit, ctx)
     layout = ChunkLayout.of(ctx.spec)
     h1, h2, h3 = (TopkHost(kit, h, layout) for h in kit.hosts)
     where = slots(e)
     base = {n: p.detach().clone() for n, p in model().named_parameters()}
-    for host, scale in ((h1, 2.0), (h2, 1.0), (h3, 1.0)):  # h1 sends twice its Δ, residual consistent with it
+    for host, scale in ((h1, 2.0), (h2, 1.0)):  # h1 sends twice its Δ, residual consistent with it
         host.submit(e, {n: t * scale for n, t in honest(windows, base, where[host.h.address], 1).items()})
+    h3.submit(e, honest(windows, base, where[h3.h.address], 1), park=0.5)  # signs a residual its payload did not leave
     kit.run(e.tick())
     for host in (h1, h2):
         host.open(e, 1, *host.body(host.challenged(e, 1)))
@@ -216,6 +230,8 @@ def test_a_restart_resumes_the_wait_and_an_inflated_update_fails_on_length(kit: 
     kit.run(e.tick())
     assert state(e, 1) == "finalized"
     got = by_host(e, 1)
-    assert [got[h.h.address].aggregated for h in (h1, h2, h3)] == [False, True, True]
+    assert [got[h.h.address].aggregated for h in (h1, h2, h3)] == [False, True, False]
     assert got[h1.h.address].reasons[0].startswith(f"{MISMATCH}: cosine +1.0000, norm ratio 2.0000 with the replay")
-    assert got[h1.h.address].reward == 0 and got[h2.h.address].reward == ctx.reward_per_round // 2
+    assert got[h3.h.address].reasons[0].startswith(
+        f"{MISMATCH}: e_r's opened values exceed what this round's payload leaves behind (by up to 0.")
+    assert [got[h.h.address].reward for h in (h1, h2, h3)] == [0, ctx.reward_per_round, 0]
