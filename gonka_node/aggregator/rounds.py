@@ -116,6 +116,7 @@ class RoundEngine(Acceptance):
         self.publisher: RoundPublisher | None = None
         self._closing_since: float | None = None  # monotonic time the open round's close began
         self.openings = OpeningDesk(self)  # top-k challenges: OpenResidual's intake (aggregator/openings.py)
+        self._opening_wait: tuple[int, int] | None = None  # the round whose wait for openings was logged
 
     # ---- start / resume ----------------------------------------------------------------------------
 
@@ -396,6 +397,10 @@ class RoundEngine(Acceptance):
             stored = self.store.openings(r.epoch, r.round)
             missing = chosen - stored.keys()
             if missing and self.clock() <= due:
+                if self._opening_wait != (r.epoch, r.round):  # said once per round; the wait is retried each tick
+                    self._opening_wait = (r.epoch, r.round)
+                    log.info("round %d/%d: waiting for %d challenged hosts to open their residual (due by %s)",
+                             r.epoch, r.round, len(missing), clock_text(due))
                 raise OpeningsPending(f"round {r.epoch}/{r.round}: {len(missing)} of {len(chosen)} challenged hosts "
                                       f"have not opened their residual (due by {clock_text(due)})")
         layout = self.openings.layout

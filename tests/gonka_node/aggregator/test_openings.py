@@ -28,7 +28,13 @@ from gonka_node.aggregator.replay import MISMATCH, PASSED
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.store import ContributionRow, OpeningRow, Store
 from gonka_node.core.opening import encode_body, signed_opening
-from gonka_node.slashing import KIND_REPLAY_MISMATCH, EvidenceLog, RoundIdentity, collect_evidence
+from gonka_node.slashing import (
+    KIND_REPLAY_MISMATCH,
+    EvidenceLog,
+    RoundIdentity,
+    collect_evidence,
+    verify_evidence,
+)
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import load_checkpoint
 from training.codecs import ErrorFeedback, get_codec
@@ -176,6 +182,16 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
     ident = RoundIdentity(ctx.chain_id, ctx.registry, CODEC)
     records = collect_evidence(e.store, ctx.epoch, ident, EvidenceLog(kit.tmp / "scan"))
     assert [(r.kind, r.host.lower()) for r in records] == [(KIND_REPLAY_MISMATCH, "0x" + h3.h.address.hex())]
+    # It carries the signed opening it was judged on; a voter checks it is the host's.
+    evidence, kept = records[0], kit.tmp / "scan" / f"{stored.body_sha256.hex()}.opening"
+    assert evidence.other is not None and evidence.other["opening"]["body_sha256"] == stored.body_sha256.hex()
+    assert kept.read_bytes() == Path(stored.path).read_bytes()
+    key = bytes(h3.h.key.verify_key)
+    assert verify_evidence(evidence, key, kit.tmp / "scan") and not verify_evidence(
+        evidence, bytes(h1.h.key.verify_key), kit.tmp / "scan")
+    body = kept.read_bytes()
+    kept.write_bytes(body[:-1] + bytes([body[-1] ^ 1]))
+    assert not verify_evidence(evidence, key, kit.tmp / "scan")  # not the body the host signed
 
     # Round 2: e_{r-1} opens against round 1's signed roots (h2's too, which it never opened), bounded by
     # the round-1 payload the aggregator kept (h2's) or not (h1's, removed).
