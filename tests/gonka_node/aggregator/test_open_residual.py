@@ -2,7 +2,7 @@
 hosts submitted is waiting for their openings (GetSubmission says CHALLENGED with the seed, the chunks and
 the deadline). Each refusal answers its reason and stores nothing; an accepted opening is stored (file and
 row) before its receipt and turns the submission OPENED. No host opens everything here, so the close never
-computes: it waits out the deadline, which only the LATE test moves."""
+computes: it waits out the deadline, which only the LATE case, the last, moves."""
 
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ def _other_key(c: Challenged, host: Host, body: bytes) -> pb.OpeningHeader:
 
 
 def test_each_refused_opening_names_its_reason_and_stores_nothing(challenged: Challenged) -> None:
-    """One case per reason (one server for all: each case leaves nothing behind, which it checks)."""
+    """One case per reason, LATE last (one server for all: each case leaves nothing behind, which it checks)."""
     c, host = challenged, challenged.h.hosts[1]
     body = c.body(host)
     for case, (build, code, reason, words) in CASES.items():
@@ -219,12 +219,8 @@ def test_each_refused_opening_names_its_reason_and_stores_nothing(challenged: Ch
         assert c.client.submission(c.info.epoch, c.info.round, host.address).state == pb.SubmissionStatus.CHALLENGED
     assert {reason for _, _, reason, _ in CASES.values()} == {
         "MALFORMED", "WRONG_CHAIN", "UNKNOWN_HOST", "BAD_SIGNATURE", "NOT_CHALLENGED", "ROOT_MISMATCH", "OVERSIZE",
-        "TRUNCATED", "DIGEST_MISMATCH"}  # and LATE below
-
-
-def test_an_opening_after_the_deadline_is_late(challenged: Challenged) -> None:
-    c, host = challenged, challenged.h.hosts[2]
-    body = c.body(host)
+        "TRUNCATED", "DIGEST_MISMATCH"}
+    # Last (the close then stops waiting): the honest opening, after the deadline.
     c.shift[0] = 600_001 + 1000  # past the seed's completion + opening_timeout_s
     code, reason, message = refused(lambda: c.client.open_residual(c.header(host, body), body, 1000))
     assert (code, reason) == (S.DEADLINE_EXCEEDED, "LATE") and "was due by" in message
