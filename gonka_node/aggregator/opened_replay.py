@@ -24,7 +24,7 @@ from pathlib import Path
 from torch import Tensor
 
 from gonka_node.aggregator.engine_types import EpochContext, clock_text
-from gonka_node.aggregator.replay import MISMATCH, replay_update, verdict
+from gonka_node.aggregator.replay import MISMATCH, NO_OPENING, replay_update, verdict
 from gonka_node.aggregator.store import OpeningRow, SubmissionRow
 from gonka_node.core.config import AggregationSettings
 from gonka_node.core.opening import OpeningError, decode_body
@@ -40,8 +40,6 @@ from training.residual_commit import (
     verify_opening,
     within_bounds,
 )
-
-NO_OPENING = "no opening"  # reason prefix: excluded, unpaid, not slashable
 
 
 @dataclass(frozen=True)

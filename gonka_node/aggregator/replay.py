@@ -33,6 +33,7 @@ from training.worker import Assignment, replay_round
 
 MISMATCH = "replay mismatch"  # reason prefix; gonka_node.slashing turns it into evidence
 PASSED = "replay:"  # reason prefix of a host whose round the replay reproduced
+NO_OPENING = "no opening"  # reason prefix of a challenged top-k host that did not open (not slashable)
 PICK_TAG = b"gonka-replay-pick-v2"
 
 

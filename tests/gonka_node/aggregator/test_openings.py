@@ -23,8 +23,7 @@ from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.engine_types import EpochContext, clock_text
 from gonka_node.aggregator.ingest import StreamGuard
-from gonka_node.aggregator.opened_replay import NO_OPENING
-from gonka_node.aggregator.replay import MISMATCH, PASSED
+from gonka_node.aggregator.replay import MISMATCH, NO_OPENING, PASSED
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.store import ContributionRow, OpeningRow, Store
 from gonka_node.core.opening import encode_body, signed_opening
