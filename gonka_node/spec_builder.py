@@ -17,7 +17,7 @@ from pathlib import Path
 
 from chain.types import EpochSpec
 from gonka_node.core.recipe import EPOCH_DEFAULTS, Recipe, RecipeError
-from gonka_node.epoch_setup import EpochTerms, epoch_spec
+from gonka_node.epoch_setup import EpochTerms, check_openable, epoch_spec
 from training.checkpoint import canonical_sha256
 from training.codecs import get_codec
 from training.model import build_model
@@ -101,24 +101,4 @@ def _check_replayable(recipe: Recipe, p: float) -> None:
             f"round_state: replay probability {p:g} needs round_state = \"fresh\" in the recipe (with \"carry\" "
             "a host's round depends on its private optimizer state and cannot be replayed)"
         )
-    if p > 0 and _opens_residual(recipe.codec):
-        _check_openable(recipe, p)
-
-
-def _opens_residual(codec: str) -> bool:
-    try:
-        return get_codec(codec).opens_residual
-    except ValueError:  # an unknown codec: `_check_codec` says so
-        return False
-
-
-def _check_openable(recipe: Recipe, p: float) -> None:
-    """A replayed top-k epoch opens residuals (docs/PROTOCOL.md "Challenge and opening"), built only where
-    the aggregator holds the openings' inputs: an overlapped host compresses round r + 1 before round r's
-    verdict (its e_{r−1} is gone), and a sharded epoch's verifier would need every shard's openings."""
-    if recipe.overlap != "off":
-        raise RecipeError(f"overlap: a top-k epoch with replay probability {p:g} needs overlap = \"off\" (an "
-                          f"overlapped host compresses round r + 1 before round r's residual is opened)")
-    if recipe.shards > 1:
-        raise RecipeError(f"shards: a top-k epoch with replay probability {p:g} needs shards = 1 (a sharded "
-                          "verifier cannot check residual openings yet)")
+    check_openable(recipe, p)

@@ -5,12 +5,14 @@ because the opening is not built for it (an overlapped or sharded top-k epoch wi
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from chain.types import EpochInfo
 from gonka_node.core.config import AggregationSettings, ConfigError
 from gonka_node.core.recipe import Recipe, RecipeError
-from gonka_node.epoch_setup import EpochTerms
+from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec
 from gonka_node.spec_builder import _check_replayable, build_spec
 from training.model import ModelConfig
 
@@ -58,3 +60,15 @@ def test_governance_refuses_a_replayed_top_k_epoch_the_opening_does_not_cover(ch
     assert "\n" not in str(info.value)
     _check_replayable(recipe, 0.0)  # no replays: nothing is opened, nothing refused
     _check_replayable(replace(recipe, codec="int8"), 0.5)  # a dense codec keeps the dense replay
+
+
+def test_an_aggregator_refuses_such_an_epoch_too(tmp_path: Path) -> None:
+    """An epoch scheduled without governance's builder: the aggregator's dense replay would fail (and
+    slash) every honest top-k host, so it refuses to serve it, before it loads anything."""
+    recipe = replace(TOPK, shards=2, data_manifest_sha256="ab" * 32)
+    spec = epoch_spec(recipe, b"\x01" * 32, EpochTerms(aggregators=["0x" + "11" * 20], replay_probability=0.25),
+                      "preset:tiny")
+    info = EpochInfo(0, 0, 0, 0, 0, 0, 0, epoch=1, spec=spec, ended=False)
+    with pytest.raises(RecipeError, match=r"^shards: a top-k epoch with replay probability 0.25 needs shards = 1"):
+        aggregator_context(recipe, info, chain_id=1, registry="0x" + "22" * 20, init_path=tmp_path / "init.st")
+    assert not (tmp_path / "init.st").exists()
