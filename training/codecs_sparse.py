@@ -39,6 +39,7 @@ class TopKCodec(Codec):
     """
 
     name = "topk"
+    opens_residual = True
 
     def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2) -> None:
         if not 2 <= chunk <= 1 << 24:

@@ -39,7 +39,6 @@ from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import common_pb2 as common
 from training.checkpoint import canonical_sha256
 from training.codecs import get_codec, round_seed
-from training.codecs_sparse import TopKCodec
 from training.diloco import OuterOptimizer
 from training.model import build_model
 from training.overlap import base_round, eager_base
@@ -616,7 +615,7 @@ class HostNode:
 
     @functools.cached_property
     def _challengeable(self) -> bool:
-        return isinstance(get_codec(self.recipe.codec), TopKCodec)
+        return get_codec(self.recipe.codec).opens_residual
 
     def _answer_challenge(self, info: pb.RoundInfo, progress: Progress) -> bool:
         """Whether the round's challenge is settled: answered, refused, or none will come (the

@@ -21,9 +21,6 @@ from gonka_node.host.store import Progress
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.residual_commit import ChunkLayout, open_chunks, verify_opening, zero_root
 
-RESIDUAL_SAMPLE = 0.01  # the recipe's default share of chunks a challenge opens
-RESIDUAL_SAMPLE_MIN = 1_048_576  # and its default minimum, in elements
-
 
 class ChallengeRefused(ValueError):
     """A challenge this host does not answer; the message says why in one line."""
@@ -31,10 +28,8 @@ class ChallengeRefused(ValueError):
 
 def sample_settings(recipe: Recipe) -> tuple[float, int]:
     """The epoch's challenge sample: (share of chunks, minimum elements), the recipe's `residual_sample`
-    and `residual_sample_min`, at their defaults where a recipe does not carry them."""
-    fraction = getattr(recipe, "residual_sample", RESIDUAL_SAMPLE)
-    minimum = getattr(recipe, "residual_sample_min", RESIDUAL_SAMPLE_MIN)
-    return float(fraction), int(minimum)
+    and `residual_sample_min`."""
+    return recipe.residual_sample, recipe.residual_sample_min
 
 
 def checked_sample(
