@@ -15,6 +15,7 @@ import functools
 import hashlib
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -296,8 +297,10 @@ class HostNode:
             self.rounds.load_state_dict(before)
 
     def _keep(self, result: WorkerRound) -> None:
-        """Save the trained round durably before its upload starts (`HostStore.save_sent`)."""
-        self.store.save_sent(result.round, result.payload, result.residual_root, self.rounds.state_dict())
+        """Save the trained round durably before its upload starts (`HostStore.save_sent`); an overlapped
+        top-k host keeps the previous round's state too, which that round's challenge opens."""
+        self.store.save_sent(result.round, result.payload, result.residual_root, self.rounds.state_dict(),
+                             keep_previous=self._opens_kept_state)
 
     def _record_accepted(self, round_: int, payload: bytes, progress: Progress) -> None:
         progress.submitted[str(round_)] = hashlib.sha256(payload).hexdigest()
@@ -380,6 +383,7 @@ class HostNode:
                     r, gm.sha256, result.payload, result.tokens, self._open_round,
                     self._submit_checked if eager else self._submit, self.settings.poll_s,
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
+                    self._challenge_answerer(r, pending, progress),
                 ).start()
                 self._settle(pending, progress)
                 pending, trained = upload, r
@@ -592,8 +596,8 @@ class HostNode:
 
     def _await_verdict(self, info: pb.RoundInfo, progress: Progress) -> None:
         """`_wait_finalized` for a round this host submitted to; in a top-k epoch it asks meanwhile
-        whether the replay challenged the round (GetSubmission) and answers once. Both residuals are
-        still the worker's: the next round starts only after this one is final (overlap "off")."""
+        whether the replay challenged the round (GetSubmission) and answers once (an overlapped host
+        asks from the round's upload thread instead: `_challenge_answerer`)."""
         if not self._challengeable:
             return self._wait_finalized(info.round)
         answered = False
@@ -617,6 +621,45 @@ class HostNode:
     def _challengeable(self) -> bool:
         return get_codec(self.recipe.codec).opens_residual
 
+    @functools.cached_property
+    def _opens_kept_state(self) -> bool:
+        """Whether a challenge opens the state kept with its round rather than the worker's: an overlapped
+        host has trained (compressed) the next round by then."""
+        return self._challengeable and self.recipe.overlap != "off"
+
+    def _opened_residuals(self, round_: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """e_{r−1} and e_r of `round_`: the worker's own (it has trained nothing since), or, overlapped,
+        those of the state kept with the round, memory-mapped: no second copy is held for the round's
+        length, and only the opened chunks are read."""
+        if not self._opens_kept_state:
+            return self.rounds.residuals()
+        try:
+            return self.rounds.residuals_of(self.store.load_sent_state(round_, mmap=True))
+        except (OSError, RuntimeError, KeyError) as exc:  # RigError is a RuntimeError
+            raise ChallengeRefused(f"round {round_}: the state kept with the round is unreadable "
+                                   f"({type(exc).__name__}: {exc}); not opened") from exc
+
+    def _challenge_answerer(
+        self, r: int, earlier: PendingUpload | None, progress: Progress
+    ) -> Callable[[pb.RoundInfo], bool] | None:
+        """What round r's upload thread calls until round r's challenge is settled (None: the codec opens
+        nothing). It reads a copy of the signed roots taken here, on the daemon's thread, plus round r's
+        own and, once the aggregator took it, those of `earlier` (the upload still in flight, recorded
+        only after round r + 1 trains): e_{r−1}'s root is the one of the host's last accepted round."""
+        if not self._challengeable:
+            return None
+        known = replace(progress, submitted=dict(progress.submitted), residual_roots=dict(progress.residual_roots))
+        known.residual_roots[str(r)] = self.residual_roots[r].hex()
+        before = None if earlier is None else (earlier, self.residual_roots[earlier.round])
+
+        def answer(info: pb.RoundInfo) -> bool:
+            if before is not None and before[0].accepted():
+                known.submitted.setdefault(str(before[0].round), hashlib.sha256(before[0].payload).hexdigest())
+                known.residual_roots[str(before[0].round)] = before[1].hex()
+            return self._answer_challenge(info, known)
+
+        return answer
+
     def _answer_challenge(self, info: pb.RoundInfo, progress: Progress) -> bool:
         """Whether the round's challenge is settled: answered, refused, or none will come (the
         submission failed its checks, or is opened already). False: ask again."""
@@ -632,7 +675,7 @@ class HostNode:
         try:
             roots = signed_roots(progress, info.round, layout)
             header, body = build_opening(status, info, self.host_bytes, self.keys.node_key.signing_key, layout,
-                                         sample_settings(self.recipe), roots, self.rounds.residuals())
+                                         sample_settings(self.recipe), roots, self._opened_residuals(info.round))
         except ChallengeRefused as exc:
             self.events.note(str(exc))
             return True

@@ -133,6 +133,11 @@ class Rounds(Protocol):
         e_r; a name absent was zero): what a challenge of that round opens."""
         ...
 
+    def residuals_of(self, state: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """`residuals()` of a kept `state_dict()` (`HostStore.save_sent`): an overlapped host has trained
+        the next round since, so round r's challenge opens what the state kept with round r holds."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -165,6 +170,12 @@ class LocalRounds:
 
     def residuals(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         return dict(self.worker.feedback.previous), dict(self.worker.feedback.residual)
+
+    def residuals_of(self, state: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        if "rig" in state:
+            raise RigError(f"this host's kept state belongs to a rig of {state['rig']['procs']} processes")
+        feedback = state["feedback"]
+        return dict(feedback.get("previous", {})), dict(feedback["residual"])
 
     def close(self) -> None:
         return None
@@ -313,9 +324,20 @@ class RigRounds:
         """From the rig's files of its current version (`training.rig_service.StateVersions`): each
         process keeps the residuals of the tensors it owns (sharded) or all of them (replicated), so the
         union over its files is the whole residual. Mapped, not read: only the opened chunks are touched."""
+        return self._version_residuals(self.base)
+
+    def residuals_of(self, state: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The residuals of the version `state` names: the rig keeps it until it trains from a later one
+        (`StateVersions.keep_only`), which an overlapped host does only once that round is final."""
+        rig = state.get("rig")
+        if not isinstance(rig, Mapping):
+            raise RigError("this host's kept state belongs to a one-process host, not a rig")
+        return self._version_residuals(int(rig["base"]))
+
+    def _version_residuals(self, version: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         previous: dict[str, Tensor] = {}
         current: dict[str, Tensor] = {}
-        for path in sorted((self.work_dir / "state" / f"after-{self.base}").glob("rank-*.pt")):
+        for path in sorted((self.work_dir / "state" / f"after-{version}").glob("rank-*.pt")):
             feedback = torch.load(path, weights_only=True, map_location="cpu", mmap=True)["feedback"]
             for name, tensor in feedback.get("previous", {}).items():
                 previous.setdefault(name, tensor)

@@ -11,9 +11,11 @@ Layout under the host's state directory:
                                training/overlap.py)
         round.json             the residual root signed with it
         worker.pt              the worker state after the round (AdamW, both error-feedback residuals;
-                               kept for the newest round only): a host killed after the aggregator took
-                               the payload resumes from it instead of training the round again, whose
-                               residual on a GPU would not be bit for bit the one it signed
+                               kept for the newest round only, and for the one before it too on an
+                               overlapped top-k host, whose round r is challenged while it trains r + 1):
+                               a host killed after the aggregator took the payload resumes from it
+                               instead of training the round again, whose residual on a GPU would not be
+                               bit for bit the one it signed; a challenge of the round opens it
 
 A snapshot folder is complete before `progress.json` names it (each file fsync'd, then the folder,
 then an atomic rename of progress.json), so a crash at any point leaves the previous snapshot intact.
@@ -148,12 +150,15 @@ class HostStore:
         return self.root / "sent" / f"round-{round_:06d}"
 
     def save_sent(
-        self, round_: int, payload: bytes, residual_root: bytes, worker_state: Mapping[str, Any] | None = None
+        self, round_: int, payload: bytes, residual_root: bytes, worker_state: Mapping[str, Any] | None = None,
+        keep_previous: bool = False,
     ) -> None:
         """Keep `round_` durably before its upload starts: a crash after the aggregator took the payload
         must lose neither the payload (an eager host's next base) nor the state that signed it. Drops
         the rounds before `round_` − 1 and the worker state of every older round (the snapshot, or this
-        round's, holds what a restart resumes from)."""
+        round's, holds what a restart resumes from), except `round_` − 1's with `keep_previous` (an
+        overlapped top-k host: that round may still be challenged, and its residuals are opened from
+        it; it is final before `round_` + 1 trains, whose save drops it)."""
         folder = self._sent(round_)
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,7 +175,7 @@ class HostStore:
             kept = int(old.name.split("-")[1].split(".")[0])
             if kept < round_ - 1 or old.name.endswith(".tmp"):
                 shutil.rmtree(old, ignore_errors=True)
-            elif kept < round_:
+            elif kept < round_ and not keep_previous:
                 (old / "worker.pt").unlink(missing_ok=True)
 
     def load_sent(self, round_: int) -> SentRound | None:
@@ -182,9 +187,10 @@ class HostStore:
         return SentRound(round_, (folder / "payload.bin").read_bytes(), bytes.fromhex(meta["residual_root"]),
                          (folder / "worker.pt").exists())
 
-    def load_sent_state(self, round_: int) -> dict[str, Any]:
-        """The worker state kept with `round_` (`SentRound.has_state`)."""
-        return dict(torch.load(self._sent(round_) / "worker.pt", weights_only=True))
+    def load_sent_state(self, round_: int, mmap: bool = False) -> dict[str, Any]:
+        """The worker state kept with `round_` (`SentRound.has_state`). `mmap`: mapped, not read (an
+        opening touches only its chunks of the residuals; the file must stay until they are used)."""
+        return dict(torch.load(self._sent(round_) / "worker.pt", weights_only=True, mmap=mmap))
 
     def load_payload(self, round_: int) -> bytes | None:
         """The payload `save_sent` kept for `round_` (None: none kept)."""

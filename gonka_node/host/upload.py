@@ -3,7 +3,10 @@
 The upload waits for its round to open at the aggregator (a host with `overlap = "delayed"` trains a
 round before the previous one has closed), checks that the aggregator names the base it trained from,
 and submits. The host joins it after its next round's training, so at most one upload is in flight and
-the daemon's own thread records the outcome (no shared state is written from here).
+the daemon's own thread records the outcome (no shared state is written from here). In a top-k epoch
+the thread also answers the round's challenge (docs/PROTOCOL.md "Challenge and opening"): it comes
+while the round closes, when the daemon is training the next round, and is due before the round can
+close and the next one open, which is what this thread waits for to fetch the round's update.
 """
 
 from __future__ import annotations
@@ -32,16 +35,20 @@ OpenRound = Callable[[], "pb.RoundInfo | None"]
 Submit = Callable[[pb.RoundInfo, bytes, int], tuple[bool, str]]
 Prefetch = Callable[[], bytes]  # the round's aggregated update; raises grpc.RpcError when there is none
 Prepare = Callable[[bytes], "NextModel | None"]  # the model after the round, from its update's bytes
+# asks whether the round's submission is challenged (GetSubmission) and opens it if so; True once
+# settled (opened, refused, or no challenge will come), False: ask again at the next poll
+Answer = Callable[[pb.RoundInfo], bool]
 
 
 class PendingUpload:
     def __init__(
         self, round_: int, base_sha256: bytes, payload: bytes, tokens: int, open_round: OpenRound,
         submit: Submit, poll_s: float, prefetch: Prefetch | None = None, prepare: Prepare | None = None,
+        answer: Answer | None = None,
     ) -> None:
         self.round, self.base_sha256, self.payload, self.tokens = round_, base_sha256, payload, tokens
         self._open_round, self._submit, self._poll_s, self._prefetch = open_round, submit, poll_s, prefetch
-        self._prepare = prepare
+        self._prepare, self._answer = prepare, answer
         self._cancelled = threading.Event()
         self._base_ready = threading.Event()
         self._base_held = False
@@ -77,8 +84,9 @@ class PendingUpload:
     def _run(self) -> None:
         try:
             self._result = self._upload()
-        except Exception as exc:  # reported by the daemon's thread as a refused round, never lost silently
-            self._result = UploadResult(False, f"upload failed: {type(exc).__name__}: {exc}", 0.0)
+        except Exception as exc:  # reported by the daemon's thread, never lost silently; a payload the
+            # aggregator took stays accepted when what follows (the challenge, the download) failed
+            self._result = UploadResult(self._accepted, f"upload failed: {type(exc).__name__}: {exc}", 0.0)
         finally:
             self._answered.set()
 
@@ -100,7 +108,7 @@ class PendingUpload:
             seconds = time.monotonic() - started
             self._accepted = accepted
             self._answered.set()
-            update = self._fetch_update()
+            update = self._fetch_update(info if accepted else None)
             return UploadResult(accepted, reason, seconds, update, self._step_ahead(update))
         return UploadResult(False, f"LATE: round {self.round} never opened to this upload", 0.0)
 
@@ -114,11 +122,22 @@ class PendingUpload:
                 return None
         return self._prepare(update) if self._base_held else None
 
-    def _fetch_update(self) -> bytes | None:
+    def _fetch_update(self, submitted: pb.RoundInfo | None) -> bytes | None:
         """The round's aggregated update, downloaded once the next round opens (this one has closed),
-        so the download too runs behind the next round's compute. None: no update (a skipped round, an
-        outage, the epoch over): the daemon fetches or pulls what it needs itself, and checks it either way."""
-        while self._prefetch is not None and not self._cancelled.is_set():
+        so the download too runs behind the next round's compute; meanwhile the challenge of the round
+        (`submitted`: its info, when the aggregator took the payload) is answered. None: no update (a
+        skipped round, an outage, the epoch over): the daemon fetches or pulls what it needs itself, and
+        checks it either way."""
+        settled = submitted is None or self._answer is None
+        while not self._cancelled.is_set():
+            if not settled:
+                assert submitted is not None and self._answer is not None
+                settled = self._answer(submitted)
+            if self._prefetch is None:
+                if settled:
+                    return None
+                self._cancelled.wait(self._poll_s)
+                continue
             info = self._open_round()
             if info is None or info.round <= self.round:
                 self._cancelled.wait(self._poll_s)

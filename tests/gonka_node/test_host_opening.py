@@ -26,8 +26,8 @@ from gonka_node.core.recipe import Recipe
 from gonka_node.host.events import HostEvents
 from gonka_node.host.node import HostNode
 from gonka_node.host.opening import sample_settings
-from gonka_node.host.rig_round import RigOptions, RigRounds, make_worker
-from gonka_node.host.store import Progress
+from gonka_node.host.rig_round import RigError, RigOptions, RigRounds, make_worker
+from gonka_node.host.store import HostStore, Progress
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import get_codec, round_seed
 from training.model import ModelConfig
@@ -207,6 +207,36 @@ def test_a_rig_opens_the_union_of_its_processes_residuals(tmp_path: Path) -> Non
     assert {n: t.tolist() for n, t in previous.items()} == {"a": [0.5] * 3, "b": [1.5] * 2}
     layout = ChunkLayout((("a", 3), ("b", 2)), chunk=2)
     assert residual_root(current, layout) == residual_root({"a": owned[0]["a"], "b": owned[1]["b"]}, layout)
+    # Overlapped: round 3 trained since, the kept state of round 2 names version 2, which the rig keeps.
+    rounds.base = 3
+    kept = rounds.residuals_of({"rig": {"base": 2, "procs": 2}})
+    assert [{n: t.tolist() for n, t in part.items()} for part in kept] == [
+        {n: t.tolist() for n, t in part.items()} for part in (previous, current)]
+    with pytest.raises(RigError, match="one-process host"):
+        rounds.residuals_of({"inner": {}, "feedback": {}})
+
+
+def test_an_overlapped_host_opens_the_state_kept_with_its_round_until_the_next_but_one(
+    trained: Trained, tmp_path: Path,
+) -> None:
+    """An overlapped top-k host keeps round r's worker state while it trains and keeps round r + 1, and
+    opens round r's residuals from it (mapped from disk), not from the worker; round r + 2's save drops it."""
+    t, store = trained, HostStore(tmp_path)
+    rounds = t.node.rounds
+    roots = (bytes.fromhex(t.progress.residual_roots["1"]), bytes.fromhex(t.progress.residual_roots["2"]))
+    store.save_sent(2, t.payload, roots[1], rounds.state_dict(), keep_previous=True)
+    empty = {"inner": {}, "feedback": {"residual": {}, "previous": {}}}
+    store.save_sent(3, b"round 3", b"\x03" * 32, empty, keep_previous=True)
+    kept = store.load_sent(2)
+    assert kept is not None and kept.has_state and kept.residual_root == roots[1]
+    previous, current = rounds.residuals_of(store.load_sent_state(2, mmap=True))
+    assert (residual_root(previous, t.layout), residual_root(current, t.layout)) == roots
+    store.save_sent(4, b"round 4", b"\x04" * 32, empty, keep_previous=True)
+    assert store.load_sent(2) is None and store.load_payload(3) == b"round 3"
+    store.save_sent(5, b"round 5", b"\x05" * 32, empty)  # not kept: overlap "off" or a dense codec
+    assert [getattr(store.load_sent(r), "has_state", None) for r in (4, 5)] == [False, True]
+    with pytest.raises(RigError, match="rig of 2 processes"):
+        rounds.residuals_of({"rig": {"base": 2, "procs": 2}})
 
 
 class Closing:
