@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from gonka_node.aggregator.challenges import previous_root
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.server import submission_from_pb
-from gonka_node.aggregator.store import SCHEMA, Store, SubmissionRow
+from gonka_node.aggregator.store import CHECKED, FAILED, SCHEMA, Store, SubmissionRow
 from proto.gonka.v1 import aggregator_pb2 as pb
+from training.residual_commit import ChunkLayout, zero_root
 
 ROOT = hashlib.sha256(b"e_r").digest()
 
@@ -85,4 +88,20 @@ def test_an_older_store_gains_the_column_and_keeps_its_rows(tmp_path: Path) -> N
     assert before is not None and before.residual_root == bytes(32)  # stored before layout 2: no root signed
     add(store, row(store, b"\x03" * 20, ROOT), tmp_path)
     assert {r.host: r.residual_root for r in store.submissions(1, 1)} == {b"\x02" * 20: bytes(32), b"\x03" * 20: ROOT}
+    store.close()
+
+
+def test_e_r_minus_1_opens_against_the_last_earlier_checked_root_whatever_came_later(tmp_path: Path) -> None:
+    """An overlapped host may hold round r + 1's submission at the aggregator while round r is judged
+    (a later close, a restart): round r's previous root is still the host's last checked one before r,
+    the zero root before its first; a failed one is no submission, a later one is not earlier."""
+    store, host = Store(tmp_path / "agg").open(), b"\x01" * 20
+    layout = ChunkLayout((("w", 8),), chunk=4)
+    roots = {r: hashlib.sha256(b"e_%d" % r).digest() for r in (1, 2, 3, 4)}
+    for r in (1, 2, 3, 4):
+        store.open_round(1, r, bytes(32), 10**15)
+        sub = replace(row(store, host, roots[r]), round=r, path=str(store.payload_path(1, r, host)))
+        add(store, replace(sub, check_state=FAILED if r == 3 else CHECKED), tmp_path)
+    assert previous_root(store, layout, 1, 1, host) == zero_root(layout)
+    assert [previous_root(store, layout, 1, r, host) for r in (2, 3, 4)] == [roots[1], roots[2], roots[2]]
     store.close()
