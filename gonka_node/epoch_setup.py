@@ -172,15 +172,12 @@ def aggregator_context(
 
 def check_openable(recipe: Recipe, p: float) -> None:
     """A replayed (p > 0) epoch whose codec opens residuals (top-k: docs/PROTOCOL.md "Challenge and opening")
-    is judged on openings, built only where the aggregator holds their inputs: an overlapped host
-    compresses round r + 1 before round r's verdict (its e_{r−1} is gone), and a sharded epoch's verifier
+    is judged on openings, built only where the aggregator holds their inputs: a sharded epoch's verifier
     would need every shard's openings. Governance refuses such an epoch, and so does an aggregator (its
-    dense replay would fail, and slash, every honest top-k host)."""
+    dense replay would fail, and slash, every honest top-k host). Overlapped epochs open: a host keeps
+    each round's state until the round is final, and answers its challenge while it trains the next."""
     if p <= 0 or not _opens_residual(recipe.codec):
         return
-    if recipe.overlap != "off":
-        raise RecipeError(f"overlap: a top-k epoch with replay probability {p:g} needs overlap = \"off\" (an "
-                          f"overlapped host compresses round r + 1 before round r's residual is opened)")
     if recipe.shards > 1:
         raise RecipeError(f"shards: a top-k epoch with replay probability {p:g} needs shards = 1 (a sharded "
                           "verifier cannot check residual openings yet)")

@@ -158,19 +158,31 @@ def test_a_restarted_eager_host_forecasts_with_the_payload_it_kept(restarted: tu
     assert any(line.startswith("replay:") for line in run.reasons[(3, host1)])
 
 
-def test_a_top_k_eager_epoch_without_replay_is_local_diloco_s_bit_for_bit(tmp_path: Path) -> None:
-    # The replay's bar is calibrated for int8 (a top-k payload is far from its uncompressed replay in
-    # any mode): a top-k epoch runs eager at p = 0, and its model is still the local simulation's.
-    world = base.build_world(tmp_path, replay_probability=0.0, inner_steps=8, n_rounds=3, overlap="eager",
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_an_overlapped_top_k_epoch_opens_every_round_and_is_local_diloco_s_bit_for_bit(
+    overlap: str, tmp_path: Path,
+) -> None:
+    # p = 1: every host-round is challenged while the host trains the next round; it opens e_{r−1} and
+    # e_r from the state kept with the round (the worker has compressed the next round by then), against
+    # the roots it signed, and the replay from the mode's base passes on the opened chunks.
+    world = base.build_world(tmp_path, replay_probability=1.0, inner_steps=8, n_rounds=3, overlap=overlap,
                              codec="topk:chunk=4096,k=128,bits=2")
-    agg = base.AggregatorThread(world, tmp_path / "agg", MEAN)
+    agg = base.AggregatorThread(world, tmp_path / "agg", replace(MEAN, opening_timeout_s=30.0))
     with agg as target:
         nodes = [base.make_node(world, i, target, tmp_path / f"host{i}") for i in (1, 2)]
         with ThreadPoolExecutor(2) as pool:
             progresses = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
         run = collect(world, agg, progresses, tmp_path)
+        openings = {(r, host): row for r in ROUNDS for host, row in agg.store.openings(world.epoch, r).items()}
     assert all(p.round_done == 3 and p.outer_steps == 3 for p in progresses)
-    assert len(run.payloads) == 6  # both hosts in every round
+    assert len(run.payloads) == 6 and set(openings) == set(run.reasons)  # both hosts in every round, all opened
+    for key, why in run.reasons.items():
+        assert any(line.startswith("replay:") and "opened residual chunks" in line for line in why), (key, why)
+    for (r, host), row in openings.items():  # e_{r−1}'s root: the host's previous round's, submitted before
+        progress = progresses[0 if host == address(world, 1) else 1]
+        assert row.residual_root.hex() == progress.residual_roots[str(r)]
+        if r > 1:
+            assert row.previous_root.hex() == progress.residual_roots[str(r - 1)]
     for r, model in zip(ROUNDS, local_models(run), strict=True):
         for name, tensor in model.items():
             assert torch.equal(run.models[r][name], tensor), (r, name)

@@ -1,6 +1,7 @@
 """The top-k challenge's settings: the recipe's sample (hashed only when not at its defaults, so earlier
 epochs keep their model spec hash), the aggregator's opening deadline, and what governance refuses
-because the opening is not built for it (an overlapped or sharded top-k epoch with replays)."""
+because the opening is not built for it (a sharded top-k epoch with replays), and what it takes since
+it is (an overlapped one)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from chain.types import EpochInfo
 from gonka_node.core.config import AggregationSettings, ConfigError
 from gonka_node.core.recipe import Recipe, RecipeError
-from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec
+from gonka_node.epoch_setup import EpochTerms, aggregator_context, check_openable, epoch_spec
 from gonka_node.spec_builder import _check_replayable, build_spec
 from training.model import ModelConfig
 
@@ -49,17 +50,26 @@ def test_the_opening_deadline_is_positive() -> None:
         AggregationSettings(opening_timeout_s=0)
 
 
-@pytest.mark.parametrize(("change", "field"), [({"overlap": "delayed"}, "overlap"), ({"overlap": "eager"}, "overlap"),
-                                               ({"shards": 2}, "shards")])
-def test_governance_refuses_a_replayed_top_k_epoch_the_opening_does_not_cover(change: dict[str, object],
-                                                                                field: str) -> None:
-    recipe = replace(TOPK, **change)
+def test_governance_refuses_a_replayed_sharded_top_k_epoch_the_opening_does_not_cover() -> None:
+    recipe = replace(TOPK, shards=2)
     with pytest.raises(RecipeError) as info:
         build_spec(recipe, EpochTerms(aggregators=["0x" + "11" * 20], replay_probability=0.5), "preset:tiny")
-    assert str(info.value).startswith(f"{field}: a top-k epoch with replay probability 0.5 needs ")
+    assert str(info.value).startswith("shards: a top-k epoch with replay probability 0.5 needs shards = 1 ")
     assert "\n" not in str(info.value)
     _check_replayable(recipe, 0.0)  # no replays: nothing is opened, nothing refused
     _check_replayable(replace(recipe, codec="int8"), 0.5)  # a dense codec keeps the dense replay
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_a_replayed_overlapped_top_k_epoch_is_served(overlap: str) -> None:
+    """An overlapped host answers round r's challenge from the state it kept with round r while it trains
+    r + 1 (tests/gonka_node/test_host_eager.py runs such epochs at p = 1): governance's check and the
+    aggregator's take it."""
+    recipe = replace(TOPK, overlap=overlap)
+    _check_replayable(recipe, 0.5)
+    check_openable(recipe, 0.5)
+    with pytest.raises(RecipeError, match=r"^shards: a top-k epoch with replay probability 0.5 needs shards = 1"):
+        check_openable(replace(recipe, shards=2), 0.5)
 
 
 def test_an_aggregator_refuses_such_an_epoch_too(tmp_path: Path) -> None:
