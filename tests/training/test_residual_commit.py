@@ -113,6 +113,15 @@ def test_the_sample_is_a_pure_function_of_the_seed_and_stays_in_range() -> None:
     assert sample_chunks(b"seed-1", 3, 0.01, 4) == (0, 1, 2)  # never more than there are
     with pytest.raises(ValueError, match="fraction in"):
         sample_chunks(b"seed-1", 100, 0.0, 4)
+    # The draw the protocol states: sha256(tag ‖ seed ‖ j) mod n for j = 0, 1, …, repeats skipped.
+    draws = [int.from_bytes(hashlib.sha256(b"gonka-residual-sample-v1" + b"seed-1" + j.to_bytes(8, "big")).digest()[:8],
+                            "big") % 1000 for j in range(40)]
+    assert set(a) == set(list(dict.fromkeys(draws))[:10])
+    # More than half wanted: the complement of that many drawn left out.
+    most = sample_chunks(b"seed-1", 10, 0.7, 1)
+    left = [int.from_bytes(hashlib.sha256(b"gonka-residual-sample-v1" + b"seed-1" + j.to_bytes(8, "big")).digest()[:8],
+                           "big") % 10 for j in range(40)]
+    assert set(most) == set(range(10)) - set(list(dict.fromkeys(left))[:3]) and len(most) == 7
 
 
 def test_error_feedback_keeps_the_previous_residual_without_copying_it() -> None:
