@@ -132,7 +132,11 @@ def keep_decision(store: Store, row: RoundRow, skip: bool) -> ShardDecision:
     checked submissions now, kept first. Kept before the report is signed (and before the seed is
     revealed), so a restarted shard reports exactly what it would have: one report per round, however
     the uploads it holds or its tick's view of the quorum changed."""
-    hosts = tuple(s.host for s in store.submissions(row.epoch, row.round))
+    stored = store.get_round(row.epoch, row.round)
+    kept = None if stored is None else ShardDecision.of(stored)
+    if kept is not None:  # every attempt after the first (a close waiting on the others retries each tick)
+        return kept
+    hosts = tuple(sorted(store.submitted_hosts(row.epoch, row.round, checked_only=True)))  # by address, no sketches
     return store.keep_shard_decision(row.epoch, row.round, ShardDecision(skip, hosts))
 
 
