@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -351,6 +352,7 @@ class HostNode:
         pending: PendingUpload | None = None
         eager = self.recipe.overlap == "eager"
         applied = 0
+        restarted = self._answer_restarted(progress, self.chain.latest_round(self.settings.epoch))
         try:
             while True:
                 latest = self.chain.latest_round(self.settings.epoch)
@@ -388,6 +390,8 @@ class HostNode:
                 self._settle(pending, progress)
                 pending, trained = upload, r
         finally:
+            if restarted is not None:
+                restarted.set()
             if pending is not None:
                 pending.cancel()
                 pending.wait()
@@ -649,7 +653,8 @@ class HostNode:
         if not self._challengeable:
             return None
         known = replace(progress, submitted=dict(progress.submitted), residual_roots=dict(progress.residual_roots))
-        known.residual_roots[str(r)] = self.residual_roots[r].hex()
+        if r in self.residual_roots:  # else recorded before a restart: the progress has it
+            known.residual_roots[str(r)] = self.residual_roots[r].hex()
         before = None if earlier is None else (earlier, self.residual_roots[earlier.round])
 
         def answer(info: pb.RoundInfo) -> bool:
@@ -659,6 +664,31 @@ class HostNode:
             return self._answer_challenge(info, known)
 
         return answer
+
+    def _answer_restarted(self, progress: Progress, latest: int) -> threading.Event | None:
+        """An overlapped top-k host restarted after its newest round's upload, before that round was
+        final: the challenge its upload thread would have answered, asked for from a thread until settled
+        or the next round opens, while training goes on (`_await_closing` for overlap "off"). The event
+        stops it; None: nothing to ask."""
+        newest = max((int(k) for k in progress.submitted), default=0)
+        deployment = self.chain.deployment
+        if not self._opens_kept_state or newest <= latest or deployment is None:
+            return None
+        answer = self._challenge_answerer(newest, None, progress)
+        assert answer is not None  # _opens_kept_state: the codec opens its residual
+        info = pb.RoundInfo(chain_id=self.chain.chain_id, registry=bytes.fromhex(deployment.registry.removeprefix("0x")),
+                            epoch=self.settings.epoch, round=newest)
+        stop = threading.Event()
+
+        def ask() -> None:
+            while not stop.is_set() and not answer(info):
+                now = self._open_round()
+                if now is not None and now.round > newest:  # round `newest` closed: no challenge is due
+                    return
+                stop.wait(self.settings.poll_s)
+
+        threading.Thread(target=ask, name=f"challenge-round-{newest}", daemon=True).start()
+        return stop
 
     def _answer_challenge(self, info: pb.RoundInfo, progress: Progress) -> bool:
         """Whether the round's challenge is settled: answered, refused, or none will come (the

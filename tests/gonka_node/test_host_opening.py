@@ -26,7 +26,7 @@ from gonka_node.core.recipe import Recipe
 from gonka_node.host.events import HostEvents
 from gonka_node.host.node import HostNode
 from gonka_node.host.opening import sample_settings
-from gonka_node.host.rig_round import RigError, RigOptions, RigRounds, make_worker
+from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRounds, make_worker
 from gonka_node.host.store import HostStore, Progress
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.codecs import get_codec, round_seed
@@ -284,3 +284,49 @@ def test_a_host_restarted_while_its_round_closes_still_answers_its_challenge(tra
         assert t.node.chain.looked == 0 and len(agg.opened) == 1  # type: ignore[attr-defined]
     finally:
         t.node.chain = real
+
+
+class KeptOnly(LocalRounds):
+    """A worker whose live residuals must not be opened (an overlapped host has compressed since)."""
+
+    def residuals(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        raise AssertionError("the live worker's residuals were opened")
+
+
+class Reopened(Sequenced):
+    """`Sequenced`, with no round open (round 2 waits for its openings)."""
+
+    def open_round(self) -> pb.RoundInfo | None:
+        return None
+
+
+def test_an_overlapped_host_restarted_before_its_round_is_final_answers_from_a_thread(
+    trained: Trained, tmp_path: Path,
+) -> None:
+    """Killed after round 2's upload, before its upload thread answered: the restarted overlapped host
+    asks for round 2's challenge from a thread and opens the residuals of the state kept with round 2
+    (not the live worker's), against the roots its progress
+    recorded; once round 2 is final nothing is asked."""
+    t = trained
+    twin = copy.copy(t.node)  # the same worker, keys and chain; an overlapped recipe, its own state folder
+    twin.__dict__.pop("_opens_kept_state", None)
+    twin.recipe, twin.store, twin.residual_roots = replace(t.node.recipe, overlap="delayed"), HostStore(tmp_path), {}
+    roots = (bytes.fromhex(t.progress.residual_roots["1"]), bytes.fromhex(t.progress.residual_roots["2"]))
+    twin.store.save_sent(2, t.payload, roots[1], t.node.rounds.state_dict())
+    worker = t.node._local_worker()
+    assert worker is not None
+    twin.rounds = KeptOnly(worker)
+    agg = Reopened([pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED)] * 2 + [challenged(t.sample)])
+    twin.aggregator = agg  # type: ignore[assignment]
+    stop = twin._answer_restarted(t.progress, latest=1)
+    assert stop is not None
+    deadline = time.monotonic() + 30
+    while not agg.opened and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    [(header, body, _)] = agg.opened
+    record = record_of(header)
+    assert (record.round, record.previous_root, record.residual_root) == (2, roots[0], roots[1])
+    previous, current = decode_body(body, t.sample)
+    assert verify_opening(roots[0], previous, t.layout, t.sample) and verify_opening(roots[1], current, t.layout, t.sample)
+    assert twin._answer_restarted(t.progress, latest=2) is None
