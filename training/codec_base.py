@@ -72,7 +72,7 @@ class Codec(ABC):
     name: str
     # True for a codec whose honest payload is mostly the host's private error-feedback residual (sparse
     # top-k: C(d·e_{r−1} + Δ)), so a replay cannot compare its decode with the round's Δ, and which bounds
-    # the residual it leaves (`residual_bound`): the replay then opens the residual instead
+    # the residual it leaves (`residual_misfit`): the replay then opens the residual instead
     # (training/residual_commit.py; docs/PROTOCOL.md "Challenge and opening").
     opens_residual: bool = False
 

@@ -21,7 +21,7 @@ from training.data import Windows, window_seed
 from training.diloco import pseudo_gradient
 from training.inner import Batch, GradSync, InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
-from training.residual_commit import ChunkLayout, residual_root
+from training.residual_commit import commitment_layout, residual_root
 from training.rig import Rig
 
 
@@ -137,7 +137,8 @@ class DiLoCoWorker(SlotWorker):
         delta, result = self.local_delta(round_index, global_params, on_step)
         norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         payload = self.feedback.compress(delta, self.round_codec(round_index))
-        root = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()})
+        root = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
+                               self.feedback.codec)
         return WorkerRound(
             round=round_index,
             payload=payload,
@@ -179,11 +180,11 @@ class DiLoCoWorker(SlotWorker):
         self.feedback.load_state_dict(state["feedback"])
 
 
-def commitment_root(residual: Mapping[str, Tensor], spec: Spec) -> bytes:
+def commitment_root(residual: Mapping[str, Tensor], spec: Spec, codec: Codec) -> bytes:
     """The root a host signs for its residual after a round: `residual_root` in the epoch's layout (the
-    model's tensors, chunk 4096). Every codec here runs through `ErrorFeedback`; one that loses nothing
+    model's tensors, chunks of 4096 elements or whole top-k codec chunks: `commitment_layout`). Every codec here runs through `ErrorFeedback`; one that loses nothing
     (fp32) leaves an exactly zero residual, whose root is `zero_root`, as before a host's first round."""
-    return residual_root(residual, ChunkLayout.of(spec))
+    return residual_root(residual, commitment_layout(spec, codec))
 
 
 def round_start_step(round_index: int, first_round: int, steps: int) -> int:

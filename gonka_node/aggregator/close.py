@@ -49,7 +49,7 @@ from training.durable import atomic_write, durable_replace
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
 from training.model import Llama
-from training.residual_commit import ChunkLayout
+from training.residual_commit import commitment_layout
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.engine_types import CheckpointIO, EpochContext
@@ -137,7 +137,7 @@ def replays(c: Closing) -> Mapping[bytes, str]:
     if c.ctx.replay is None or p <= 0:
         return {}
     row, found = c.round_row, {}
-    layout = ChunkLayout.of(c.ctx.spec) if challenges_round(c.ctx) else None
+    layout = commitment_layout(c.ctx.spec, c.ctx.codec) if challenges_round(c.ctx) else None
     live = c.live()
     for s in live:
         if s.host not in chosen_for_replay(p, c.seed, row.round, [s.host]):

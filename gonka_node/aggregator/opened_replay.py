@@ -5,8 +5,8 @@ be compared with the replay. Error feedback gives Δ_r = decode(P_r) + e_r − d
 rounding); on the opened chunks the close rebuilds that claimed Δ̂ and compares it with the replay there,
 by the same bars as a dense replay (`verdict`). Before that, the opening must be the one the host was
 challenged for and verify against the roots it signed (`verify_opening`), and each residual must fit the
-payload that left it (`payload_bounds`): e_r against P_r (the host cannot send one thing and park the
-difference in its residual), e_{r−1} against the host's previous stored payload when the aggregator still
+payload that left it (`payload_misfit`: the payload must be the top-k compression of decode + residual):
+e_r against P_r (the host cannot send one thing and park the difference in its residual), e_{r−1} against the host's previous stored payload when the aggregator still
 holds it (without it, e_{r−1} is checked against its signed root only, and the reason says so).
 
 Every failure here is a signed opening that does not answer its challenge, so it is reported with the
@@ -36,9 +36,8 @@ from training.residual_commit import (
     claimed_delta,
     compare,
     gather_chunks,
-    payload_bounds,
+    payload_misfit,
     verify_opening,
-    within_bounds,
 )
 
 
@@ -123,9 +122,8 @@ def _within(ctx: EpochContext, layout: ChunkLayout, payload: Path, round_: int, 
     codec = ctx.codec_for(round_)
     assert isinstance(codec, TopKCodec)  # challenges.challenges_round: the codec opens its residual
     try:
-        bound = payload_bounds(codec, payload.read_bytes(), ctx.spec, layout, chunks)
+        why = payload_misfit(codec, payload.read_bytes(), ctx.spec, layout, chunks, opening.values())
     except CodecError as exc:  # a stored, checked payload: not expected, but not the host's fault to hide
-        raise OpeningFailed(f"{whose} gives no bound on {what}: {exc}") from None
-    if not within_bounds(opening.values(), bound):
-        worst = float((opening.values().double().abs() - bound).max())
-        raise OpeningFailed(f"{what}'s opened values exceed what {whose} leaves behind (by up to {worst:.3g})")
+        raise OpeningFailed(f"{whose} cannot be checked against {what}: {exc}") from None
+    if why is not None:
+        raise OpeningFailed(f"{whose} is not the top-k compression of its decode plus {what}: {why}")

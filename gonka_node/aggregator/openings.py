@@ -31,7 +31,7 @@ from gonka_node.core.envelope import EnvelopeError
 from gonka_node.core.opening import OpeningRecord, record_of
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.durable import fsync_path
-from training.residual_commit import ChunkLayout
+from training.residual_commit import commitment_layout
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.rounds import RoundEngine
@@ -43,7 +43,7 @@ class OpeningDesk:
 
     def __init__(self, engine: RoundEngine) -> None:
         self.engine = engine
-        self.layout = ChunkLayout.of(engine.ctx.spec)
+        self.layout = commitment_layout(engine.ctx.spec, engine.ctx.codec)
         self.lock = threading.Lock()
         self._in_flight: set[bytes] = set()
 

@@ -62,8 +62,8 @@ from gonka_node.aggregator.opened_replay import Opened
 from gonka_node.aggregator.openings import OpeningDesk
 from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.shard import ShardExchange, ShardPending
-from gonka_node.aggregator.shard_close import close_fragment
-from gonka_node.aggregator.store import RoundRow, Store, now_ms
+from gonka_node.aggregator.shard_close import close_fragment, keep_decision
+from gonka_node.aggregator.store import RoundRow, ShardDecision, Store, now_ms
 from gonka_node.core.config import AggregationSettings, RoundSettings
 from training.overlap import base_round
 
@@ -192,6 +192,10 @@ class RoundEngine(Acceptance):
         self.current = row
         self.closing = False
         self.closed_for_submissions = asyncio.Event()
+        decided = None if row is None else ShardDecision.of(row)
+        if decided is not None:  # a shard restarted after deciding its close: no uploads, it closes as decided
+            self.closing, self._close_failed = True, decided.skip
+            self.closed_for_submissions.set()
 
     # ---- submissions -------------------------------------------------------------------------------
 
@@ -339,6 +343,8 @@ class RoundEngine(Acceptance):
         recorded = self.store.get_round(r.epoch, r.round)
         if recorded is not None and recorded.state in ("finalizing", "skipping"):
             return self._finish(recorded)  # the intent of an earlier, failed attempt: never recompute it
+        if self.ctx.shard is not None:  # what its one report covers is kept before the seed is revealed
+            keep_decision(self.store, r, skip)
         seed = self._revealed_seed(r)
         if skip and self.ctx.shard is None:  # a shard's skip goes through the verdict: every shard skips
             self.store.record_finalize_intent(

@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS rounds (
     heldout_loss REAL,                 -- the new checkpoint's, on the same windows
     round_seed BLOB,                   -- the round's complete commit-reveal seed, once every aggregator revealed
     seed_complete_ms INTEGER,          -- when this aggregator first saw it complete: the openings' clock starts
+    shard_decision TEXT,               -- a shard's close, kept before its report is signed: ShardDecision JSON
     PRIMARY KEY (epoch, round)
 );
 CREATE TABLE IF NOT EXISTS submissions (
@@ -118,6 +119,28 @@ class RoundRow:
     heldout_loss: float | None = None
     round_seed: bytes | None = None  # the round's complete seed (chain), stored when first seen complete
     seed_complete_ms: int | None = None  # when that was: a top-k round's openings are due from here
+    shard_decision: str | None = None  # a shard's close decided (`ShardDecision` JSON): closed for uploads
+
+
+@dataclass(frozen=True)
+class ShardDecision:
+    """What a shard's close of a round covers, decided once and kept with the round before its one report
+    is signed: whether it reports a skip, and the hosts (increasing address) whose fragments it reports.
+    A restarted shard closes as decided rather than recompute, so it never signs a second report."""
+
+    skip: bool
+    hosts: tuple[bytes, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"skip": self.skip, "hosts": [h.hex() for h in self.hosts]}, sort_keys=True)
+
+    @classmethod
+    def of(cls, row: RoundRow) -> ShardDecision | None:
+        """The decision kept with `row` (None: none yet)."""
+        if row.shard_decision is None:
+            return None
+        kept = json.loads(row.shard_decision)
+        return cls(bool(kept["skip"]), tuple(bytes.fromhex(h) for h in kept["hosts"]))
 
 
 @dataclass(frozen=True)
@@ -328,6 +351,18 @@ class Store:
                 (state, checkpoint_sha256, rewards_root, total_reward, aggregation, now_ms(), base_loss, loss, epoch, round_),
             )
 
+    def keep_shard_decision(self, epoch: int, round_: int, decision: ShardDecision) -> ShardDecision:
+        """Keep a shard's close decision with its open round unless one is kept already (the first stands;
+        no upload is stored after it), and return the one kept."""
+        with self._tx() as db:
+            db.execute("UPDATE rounds SET shard_decision=? WHERE epoch=? AND round=? AND state='open' "
+                       "AND shard_decision IS NULL", (decision.to_json(), epoch, round_))
+        row = self.get_round(epoch, round_)
+        kept = None if row is None else ShardDecision.of(row)
+        if kept is None:
+            raise ValueError(f"round {epoch}/{round_} is not open: no close decision can be kept for it")
+        return kept
+
     def mark_finalized(self, epoch: int, round_: int, finalize_tx: bytes, skipped: bool = False) -> None:
         with self._tx() as db:
             db.execute(
@@ -355,9 +390,9 @@ class Store:
         try:
             with self._tx() as db:
                 state = db.execute(
-                    "SELECT state FROM rounds WHERE epoch=? AND round=?", (row.epoch, row.round)
+                    "SELECT state, shard_decision FROM rounds WHERE epoch=? AND round=?", (row.epoch, row.round)
                 ).fetchone()
-                if state is None or state[0] != "open":
+                if state is None or state[0] != "open" or state[1] is not None:  # a shard's decided close: closed
                     raise sqlite3.IntegrityError(f"round {row.epoch}/{row.round} is not open")
                 db.execute("DELETE FROM submissions WHERE epoch=? AND round=? AND host=? AND check_state=?",
                            (row.epoch, row.round, row.host, FAILED))
@@ -496,7 +531,7 @@ def _add_missing_columns(db: sqlite3.Connection) -> None:
     for table, column, decl in (("submissions", "started_ms", "INTEGER NOT NULL DEFAULT 0"),
                                 ("rounds", "seed_secret", "BLOB"), ("rounds", "heldout_loss_base", "REAL"),
                                 ("rounds", "heldout_loss", "REAL"), ("rounds", "round_seed", "BLOB"),
-                                ("rounds", "seed_complete_ms", "INTEGER"),
+                                ("rounds", "seed_complete_ms", "INTEGER"), ("rounds", "shard_decision", "TEXT"),
                                 ("submissions", "check_state", f"TEXT NOT NULL DEFAULT '{CHECKED}'"),
                                 ("submissions", "check_reason", "INTEGER NOT NULL DEFAULT 0"),
                                 ("submissions", "check_message", "TEXT NOT NULL DEFAULT ''"),

@@ -42,7 +42,7 @@ from training.codecs import get_codec, round_seed
 from training.diloco import OuterOptimizer
 from training.model import build_model
 from training.overlap import base_round, eager_base
-from training.residual_commit import ChunkLayout
+from training.residual_commit import commitment_layout
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 T = TypeVar("T")
@@ -679,7 +679,7 @@ class HostNode:
             self._forget_failed(info.round, progress, status)
         if status.state != pb.SubmissionStatus.CHALLENGED:
             return True
-        layout = ChunkLayout.of(self._spec)
+        layout = commitment_layout(self._spec, get_codec(self.recipe.codec))
         try:
             roots = signed_roots(progress, info.round, layout)
             header, body = build_opening(status, info, self.host_bytes, self.keys.node_key.signing_key, layout,

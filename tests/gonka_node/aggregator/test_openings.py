@@ -213,7 +213,7 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
     # h2's claimed Δ̂ is its true Δ (error feedback carried the parked residual on), but e_{r-1} is not
     # what its round-1 payload left.
     assert not two.aggregated and two.reasons[0].startswith(
-        f"{MISMATCH}: e_{{r-1}}'s opened values exceed what the host's round-1 payload leaves behind (by up to 0.")
+        f"{MISMATCH}: the host's round-1 payload is not the top-k compression of its decode plus e_{{r-1}}: ")
 
 
 def test_a_restart_resumes_the_wait_an_inflated_update_fails_on_length_and_a_parked_residual_on_its_bound(kit: Kit, windows: Windows) -> None:
@@ -248,5 +248,5 @@ def test_a_restart_resumes_the_wait_an_inflated_update_fails_on_length_and_a_par
     assert [got[h.h.address].aggregated for h in (h1, h2, h3)] == [False, True, False]
     assert got[h1.h.address].reasons[0].startswith(f"{MISMATCH}: cosine +1.0000, norm ratio 2.0000 with the replay")
     assert got[h3.h.address].reasons[0].startswith(
-        f"{MISMATCH}: e_r's opened values exceed what this round's payload leaves behind (by up to 0.")
+        f"{MISMATCH}: this round's payload is not the top-k compression of its decode plus e_r: ")
     assert [got[h.h.address].reward for h in (h1, h2, h3)] == [0, ctx.reward_per_round, 0]
