@@ -2,8 +2,8 @@
 
 Order (docs/PROTOCOL.md "Challenge and opening"): the header's field widths (MALFORMED), chain and
 registry (WRONG_CHAIN), the host on chain and its signature (UNKNOWN_HOST, BAD_SIGNATURE, as Submit),
-a CHALLENGED submission of the round (NOT_CHALLENGED: never picked, not checked, or already opened or
-opening), the deadline (LATE), the two roots (ROOT_MISMATCH: this round's signed root, and the root of
+a CHALLENGED submission of the round (NOT_CHALLENGED: never picked, not checked, or already opened;
+UNAVAILABLE, retryable, while an earlier stream of the host's opening has not ended), the deadline (LATE), the two roots (ROOT_MISMATCH: this round's signed root, and the root of
 the host's last earlier checked submission of the epoch or the zero root), the declared body length
 against what the challenge's chunks can take (OVERSIZE); then the body streams (chunk limit, TRUNCATED,
 DIGEST_MISMATCH) into `incoming/`, and is stored (file fsync'd beside the payloads, row committed)
@@ -88,11 +88,14 @@ class OpeningDesk:
                            f"host {to_checksum_address(record.host)} is not signed in to epoch {e.ctx.epoch}")
         if not record.verify(signature, member.node_key):
             raise Rejected(Reason.BAD_SIGNATURE, "signature does not verify under the node key registered on chain")
+        # e_{r−1}'s root may be the zero residual's, a hash over the whole model: never on the event loop,
+        # and before the checks below, so that nothing awaits between them and the caller's `_in_flight`
+        want = await asyncio.to_thread(previous_root, e.store, self.layout, record.epoch, record.round, record.host)
         sub, chosen = self._challenge_of(record)
         if e.clock() > chosen.deadline_ms:
             raise Rejected(Reason.LATE, f"the opening of round {record.epoch}/{record.round} was due by "
                                         f"{clock_text(chosen.deadline_ms)}")
-        self._check_roots(record, sub)
+        self._check_roots(record, sub, want)
         limit = max_body_bytes(self.layout, chosen.chunks)
         if record.body_length > limit:
             raise Rejected(Reason.OVERSIZE, f"declared body of {record.body_length} bytes; an opening of "
@@ -106,15 +109,19 @@ class OpeningDesk:
         if sub is None or chosen is None:
             raise Rejected(Reason.NOT_CHALLENGED, f"the host's submission of {where} is not challenged "
                                                   "(GetSubmission says CHALLENGED when it is)")
-        if record.host in self._in_flight or e.store.opening(record.epoch, record.round, record.host) is not None:
-            raise Rejected(Reason.NOT_CHALLENGED, f"the host's opening of {where} is already stored or streaming")
+        if e.store.opening(record.epoch, record.round, record.host) is not None:
+            raise Rejected(Reason.NOT_CHALLENGED, f"the host's opening of {where} is already stored")
+        if record.host in self._in_flight:  # most likely a stream broken on the host's side that this server
+            # has not yet seen end (idle or keepalive timeout): retryable, so the host's retry is not lost
+            raise Rejected(Reason.UNAVAILABLE, f"an opening of {where} from this host is still streaming; "
+                                               f"retry once it ends (at most {self.engine.stream_limits.idle_s:g} s "
+                                               "idle)")
         return sub, chosen
 
-    def _check_roots(self, record: OpeningRecord, sub: SubmissionRow) -> None:
+    def _check_roots(self, record: OpeningRecord, sub: SubmissionRow, want: bytes) -> None:
         if record.residual_root != sub.residual_root:
             raise Rejected(Reason.ROOT_MISMATCH, f"residual_root {record.residual_root.hex()} is not the "
                                                  f"{sub.residual_root.hex()} signed with this round's payload")
-        want = previous_root(self.engine.store, self.layout, record.epoch, record.round, record.host)
         if record.previous_root != want:
             raise Rejected(Reason.ROOT_MISMATCH, f"previous_root {record.previous_root.hex()} is not {want.hex()}, "
                                                  "the root signed with the host's last earlier payload of the epoch "

@@ -399,9 +399,13 @@ class RoundEngine(Acceptance):
         if not chosen:
             return {}
         due = deadline_ms(row, self.aggregation.opening_timeout_s)
+        # A host that left or was slashed is excluded (`departed`) whatever it opens: not waited for. The
+        # chain is read outside the lock, which an opening's store takes on the event loop.
+        awaited = chosen & self._members_now(r.epoch) if chosen - self.store.openings(r.epoch, r.round).keys() \
+            else chosen
         with self.openings.lock:  # an opening is stored before the deadline or this sees the deadline passed
             stored = self.store.openings(r.epoch, r.round)
-            missing = chosen - stored.keys()
+            missing = awaited - stored.keys()
             if missing and self.clock() <= due:
                 if self._opening_wait != (r.epoch, r.round):  # said once per round; the wait is retried each tick
                     self._opening_wait = (r.epoch, r.round)
@@ -412,6 +416,9 @@ class RoundEngine(Acceptance):
         layout = self.openings.layout
         return {h: Opened(sample(self.ctx, layout, row, h), due, stored.get(h),
                           self.store.previous_submission(r.epoch, r.round, h)) for h in sorted(chosen)}
+
+    def _members_now(self, epoch: int) -> set[bytes]:
+        return {m.address for m in self.chain.members(epoch)}
 
     def _compute(self, r: RoundRow, seed: bytes, skip: bool, opened: Mapping[bytes, Opened]) -> RoundOutcome:
         inputs = self._closing_inputs(r, seed, opened)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from safetensors.torch import save_file
@@ -48,6 +48,9 @@ from training.residual_commit import commitment_layout
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 T = TypeVar("T")
+# the chunk of an opening's body when the round's limit is not known (a host restarted before this
+# version recorded it): well under any aggregator's `max_chunk_bytes`
+OPENING_CHUNK = 64 << 10
 class HostNode:
     def __init__(
         self,
@@ -69,6 +72,10 @@ class HostNode:
         # round → the root of the residual its training left (`WorkerRound.residual_root`), signed with
         # its payload; a round trained again (a refusal, a restart) records its new root
         self.residual_roots: dict[int, bytes] = {}
+        # round -> the worker state before it (a rollback point), kept in a top-k epoch until the round's
+        # checks are known: a payload that FAILED them is no submission, and its residual is undone
+        # (docs/PROTOCOL.md "Challenge and opening", e_{r−1})
+        self._before_round: dict[int, dict[str, Any]] = {}
 
     # ---- sign-in ----------------------------------------------------------------------------------
 
@@ -216,6 +223,7 @@ class HostNode:
                     f"differs from the chain's {gm.sha256.hex()[:16]}…"
                 )
             submitted_at = time.monotonic()
+            progress.max_chunk_bytes = int(info.limits.max_chunk_bytes)  # a restarted host's opening's chunks
             if str(info.round) not in progress.submitted:
                 self._train_and_submit(self._local_worker(), gm, info, progress)
                 submitted_at = time.monotonic()
@@ -294,6 +302,8 @@ class HostNode:
         self.events.submitted(info.round, accepted, reason, time.monotonic() - started)
         if accepted:
             self._record_accepted(info.round, result.payload, progress)
+            if self._challengeable:
+                self._before_round[info.round] = before
         else:
             self.rounds.load_state_dict(before)
 
@@ -352,6 +362,9 @@ class HostNode:
         pending: PendingUpload | None = None
         eager = self.recipe.overlap == "eager"
         applied = 0
+        # No round is undone here when its checks fail (`_forget_failed`): the next round has compressed
+        # on top of it by then, and a challenge is answered from another thread than the training's.
+        self._before_round.clear()
         restarted = self._answer_restarted(progress, self.chain.latest_round(self.settings.epoch))
         try:
             while True:
@@ -470,6 +483,8 @@ class HostNode:
                 held.state == pb.SubmissionStatus.FAILED:
             return False
         if kept.has_state:
+            if self._challengeable:  # should its checks fail yet, the residual goes back to this
+                self._before_round[round_] = self.rounds.snapshot()
             try:
                 self.rounds.load_state_dict(self.store.load_sent_state(round_))
             except RigError as exc:
@@ -528,8 +543,10 @@ class HostNode:
             except SubmitRejected as exc:
                 if exc.reason == "DUPLICATE":
                     # An earlier upload of this host landed: its receipt was lost in transit, or this
-                    # process restarted after uploading. The aggregator holds it; count it as accepted.
-                    return True, "DUPLICATE"
+                    # process restarted after uploading. The aggregator holds it; count it as accepted,
+                    # unless it failed its checks (a restarted host whose kept round was not adopted):
+                    # then it is no submission, and this round's training is undone like a refusal's.
+                    return self._duplicate(info)
                 if exc.reason == "LATE":  # DEADLINE_EXCEEDED, yet final: the round closed without us
                     return False, f"LATE: {exc.message}"
                 if exc.code not in RETRYABLE and exc.reason != "UNAVAILABLE":
@@ -538,6 +555,15 @@ class HostNode:
             self.sleep(delay)
             delay = min(delay * 2, 30.0)
         return False, f"gave up after {self.settings.submit_attempts} attempts"
+
+    def _duplicate(self, info: pb.RoundInfo) -> tuple[bool, str]:
+        try:
+            held = self.aggregator.submission(info.epoch, info.round, self.host_bytes)
+        except grpc.RpcError:  # not known now: as before, the aggregator holds a payload of ours
+            return True, "DUPLICATE"
+        if held.state == pb.SubmissionStatus.FAILED:
+            return False, f"DUPLICATE of a payload that failed its checks: {held.message}"
+        return True, "DUPLICATE"
 
     def _submit_checked(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
         """`_submit`, then the checks' verdict an eager host's next forecast depends on: a receipt says
@@ -608,17 +634,43 @@ class HostNode:
         while self.chain.latest_round(self.settings.epoch) < info.round:
             answered = answered or self._answer_challenge(info, progress)
             self.sleep(self.settings.poll_s)
+        if not answered:  # final before this host heard the checks' verdict: it still decides e_{r−1}
+            self._check_failed(info, progress)
+        self._before_round.pop(info.round, None)
         return None
+
+    def _check_failed(self, info: pb.RoundInfo, progress: Progress) -> None:
+        try:
+            status = self.aggregator.submission(info.epoch, info.round, self.host_bytes)
+        except grpc.RpcError:  # unknown: the residual stays (a mismatch later costs an opening, not stake)
+            return
+        if status.state == pb.SubmissionStatus.FAILED:
+            self._forget_failed(info.round, progress, status)
+
+    def _forget_failed(self, round_: int, progress: Progress, status: pb.SubmissionStatus) -> None:
+        """Round `round_`'s payload got a receipt, then failed its checks: it is no submission (the
+        aggregator's e_{r−1} is the residual after the host's last *checked* one), so the round leaves no
+        trace, as a refused one: the worker state goes back to before it and its root is forgotten."""
+        before = self._before_round.pop(round_, None)
+        if before is not None:
+            self.rounds.load_state_dict(before)
+        progress.submitted.pop(str(round_), None)
+        progress.residual_roots.pop(str(round_), None)
+        self.events.note(f"round {round_}: its payload failed the aggregator's checks "
+                         f"({common.RejectReason.Name(status.reason).removeprefix('REJECT_')}: {status.message}); "
+                         "the round is undone" + ("" if before is not None else " (no state before it was kept)"))
 
     def _await_closing(self, round_: int, progress: Progress) -> None:
         """`_await_verdict` for a round this host submitted to that is no longer open and not yet final
         (the host restarted meanwhile: it may be challenged now). What the opening's header binds is
-        the chain's (its id, the registry); the round's chunk limit is not known here: 1 MiB."""
+        the chain's (its id, the registry); the chunk limit is the one of the last round this host
+        opened (`Progress.max_chunk_bytes`)."""
         deployment = self.chain.deployment
         if str(round_) not in progress.submitted or deployment is None:
             return
         info = pb.RoundInfo(chain_id=self.chain.chain_id, registry=bytes.fromhex(deployment.registry.removeprefix("0x")),
-                            epoch=self.settings.epoch, round=round_)
+                            epoch=self.settings.epoch, round=round_,
+                            limits=pb.Limits(max_chunk_bytes=progress.max_chunk_bytes))
         self._await_verdict(info, progress)
 
     @functools.cached_property
@@ -677,7 +729,8 @@ class HostNode:
         answer = self._challenge_answerer(newest, None, progress)
         assert answer is not None  # _opens_kept_state: the codec opens its residual
         info = pb.RoundInfo(chain_id=self.chain.chain_id, registry=bytes.fromhex(deployment.registry.removeprefix("0x")),
-                            epoch=self.settings.epoch, round=newest)
+                            epoch=self.settings.epoch, round=newest,
+                            limits=pb.Limits(max_chunk_bytes=progress.max_chunk_bytes))
         stop = threading.Event()
 
         def ask() -> None:
@@ -699,6 +752,8 @@ class HostNode:
             return False
         if status.state in (pb.SubmissionStatus.PENDING, pb.SubmissionStatus.CHECKED):
             return False
+        if status.state == pb.SubmissionStatus.FAILED:
+            self._forget_failed(info.round, progress, status)
         if status.state != pb.SubmissionStatus.CHALLENGED:
             return True
         layout = commitment_layout(self._spec, get_codec(self.recipe.codec))
@@ -717,16 +772,20 @@ class HostNode:
     ) -> None:
         """Upload the opening over the host's link; an outage is retried while the deadline allows, a
         refusal is logged (one line) and final."""
-        delay = self.settings.backoff_s
+        delay, retry = self.settings.backoff_s, False
         while True:
             try:
-                receipt = self.aggregator.open_residual(header, body, info.limits.max_chunk_bytes or (1 << 20))
+                receipt = self.aggregator.open_residual(header, body, info.limits.max_chunk_bytes or OPENING_CHUNK)
             except SubmitRejected as exc:
                 outage = exc.code in RETRYABLE or exc.reason == "UNAVAILABLE"
                 if outage and time.time() + delay < deadline_ms / 1000:
                     self.sleep(delay)
-                    delay = min(delay * 2, 30.0)
+                    delay, retry = min(delay * 2, 30.0), True
                     continue
+                if retry and exc.reason == "NOT_CHALLENGED" and self._opened(info):
+                    self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
+                                     f"({len(body)} bytes, stored by an earlier attempt)")
+                    return
                 self.events.note(f"round {info.round}: the opening of its residual was refused: "
                                  f"{exc.reason or exc.code.name}: {exc.message}")
                 return
@@ -737,6 +796,14 @@ class HostNode:
             self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
                              f"({len(body)} bytes)")
             return
+
+    def _opened(self, info: pb.RoundInfo) -> bool:
+        """Whether the aggregator stored this host's opening of the round (an attempt whose answer was lost)."""
+        try:
+            return self.aggregator.submission(info.epoch, info.round, self.host_bytes).state == \
+                pb.SubmissionStatus.OPENED
+        except grpc.RpcError:
+            return False
 
     def _reward(self, round_: int) -> int:
         mine = self._contribution(round_)

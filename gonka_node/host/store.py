@@ -59,6 +59,9 @@ class Progress:
     # round -> the residual root (hex) signed with its accepted payload: e_{r−1}'s root in round r's
     # opening is the one of the host's last submitted round (docs/PROTOCOL.md "Challenge and opening")
     residual_roots: dict[str, str] = field(default_factory=dict)
+    # the chunk limit (bytes) of the last round this host took part in: a host restarted while its round
+    # closes opens with it (0: not known, OPENING_CHUNK)
+    max_chunk_bytes: int = 0
 
     @property
     def outer_in_sync(self) -> bool:

@@ -24,6 +24,7 @@ from gonka_node.core.client import SubmitRejected
 from gonka_node.core.opening import challenge, decode_body, record_of
 from gonka_node.core.recipe import Recipe
 from gonka_node.host.events import HostEvents
+from gonka_node.host.follow import GlobalModel
 from gonka_node.host.node import HostNode
 from gonka_node.host.opening import sample_settings
 from gonka_node.host.rig_round import LocalRounds, RigError, RigOptions, RigRounds, make_worker
@@ -83,12 +84,16 @@ class Trained:
     delta: dict[str, Tensor]  # round 2's pseudo-gradient as the host trained it
     payload: bytes  # round 2's
     sample: tuple[int, ...]  # the seed's sample for this host and round 2
+    gm: GlobalModel  # the held global model (rounds 3 and 4 train from it too)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     tmp = tmp_path_factory.mktemp("opening")
-    world = base.build_world(tmp, replay_probability=0.0, codec=TOPK, inner_steps=4, n_rounds=3)
+    # a sample minimum of 3 of the tiny model's 31 chunks: a sample is a strict subset, so one drawn for
+    # another seed, round or host is another set of chunks
+    world = base.build_world(tmp, replay_probability=0.0, codec=TOPK, inner_steps=4, n_rounds=4,
+                             residual_sample_min=3 * 4096)
     notes = Notes()
     node = base.make_node(world, 1, "127.0.0.1:9", tmp / "host1", events=notes)  # no aggregator is asked
     gm, progress = node._prepare()
@@ -107,7 +112,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     sample = challenge(SEED, 2, node.host_bytes, layout, *sample_settings(world.recipe))
     info = pb.RoundInfo(chain_id=world.deployment.chain_id, registry=bytes.fromhex(world.deployment.registry[2:]),
                         epoch=world.epoch, round=2)
-    return Trained(node, notes, progress, info, layout, delta, second.payload, sample)
+    return Trained(node, notes, progress, info, layout, delta, second.payload, sample, gm)
 
 
 def challenged(sample: tuple[int, ...]) -> pb.SubmissionStatus:
@@ -149,9 +154,14 @@ def test_the_opening_verifies_against_the_signed_roots_and_reproduces_the_traine
 
 def test_a_challenge_that_is_not_the_seeds_sample_is_not_answered(trained: Trained) -> None:
     t = trained
-    # (The tiny model's 31 chunks hold fewer elements than the sample's minimum: every seed samples them all.)
+    settings = sample_settings(t.node.recipe)
+    other_host = b"\x42" * 20
     others = (t.sample[:-1],  # one chunk short
-              (*t.sample[1:], t.layout.n_chunks))  # one swapped for a chunk the layout does not have
+              (*t.sample[1:], t.layout.n_chunks),  # one swapped for a chunk the layout does not have
+              challenge(SEED, 2, other_host, t.layout, *settings),  # another host's sample
+              challenge(SEED, 1, t.node.host_bytes, t.layout, *settings),  # another round's
+              challenge(b"\x12" * 32, 2, t.node.host_bytes, t.layout, *settings))  # another seed's
+    assert len(t.sample) == 3 < t.layout.n_chunks and all(set(o) != set(t.sample) for o in others)
     for chunks in others:
         agg = Challenger(challenged(chunks))
         [line] = answer(t, agg)
@@ -185,8 +195,34 @@ def test_a_host_keeps_asking_until_challenged_or_settled(trained: Trained) -> No
                            (pb.SubmissionStatus.OPENED, True), (pb.SubmissionStatus.FAILED, True)):
         agg = Challenger(pb.SubmissionStatus(state=state))
         t.node.aggregator = agg  # type: ignore[assignment]
-        assert t.node._answer_challenge(t.info, t.progress) is settled
+        progress = copy.deepcopy(t.progress)
+        assert t.node._answer_challenge(t.info, progress) is settled
         assert agg.opened == []
+        # FAILED: no submission; the round's root is forgotten (e_{r−1} of the next is the one before)
+        assert ("2" in progress.residual_roots) is (state != pb.SubmissionStatus.FAILED)
+
+
+class Retried(Challenger):
+    """The first attempt's answer is lost (UNAVAILABLE) though it was stored; the retry is NOT_CHALLENGED."""
+
+    def open_residual(self, header: pb.OpeningHeader, body: bytes, chunk: int) -> pb.OpeningReceipt:
+        self.opened.append((header, body, chunk))
+        if len(self.opened) == 1:
+            self.status = pb.SubmissionStatus(state=pb.SubmissionStatus.OPENED)
+            raise SubmitRejected(grpc.StatusCode.UNAVAILABLE, "", "connection reset", None)
+        raise SubmitRejected(grpc.StatusCode.FAILED_PRECONDITION, "NOT_CHALLENGED", "already stored", None)
+
+
+def test_a_retry_refused_as_not_challenged_finds_its_first_attempt_stored(trained: Trained) -> None:
+    t = trained
+    agg, sleep = Retried(challenged(t.sample)), t.node.sleep
+    t.node.sleep = lambda _s: None
+    try:
+        [line] = answer(t, agg)
+    finally:
+        t.node.sleep = sleep
+    assert len(agg.opened) == 2 and line.startswith("round 2: challenged; opened 3 chunks of its residual (") \
+        and line.endswith("bytes, stored by an earlier attempt)")
 
 
 def test_a_rig_opens_the_union_of_its_processes_residuals(tmp_path: Path) -> None:
@@ -273,12 +309,12 @@ def test_a_host_restarted_while_its_round_closes_still_answers_its_challenge(tra
     t.node.aggregator = agg  # type: ignore[assignment]
     try:
         t.node.chain = Closing(real, polls=8)  # type: ignore[assignment]
-        t.node._await_closing(2, t.progress)
+        t.node._await_closing(2, replace(t.progress, max_chunk_bytes=1000))  # the round's limit, recorded
         assert t.node.chain.looked == 9  # type: ignore[attr-defined]  # until final
         [(header, _, chunk)] = agg.opened  # answered once, though polled on
         assert (header.chain_id, header.registry, header.epoch, header.round) == (
             t.info.chain_id, t.info.registry, t.info.epoch, 2)
-        assert chunk == 1 << 20
+        assert chunk == 1000
         t.node.chain = Closing(real, polls=8)  # type: ignore[assignment]
         t.node._await_closing(3, t.progress)
         assert t.node.chain.looked == 0 and len(agg.opened) == 1  # type: ignore[attr-defined]
@@ -330,3 +366,53 @@ def test_an_overlapped_host_restarted_before_its_round_is_final_answers_from_a_t
     previous, current = decode_body(body, t.sample)
     assert verify_opening(roots[0], previous, t.layout, t.sample) and verify_opening(roots[1], current, t.layout, t.sample)
     assert twin._answer_restarted(t.progress, latest=2) is None
+
+
+class Duplicate:
+    """An aggregator holding this host's round-3 payload already (DUPLICATE), whose checks it failed."""
+
+    target = "127.0.0.1:9"
+
+    def submit(self, *args: object, **kwargs: object) -> pb.Receipt:
+        raise SubmitRejected(grpc.StatusCode.ALREADY_EXISTS, "DUPLICATE", "already submitted", None)
+
+    def submission(self, epoch: int, round_: int, host: bytes) -> pb.SubmissionStatus:
+        return pb.SubmissionStatus(state=pb.SubmissionStatus.FAILED, message="norm too large")
+
+
+def test_a_failed_round_is_undone_and_the_next_challenge_opens_against_the_round_before(trained: Trained) -> None:
+    """(Last: it trains rounds 3 and 4 on the module's host.) Round 3 gets a receipt, then FAILS its
+    checks: the host undoes it (worker state and root), so round 4's opening signs e_{r−1} = e_2 under
+    round 2's root — the aggregator's rule, the residual after the host's last *checked* payload — and it
+    verifies. A restarted host's DUPLICATE of a failed payload is not counted as accepted either."""
+    t, node = trained, trained.node
+    progress = copy.deepcopy(t.progress)
+    info = {r: replace_round(t.info, r) for r in (3, 4)}
+    before = node.rounds.snapshot()
+    third = node._train(3, t.gm, progress)
+    node.aggregator = Duplicate()  # type: ignore[assignment]
+    assert node._submit(info[3], third.payload, 1) == (False, "DUPLICATE of a payload that failed its checks: "
+                                                              "norm too large")
+    node._record_accepted(3, third.payload, progress)
+    node._before_round[3] = before
+    assert node._answer_challenge(info[3], progress)  # FAILED: settled, and undone
+    assert "3" not in progress.submitted and "3" not in progress.residual_roots
+    assert residual_root(node.rounds.residuals()[1], t.layout).hex() == progress.residual_roots["2"]
+    fourth = node._train(4, t.gm, progress)
+    node._record_accepted(4, fourth.payload, progress)
+    sample = challenge(SEED, 4, node.host_bytes, t.layout, *sample_settings(node.recipe))
+    agg = Challenger(challenged(sample))
+    node.aggregator = agg  # type: ignore[assignment]
+    assert node._answer_challenge(info[4], progress)
+    [(header, body, _)] = agg.opened
+    assert header.previous_root.hex() == progress.residual_roots["2"] != third.residual_root.hex()
+    previous, current = decode_body(body, sample)
+    assert verify_opening(header.previous_root, previous, t.layout, sample)
+    assert verify_opening(fourth.residual_root, current, t.layout, sample)
+
+
+def replace_round(info: pb.RoundInfo, round_: int) -> pb.RoundInfo:
+    out = pb.RoundInfo()
+    out.CopyFrom(info)
+    out.round = round_
+    return out

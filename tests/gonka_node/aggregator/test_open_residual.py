@@ -225,3 +225,70 @@ def test_each_refused_opening_names_its_reason_and_stores_nothing(challenged: Ch
     code, reason, message = refused(lambda: c.client.open_residual(c.header(host, body), body, 1000))
     assert (code, reason) == (S.DEADLINE_EXCEEDED, "LATE") and "was due by" in message
     assert c.nothing_stored(host)
+
+
+def test_an_opening_still_streaming_is_a_retryable_refusal_and_the_zero_root_is_off_the_loop(
+        challenged: Challenged, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose first stream broke on its side (the server has not seen it end) retries: that retry
+    hears UNAVAILABLE, which the host retries until the deadline, not the final NOT_CHALLENGED; once the
+    opening is stored, another is NOT_CHALLENGED. The zero residual's root (this host's e_{r−1}) is
+    computed in a worker thread, never on the server's event loop."""
+    import asyncio
+    import threading
+
+    from gonka_node.aggregator import challenges
+    on_loop: list[bool] = []
+    real_zero_root = challenges.zero_root
+
+    def zero_root_seen(layout: ChunkLayout) -> bytes:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real_zero_root(layout)
+
+    monkeypatch.setattr(challenges, "zero_root", zero_root_seen)
+    challenges._zero_root.cache_clear()
+    c, host = challenged, challenged.h.hosts[2]
+    body = c.body(host)
+    go_on = threading.Event()
+
+    def stalled() -> Iterator[pb.OpeningRequest]:
+        yield pb.OpeningRequest(header=c.header(host, body))
+        yield pb.OpeningRequest(chunk=body[:100])
+        go_on.wait(30)  # the host's link is down: nothing more for now
+        yield pb.OpeningRequest(chunk=body[100:])
+
+    first = c.client.stub.OpenResidual.future(stalled(), timeout=30)
+    try:
+        until = time.monotonic() + 20
+        while host.address not in c.server.engine.openings._in_flight:
+            assert time.monotonic() < until
+            time.sleep(0.02)
+        code, reason, message = refused(lambda: c.client.open_residual(c.header(host, body), body, 1000))
+        assert (code, reason) == (S.UNAVAILABLE, "UNAVAILABLE") and "still streaming" in message
+    finally:
+        go_on.set()
+    assert first.result().accepted
+    assert on_loop == [False]  # computed once, in a thread
+    assert refused(lambda: c.client.open_residual(c.header(host, body), body, 1000))[:3] == (
+        S.FAILED_PRECONDITION, "NOT_CHALLENGED", f"the host's opening of round {c.info.epoch}/{c.info.round} is "
+                                                 "already stored")
+
+
+def test_a_picked_host_that_left_is_not_waited_for(challenged: Challenged) -> None:
+    """Two of the three picked hosts open; the third leaves the epoch: the close does not wait out the
+    10-minute deadline for it (it is excluded as departed whatever it would open)."""
+    c = challenged
+    for host in c.h.hosts[:2]:
+        body = c.body(host)
+        assert c.client.open_residual(c.header(host, body), body, 1000).accepted
+    gone = c.h.hosts[2]
+    c.h.world.client(gone.index).leave(c.info.epoch)
+    store, until = c.server.engine.store, time.monotonic() + 60
+    while (row := store.get_round(c.info.epoch, c.info.round)) is not None and row.state == "open":
+        assert time.monotonic() < until, "the close still waits for the host that left"
+        time.sleep(0.1)
+    reasons = {bytes(k.host): k.reasons for k in store.contributions(c.info.epoch, c.info.round)}
+    assert any("no longer signed in" in why for why in reasons[gone.address])
