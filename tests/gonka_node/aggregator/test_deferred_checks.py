@@ -7,9 +7,11 @@ for pending checks, and the pool never decodes more payloads at once than it has
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -300,3 +302,117 @@ def test_checks_run_on_named_threads_below_the_transport_and_are_counted_out_whe
     assert asyncio.run(scenario()) == 0
     assert len(seen) == 3
     assert all(name.startswith("check_") and nice == min(ours + CHECK_NICE, 19) for name, nice in seen)
+
+
+def pool_rows(n: int) -> list[SubmissionRow]:
+    return [SubmissionRow(1, 1, bytes([i]) * 20, bytes(32), 1, 0, 0, b"", 0, 0.0, b"", "") for i in range(n)]
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "the checks never got there"
+        await asyncio.sleep(0.01)
+
+
+def test_drain_waits_for_the_last_check_of_a_round_when_another_ended_first() -> None:
+    """Two checks of a round: the second still runs when the first ends, so the round has one pending
+    and `drain` (what the close waits on) returns only once the second has recorded its verdict."""
+    gates = [threading.Event(), threading.Event()]
+    seen: list[bytes] = []
+
+    def check(row: SubmissionRow) -> None:
+        assert gates[row.host[0]].wait(30)
+        seen.append(row.host)
+
+    async def scenario() -> tuple[int, bool, list[bytes]]:
+        pool = CheckPool(2, check)
+        for r in pool_rows(2):
+            pool.schedule(r)
+        await until(lambda: pool.running == 2)
+        gates[0].set()
+        await until(lambda: pool.running == 1)
+        await asyncio.sleep(0.05)  # the first one's completion reaches the loop
+        pending = pool.pending(1, 1)
+        drain = asyncio.ensure_future(pool.drain(1, 1))
+        await asyncio.sleep(0.2)
+        drained_early = drain.done()
+        gates[1].set()
+        await asyncio.wait_for(drain, 10)
+        pool.close()
+        return pending, drained_early, list(seen)
+
+    assert asyncio.run(scenario()) == (1, False, [bytes([0]) * 20, bytes([1]) * 20])
+
+
+def test_closing_the_pool_drops_the_queued_checks_and_waits_for_the_running_one() -> None:
+    """At shutdown the queued checks are dropped (their rows stay pending for a restart) and the one
+    running finishes before `close` returns (the store it writes to is closed after)."""
+    gate, seen = threading.Event(), []
+
+    def check(row: SubmissionRow) -> None:
+        assert gate.wait(30)
+        seen.append(row.host)
+
+    async def scenario() -> tuple[bool, list[bytes]]:
+        pool = CheckPool(1, check)
+        for r in pool_rows(3):
+            pool.schedule(r)
+        await until(lambda: pool.running == 1)
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        await asyncio.sleep(0.2)
+        returned_early = not closer.is_alive()
+        gate.set()
+        closer.join(10)
+        return returned_early, list(seen)
+
+    assert asyncio.run(scenario()) == (False, [bytes([0]) * 20])
+
+
+def test_a_check_that_fails_for_the_aggregator_is_logged_with_its_host_and_a_passing_one_is_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def check(row: SubmissionRow) -> None:
+        if row.host[0] == 1:
+            raise OSError("disk full")
+
+    async def scenario() -> None:
+        pool = CheckPool(2, check)
+        for r in pool_rows(3):
+            pool.schedule(r)
+        await pool.drain(1, 1)
+        pool.close()
+
+    with caplog.at_level(logging.ERROR, logger="gonka_node.aggregator.deferred"):
+        asyncio.run(scenario())
+    assert [r.getMessage() for r in caplog.records if r.name == "gonka_node.aggregator.deferred"] == [
+        f"checking the payload of 0x{'01' * 20} in round 1/1 failed: OSError('disk full')"
+    ]
+
+
+@pytest.mark.parametrize("refusal", ["OSError", "AttributeError"])
+def test_checks_still_run_where_a_threads_priority_cannot_be_lowered(
+    refusal: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the OS refuses a thread its own nice value (an unprivileged container, a platform whose
+    thread ids are no process ids) or has no `setpriority` (Windows), the checks run at the normal one."""
+    if refusal == "OSError":
+
+        def refuse(which: int, who: int, prio: int) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "setpriority", refuse)
+    else:
+        monkeypatch.delattr(os, "setpriority")
+    seen: list[bytes] = []
+
+    async def scenario() -> None:
+        pool = CheckPool(2, lambda row: seen.append(row.host))
+        for r in pool_rows(2):
+            pool.schedule(r)
+        await pool.drain(1, 1)
+        pool.close()
+
+    asyncio.run(scenario())
+    assert sorted(seen) == [bytes([0]) * 20, bytes([1]) * 20]
