@@ -180,6 +180,19 @@ def test_replay_comparison_measures_direction_and_length(windows: Windows, base:
     assert cos2 < 0.9999
 
 
+def test_replay_comparison_replays_the_assignment_the_beacon_decided(
+    windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    """Where the recipe mixes the post-sign-in beacon into the window assignment, the replay trains on
+    the windows the host was assigned under that beacon, not those of the epoch seed alone."""
+    beacon = b"\x42" * 32
+    data = ReplayData(model, INNER, windows, SEED, SLOTS, beacon=lambda: beacon)
+    own = replay_round(model(), INNER, windows, Assignment(SEED, 2, SLOTS, beacon), 1, base)
+    assert replay_comparison(data, 1, 2, base, own) == (pytest.approx(1.0, abs=1e-12), 1.0)
+    cos, _ = replay_comparison(ReplayData(model, INNER, windows, SEED, SLOTS), 1, 2, base, own)
+    assert cos < 0.99  # the beacon's windows are not the epoch seed's
+
+
 def trained_on(batch: tuple[torch.Tensor, torch.Tensor], base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What a host that trained on `batch` (not its assignment) sends: Δ = θ_base − θ_local."""
     m = model()
