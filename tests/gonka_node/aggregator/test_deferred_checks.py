@@ -19,11 +19,14 @@ import torch
 from engine_kit import REWARD, Kit, chunks, payload, update
 from eth_utils import to_checksum_address
 from test_engine_close import row, stepped, submit_all
+from test_shard_round import fragment_payload, shard_engine
 
 from gonka_node.aggregator.deferred import CHECK_NICE, CheckPool
 from gonka_node.aggregator.engine_types import SignedReceipt
+from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.shard import LocalExchange
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.slashing import KIND_GARBAGE
@@ -86,6 +89,7 @@ def test_a_receipt_then_a_kill_before_the_checks_loses_nothing(kit: Kit) -> None
 
 def test_a_payload_that_fails_a_deferred_check_is_excluded_from_the_aggregate_and_the_rewards(kit: Kit) -> None:
     e = kit.engine()
+    e.metrics = metrics = PrometheusMetrics()
     ep = kit.world.epoch
     ups = [update(30), update(31)]
     for i, u in enumerate(ups):
@@ -113,6 +117,8 @@ def test_a_payload_that_fails_a_deferred_check_is_excluded_from_the_aggregate_an
     assert (ev.kind, ev.host, ev.detail) == (
         KIND_GARBAGE, to_checksum_address(cheat.address), f"NORM_TOO_LARGE: {failed.check_message}")
     assert (kit.evidence.root / ev.payload_file).read_bytes() == HUGE
+    # the operator's count of uploads by outcome has the decode-time reason (docs: aggregator/metrics.py)
+    assert metrics.registry.get_sample_value("gonka_aggregator_submissions_total", {"outcome": "NORM_TOO_LARGE"}) == 1
 
 
 def test_the_close_waits_for_every_pending_check(kit: Kit) -> None:
@@ -202,6 +208,7 @@ def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: 
         return original(part, round_)
 
     again._check = check  # type: ignore[method-assign]
+    again.metrics = metrics = PrometheusMetrics()
     for _ in range(4):  # each tick queues the pending checks again and waits for them
         kit.clock.ms += 100
         kit.run(again.tick())
@@ -214,6 +221,7 @@ def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: 
     assert flaky_row is not None and "could not check this payload (OSError); send it again" in flaky_row.check_message
     assert [s.host for s in again.store.submissions(ep, 1)] == [kit.hosts[2].address]
     assert not [p for p in (kit.tmp / "evidence").rglob("*") if p.is_file()]  # ours, not the host's: no evidence
+    assert metrics.registry.get_sample_value("gonka_aggregator_submissions_total", {"outcome": "UNAVAILABLE"}) == 2
 
 
 def unchecked_then_restarted(kit: Kit, seed: int) -> RoundEngine:
@@ -416,3 +424,20 @@ def test_checks_still_run_where_a_threads_priority_cannot_be_lowered(
 
     asyncio.run(scenario())
     assert sorted(seen) == [bytes([0]) * 20, bytes([1]) * 20]
+
+
+def test_each_shard_sketches_its_fragment_where_it_sits_in_the_whole_update(kit: Kit) -> None:
+    """A shard's deferred check sketches its fragment at the fragment's coordinates in the whole
+    update, so the shards' sketches of a host's fragments sum to the sketch of its whole update (what
+    the copy check compares across hosts)."""
+    exchange = LocalExchange()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    u, host = update(90), kit.hosts[0]
+    whole = count_sketch(u)
+    parts = []
+    for s in shards:
+        assert kit.submit(s, host, fragment_payload(u, s)).body.accepted
+        stored = s.store.submission(kit.world.epoch4, 1, host.address)
+        assert stored is not None and stored.check_state == "checked"
+        parts.append(torch.frombuffer(bytearray(stored.sketch), dtype=whole.dtype))
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=1e-7)
