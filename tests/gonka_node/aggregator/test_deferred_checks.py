@@ -25,7 +25,7 @@ from gonka_node.aggregator.deferred import CHECK_NICE, CheckPool
 from gonka_node.aggregator.engine_types import SignedReceipt
 from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.reasons import Reason
-from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.rounds import DECODE_SLOTS, RoundEngine
 from gonka_node.aggregator.shard import LocalExchange
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
@@ -441,3 +441,30 @@ def test_each_shard_sketches_its_fragment_where_it_sits_in_the_whole_update(kit:
         assert stored is not None and stored.check_state == "checked"
         parts.append(torch.frombuffer(bytearray(stored.sketch), dtype=whole.dtype))
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=1e-7)
+
+
+def test_the_engine_decodes_at_most_its_decode_slots_payloads_at_once(kit: Kit) -> None:
+    """The engine's own pool bounds the payloads held decoded at once (memory: slots × a tensor),
+    whatever the backlog of stored payloads waiting for their checks."""
+    e = kit.engine()
+    gate = threading.Event()
+
+    def check(part: Path, round_: int) -> tuple[float, bytes]:
+        assert gate.wait(30)
+        return 0.0, b""
+
+    e._check = check  # type: ignore[method-assign]
+    backlog = [SubmissionRow(kit.world.epoch, 1, bytes([i]) * 20, bytes(32), 1, 0, 0, b"", 0, 0.0, b"",
+                             str(kit.tmp / f"p{i}"), "") for i in range(DECODE_SLOTS + 2)]
+
+    async def scenario() -> tuple[int, int]:
+        for r in backlog:
+            e.checks.schedule(r)
+        await until(lambda: e.checks.running == DECODE_SLOTS)
+        await asyncio.sleep(0.2)  # time for one more to start, were the bound broken
+        running = e.checks.running
+        gate.set()
+        await e.checks.drain(kit.world.epoch, 1)
+        return running, e.checks.peak
+
+    assert kit.run(scenario()) == (DECODE_SLOTS, DECODE_SLOTS)
