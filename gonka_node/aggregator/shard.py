@@ -226,6 +226,12 @@ def payload_key(host: bytes) -> str:
     return f"payload-{host.hex()}"
 
 
+def payload_host(key: str) -> bytes:
+    """The host whose fragment payload `key` names (a key a BLOB message carries other than `BASE_KEY`:
+    its envelope holds it to `payload_key`'s form)."""
+    return bytes.fromhex(key.removeprefix("payload-"))
+
+
 BASE_KEY = "base"  # the exchange key of a shard's fragment of the round's base model
 
 

@@ -12,6 +12,9 @@ registry, epoch or shard count, a sender outside the epoch, a round the receiver
 a round ahead of it, a body over the limit; when its signature does not verify under the sender's node
 key; when holding it would put its sender over its quota for the round (`shard_quota`: slots and bytes
 held or still streaming, reserved before a body byte is read, so concurrent Puts cannot race past it);
+when it is a payload blob of a host this shard holds no payload of in that round (an honest shard sends
+only the picked hosts' blobs, and the verifier uses only those of hosts every shard holds, so a peer
+cannot hold a blob under a key of its choosing: at most one per host that uploaded here);
 when its body runs past or falls short of the signed length or does not hash to the signed digest
 (`shard_receive` streams it to a temporary file beside its slot), or names another round or shard; when
 a verdict comes from anyone but the verifier (shard 0) or differs from the verdict held; and when its
@@ -35,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gonka_node.aggregator.shard import FragmentReport, Verdict
+from gonka_node.aggregator.shard import BASE_KEY, FragmentReport, Verdict, payload_host
 from gonka_node.aggregator.shard_evidence import ONE_PER_SLOT, SignedPart, equivocation, write_evidence
 from gonka_node.aggregator.shard_quota import QuotaRule, over_quota
 from gonka_node.aggregator.store import RoundRow
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 VERIFIER = 0  # the shard that decides the verdict
 CLOSED = ("finalized", "skipped")
 DEFAULT_MAX_BODY_BYTES = 4 << 30  # a blob is a host's fragment payload or a base fragment
+HoldsPayload = Callable[[int, int, bytes], bool]  # (epoch, round, host) -> whether this shard stored its payload
 
 
 class ShardReason(enum.Enum):
@@ -65,6 +69,7 @@ class ShardReason(enum.Enum):
     OVERSIZE = 11
     DIGEST_MISMATCH = 12
     QUOTA = 13
+    UNHELD_HOST = 14
 
 
 class ShardRefused(Exception):
@@ -111,10 +116,14 @@ class Inbox:
     def __init__(
         self, root: Path, me: ShardSelf, rounds: Callable[[int], Sequence[RoundRow]],
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, quota: QuotaRule | None = None,
+        holds_payload: HoldsPayload | None = None,
     ) -> None:
         """`quota(sender, round)`: what one peer may have this shard hold for a round (`shard_quota.
-        ShardBudget`); None: no quota beyond `max_body_bytes` per message (in-process tests only)."""
+        ShardBudget`); None: no quota beyond `max_body_bytes` per message (in-process tests only).
+        `holds_payload(epoch, round, host)`: whether this shard stored a payload of `host` in the round
+        (the store); None: a payload blob of any host is taken (in-process tests only)."""
         self.root, self.me, self.rounds, self.max_body_bytes, self.quota = root, me, rounds, max_body_bytes, quota
+        self.holds_payload = holds_payload
         self._lock = threading.Lock()  # one check-and-store at a time (the server's threads, the close)
         # Per (epoch, round, sender): the bodies held (file name -> bytes; read from disk once, then kept
         # by `settle`) and those still streaming (token -> file name, bytes): what its quota counts.
@@ -243,12 +252,21 @@ class Inbox:
         returns the token that `settle` or `release` gives back (ShardRefused OVERSIZE or QUOTA)."""
         with self._lock:  # with `settle`: a body moves from streaming to held without being missed
             self._forget_closed(h.epoch)
+            self._check_payload_host(h)
             pending = self._pending.setdefault((h.epoch, h.round, h.sender), {})
             if self.quota is not None:
                 self._check_quota(h, pending)
             token = next(self._tokens)
             pending[token] = (self.path(h).name, h.body_length)
         return token
+
+    def _check_payload_host(self, h: ShardMessage) -> None:
+        if h.kind != ShardKind.BLOB or h.key == BASE_KEY or self.holds_payload is None:
+            return
+        host = payload_host(h.key)
+        if not self.holds_payload(h.epoch, h.round, host):
+            raise ShardRefused(ShardReason.UNHELD_HOST, f"shard {self.me.index} holds no payload of 0x{host.hex()} "
+                               f"in round {h.epoch}/{h.round}: its blob is not needed here (yet)")
 
     def _check_quota(self, h: ShardMessage, pending: dict[int, tuple[str, int]]) -> None:
         assert self.quota is not None

@@ -40,6 +40,7 @@ STATUS: dict[ShardReason, grpc.StatusCode] = {
     ShardReason.OVERSIZE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ShardReason.DIGEST_MISMATCH: grpc.StatusCode.DATA_LOSS,
     ShardReason.QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ShardReason.UNHELD_HOST: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -256,5 +256,6 @@ def shard_exchange(
         return DirExchange(cfg.shard_exchange or cfg.data_dir.parent / "shard-exchange")
     me = ShardSelf(ctx.chain_id, ctx.registry, ctx.epoch, ctx.shard.index, ctx.shard.count)
     max_hosts = chain.call(chain.chain.get_epoch, ctx.epoch).spec.max_hosts  # what sizes a peer's quota
-    inbox = Inbox(cfg.data_dir / SHARD_MESSAGES_DIR, me, store.rounds, quota=ShardBudget.of(ctx, max_hosts))
+    inbox = Inbox(cfg.data_dir / SHARD_MESSAGES_DIR, me, store.rounds, quota=ShardBudget.of(ctx, max_hosts),
+                  holds_payload=lambda e, r, host: store.submission(e, r, host) is not None)
     return NetExchange(inbox, signer, ChainDirectory(chain, ctx.epoch))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
+
+from script_kit import load_script
 
 from chain.artifacts import load_artifact
 
@@ -13,11 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("build_contracts", REPO / "scripts" / "build_contracts.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("build_contracts")
 
 
 def test_committed_artifact_matches_source_and_a_stale_one_is_reported(tmp_path: Path) -> None:

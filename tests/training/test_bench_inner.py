@@ -3,27 +3,17 @@ preset, so a session lent a GPU can trust it in its one prepared device run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from script_kit import load_script
 
 from training.model import ModelConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_inner.py"
-
-
-def load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_inner", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_both_loops_run_and_mfu_follows_the_stated_formula(tmp_path: Path) -> None:
-    bench = load_script()
+    bench = load_script("bench_inner")
     out = tmp_path / "inner.json"
     assert bench.main(["--preset", "tiny", "--device", "cpu", "--steps", "2", "--repeats", "2", "--warmup", "1",
                        "--seq-len", "32", "--peak-tflops", "1.0", "--out", str(out)]) == 0
@@ -42,5 +32,5 @@ def test_both_loops_run_and_mfu_follows_the_stated_formula(tmp_path: Path) -> No
 
 def test_a_sequence_longer_than_the_preset_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        load_script().main(["--preset", "tiny", "--device", "cpu", "--seq-len", "4096"])
+        load_script("bench_inner").main(["--preset", "tiny", "--device", "cpu", "--seq-len", "4096"])
     assert "exceeds the tiny preset's max_seq_len 64" in capsys.readouterr().err

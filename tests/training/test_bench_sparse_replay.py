@@ -3,25 +3,14 @@ that the old dense comparison refuses, and refuses the cheats that skip training
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_sparse_replay.py"
-
-
-def load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_sparse_replay", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_sparse_replay"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from script_kit import load_script
 
 
 def test_honest_hosts_pass_on_sampled_chunks_and_skipping_or_scaling_fails(tmp_path: Path) -> None:
-    bench = load_script()
+    bench = load_script("bench_sparse_replay")
     out = tmp_path / "bench.json"
     lines: list[str] = []
     bench.main(["--out", str(out), "--codecs", "topk:chunk=4096,k=128,bits=2", "--decays", "0.9", "--rounds", "2",

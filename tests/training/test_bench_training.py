@@ -4,30 +4,14 @@ jobs give the same numbers as one process."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from script_kit import load_script
 from stdlib_corpus import write_small_corpus
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_training.py"
-
-
-def load_script():  # type: ignore[no-untyped-def]
-    # Registered under its name, with its folder on the path: dataclasses look their module up, and
-    # spawned --jobs workers import it by name to unpickle their task.
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_training", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_training"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(tmp_path: Path, name: str, *extra: str) -> dict[str, Any]:
@@ -39,7 +23,7 @@ def run(tmp_path: Path, name: str, *extra: str) -> dict[str, Any]:
     argv = ["--corpus", str(corpus), "--methods", "ddp", "--extra", "i8|int8:block=256|2|0.9|0.5",
             "--steps", "4", "--ddp-eval-every", "2", "--micro-batch", "2", "--workers", "2",
             "--eval-windows", "8", "--warmup", "1", "--out", str(out), *extra]
-    assert load_script().main(argv) == 0
+    assert load_script("bench_training").main(argv) == 0
     return json.loads(out.read_text())
 
 
@@ -63,7 +47,7 @@ def test_warm_start_shares_one_checkpoint_and_reports_progress(tmp_path: Path) -
 
 
 def test_continuation_reads_the_windows_after_the_pretraining(tmp_path: Path) -> None:
-    bench = load_script()
+    bench = load_script("bench_training")
     seen: list[int] = []
     windows_batches = bench.Windows.batches
 

@@ -3,25 +3,12 @@ reports are the real codecs' for the 1.2B shapes."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from script_kit import load_script
 
 from training.codecs import get_codec
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_wan.py"
-
-
-def load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_wan", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_wan"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def timing(bench, **kw):  # type: ignore[no-untyped-def]
@@ -31,7 +18,7 @@ def timing(bench, **kw):  # type: ignore[no-untyped-def]
 
 
 def test_without_overlap_a_round_waits_for_upload_close_download_and_apply() -> None:
-    bench = load_script()
+    bench = load_script("bench_wan")
     # 8/8 Mbit/s = 1 MB/s each way: 3 MB up and 2 MB down take 3 s and 2 s (less the 10 ms burst).
     got = bench.simulate("8/8", 3_000_000, 2_000_000, "off", timing(bench))
     round_s = 10 + 3 + 1 + 2 + 2  # compute, upload, close, download, apply
@@ -40,7 +27,7 @@ def test_without_overlap_a_round_waits_for_upload_close_download_and_apply() -> 
 
 
 def test_with_overlap_the_round_hides_what_fits_in_its_compute() -> None:
-    bench = load_script()
+    bench = load_script("bench_wan")
     fits = bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", timing(bench))  # 3 + 1 + 2 + 2 < 10 s
     assert fits["utilisation"] == 1.0
     # 9 s up + 1 s close + 2 s down + 2 s apply = 14 s > 10 s. By hand: rounds end at 10, 20, 34, 44, 58,
@@ -51,7 +38,7 @@ def test_with_overlap_the_round_hides_what_fits_in_its_compute() -> None:
 
 
 def test_the_reported_payloads_are_the_codecs_sizes_for_the_1b_shapes() -> None:
-    bench = load_script()
+    bench = load_script("bench_wan")
     spec = bench.llama_1b_spec()
     params = sum(math.prod(s) for s in spec.values())
     assert 1.23e9 < params < 1.24e9  # Llama-3.2-1B: 1,235,814,400

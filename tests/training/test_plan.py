@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from script_kit import load_script
 
 from training.model import ModelConfig
 from training.plan import (
@@ -59,11 +58,7 @@ def test_smaller_models_pick_the_cheapest_setting_that_fits() -> None:
 
 
 def test_plan_rig_script_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("plan_rig", Path(__file__).resolve().parents[2] / "scripts/plan_rig.py")
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    main = script.main
+    main = load_script("plan_rig").main
     assert main(["--preset", "30b", "--gpus", "8", "--gpu-mem-gb", "80", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True and out["preset"] == "30b" and out["gpus"] == 8

@@ -29,6 +29,7 @@ class ShardRefusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_OVERSIZE: _ClassVar[ShardRefusal]
     SHARD_DIGEST_MISMATCH: _ClassVar[ShardRefusal]
     SHARD_QUOTA: _ClassVar[ShardRefusal]
+    SHARD_UNHELD_HOST: _ClassVar[ShardRefusal]
 SHARD_KIND_UNSPECIFIED: ShardKind
 SHARD_REPORT: ShardKind
 SHARD_VERDICT: ShardKind
@@ -48,6 +49,7 @@ SHARD_NOT_PERMITTED: ShardRefusal
 SHARD_OVERSIZE: ShardRefusal
 SHARD_DIGEST_MISMATCH: ShardRefusal
 SHARD_QUOTA: ShardRefusal
+SHARD_UNHELD_HOST: ShardRefusal
 
 class ShardHelloRequest(_message.Message):
     __slots__ = ("epoch",)

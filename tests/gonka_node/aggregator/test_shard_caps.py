@@ -225,8 +225,30 @@ def test_the_quota_holds_what_an_honest_shard_sends(tmp_path: Path) -> None:
 
 
 def test_a_sender_refused_for_quota_sends_again_later() -> None:
-    """Its earlier Puts still streaming may end and give their bytes back; an oversized body will not."""
+    """Its earlier Puts still streaming may end and give their bytes back; an oversized body will not.
+    Nor is a blob of a host the receiver holds no payload of final: that host's upload may still land."""
     assert ShardReason.QUOTA not in FINAL and ShardReason.OVERSIZE in FINAL
+    assert ShardReason.UNHELD_HOST not in FINAL
+
+
+def test_a_payload_blob_is_held_only_for_a_host_whose_payload_the_receiver_holds(tmp_path: Path) -> None:
+    held_hosts: set[bytes] = {bytes.fromhex("a" * 40)}
+    peers, rows = Peers(), [_row(1)]
+    nodes = [ShardNode(tmp_path / f"s{i}", i, peers, rows, count=3, quota=lambda sender, round_: SMALL,
+                       holds_payload=lambda e, r, host: e == EPOCH and r == 1 and host in held_hosts).start()
+             for i in range(3)]
+    s0 = nodes[0]
+    try:
+        assert _put(s0, _header(b"p" * 600, 1, PAYLOAD_A))
+        # Under the key quota (3), yet a blob of a host that never uploaded here is not held; once its
+        # upload lands it is.
+        assert _refused(s0, _header(b"q" * 10, 1, PAYLOAD_B)) == ShardReason.UNHELD_HOST
+        held_hosts.add(bytes.fromhex("b" * 40))
+        assert _put(s0, _header(b"q" * 10, 1, PAYLOAD_B))
+        assert _put(s0, _header(b"b" * 300, 1))  # the base fragment is no host's
+    finally:
+        for n in nodes:
+            n.stop()
 
 
 def test_a_body_a_crash_left_half_received_is_removed_when_the_shard_starts_again(tmp_path: Path) -> None:
