@@ -111,6 +111,21 @@ def test_the_sample_is_a_pure_function_of_the_seed_and_stays_in_range() -> None:
         sample_chunks(b"seed-1", 100, 0.0, 4)
 
 
+def test_a_saved_error_feedback_restores_both_residuals_and_an_older_save_has_no_previous() -> None:
+    """A host restarted between its upload and the round's challenge still opens e_{r−1} and e_r: both
+    come back from its saved state (a save from before `previous` existed loads with none)."""
+    ef = ErrorFeedback(_topk(), decay=0.9)
+    ef.compress(_tensors(1))
+    ef.compress(_tensors(2))
+    again = ErrorFeedback(_topk(), decay=0.9)
+    again.load_state_dict(ef.state_dict())
+    for mine, theirs in ((again.residual, ef.residual), (again.previous, ef.previous)):
+        assert sorted(mine) == sorted(SPEC) and all(torch.equal(mine[n], theirs[n]) for n in SPEC)
+    older = {k: v for k, v in ef.state_dict().items() if k != "previous"}
+    again.load_state_dict(older)
+    assert again.previous == {} and all(torch.equal(again.residual[n], ef.residual[n]) for n in SPEC)
+
+
 def test_error_feedback_keeps_the_previous_residual_without_copying_it() -> None:
     ef = ErrorFeedback(_topk(), decay=0.9)
     ef.compress(_tensors(1))
