@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gonka_node.aggregator.replay import verdict
-from training.codecs import ErrorFeedback, HeaderError, TopKCodec, get_codec
+from training.codecs import ErrorFeedback, HeaderError, MalformedSectionError, TopKCodec, get_codec
 from training.residual_commit import (
     ChunkLayout,
     claimed_delta,
@@ -259,3 +259,11 @@ def test_owners_leaves_joined_in_layout_order_give_the_one_process_root() -> Non
     assert tensor_leaves({}, LAYOUT, "b") == tensor_leaves({"b": torch.zeros(100)}, LAYOUT, "b")  # absent: zero
     with pytest.raises(ValueError, match="at least one element"):
         root_of_leaves([])
+
+
+def test_the_residual_bound_of_a_malformed_part_is_refused_naming_its_tensor() -> None:
+    codec = _topk()
+    part = bytearray(codec.encode_tensor("b", _tensors(4)["b"]))
+    part[8:12] = struct.pack("<f", math.nan)  # the first chunk's lo scale, right after the element count
+    with pytest.raises(MalformedSectionError, match=r"tensor b has a non-finite or inconsistent chunk scale"):
+        codec.residual_bound(bytes(part), SPEC["b"], "b")
