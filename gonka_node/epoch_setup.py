@@ -116,6 +116,8 @@ def aggregator_context(
             f"epoch {info.epoch} replays hosts with probability {spec.replay_probability:g}, which needs a recipe "
             "with round_state = 'fresh' (with 'carry' a host's round depends on its private AdamW state)"
         )
+    if scoring:
+        check_openable(recipe, spec.replay_probability)
     checkpoints = TrainingCheckpoints()
     if not init_path.exists():
         initial_checkpoint(recipe, init_path)
@@ -162,7 +164,33 @@ def aggregator_context(
         recipe_json=recipe.canonical_json(),
         overlap=recipe.overlap,
         broadcast=recipe.broadcast,
+        ef_decay=recipe.ef_decay,
+        residual_sample=recipe.residual_sample,
+        residual_sample_min=recipe.residual_sample_min,
     )
+
+
+def check_openable(recipe: Recipe, p: float) -> None:
+    """A replayed (p > 0) epoch whose codec opens residuals (top-k: docs/PROTOCOL.md "Challenge and opening")
+    is judged on openings, built only where the aggregator holds their inputs: an overlapped host
+    compresses round r + 1 before round r's verdict (its e_{r−1} is gone), and a sharded epoch's verifier
+    would need every shard's openings. Governance refuses such an epoch, and so does an aggregator (its
+    dense replay would fail, and slash, every honest top-k host)."""
+    if p <= 0 or not _opens_residual(recipe.codec):
+        return
+    if recipe.overlap != "off":
+        raise RecipeError(f"overlap: a top-k epoch with replay probability {p:g} needs overlap = \"off\" (an "
+                          f"overlapped host compresses round r + 1 before round r's residual is opened)")
+    if recipe.shards > 1:
+        raise RecipeError(f"shards: a top-k epoch with replay probability {p:g} needs shards = 1 (a sharded "
+                          "verifier cannot check residual openings yet)")
+
+
+def _opens_residual(codec: str) -> bool:
+    try:
+        return get_codec(codec).opens_residual
+    except ValueError:  # an unknown codec: the spec's own check says so
+        return False
 
 
 def beacon_reader(read: Callable[[int], bytes], epoch: int) -> Callable[[], bytes]:

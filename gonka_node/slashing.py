@@ -10,7 +10,8 @@ The chain lets only governance slash, naming an `evidence_hash`. This module is 
    twice (another host's payload, or one's own from an earlier round, re-signed = copy/replay),
    near-copies excluded at close by sketch cosine — of the same round or an earlier one (both signed
    submissions are kept in the store) — and replay mismatches: updates the recomputation of the host's
-   own round does not reproduce (whoever votes can run the same replay from public inputs).
+   own round does not reproduce (whoever votes can run the same replay from public inputs); in a top-k
+   round with the host's signed residual opening it was judged on, kept beside the record.
 3. `evidence_hash` is the sha256 of a record's canonical JSON; the record is written to
    `<dir>/<hash>.json`, so whoever votes can fetch the file the chain names and re-check it.
 4. `challenge_all` applies the documented rule (`SLASHABLE`: the host's whole remaining stake) through
@@ -30,7 +31,7 @@ import re
 import shutil
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.replay import MISMATCH
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.core.envelope import Submission
+from gonka_node.core.opening import OpeningRecord
 
 # Evidence kinds and why each is proof: a signature over a digest that honest software never signs.
 KIND_COPY = "copy"  # signed a payload whose digest another host had signed earlier (any round)
@@ -52,6 +54,7 @@ KIND_GARBAGE = "garbage"  # signed a payload that fails decoding, shapes, finite
 KIND_REPLAY_MISMATCH = "replay_mismatch"
 GARBAGE_REASONS = (Reason.UNDECODABLE, Reason.WRONG_SHAPE, Reason.NON_FINITE, Reason.NORM_TOO_LARGE)
 SLASHABLE = (KIND_COPY, KIND_REPLAY, KIND_NEAR_COPY, KIND_GARBAGE, KIND_REPLAY_MISMATCH)
+OPENING_HEX = ("registry", "host", "previous_root", "residual_root", "body_sha256")  # an opening record's bytes
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class Evidence:
         return hashlib.sha256(self.canonical()).digest()
 
 
-def header_fields(sub: Submission) -> dict[str, Any]:
+def header_fields(sub: Submission | OpeningRecord) -> dict[str, Any]:
     return {
         k: (v.hex() if isinstance(v, bytes | bytearray) else v) for k, v in asdict(sub).items()
     }
@@ -89,7 +92,7 @@ def verify_evidence(ev: Evidence, node_key: bytes, evidence_dir: Path | None = N
     for name in ("registry", "host", "base_checkpoint_sha256", "payload_sha256", "residual_root"):
         h[name] = bytes.fromhex(h[name])
     sub = Submission(**h)
-    if not sub.verify(bytes.fromhex(ev.signature), node_key):
+    if not sub.verify(bytes.fromhex(ev.signature), node_key) or not _opening_holds(ev, sub, node_key, evidence_dir):
         return False
     if ev.payload_file and evidence_dir is not None:
         data = (evidence_dir / ev.payload_file).read_bytes()
@@ -170,8 +173,47 @@ def collect_evidence(store: Store, epoch: int, ident: RoundIdentity, log: Eviden
                     ref = _ref(source) if source is not None else None
                     log.add(_from_row(KIND_NEAR_COPY, by_host[c.host], row.base_sha256, ident, why, ref))
                 elif why.startswith(MISMATCH):
-                    log.add(_from_row(KIND_REPLAY_MISMATCH, by_host[c.host], row.base_sha256, ident, why, None))
+                    _add_mismatch(store, log, _from_row(KIND_REPLAY_MISMATCH, by_host[c.host], row.base_sha256,
+                                                        ident, why, None))
     return [e for e in log.records() if e.epoch == epoch]
+
+
+def _add_mismatch(store: Store, log: EvidenceLog, ev: Evidence) -> None:
+    """A replay mismatch; in a top-k round, with the host's signed opening it was judged on (its record
+    under `other` and its body kept beside the record), so a voter checks that the opening is the host's."""
+    opened = store.opening(ev.epoch, ev.round, bytes.fromhex(ev.header["host"]))
+    if opened is None:
+        log.add(ev)
+        return
+    name = f"{opened.body_sha256.hex()}.opening"
+    record = OpeningRecord(
+        chain_id=ev.header["chain_id"], registry=bytes.fromhex(ev.header["registry"]), epoch=opened.epoch,
+        round=opened.round, host=bytes(opened.host), previous_root=bytes(opened.previous_root),
+        residual_root=bytes(opened.residual_root), body_sha256=bytes(opened.body_sha256),
+        body_length=opened.body_length, timestamp_ms=opened.timestamp_ms,
+    )
+    other = {"opening": header_fields(record), "signature": bytes(opened.signature).hex(), "body_file": name}
+    if log.add(replace(ev, other=other)):
+        shutil.copyfile(opened.path, log.root / name)
+
+
+def _opening_holds(ev: Evidence, sub: Submission, node_key: bytes, evidence_dir: Path | None) -> bool:
+    """A mismatch judged on an opening: the opening is signed by the same key, opens this submission's
+    signed root in its round, and the kept body hashes to the signed digest and length."""
+    other = ev.other or {}
+    if "opening" not in other:
+        return True
+    fields: dict[str, Any] = {k: bytes.fromhex(v) if k in OPENING_HEX else v for k, v in other["opening"].items()}
+    record = OpeningRecord(**fields)
+    if not record.verify(bytes.fromhex(other["signature"]), node_key):
+        return False
+    if (record.epoch, record.round, record.host, record.residual_root) != (
+            sub.epoch, sub.round, sub.host, sub.residual_root):
+        return False
+    if evidence_dir is None:
+        return True
+    data = (evidence_dir / other["body_file"]).read_bytes()
+    return hashlib.sha256(data).digest() == record.body_sha256 and len(data) == record.body_length
 
 
 def _copied_from(store: Store, epoch: int, round_: int, reason: str) -> SubmissionRow | None:

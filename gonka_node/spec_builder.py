@@ -17,7 +17,7 @@ from pathlib import Path
 
 from chain.types import EpochSpec
 from gonka_node.core.recipe import EPOCH_DEFAULTS, Recipe, RecipeError
-from gonka_node.epoch_setup import EpochTerms, epoch_spec
+from gonka_node.epoch_setup import EpochTerms, check_openable, epoch_spec
 from training.checkpoint import canonical_sha256
 from training.codecs import get_codec
 from training.model import build_model
@@ -101,3 +101,4 @@ def _check_replayable(recipe: Recipe, p: float) -> None:
             f"round_state: replay probability {p:g} needs round_state = \"fresh\" in the recipe (with \"carry\" "
             "a host's round depends on its private optimizer state and cannot be replayed)"
         )
+    check_openable(recipe, p)

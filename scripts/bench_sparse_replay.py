@@ -5,7 +5,8 @@ every host of every round, what a challenge would see (training/residual_commit.
 residual before (e_{r−1}) and after (e_r) the round on sampled chunks, the aggregator forms
 Δ̂ = decode(P_r) + e_r − d·e_{r−1} there and compares it with its replay R_r of the host's round by the
 existing verdict (`gonka_node.aggregator.replay.verdict`: cosine ≥ 0.9, norm ratio within 1 ± 0.1),
-and checks both opened residuals against the bounds their payloads allow (`payload_bounds`).
+and checks that each payload is the top-k compression of its decode plus the opened residual
+(`payload_misfit`: selection, scales, signs, quantisation).
 
 Beside each honest host, cheats that deviate in this round only (an honest past, the same e_{r−1}):
   skip      no training: sends C(d·e_{r−1}), truthful residual
@@ -47,9 +48,8 @@ from training.residual_commit import (
     claimed_delta,
     compare,
     gather_chunks,
-    payload_bounds,
+    payload_misfit,
     sample_chunks,
-    within_bounds,
 )
 from training.worker import Assignment, replay_round
 
@@ -121,11 +121,11 @@ def challenge(
     e_prev, e_now = gather_chunks(sent.e_prev, layout, indices), gather_chunks(sent.e_now, layout, indices)
     cos, ratio = compare(claimed_delta(gather_chunks(decoded, layout, indices), e_prev, e_now, decay),
                          gather_chunks(replay, layout, indices))
-    prev_ok = prev_payload is None or within_bounds(e_prev, payload_bounds(codec, prev_payload, spec, layout, indices))
-    now_ok = within_bounds(e_now, payload_bounds(codec, sent.payload, spec, layout, indices))
+    prev_ok = prev_payload is None or payload_misfit(codec, prev_payload, spec, layout, indices, e_prev) is None
+    now_ok = payload_misfit(codec, sent.payload, spec, layout, indices, e_now) is None
     passed = verdict(0, 0, cos, ratio, bars.min_cosine, bars.norm_tolerance)[0]
-    return {"cosine": cos, "norm_ratio": ratio, "verdict_passes": passed, "prev_within_bounds": prev_ok,
-            "now_within_bounds": now_ok, "accepted": passed and prev_ok and now_ok}
+    return {"cosine": cos, "norm_ratio": ratio, "verdict_passes": passed, "prev_fits": prev_ok,
+            "now_fits": now_ok, "accepted": passed and prev_ok and now_ok}
 
 
 def dense_old(codec: TopKCodec, payload: bytes, replay: Tensors, bars: Bars) -> dict[str, Any]:
@@ -212,7 +212,7 @@ def summarize(rows: list[dict[str, Any]], fractions: list[float]) -> dict[str, A
             key = f"f={fraction:g}"
             entry[key] = _span([r[key] for r in mine], "accepted") | {
                 "verdict_passes": sum(r[key]["verdict_passes"] for r in mine),
-                "bounds_hold": sum(r[key]["prev_within_bounds"] and r[key]["now_within_bounds"] for r in mine),
+                "payloads_fit": sum(r[key]["prev_fits"] and r[key]["now_fits"] for r in mine),
             }
         out[case] = entry
     return out

@@ -70,6 +70,11 @@ class Codec(ABC):
     """Encode named fp32 tensors to bytes and back. Subclasses define one tensor's section."""
 
     name: str
+    # True for a codec whose honest payload is mostly the host's private error-feedback residual (sparse
+    # top-k: C(d·e_{r−1} + Δ)), so a replay cannot compare its decode with the round's Δ, and which bounds
+    # the residual it leaves (`residual_misfit`): the replay then opens the residual instead
+    # (training/residual_commit.py; docs/PROTOCOL.md "Challenge and opening").
+    opens_residual: bool = False
 
     @property
     def codec_id(self) -> int:

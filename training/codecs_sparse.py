@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import math
+from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -39,6 +40,7 @@ class TopKCodec(Codec):
     """
 
     name = "topk"
+    opens_residual = True
 
     def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2) -> None:
         if not 2 <= chunk <= 1 << 24:
@@ -100,40 +102,87 @@ class TopKCodec(Codec):
 
     def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
         kept = self._entries(buf, numel, name)
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[kept.owner * self.chunk + kept.idx] = self._values(kept)
+        return _finite(out, self.name, name)  # lo + 127·step can round past fp32's max when hi is near it
+
+    def _values(self, kept: _Kept) -> Tensor:
+        """The decoded fp32 value of each kept entry."""
         c = kept.codes
         if self.bits == 1:
             mag = kept.lo[kept.owner]
         else:
             step = (kept.hi - kept.lo) / float(self.levels)
             mag = kept.lo[kept.owner] + (c & self.levels).to(torch.float32) * step[kept.owner]
-        values = torch.where((c >> (self.bits - 1)) == 1, -mag, mag)
-        out = torch.zeros(numel, dtype=torch.float32)
-        out[kept.owner * self.chunk + kept.idx] = values
-        return _finite(out, self.name, name)  # lo + 127·step can round past fp32's max when hi is near it
+        return torch.where((c >> (self.bits - 1)) == 1, -mag, mag)
 
-    def residual_bound(self, part: bytes | memoryview, shape: tuple[int, ...], name: str = "") -> Tensor:
-        """The largest |residual| an honest `ErrorFeedback` keeps after sending this tensor's `part`
-        (fp64, per element): what an opened residual must respect (training/residual_commit.py).
+    def residual_misfit(
+        self, part: bytes | memoryview, shape: tuple[int, ...], name: str, spans: Sequence[tuple[int, int]],
+        residual: Tensor,
+    ) -> str | None:
+        """Why `residual` cannot be what an honest `ErrorFeedback` kept after sending this tensor's `part`
+        (one line), or None. `spans`: ranges of the flattened tensor, each a whole number of this codec's
+        chunks; `residual`: their values, concatenated (what a challenged host opened).
 
-        In a chunk, the encoder sent the k largest |e| of its target e. An element not sent keeps e
-        itself (decoded 0, so the subtraction is exact): |e| ≤ lo, the smallest sent magnitude, stored
-        exactly. A sent element with bits ≥ 2 keeps its quantisation error: at most step/2 with step =
-        (hi − lo)/levels, plus the fp32 rounding of the quantiser and of the decode (≤ 6·2⁻²⁴·hi, so
-        2⁻²⁰·hi is a safe margin). With bits = 1 only the mean sent magnitude m is stored: an unsent
-        element has |e| ≤ lo ≤ m, and a sent one is unbounded (its magnitude is not in the payload):
-        the bound there is infinite."""
+        T = decode + residual is the target the host compressed, up to the fp32 rounding of the
+        subtraction that made the residual (≤ 2⁻²⁴ of a sent value's distance to its target; exact where
+        nothing was sent). An honest part is the compression of T, chunk by chunk: the kept positions
+        hold the k largest |T| (ties aside); lo and hi are the smallest and largest kept |T| (bits = 1:
+        their mean); every kept value has its target's sign and, with bits ≥ 2, lies within half a step
+        (hi − lo)/levels of it. So a host cannot send one thing and park the difference in its residual:
+        not another selection, not other magnitudes or signs, not scales it did not attain. Margins:
+        2⁻²⁰ of the chunk's largest magnitude (the quantiser's and decode's fp32 rounding are < 6·2⁻²⁴ of
+        it), and k·2⁻²³ of the mean for bits = 1 (its fp32 sum)."""
         view = memoryview(part).cast("B")
         self.decode_tensor(name, view, shape)  # every check of the part: size, numel, scales, positions
         numel = math.prod(shape)
         kept = self._entries(view[_NUMEL.size :], numel, name)
-        lo, hi = kept.lo.double(), kept.hi.double()
-        if self.bits == 1:  # lo = hi = m, the fp32 mean of k magnitudes: off by < k·2⁻²⁴·m
-            unsent, sent = lo * (1 + self.k * 2.0**-23), torch.full_like(lo, math.inf)
-        else:
-            unsent, sent = lo, (hi - lo) / self.levels / 2 + hi * 2.0**-20
-        bound = unsent.repeat_interleave(self.chunk)[:numel]
-        bound[kept.owner * self.chunk + kept.idx] = sent[kept.owner]
-        return bound.reshape(shape)
+        values, at = self._values(kept).double(), 0
+        for start, end in spans:
+            if start % self.chunk or (end % self.chunk and end != numel) or not 0 <= start < end <= numel:
+                raise ValueError(f"residual_misfit: span {start}..{end} of {name} is not whole chunks of {self.chunk}")
+            why = self._span_misfit(kept, values, start, end, residual[at : at + end - start].double())
+            if why is not None:
+                return f"tensor {name}, elements {start}..{end}: {why}"
+            at += end - start
+        return None
+
+    def _span_misfit(self, kept: _Kept, values: Tensor, start: int, end: int, e: Tensor) -> str | None:
+        m, c0 = self.chunk, start // self.chunk
+        n = _ceil_div(end - start, m)
+        first, last = c0 * self.k, min((c0 + n) * self.k, len(kept.owner))  # a tensor's chunks hold k each but its last
+        pos = (kept.owner[first:last] - c0) * m + kept.idx[first:last]
+        decoded = torch.zeros(n * m, dtype=torch.float64)
+        decoded[pos] = values[first:last]
+        sent = torch.zeros(n * m, dtype=torch.bool)
+        sent[pos] = True
+        real = torch.arange(n * m) < end - start  # a tensor's last chunk may be short
+        target = decoded.clone()
+        target[: end - start] += e
+        mag = target.abs()
+        inf = torch.tensor(math.inf, dtype=torch.float64)
+        smallest = torch.where(sent, mag, inf).view(n, m).amin(dim=1)
+        largest = torch.where(sent, mag, -inf).view(n, m).amax(dim=1)
+        unsent = torch.where(real & ~sent, mag, -inf).view(n, m).amax(dim=1)
+        lo, hi = kept.lo[c0 : c0 + n].double(), kept.hi[c0 : c0 + n].double()
+        tol = torch.maximum(hi, largest) * 2.0**-20
+        if (bad := unsent > smallest + tol).any():
+            return f"an unsent target is larger than the smallest sent one in {int(bad.sum())} chunk(s): not its top-k"
+        flipped = sent & (decoded * target < 0) & (mag > tol.repeat_interleave(m))
+        if flipped.any():
+            return f"{int(flipped.sum())} sent value(s) with the opposite sign of their target"
+        if self.bits == 1:
+            count = sent.view(n, m).sum(dim=1)
+            mean = torch.where(sent, mag, 0.0).view(n, m).sum(dim=1) / count
+            if (bad := (mean - lo).abs() > lo * self.k * 2.0**-23 + tol).any():
+                return f"the magnitude of {int(bad.sum())} chunk(s) is not the mean of its sent targets'"
+            return None
+        if (bad := ((smallest - lo).abs() > tol) | ((largest - hi).abs() > tol)).any():
+            return f"the scales (lo, hi) of {int(bad.sum())} chunk(s) are not its smallest and largest sent targets"
+        half_step = ((hi - lo) / self.levels / 2 + tol).repeat_interleave(m)
+        if (far := sent & ((target - decoded).abs() > half_step)).any():
+            return f"{int(far.sum())} sent value(s) farther than half a step from their target"
+        return None
 
     def _entries(self, buf: memoryview, numel: int, name: str) -> _Kept:
         """A section's entries, checked: chunk scales, and per kept entry its chunk, position and code."""

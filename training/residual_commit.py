@@ -9,8 +9,8 @@ with e_{r−1} its residual before the round's compress, e_r the one after and d
 private, so a host commits to e_r in each payload's signed envelope (`residual_root`); when the replay
 picks it, the aggregator samples chunks from the round's seed (`sample_chunks`), the host opens e_{r−1}
 and e_r there (`open_chunks`), the aggregator checks both against the roots the host signed
-(`verify_opening`) and against what the payloads they were left by allow (`payload_bounds`,
-`within_bounds`), and compares `claimed_delta` with its replay of the round on those chunks (`compare`).
+(`verify_opening`) and against the payloads they were left by (`payload_misfit`: each payload must be the
+top-k compression of decode + residual), and compares `claimed_delta` with its replay of the round on those chunks (`compare`).
 
 Layout (`ChunkLayout`): tensors in sorted name order, each flattened and cut into chunks of `chunk`
 elements (a tensor's last chunk may be shorter), numbered 0, 1, … across tensors in that order. No chunk
@@ -223,18 +223,30 @@ def verify_opening(root: bytes, opening: Opening, layout: ChunkLayout, sample: S
 
 
 def sample_chunks(seed: bytes, n_chunks: int, fraction: float, minimum: int) -> tuple[int, ...]:
-    """The chunks a challenge opens: the max(minimum, ⌈fraction·n_chunks⌉) indices (at most all) with the
-    smallest sha256(SAMPLE_TAG ‖ seed ‖ uint64_be(i)), ascending. A pure function of public inputs: the
-    seed is the round's commit–reveal seed (with whatever the caller binds to it, e.g. the host)."""
+    """The chunks a challenge opens: max(minimum, ⌈fraction·n_chunks⌉) distinct indices (at most all),
+    ascending: i_j = uint64_be(sha256(SAMPLE_TAG ‖ seed ‖ uint64_be(j))[:8]) mod n_chunks for j = 0, 1, …,
+    skipping repeats (when more than half are wanted, the ones left out are drawn so). A pure function
+    of public inputs (the seed is the round's commit–reveal seed with whatever the caller binds to it,
+    e.g. the host), drawn in O(count) hashes: a server answers it for any host on request, so it must
+    not cost a pass over every chunk of a large model. (The modulo's bias is below n_chunks / 2⁶⁴.)"""
     if n_chunks < 1 or minimum < 1 or not 0.0 < fraction <= 1.0:
         raise ValueError(
             f"sample_chunks: need n_chunks >= 1, minimum >= 1 and fraction in (0, 1], got "
             f"{n_chunks}, {minimum}, {fraction}"
         )
     count = min(n_chunks, max(minimum, math.ceil(fraction * n_chunks)))
-    prefix = SAMPLE_TAG + seed
-    order = sorted(range(n_chunks), key=lambda i: hashlib.sha256(prefix + i.to_bytes(8, "big")).digest())
-    return tuple(sorted(order[:count]))
+    if 2 * count > n_chunks:
+        return tuple(sorted(set(range(n_chunks)) - _draw(seed, n_chunks, n_chunks - count)))
+    return tuple(sorted(_draw(seed, n_chunks, count)))
+
+
+def _draw(seed: bytes, n_chunks: int, count: int) -> set[int]:
+    prefix, j = SAMPLE_TAG + seed, 0
+    picked: set[int] = set()
+    while len(picked) < count:
+        picked.add(int.from_bytes(hashlib.sha256(prefix + j.to_bytes(8, "big")).digest()[:8], "big") % n_chunks)
+        j += 1
+    return picked
 
 
 def gather_chunks(tensors: Mapping[str, Tensor], layout: ChunkLayout, indices: Sequence[int]) -> Tensor:
@@ -264,29 +276,43 @@ def compare(claimed: Tensor, replay: Tensor) -> tuple[float, float]:
     return cos, na / nb if nb > 0 else math.inf
 
 
-def payload_bounds(
-    codec: TopKCodec, payload: bytes, spec: Spec, layout: ChunkLayout, indices: Sequence[int]
-) -> Tensor:
-    """Per opened element (chunks `indices`, in order), the largest |residual| the top-k `payload` can
-    have left behind (`TopKCodec.residual_bound`), fp64. Refuses (CodecError) a payload that is not
-    `codec`'s for `spec`; only the tensors the sample touches are read."""
+def payload_misfit(
+    codec: TopKCodec, payload: bytes, spec: Spec, layout: ChunkLayout, indices: Sequence[int], opened: Tensor
+) -> str | None:
+    """Why the `opened` residual (chunks `indices` in order, their values concatenated) cannot be what
+    an honest host kept after sending the top-k `payload` (`TopKCodec.residual_misfit`, tensor by
+    tensor), or None. Refuses (CodecError) a payload that is not `codec`'s for `spec`; only the tensors
+    the sample touches are read. The layout's chunks must be whole codec chunks (`commitment_layout`)."""
     if payload[:HEADER_SIZE] != codec.header(spec):  # the header is a function of the codec and spec
-        raise HeaderError(f"payload_bounds: the header is not {codec.name}{codec.params()}'s for this spec")
+        raise HeaderError(f"payload_misfit: the header is not {codec.name}{codec.params()}'s for this spec")
     if len(payload) != codec.encoded_size(spec):
-        raise PayloadSizeError(f"payload_bounds: {len(payload)} bytes, expected {codec.encoded_size(spec)}")
+        raise PayloadSizeError(f"payload_misfit: {len(payload)} bytes, expected {codec.encoded_size(spec)}")
+    if layout.chunk % codec.chunk:
+        raise ValueError(f"payload_misfit: commitment chunks of {layout.chunk} are not whole codec chunks of {codec.chunk}")
     offsets, at = {}, HEADER_SIZE
     for name in sorted(spec):
         size = codec.encoded_size({name: spec[name]}) - HEADER_SIZE
         offsets[name], at = (at, at + size), at + size
-    bounds: dict[str, Tensor] = {}
-    for index in indices:
-        name = layout.locate(index)[0]
-        if name not in bounds:
-            start, end = offsets[name]
-            bounds[name] = codec.residual_bound(memoryview(payload)[start:end], tuple(spec[name]), name)
-    return gather_chunks(bounds, layout, indices)
+    spans: dict[str, list[tuple[int, int]]] = {}
+    values: dict[str, list[Tensor]] = {}
+    at = 0
+    for index in indices:  # a tensor's opened chunks, with their values, in the sample's order
+        name, start, end = layout.locate(index)
+        spans.setdefault(name, []).append((start, end))
+        values.setdefault(name, []).append(opened[at : at + end - start])
+        at += end - start
+    for name, ranges in spans.items():
+        first, last = offsets[name]
+        why = codec.residual_misfit(memoryview(payload)[first:last], tuple(spec[name]), name, ranges,
+                                    torch.cat(values[name]))
+        if why is not None:
+            return why
+    return None
 
 
-def within_bounds(opened: Tensor, bound: Tensor) -> bool:
-    """True when every opened residual element is at most its bound in magnitude."""
-    return bool((opened.double().abs() <= bound).all())
+def commitment_layout(spec: Spec, codec: object) -> ChunkLayout:
+    """The layout a host commits its residual in under `codec`: chunks of DEFAULT_CHUNK elements, rounded
+    up to a whole number of a top-k codec's chunks, so that an opened chunk holds each of its codec
+    chunks whole and the payload's selection and scales can be checked against it (`payload_misfit`)."""
+    step = codec.chunk if isinstance(codec, TopKCodec) else 1
+    return ChunkLayout.of(spec, step * math.ceil(DEFAULT_CHUNK / step))

@@ -39,7 +39,7 @@ from training.data import Windows
 from training.durable import durable_replace
 from training.inner import InnerConfig, InnerResult
 from training.model import Llama
-from training.residual_commit import ChunkLayout, root_of_leaves, tensor_leaves
+from training.residual_commit import commitment_layout, root_of_leaves, tensor_leaves
 from training.rig import Rig
 from training.worker import Assignment, RoundFigures, SlotWorker
 
@@ -233,7 +233,7 @@ class ShardedWorker(SlotWorker):
         the tensors this process owns: rank 0 joins the leaves into the root (32 bytes per 4096 elements
         travel, not the residual, and each owner hashes only its own tensors)."""
         params = dict(self.model.named_parameters())
-        commit = ChunkLayout.of(self.layout.spec())
+        commit = commitment_layout(self.layout.spec(), codec)
         index, squares, leaves = {}, {}, {}
         with path.open("wb") as out:
             for name in sorted(params):  # every process takes part in every gather, in one order

@@ -7,6 +7,7 @@ one process), so what a simulated host sends is byte for byte what a real one wo
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from training.data import Windows, window_seed
 from training.diloco import pseudo_gradient
 from training.inner import Batch, GradSync, InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
-from training.residual_commit import ChunkLayout, residual_root
+from training.residual_commit import commitment_layout, residual_root
 from training.rig import Rig
 
 
@@ -136,7 +137,8 @@ class DiLoCoWorker(SlotWorker):
         delta, result = self.local_delta(round_index, global_params, on_step)
         norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
         payload = self.feedback.compress(delta, self.round_codec(round_index))
-        root = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()})
+        root = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
+                               self.feedback.codec)
         return WorkerRound(
             round=round_index,
             payload=payload,
@@ -167,16 +169,22 @@ class DiLoCoWorker(SlotWorker):
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.trainer.state_dict(), "feedback": self.feedback.state_dict()}
 
+    def snapshot(self) -> dict[str, Any]:
+        """`state_dict()` as of now, to keep while training goes on (a refused round's rollback point):
+        the optimizer's tensors, which its steps update in place, copied; the residuals, which a compress
+        replaces and never updates, shared. One copy of the AdamW state, none of the residuals."""
+        return {"inner": copy.deepcopy(self.trainer.state_dict()), "feedback": self.feedback.state_dict()}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.load_state_dict(dict(state["inner"]))
         self.feedback.load_state_dict(state["feedback"])
 
 
-def commitment_root(residual: Mapping[str, Tensor], spec: Spec) -> bytes:
+def commitment_root(residual: Mapping[str, Tensor], spec: Spec, codec: Codec) -> bytes:
     """The root a host signs for its residual after a round: `residual_root` in the epoch's layout (the
-    model's tensors, chunk 4096). Every codec here runs through `ErrorFeedback`; one that loses nothing
+    model's tensors, chunks of 4096 elements or whole top-k codec chunks: `commitment_layout`). Every codec here runs through `ErrorFeedback`; one that loses nothing
     (fp32) leaves an exactly zero residual, whose root is `zero_root`, as before a host's first round."""
-    return residual_root(residual, ChunkLayout.of(spec))
+    return residual_root(residual, commitment_layout(spec, codec))
 
 
 def round_start_step(round_index: int, first_round: int, steps: int) -> int:

@@ -26,6 +26,7 @@ from torch import Tensor
 from chain.merkle import RewardTree
 from gonka_node.aggregator import robust
 from gonka_node.aggregator.broadcast import Broadcast, prepare_broadcast, residual_path
+from gonka_node.aggregator.challenges import challenges_round
 from gonka_node.aggregator.checks import (
     Labelled,
     find_copies,
@@ -35,6 +36,7 @@ from gonka_node.aggregator.checks import (
     mixture_residuals,
 )
 from gonka_node.aggregator.eager import EagerBases
+from gonka_node.aggregator.opened_replay import Judged, Opened, opened_verdict
 from gonka_node.aggregator.outer_state import read_outer_state
 from gonka_node.aggregator.replay import chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer
@@ -47,6 +49,7 @@ from training.durable import atomic_write, durable_replace
 from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
 from training.model import Llama
+from training.residual_commit import commitment_layout
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.engine_types import CheckpointIO, EpochContext
@@ -87,6 +90,7 @@ class Closing:
     replayed: set[bytes] = field(default_factory=set)  # hosts whose round the replay reproduced
     vetoed: set[bytes] = field(default_factory=set)  # hosts fitting held-out data better than their windows
     eager: EagerBases | None = None  # overlap = "eager": each host's own training base (aggregator/eager.py)
+    opened: Mapping[bytes, Opened] = field(default_factory=dict)  # top-k: each challenged host's opening
 
     def __post_init__(self) -> None:
         self.reasons = {s.host: [] for s in self.submissions}
@@ -127,22 +131,30 @@ def mixtures(c: Closing) -> Mapping[bytes, str]:
 
 
 def replays(c: Closing) -> Mapping[bytes, str]:
-    """Recompute the picked hosts' rounds (gonka_node/aggregator/replay.py); exclude mismatches."""
+    """Recompute the picked hosts' rounds (gonka_node/aggregator/replay.py); exclude mismatches. In a
+    top-k epoch the update compared is the one a host's opened residual claims (aggregator/opened_replay.py)."""
     p = c.ctx.replay_probability
     if c.ctx.replay is None or p <= 0:
         return {}
     row, found = c.round_row, {}
+    layout = commitment_layout(c.ctx.spec, c.ctx.codec) if challenges_round(c.ctx) else None
     live = c.live()
     for s in live:
         if s.host not in chosen_for_replay(p, c.seed, row.round, [s.host]):
             continue
         slot = c.slots[s.host]
         base = c.base if c.eager is None else c.eager.base_for(c.base, s.host)  # built for picked hosts only
-        cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, base, c.decode(s))
-        del base
-        passed, why = verdict(
-            row.round, slot, cos, ratio, c.aggregation.replay_min_cosine, c.aggregation.replay_norm_tolerance
-        )
+        if layout is not None:
+            opened = c.opened.get(s.host, Opened((), 0, None, None))
+            judged = Judged(row.round, slot, Path(s.path), c.decode(s), base)
+            passed, why = opened_verdict(c.ctx, layout, c.aggregation, judged, opened)
+            del base, judged
+        else:
+            cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, base, c.decode(s))
+            del base
+            passed, why = verdict(
+                row.round, slot, cos, ratio, c.aggregation.replay_min_cosine, c.aggregation.replay_norm_tolerance
+            )
         if passed:
             c.reasons[s.host].append(why)
             c.replayed.add(s.host)
@@ -180,6 +192,7 @@ class ClosingInputs:
     earlier: list[SubmissionRow] = field(default_factory=list)  # every submission of earlier rounds
     prev_outer_state: Path | None  # the outer momentum after the previous round (None: fresh)
     eager: EagerBases | None = None  # overlap = "eager": what each host's training base is made of
+    opened: Mapping[bytes, Opened] = field(default_factory=dict)  # top-k: each challenged host's opening
     store: Store
     checkpoints: CheckpointIO
     aggregation: AggregationSettings
@@ -198,7 +211,7 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
 
     public = public_tensors(store, epoch, round_, base)
     c = Closing(ctx, round_row, i.seed, submissions, i.earlier, i.slots, base, public, decode, aggregation,
-                eager=i.eager)
+                eager=i.eager, opened=i.opened)
     for check in CHECKS:
         c.exclude(check(c))
     consensus_checked = len(c.live()) >= 4 and aggregation.consensus_fraction > 0  # dissent could run

@@ -61,6 +61,11 @@ class EpochContext:
     overlap: str = "off"  # the recipe's overlap rule: which global model a round trains from (training/overlap.py)
     broadcast: str = "dense"  # the recipe's: the aggregated update served dense or encoded (aggregator/broadcast.py)
     shard: ShardRole | None = None  # one of several aggregators: `spec` is then its fragment's (aggregator/shard.py)
+    # The recipe's error-feedback decay and top-k challenge sample (aggregator/challenges.py): what a
+    # picked top-k host opens, and how its claimed update is rebuilt from the opening.
+    ef_decay: float = 1.0
+    residual_sample: float = 0.01
+    residual_sample_min: int = 1_048_576
 
     def codec_for(self, round_: int) -> Codec:
         """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
@@ -79,6 +84,10 @@ class EvidenceSink(Protocol):
 
 class SeedPending(RuntimeError):
     """Another aggregator of the epoch has not revealed its round-seed secret yet."""
+
+
+class OpeningsPending(RuntimeError):
+    """A top-k round's challenged hosts have not all opened their residual, and the deadline is ahead."""
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ it on 127.0.0.1 (`[aggregator] metrics_port`). Names:
 | `gonka_aggregator_payload_bytes_total` | counter | payload bytes of accepted submissions |
 | `gonka_aggregator_update_bytes_total` | counter | aggregated-update bytes served (`GetRoundUpdate`: hosts' downloads) |
 | `gonka_aggregator_close_seconds` | histogram | from a round's close to its result recorded (chain included) |
-| `gonka_aggregator_replays_total` | counter | `result`: match, mismatch |
+| `gonka_aggregator_replays_total` | counter | `result`: match, mismatch, no_opening (a challenged top-k host that did not open) |
 """
 
 from __future__ import annotations
 
-from gonka_node.aggregator.replay import MISMATCH, PASSED
+from gonka_node.aggregator.replay import MISMATCH, NO_OPENING, PASSED
 from gonka_node.aggregator.store import ContributionRow, RoundRow
 
 CLOSE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
@@ -89,3 +89,5 @@ class PrometheusMetrics(RoundMetrics):
                 self.replays.labels(result="mismatch").inc()
             elif any(r.startswith(PASSED) for r in c.reasons):
                 self.replays.labels(result="match").inc()
+            elif any(r.startswith(NO_OPENING) for r in c.reasons):
+                self.replays.labels(result="no_opening").inc()

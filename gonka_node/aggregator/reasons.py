@@ -29,6 +29,8 @@ class Reason(enum.Enum):
     UNAVAILABLE = 19
     STREAM_TIMEOUT = 20
     OBJECT_MISMATCH = 21
+    NOT_CHALLENGED = 22
+    ROOT_MISMATCH = 23
 
 
 class Rejected(Exception):

@@ -33,6 +33,7 @@ from training.worker import Assignment, replay_round
 
 MISMATCH = "replay mismatch"  # reason prefix; gonka_node.slashing turns it into evidence
 PASSED = "replay:"  # reason prefix of a host whose round the replay reproduced
+NO_OPENING = "no opening"  # reason prefix of a challenged top-k host that did not open (not slashable)
 PICK_TAG = b"gonka-replay-pick-v2"
 
 
@@ -71,7 +72,17 @@ def replay_comparison(
 ) -> tuple[float, float]:
     """(cosine, norm ratio |update| / |replay|) between `update` (decoded) and the replay of `slot`'s
     round from `base`, over all tensors in fp64."""
-    replay = replay_round(
+    replay = replay_update(data, round_, slot, base)
+    names = sorted(replay)
+    u = cat([update[n].double().flatten() for n in names])
+    r = cat([replay[n].double().flatten() for n in names])
+    r_norm = float(r.norm())
+    return cosine(u, r), float(u.norm()) / r_norm if r_norm > 0 else float("inf")
+
+
+def replay_update(data: ReplayData, round_: int, slot: int, base: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The pseudo-gradient an honest host of `slot` computes in `round_` from `base`."""
+    return replay_round(
         data.model_factory(),
         data.inner,
         data.windows,
@@ -79,11 +90,6 @@ def replay_comparison(
         round_,
         base,
     )
-    names = sorted(replay)
-    u = cat([update[n].double().flatten() for n in names])
-    r = cat([replay[n].double().flatten() for n in names])
-    r_norm = float(r.norm())
-    return cosine(u, r), float(u.norm()) / r_norm if r_norm > 0 else float("inf")
 
 
 def verdict(

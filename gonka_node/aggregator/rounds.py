@@ -43,6 +43,7 @@ from chain.seed import new_secret
 from gonka_node.aggregator.acceptance import ZERO32, Acceptance
 from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.challenges import deadline_ms, picked, sample
 from gonka_node.aggregator.close import ClosingInputs, RoundOutcome, compute_outcome, reward_tree
 from gonka_node.aggregator.deferred import CheckPool
 from gonka_node.aggregator.eager import EagerBases
@@ -51,15 +52,18 @@ from gonka_node.aggregator.engine_types import (
     EpochContext,
     EvidenceSink,
     InFlight,
+    OpeningsPending,
     SeedPending,
     clock_text,
 )
 from gonka_node.aggregator.ingest import StreamLimits
 from gonka_node.aggregator.metrics import RoundMetrics
+from gonka_node.aggregator.opened_replay import Opened
+from gonka_node.aggregator.openings import OpeningDesk
 from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.shard import ShardExchange, ShardPending
-from gonka_node.aggregator.shard_close import close_fragment
-from gonka_node.aggregator.store import RoundRow, Store, now_ms
+from gonka_node.aggregator.shard_close import close_fragment, keep_decision
+from gonka_node.aggregator.store import RoundRow, ShardDecision, Store, now_ms
 from gonka_node.core.config import AggregationSettings, RoundSettings
 from training.overlap import base_round
 
@@ -111,6 +115,8 @@ class RoundEngine(Acceptance):
         # (aggregator/publish.py); None: the data directory is the store (nothing to copy).
         self.publisher: RoundPublisher | None = None
         self._closing_since: float | None = None  # monotonic time the open round's close began
+        self.openings = OpeningDesk(self)  # top-k challenges: OpenResidual's intake (aggregator/openings.py)
+        self._opening_wait: tuple[int, int] | None = None  # the round whose wait for openings was logged
 
     # ---- start / resume ----------------------------------------------------------------------------
 
@@ -186,6 +192,10 @@ class RoundEngine(Acceptance):
         self.current = row
         self.closing = False
         self.closed_for_submissions = asyncio.Event()
+        decided = None if row is None else ShardDecision.of(row)
+        if decided is not None:  # a shard restarted after deciding its close: no uploads, it closes as decided
+            self.closing, self._close_failed = True, decided.skip
+            self.closed_for_submissions.set()
 
     # ---- submissions -------------------------------------------------------------------------------
 
@@ -275,7 +285,7 @@ class RoundEngine(Acceptance):
             return
         try:
             row = await asyncio.to_thread(self._close_sync, r, skip)
-        except ShardPending as exc:  # a shard waiting on the others is not failing: retried quietly
+        except (ShardPending, OpeningsPending) as exc:  # waiting on others is not failing: retried quietly
             self._close_failed = skip
             log.debug("round %d/%d: %s", r.epoch, r.round, exc)
             return
@@ -333,13 +343,15 @@ class RoundEngine(Acceptance):
         recorded = self.store.get_round(r.epoch, r.round)
         if recorded is not None and recorded.state in ("finalizing", "skipping"):
             return self._finish(recorded)  # the intent of an earlier, failed attempt: never recompute it
+        if self.ctx.shard is not None:  # what its one report covers is kept before the seed is revealed
+            keep_decision(self.store, r, skip)
         seed = self._revealed_seed(r)
         if skip and self.ctx.shard is None:  # a shard's skip goes through the verdict: every shard skips
             self.store.record_finalize_intent(
                 r.epoch, r.round, "skipping", self.global_sha256(r.round - 1), ZERO32, 0, "skipped", []
             )
         else:
-            outcome = self._compute(r, seed, skip)
+            outcome = self._compute(r, seed, skip, self._await_openings(r))
             if outcome.aggregated == 0:  # nothing worth aggregating: same as a skip, but scores are kept
                 self.store.record_finalize_intent(
                     r.epoch, r.round, "skipping", self.global_sha256(r.round - 1), ZERO32, 0, "skipped",
@@ -366,20 +378,55 @@ class RoundEngine(Acceptance):
         round's seed once every aggregator that committed has revealed (else raise: the close is retried
         next tick, as for any chain failure)."""
         assert r.seed_secret is not None
+        stored = self.store.get_round(r.epoch, r.round)
+        if stored is not None and stored.round_seed is not None:  # complete before (a close that waits, a restart)
+            return stored.round_seed
         seed = self.chain.reveal_seed(r.epoch, r.round, r.seed_secret)
         if not seed.complete:
             raise SeedPending(
                 f"round {r.epoch}/{r.round}: {seed.reveals} of {seed.commits} aggregators revealed their seed"
             )
+        self.store.set_round_seed(r.epoch, r.round, seed.seed, self.clock())  # the openings' clock starts
         return seed.seed
 
-    def _compute(self, r: RoundRow, seed: bytes, skip: bool) -> RoundOutcome:
-        inputs = self._closing_inputs(r, seed)
+    def _await_openings(self, r: RoundRow) -> dict[bytes, Opened]:
+        """In a top-k round, each challenged host's opening (aggregator/challenges.py), once every one is
+        stored or the deadline passed; before that raise OpeningsPending (the close is retried each tick,
+        and a restarted aggregator resumes the wait from the seed time it stored)."""
+        row = self.store.get_round(r.epoch, r.round)
+        assert row is not None and row.round_seed is not None
+        chosen = picked(self.ctx, row, self.store.submitted_hosts(r.epoch, r.round, checked_only=True))
+        if not chosen:
+            return {}
+        due = deadline_ms(row, self.aggregation.opening_timeout_s)
+        # A host that left or was slashed is excluded (`departed`) whatever it opens: not waited for. The
+        # chain is read outside the lock, which an opening's store takes on the event loop.
+        awaited = chosen & self._members_now(r.epoch) if chosen - self.store.openings(r.epoch, r.round).keys() \
+            else chosen
+        with self.openings.lock:  # an opening is stored before the deadline or this sees the deadline passed
+            stored = self.store.openings(r.epoch, r.round)
+            missing = awaited - stored.keys()
+            if missing and self.clock() <= due:
+                if self._opening_wait != (r.epoch, r.round):  # said once per round; the wait is retried each tick
+                    self._opening_wait = (r.epoch, r.round)
+                    log.info("round %d/%d: waiting for %d challenged hosts to open their residual (due by %s)",
+                             r.epoch, r.round, len(missing), clock_text(due))
+                raise OpeningsPending(f"round {r.epoch}/{r.round}: {len(missing)} of {len(chosen)} challenged hosts "
+                                      f"have not opened their residual (due by {clock_text(due)})")
+        layout = self.openings.layout
+        return {h: Opened(sample(self.ctx, layout, row, h), due, stored.get(h),
+                          self.store.previous_submission(r.epoch, r.round, h)) for h in sorted(chosen)}
+
+    def _members_now(self, epoch: int) -> set[bytes]:
+        return {m.address for m in self.chain.members(epoch)}
+
+    def _compute(self, r: RoundRow, seed: bytes, skip: bool, opened: Mapping[bytes, Opened]) -> RoundOutcome:
+        inputs = self._closing_inputs(r, seed, opened)
         if self.ctx.shard is None:
             return compute_outcome(inputs)
         return self._close_fragment(inputs, skip)
 
-    def _closing_inputs(self, r: RoundRow, seed: bytes) -> ClosingInputs:
+    def _closing_inputs(self, r: RoundRow, seed: bytes, opened: Mapping[bytes, Opened] | None = None) -> ClosingInputs:
         """Everything round `r`'s close reads (gonka_node/aggregator/close.py), gathered before it computes."""
         ctx = self.ctx
         return ClosingInputs(
@@ -395,6 +442,7 @@ class RoundEngine(Acceptance):
             prev_residual=self._prev_residual(r.round),
             prev_outer_state=self._prev_outer_state(r.round),
             eager=self._eager_bases(r.round) if ctx.overlap == "eager" else None,
+            opened=opened or {},
             store=self.store,
             checkpoints=self.checkpoints,
             aggregation=self.aggregation,

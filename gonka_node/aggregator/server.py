@@ -18,7 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gonka_node.aggregator.challenges import challenges_round
 from gonka_node.aggregator.engine_types import SignedReceipt
+from gonka_node.aggregator.ingest import StreamGuard
 from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard_close import served_proof
@@ -63,6 +65,8 @@ STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Reason.STREAM_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.OBJECT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.NOT_CHALLENGED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.ROOT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
 CHECK_STATES = {PENDING: pb.SubmissionStatus.PENDING, CHECKED: pb.SubmissionStatus.CHECKED,
                 FAILED: pb.SubmissionStatus.FAILED}
@@ -106,6 +110,13 @@ def submission_from_pb(h: pb.SubmitHeader) -> Submission:
         )
     except EnvelopeError as exc:
         raise Rejected(Reason.MALFORMED, f"header: {exc}") from exc
+
+
+async def _opening_chunks(stream: AsyncIterator[pb.OpeningRequest]) -> AsyncIterator[bytes]:
+    async for msg in stream:
+        if msg.WhichOneof("part") != "chunk":
+            raise Rejected(Reason.MALFORMED, "only body chunks may follow the opening header")
+        yield msg.chunk
 
 
 async def _chunks(stream: AsyncIterator[pb.SubmitRequest]) -> AsyncIterator[bytes]:
@@ -269,13 +280,54 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no payload of 0x{bytes(request.host).hex()} is "
                                 f"stored in round {request.epoch}/{request.round}")
             raise AssertionError("unreachable: abort raises")
-        return pb.SubmissionStatus(
+        status = pb.SubmissionStatus(
             state=CHECK_STATES[row.check_state],
             reason=cast(common.RejectReason, row.check_reason),
             message=row.check_message,
             payload_sha256=row.payload_sha256,
             received_unix_ms=row.received_ms,
         )
+        if not challenges_round(self.engine.ctx):
+            return status
+        chosen = await asyncio.to_thread(self.engine.openings.challenge, row)  # a sample hashes every chunk index
+        if chosen is not None:
+            opened = self.engine.store.opening(row.epoch, row.round, row.host) is not None
+            status.state = pb.SubmissionStatus.OPENED if opened else pb.SubmissionStatus.CHALLENGED
+            status.round_seed = chosen.round_seed
+            status.challenged_chunks.extend(chosen.chunks)
+            status.opening_deadline_unix_ms = chosen.deadline_ms
+        return status
+
+    async def OpenResidual(
+        self, request_iterator: AsyncIterator[pb.OpeningRequest], context: grpc.aio.ServicerContext
+    ) -> pb.OpeningReceipt:
+        """A challenged host's opening (aggregator/openings.py); a refusal: status, reason, nothing stored."""
+        guard = StreamGuard(self.engine.stream_limits, asyncio.Event(), f"opening from {context.peer()}").arm()
+        try:
+            requests = aiter(request_iterator)
+            first = await anext(requests, None)
+            guard.touch()
+            if first is None or first.WhichOneof("part") != "header":
+                raise Rejected(Reason.MALFORMED, "the stream must start with an OpeningHeader")
+            row = await self.engine.openings.open(first.header, _opening_chunks(requests), guard)
+            log.info("opening of 0x%s in round %d/%d stored (%d bytes)", row.host.hex(), row.epoch, row.round,
+                     row.body_length)
+            return pb.OpeningReceipt(accepted=True, body_sha256=row.body_sha256, received_unix_ms=row.received_ms)
+        except asyncio.CancelledError as exc:
+            refusal = guard.refused(exc)
+            if refusal is None:
+                log.warning("an opening was cancelled mid-stream (connection lost); nothing stored")
+                raise
+            await self._refuse_opening(refusal, context)
+        except Rejected as exc:
+            await self._refuse_opening(exc, context)
+        finally:
+            guard.disarm()
+        raise AssertionError("unreachable")
+
+    async def _refuse_opening(self, exc: Rejected, context: grpc.aio.ServicerContext) -> None:
+        log.info("opening refused: %s", exc)
+        await context.abort(STATUS[exc.reason], exc.message, trailing_metadata=(("gonka-reason", exc.reason.name),))
 
     async def GetRoundResult(self, request: pb.RoundRef, context: grpc.aio.ServicerContext) -> pb.RoundResult:
         row = await self._done_round(request.epoch, request.round, context)

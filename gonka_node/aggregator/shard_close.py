@@ -9,6 +9,7 @@ its fragment's base, new parameters, aggregate and momentum.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -49,7 +50,7 @@ from gonka_node.aggregator.shard import (
     sampled,
 )
 from gonka_node.aggregator.shard_audit import contradiction, rewards_contradiction
-from gonka_node.aggregator.store import RoundRow, SubmissionRow
+from gonka_node.aggregator.store import RoundRow, ShardDecision, Store, SubmissionRow
 from gonka_node.aggregator.validate import Sketcher, decode_update
 from gonka_node.core.fragments import FragmentProof, fragment_root, plan_fragments
 from training.checkpoint import HASH_FORMAT, canonical_sha256
@@ -126,9 +127,35 @@ def _fragment_of_whole(path: Path, expected: bytes, role: ShardRole) -> dict[str
         return {n: handle.get_tensor(n) for n in role.fragment.names}
 
 
+def keep_decision(store: Store, row: RoundRow, skip: bool) -> ShardDecision:
+    """The round's close decision: the one kept with the round if any, else `skip` over the round's
+    checked submissions now, kept first. Kept before the report is signed (and before the seed is
+    revealed), so a restarted shard reports exactly what it would have: one report per round, however
+    the uploads it holds or its tick's view of the quorum changed."""
+    stored = store.get_round(row.epoch, row.round)
+    kept = None if stored is None else ShardDecision.of(stored)
+    if kept is not None:  # every attempt after the first (a close waiting on the others retries each tick)
+        return kept
+    hosts = tuple(sorted(store.submitted_hosts(row.epoch, row.round, checked_only=True)))  # by address, no sketches
+    return store.keep_shard_decision(row.epoch, row.round, ShardDecision(skip, hosts))
+
+
+def decided_inputs(i: ClosingInputs, decision: ShardDecision) -> ClosingInputs:
+    """`i` with the submissions the decision covers (all of them: none is stored after it)."""
+    covered = [s for s in i.submissions if s.host in set(decision.hosts)]
+    if [s.host for s in covered] != list(decision.hosts):
+        row = i.round_row
+        raise ShardMismatch(f"round {row.epoch}/{row.round}: a host this shard decided to report has no "
+                            f"checked submission in its store")
+    return dataclasses.replace(i, submissions=covered)
+
+
 def close_fragment(
     i: ClosingInputs, role: ShardRole, exchange: ShardExchange, skip: bool, max_update_norm: float
 ) -> RoundOutcome:
+    """Close this shard's fragment of the round as its kept decision says (`skip` only if none is kept)."""
+    decision = keep_decision(i.store, i.round_row, skip)
+    i, skip = decided_inputs(i, decision), decision.skip
     ctx, row = i.ctx, i.round_row
     epoch, round_ = row.epoch, row.round
     base = load_fragment(i.checkpoints, i.base_path, row.base_sha256, role, ctx.initial_checkpoint)

@@ -43,6 +43,9 @@ CREATE TABLE IF NOT EXISTS rounds (
     seed_secret BLOB,                  -- committed on chain when the round opened, revealed at close
     heldout_loss_base REAL,            -- the base model's loss on the round's held-out windows
     heldout_loss REAL,                 -- the new checkpoint's, on the same windows
+    round_seed BLOB,                   -- the round's complete commit-reveal seed, once every aggregator revealed
+    seed_complete_ms INTEGER,          -- when this aggregator first saw it complete: the openings' clock starts
+    shard_decision TEXT,               -- a shard's close, kept before its report is signed: ShardDecision JSON
     PRIMARY KEY (epoch, round)
 );
 CREATE TABLE IF NOT EXISTS submissions (
@@ -78,6 +81,24 @@ CREATE TABLE IF NOT EXISTS contributions (
 """
 
 
+OPENINGS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS openings (   -- a challenged top-k submission's residual opening, as received
+    epoch INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    host BLOB NOT NULL,
+    previous_root BLOB NOT NULL,
+    residual_root BLOB NOT NULL,
+    body_sha256 BLOB NOT NULL,
+    body_length INTEGER NOT NULL,
+    timestamp_ms INTEGER NOT NULL,
+    signature BLOB NOT NULL,
+    received_ms INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    PRIMARY KEY (epoch, round, host)
+);
+"""
+
+
 @dataclass(frozen=True)
 class RoundRow:
     epoch: int
@@ -96,6 +117,47 @@ class RoundRow:
     seed_secret: bytes | None = None  # this aggregator's round-seed secret (chain.seed)
     heldout_loss_base: float | None = None
     heldout_loss: float | None = None
+    round_seed: bytes | None = None  # the round's complete seed (chain), stored when first seen complete
+    seed_complete_ms: int | None = None  # when that was: a top-k round's openings are due from here
+    shard_decision: str | None = None  # a shard's close decided (`ShardDecision` JSON): closed for uploads
+
+
+@dataclass(frozen=True)
+class ShardDecision:
+    """What a shard's close of a round covers, decided once and kept with the round before its one report
+    is signed: whether it reports a skip, and the hosts (increasing address) whose fragments it reports.
+    A restarted shard closes as decided rather than recompute, so it never signs a second report."""
+
+    skip: bool
+    hosts: tuple[bytes, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"skip": self.skip, "hosts": [h.hex() for h in self.hosts]}, sort_keys=True)
+
+    @classmethod
+    def of(cls, row: RoundRow) -> ShardDecision | None:
+        """The decision kept with `row` (None: none yet)."""
+        if row.shard_decision is None:
+            return None
+        kept = json.loads(row.shard_decision)
+        return cls(bool(kept["skip"]), tuple(bytes.fromhex(h) for h in kept["hosts"]))
+
+
+@dataclass(frozen=True)
+class OpeningRow:
+    """A stored opening of a challenged submission: the signed record's fields, its signature and file."""
+
+    epoch: int
+    round: int
+    host: bytes
+    previous_root: bytes
+    residual_root: bytes
+    body_sha256: bytes
+    body_length: int
+    timestamp_ms: int
+    signature: bytes
+    received_ms: int
+    path: str
 
 
 @dataclass(frozen=True)
@@ -155,6 +217,7 @@ class Store:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")  # fsync the WAL at every commit: a receipt implies durability
         db.executescript(SCHEMA)
+        db.executescript(OPENINGS_SCHEMA)
         _add_missing_columns(db)
         self._db = db
         # Half-received payloads of a previous process: never acknowledged, so safe to drop.
@@ -190,6 +253,10 @@ class Store:
 
     def update_path(self, epoch: int, round_: int) -> Path:
         return self.root / "updates" / str(epoch) / f"{round_:06d}.safetensors"
+
+    def opening_path(self, epoch: int, round_: int, host: bytes) -> Path:
+        """Beside the host's payload of the round."""
+        return self.payload_path(epoch, round_, host).with_suffix(".opening")
 
     def outer_state_path(self, epoch: int, round_: int) -> Path:
         return self.root / "outer" / str(epoch) / f"{round_:06d}.safetensors"
@@ -238,6 +305,13 @@ class Store:
             db.execute("UPDATE rounds SET seed_secret=? WHERE epoch=? AND round=? AND seed_secret IS NULL",
                        (secret, epoch, round_))
 
+    def set_round_seed(self, epoch: int, round_: int, seed: bytes, at_ms: int) -> None:
+        """Record the round's complete seed and when it was first seen complete (kept once set: a restart
+        resumes the openings' wait from the stored time)."""
+        with self._tx() as db:
+            db.execute("UPDATE rounds SET round_seed=?, seed_complete_ms=? WHERE epoch=? AND round=? "
+                       "AND round_seed IS NULL", (seed, at_ms, epoch, round_))
+
     def extend_round(self, epoch: int, round_: int, deadline_ms: int) -> None:
         with self._tx() as db:
             db.execute(
@@ -277,6 +351,18 @@ class Store:
                 (state, checkpoint_sha256, rewards_root, total_reward, aggregation, now_ms(), base_loss, loss, epoch, round_),
             )
 
+    def keep_shard_decision(self, epoch: int, round_: int, decision: ShardDecision) -> ShardDecision:
+        """Keep a shard's close decision with its open round unless one is kept already (the first stands;
+        no upload is stored after it), and return the one kept."""
+        with self._tx() as db:
+            db.execute("UPDATE rounds SET shard_decision=? WHERE epoch=? AND round=? AND state='open' "
+                       "AND shard_decision IS NULL", (decision.to_json(), epoch, round_))
+        row = self.get_round(epoch, round_)
+        kept = None if row is None else ShardDecision.of(row)
+        if kept is None:
+            raise ValueError(f"round {epoch}/{round_} is not open: no close decision can be kept for it")
+        return kept
+
     def mark_finalized(self, epoch: int, round_: int, finalize_tx: bytes, skipped: bool = False) -> None:
         with self._tx() as db:
             db.execute(
@@ -304,9 +390,9 @@ class Store:
         try:
             with self._tx() as db:
                 state = db.execute(
-                    "SELECT state FROM rounds WHERE epoch=? AND round=?", (row.epoch, row.round)
+                    "SELECT state, shard_decision FROM rounds WHERE epoch=? AND round=?", (row.epoch, row.round)
                 ).fetchone()
-                if state is None or state[0] != "open":
+                if state is None or state[0] != "open" or state[1] is not None:  # a shard's decided close: closed
                     raise sqlite3.IntegrityError(f"round {row.epoch}/{row.round} is not open")
                 db.execute("DELETE FROM submissions WHERE epoch=? AND round=? AND host=? AND check_state=?",
                            (row.epoch, row.round, row.host, FAILED))
@@ -373,6 +459,45 @@ class Store:
             db.execute(f"UPDATE submissions SET {assign} WHERE epoch=? AND round=? AND host=? AND check_state=?",
                        (*values, epoch, round_, host, PENDING))
 
+    def previous_submission(self, epoch: int, round_: int, host: bytes) -> SubmissionRow | None:
+        """The host's last checked submission of the epoch before `round_` (None: it has none)."""
+        rows = self._submissions("epoch=? AND round<? AND host=? AND check_state=?", (epoch, round_, host, CHECKED))
+        return max(rows, key=lambda s: s.round) if rows else None
+
+    # ---- openings ----------------------------------------------------------------------------------
+
+    def add_opening(self, row: OpeningRow, part: Path) -> None:
+        """Move a received, verified opening body into place and record it; durable on return. Raises
+        sqlite3.IntegrityError when the host already has one in the round (the file is then not kept)."""
+        final = Path(row.path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if self.opening(row.epoch, row.round, row.host) is not None:
+            raise sqlite3.IntegrityError(f"an opening of round {row.epoch}/{row.round} is already stored")
+        durable_replace(part, final)
+        try:
+            with self._tx() as db:
+                db.execute("INSERT INTO openings VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
+                    row.epoch, row.round, row.host, row.previous_root, row.residual_root, row.body_sha256,
+                    row.body_length, row.timestamp_ms, row.signature, row.received_ms, row.path))
+        except BaseException:
+            final.unlink(missing_ok=True)
+            raise
+
+    def opening(self, epoch: int, round_: int, host: bytes) -> OpeningRow | None:
+        if not (_storable(epoch) and _storable(round_)):
+            return None
+        rows = self._openings("epoch=? AND round=? AND host=?", (epoch, round_, host))
+        return rows[0] if rows else None
+
+    def openings(self, epoch: int, round_: int) -> dict[bytes, OpeningRow]:
+        return {o.host: o for o in self._openings("epoch=? AND round=?", (epoch, round_))}
+
+    def _openings(self, where: str, args: tuple[object, ...]) -> list[OpeningRow]:
+        with self._tx() as db:
+            cur = db.execute(f"SELECT * FROM openings WHERE {where} ORDER BY host", args)
+            names = [d[0] for d in cur.description]
+            return [OpeningRow(**dict(zip(names, r, strict=True))) for r in cur.fetchall()]
+
     def submitted_hosts(self, epoch: int, round_: int, checked_only: bool = False) -> set[bytes]:
         """Hosts with a stored payload in the round that counts (pending or checked; `checked_only`:
         checked): what the round's tick asks several times a second, without the rows' 16 KB sketches."""
@@ -405,7 +530,8 @@ def _add_missing_columns(db: sqlite3.Connection) -> None:
     """Bring a store written by an older version up to the schema (columns added since, with defaults)."""
     for table, column, decl in (("submissions", "started_ms", "INTEGER NOT NULL DEFAULT 0"),
                                 ("rounds", "seed_secret", "BLOB"), ("rounds", "heldout_loss_base", "REAL"),
-                                ("rounds", "heldout_loss", "REAL"),
+                                ("rounds", "heldout_loss", "REAL"), ("rounds", "round_seed", "BLOB"),
+                                ("rounds", "seed_complete_ms", "INTEGER"), ("rounds", "shard_decision", "TEXT"),
                                 ("submissions", "check_state", f"TEXT NOT NULL DEFAULT '{CHECKED}'"),
                                 ("submissions", "check_reason", "INTEGER NOT NULL DEFAULT 0"),
                                 ("submissions", "check_message", "TEXT NOT NULL DEFAULT ''"),

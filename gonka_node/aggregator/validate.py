@@ -30,6 +30,8 @@ _HASH_A, _HASH_B, _SIGN_A, _SIGN_B = 1_103_515_245, 12_345, 69_069, 1
 class Codec(Protocol):
     """What the aggregator needs of `training.codecs`' codecs."""
 
+    opens_residual: bool  # a replay opens the host's residual instead of comparing the decode (top-k)
+
     def decode(self, data: bytes, spec: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]: ...
 
     def decode_parts(

@@ -117,6 +117,9 @@ class AggregationSettings:
     # replay_probability on chain; these say what a replay must reproduce.
     replay_min_cosine: float = 0.9
     replay_norm_tolerance: float = 0.1  # |update| / |replay| must lie within 1 ± this
+    # Top-k epochs: how long a host picked for the replay has, from the round seed's completion, to open
+    # its residual (docs/PROTOCOL.md "Challenge and opening"): a 96 MB opening at 10 MB/s, with margin.
+    opening_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         rules: list[tuple[int | None, str]] = [(None, self.rule), *self.per_epoch.items()]
@@ -144,6 +147,8 @@ class AggregationSettings:
             raise ConfigError(
                 f"[aggregation] replay_norm_tolerance must be in (0, 1), got {self.replay_norm_tolerance}"
             )
+        if not 0.0 < self.opening_timeout_s < 1e6:
+            raise ConfigError(f"[aggregation] opening_timeout_s must be in (0, 1e6) seconds, got {self.opening_timeout_s}")
         if self.centered_clip_iters < 1 or self.heldout_windows < 1:
             raise ConfigError("[aggregation] centered_clip_iters and heldout_windows must be >= 1")
 

@@ -98,6 +98,15 @@ class Recipe:
         1, "aggregators splitting the model by fragment (docs/PROTOCOL.md \"Sharded aggregators\"): the epoch "
         "must name this many aggregators with aggregator_quorum equal to it (omitted from the canonical JSON when 1)"
     )
+    # The top-k challenge (docs/PROTOCOL.md "Challenge and opening"): a picked host opens this share of its
+    # residual's chunks, and at least this many elements' worth (what the verdict's cosine needs is
+    # elements, not chunks). Both omitted from the canonical JSON at their defaults.
+    residual_sample: float = _field(
+        0.01, "top-k epochs with replays: the fraction of residual chunks a picked host opens, in (0, 1]"
+    )
+    residual_sample_min: int = _field(
+        1_048_576, "top-k epochs with replays: the fewest residual elements a picked host opens (>= 1)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "grad_accum", "inner_steps", "n_rounds"):
@@ -114,6 +123,11 @@ class Recipe:
             raise RecipeError(f"broadcast: must be one of dense, codec, got {self.broadcast!r}")
         if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards <= 0:
             raise RecipeError(f"shards: must be a positive integer, got {self.shards!r}")
+        if isinstance(self.residual_sample, bool) or not 0.0 < self.residual_sample <= 1.0:
+            raise RecipeError(f"residual_sample: must be a fraction in (0, 1], got {self.residual_sample!r}")
+        if not isinstance(self.residual_sample_min, int) or isinstance(self.residual_sample_min, bool) \
+                or self.residual_sample_min < 1:
+            raise RecipeError(f"residual_sample_min: must be a positive integer, got {self.residual_sample_min!r}")
         if self.tokenizer and (len(self.tokenizer) != 64 or set(self.tokenizer) - set("0123456789abcdef")):
             raise RecipeError("tokenizer: must be the 64 lower-case hex digits of tokenizer.json's sha256")
         if self.assignment_seed not in ASSIGNMENT_SEEDS:
@@ -239,7 +253,8 @@ class Recipe:
             del out["tokenizer"]
         if self.assignment_seed == "epoch":
             del out["assignment_seed"]
-        for name, default in (("overlap", "off"), ("broadcast", "dense"), ("shards", 1)):
+        for name, default in (("overlap", "off"), ("broadcast", "dense"), ("shards", 1), ("residual_sample", 0.01),
+                              ("residual_sample_min", 1_048_576)):
             if out[name] == default:
                 del out[name]
         return out

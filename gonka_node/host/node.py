@@ -1,21 +1,22 @@
 """The host daemon's loop: sign in, then for each round follow the global model, train, submit, wait.
 
-Crash safety: progress is saved after every applied round (`HostStore`). A restarted node reloads it,
-follows the chain to the current round and carries on; a round it had already submitted is not trained
-again (the aggregator would answer DUPLICATE anyway). A round whose submission is refused (late, wrong
-round) leaves no trace: the inner optimizer and the error-feedback residual go back to their state
-before that round, so nothing the aggregator never saw leaks into the next payload.
+Crash safety: progress is saved after every applied round (`HostStore`), and a trained round (its
+payload, signed residual root and the worker state it left) before its upload starts. A restarted node
+reloads the progress, adopts a kept round the aggregator holds (`_recover_upload`: the round is not
+trained again, and the residual it opens if challenged is the one whose root it signed), follows the
+chain to the current round and carries on. A round whose submission is refused (late, wrong round)
+leaves no trace: the inner optimizer and the error-feedback residual go back to their state before that
+round, so nothing the aggregator never saw leaks into the next payload.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from safetensors.torch import save_file
@@ -29,6 +30,7 @@ from gonka_node.core.keys import NodeKeys
 from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from gonka_node.host.events import HostEvents, LogEvents
 from gonka_node.host.follow import GlobalModel, NextModel, adopt, dense_update, follow_to, step_ahead
+from gonka_node.host.opening import ChallengeRefused, build_opening, sample_settings, signed_roots
 from gonka_node.host.rig_round import LocalRounds, RigError, RigRounds, Rounds, make_worker
 from gonka_node.host.settings import RETRYABLE, ChainHashes, HostError, HostSettings, patiently
 from gonka_node.host.store import HostStore, Progress
@@ -40,9 +42,13 @@ from training.codecs import get_codec, round_seed
 from training.diloco import OuterOptimizer
 from training.model import build_model
 from training.overlap import base_round, eager_base
+from training.residual_commit import commitment_layout
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 T = TypeVar("T")
+# the chunk of an opening's body when the round's limit is not known (a host restarted before this
+# version recorded it): well under any aggregator's `max_chunk_bytes`
+OPENING_CHUNK = 64 << 10
 class HostNode:
     def __init__(
         self,
@@ -64,6 +70,10 @@ class HostNode:
         # round → the root of the residual its training left (`WorkerRound.residual_root`), signed with
         # its payload; a round trained again (a refusal, a restart) records its new root
         self.residual_roots: dict[int, bytes] = {}
+        # round -> the worker state before it (a rollback point), kept in a top-k epoch until the round's
+        # checks are known: a payload that FAILED them is no submission, and its residual is undone
+        # (docs/PROTOCOL.md "Challenge and opening", e_{r−1})
+        self._before_round: dict[int, dict[str, Any]] = {}
 
     # ---- sign-in ----------------------------------------------------------------------------------
 
@@ -124,6 +134,7 @@ class HostNode:
             gm = GlobalModel(snap.global_params, bytes.fromhex(progress.model_sha256), progress.round_done, outer,
                              self.recipe.shards)
             self.events.note(f"resumed at round {progress.round_done} from {self.store.root}")
+            self._recover_uploads(progress)
             self.rounds.start()
             return gm, progress
         # The daemon's copy of the global model: a model of its own (a rig trains in other processes).
@@ -136,6 +147,7 @@ class HostNode:
                 f"{spec.init_checkpoint_hash.hex()}"
             )
         progress = Progress(self.settings.epoch, slot, 0, sha.hex())
+        self._recover_uploads(progress)
         self.rounds.start()
         return GlobalModel(params, sha, 0, self._outer(), self.recipe.shards), progress
 
@@ -194,6 +206,8 @@ class HostNode:
                 self.events.note(f"epoch {self.settings.epoch} finished after {latest} rounds")
                 return progress
             info = self._open_round()
+            if info is None:
+                self._await_closing(latest + 1, progress)
             if info is None or info.round <= gm.round_done:
                 self.sleep(self.settings.poll_s)
                 continue
@@ -207,10 +221,14 @@ class HostNode:
                     f"differs from the chain's {gm.sha256.hex()[:16]}…"
                 )
             submitted_at = time.monotonic()
+            progress.max_chunk_bytes = int(info.limits.max_chunk_bytes)  # a restarted host's opening's chunks
             if str(info.round) not in progress.submitted:
                 self._train_and_submit(self._local_worker(), gm, info, progress)
                 submitted_at = time.monotonic()
-            self._wait_finalized(info.round)
+            if str(info.round) in progress.submitted:
+                self._await_verdict(info, progress)
+            else:
+                self._wait_finalized(info.round)
             how = self._follow(gm, info.round, hashes, progress)
             reward = self._reward(info.round)
             progress.rewards[str(info.round)] = reward
@@ -274,16 +292,27 @@ class HostNode:
         """Train the round and upload it. `worker`: the one-process worker (None on a rig), what a
         subclass that replaces the honest round works with (`gonka_node.testing.adversary`); this one goes
         through `self.rounds`, which holds the same worker."""
-        before = copy.deepcopy(self.rounds.state_dict())
+        before = self.rounds.snapshot()
         result = self._train(info.round, gm, progress)
+        self._keep(result)
         started = time.monotonic()
         accepted, reason = self._submit(info, result.payload, result.tokens)
         self.events.submitted(info.round, accepted, reason, time.monotonic() - started)
         if accepted:
-            progress.submitted[str(info.round)] = hashlib.sha256(result.payload).hexdigest()
-            progress.bytes_sent += len(result.payload)
+            self._record_accepted(info.round, result.payload, progress)
+            if self._challengeable:
+                self._before_round[info.round] = before
         else:
             self.rounds.load_state_dict(before)
+
+    def _keep(self, result: WorkerRound) -> None:
+        """Save the trained round durably before its upload starts (`HostStore.save_sent`)."""
+        self.store.save_sent(result.round, result.payload, result.residual_root, self.rounds.state_dict())
+
+    def _record_accepted(self, round_: int, payload: bytes, progress: Progress) -> None:
+        progress.submitted[str(round_)] = hashlib.sha256(payload).hexdigest()
+        progress.bytes_sent += len(payload)
+        progress.residual_roots[str(round_)] = self.residual_roots[round_].hex()
 
     def _train(
         self, round_: int, gm: GlobalModel, progress: Progress, base: Mapping[str, Tensor] | None = None
@@ -328,8 +357,6 @@ class HostNode:
         trained = max((int(r) for r in progress.submitted), default=0)
         pending: PendingUpload | None = None
         eager = self.recipe.overlap == "eager"
-        if eager:
-            trained = self._recover_upload(trained + 1, progress) or trained
         applied = 0
         try:
             while True:
@@ -356,8 +383,7 @@ class HostNode:
                     pending = None
                     return progress
                 result = self._train_eager(r, gm, progress, pending) if eager else self._train(r, gm, progress)
-                if eager:  # kept before it is sent: round r + 1's base is forecast with it
-                    self.store.save_payload(r, result.payload)
+                self._keep(result)  # before it is sent: an eager round r + 1's base is forecast with it
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
@@ -380,7 +406,7 @@ class HostNode:
         it, the replay's base is the held model itself (the aggregator holds no payload of ours), so the
         round is trained again from that, the worker's state first taken back."""
         uploading = pending is not None and pending.round == r - 1
-        before = copy.deepcopy(self.rounds.state_dict()) if uploading else None
+        before = self.rounds.snapshot() if uploading else None
         result = self._train(r, gm, progress, self._eager_base(r, gm, self._sent_payload(r - 1, pending, progress)))
         if pending is not None and before is not None and not pending.accepted():
             self.events.note(f"round {r}: round {r - 1}'s upload was refused; training round {r} again from "
@@ -420,23 +446,43 @@ class HostNode:
             return kept
         return kept if kept is not None and self._contribution(round_) is not None else None
 
-    def _recover_upload(self, round_: int, progress: Progress) -> int | None:
-        """`round_` if this host's kept payload of it is the one the aggregator holds, now recorded: the
-        daemon died after the upload and before recording it. Training the round again would send (and
-        keep, over the only copy) another payload than the one round + 1's replay base is built from."""
-        kept = self.store.load_payload(round_)
+    def _recover_uploads(self, progress: Progress) -> None:
+        """Adopt, in order, the rounds after the last recorded one that were kept and that the aggregator
+        holds (an overlapping host may have two uploads unrecorded)."""
+        r = max([progress.round_done, *(int(k) for k in progress.submitted)]) + 1
+        while self._recover_upload(r, progress):
+            r += 1
+
+    def _recover_upload(self, round_: int, progress: Progress) -> bool:
+        """Whether this host's payload of `round_` as kept before its upload (`HostStore.save_sent`) is the
+        one the aggregator holds: the daemon died after the upload and before recording it. Then the
+        round is recorded and the worker state it left restored, not trained again: a second training
+        would send (and keep, over the only copy) another payload than the one round + 1's eager base is
+        built from, and on a GPU leave another residual than the one whose root the aggregator holds
+        (the upload answers DUPLICATE), which the round's opening could then not open."""
+        kept = self.store.load_sent(round_)
         if kept is None:
-            return None
+            return False
         try:
-            held = self.aggregator.submission(self.settings.epoch, round_, self.host_bytes)
-        except grpc.RpcError:  # none held (NOT_FOUND), or an aggregator that cannot say: train it again
-            return None
-        sha = hashlib.sha256(kept).digest()
-        if bytes(held.payload_sha256) != sha or held.state == pb.SubmissionStatus.FAILED:
-            return None
-        progress.submitted[str(round_)] = sha.hex()
-        self.events.note(f"round {round_}: the aggregator holds the payload this host kept (sent before a restart)")
-        return round_
+            held = self._patiently(f"round {round_}'s submission",
+                                   lambda: self.aggregator.submission(self.settings.epoch, round_, self.host_bytes))
+        except grpc.RpcError:  # none held (NOT_FOUND): train it again
+            return False
+        if bytes(held.payload_sha256) != hashlib.sha256(kept.payload).digest() or \
+                held.state == pb.SubmissionStatus.FAILED:
+            return False
+        if kept.has_state:
+            if self._challengeable:  # should its checks fail yet, the residual goes back to this
+                self._before_round[round_] = self.rounds.snapshot()
+            try:
+                self.rounds.load_state_dict(self.store.load_sent_state(round_))
+            except RigError as exc:
+                raise HostError(f"{self.store.root}: {exc}") from exc
+        self.residual_roots[round_] = kept.residual_root
+        self._record_accepted(round_, kept.payload, progress)
+        self.events.note(f"round {round_}: the aggregator holds the payload this host kept (sent before a restart); "
+                         "resuming from the state it left instead of training it again")
+        return True
 
     def _update_bytes(self, round_: int) -> bytes:
         return self.aggregator.round_update(self.settings.epoch, round_).data
@@ -474,8 +520,7 @@ class HostNode:
         self._ahead = outcome.ahead
         self.events.submitted(pending.round, outcome.accepted, outcome.reason, outcome.seconds)
         if outcome.accepted:
-            progress.submitted[str(pending.round)] = hashlib.sha256(pending.payload).hexdigest()
-            progress.bytes_sent += len(pending.payload)
+            self._record_accepted(pending.round, pending.payload, progress)
 
     def _submit(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
         delay = self.settings.backoff_s
@@ -487,8 +532,10 @@ class HostNode:
             except SubmitRejected as exc:
                 if exc.reason == "DUPLICATE":
                     # An earlier upload of this host landed: its receipt was lost in transit, or this
-                    # process restarted after uploading. The aggregator holds it; count it as accepted.
-                    return True, "DUPLICATE"
+                    # process restarted after uploading. The aggregator holds it; count it as accepted,
+                    # unless it failed its checks (a restarted host whose kept round was not adopted):
+                    # then it is no submission, and this round's training is undone like a refusal's.
+                    return self._duplicate(info)
                 if exc.reason == "LATE":  # DEADLINE_EXCEEDED, yet final: the round closed without us
                     return False, f"LATE: {exc.message}"
                 if exc.code not in RETRYABLE and exc.reason != "UNAVAILABLE":
@@ -497,6 +544,15 @@ class HostNode:
             self.sleep(delay)
             delay = min(delay * 2, 30.0)
         return False, f"gave up after {self.settings.submit_attempts} attempts"
+
+    def _duplicate(self, info: pb.RoundInfo) -> tuple[bool, str]:
+        try:
+            held = self.aggregator.submission(info.epoch, info.round, self.host_bytes)
+        except grpc.RpcError:  # not known now: as before, the aggregator holds a payload of ours
+            return True, "DUPLICATE"
+        if held.state == pb.SubmissionStatus.FAILED:
+            return False, f"DUPLICATE of a payload that failed its checks: {held.message}"
+        return True, "DUPLICATE"
 
     def _submit_checked(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
         """`_submit`, then the checks' verdict an eager host's next forecast depends on: a receipt says
@@ -554,6 +610,123 @@ class HostNode:
     def _wait_finalized(self, round_: int) -> None:
         while self.chain.latest_round(self.settings.epoch) < round_:
             self.sleep(self.settings.poll_s)
+
+    # ---- the challenge of a top-k round (docs/PROTOCOL.md "Challenge and opening") -----------------
+
+    def _await_verdict(self, info: pb.RoundInfo, progress: Progress) -> None:
+        """`_wait_finalized` for a round this host submitted to; in a top-k epoch it asks meanwhile
+        whether the replay challenged the round (GetSubmission) and answers once. Both residuals are
+        still the worker's: the next round starts only after this one is final (overlap "off")."""
+        if not self._challengeable:
+            return self._wait_finalized(info.round)
+        answered = False
+        while self.chain.latest_round(self.settings.epoch) < info.round:
+            answered = answered or self._answer_challenge(info, progress)
+            self.sleep(self.settings.poll_s)
+        if not answered:  # final before this host heard the checks' verdict: it still decides e_{r−1}
+            self._check_failed(info, progress)
+        self._before_round.pop(info.round, None)
+        return None
+
+    def _check_failed(self, info: pb.RoundInfo, progress: Progress) -> None:
+        try:
+            status = self.aggregator.submission(info.epoch, info.round, self.host_bytes)
+        except grpc.RpcError:  # unknown: the residual stays (a mismatch later costs an opening, not stake)
+            return
+        if status.state == pb.SubmissionStatus.FAILED:
+            self._forget_failed(info.round, progress, status)
+
+    def _forget_failed(self, round_: int, progress: Progress, status: pb.SubmissionStatus) -> None:
+        """Round `round_`'s payload got a receipt, then failed its checks: it is no submission (the
+        aggregator's e_{r−1} is the residual after the host's last *checked* one), so the round leaves no
+        trace, as a refused one: the worker state goes back to before it and its root is forgotten."""
+        before = self._before_round.pop(round_, None)
+        if before is not None:
+            self.rounds.load_state_dict(before)
+        progress.submitted.pop(str(round_), None)
+        progress.residual_roots.pop(str(round_), None)
+        self.events.note(f"round {round_}: its payload failed the aggregator's checks "
+                         f"({common.RejectReason.Name(status.reason).removeprefix('REJECT_')}: {status.message}); "
+                         "the round is undone" + ("" if before is not None else " (no state before it was kept)"))
+
+    def _await_closing(self, round_: int, progress: Progress) -> None:
+        """`_await_verdict` for a round this host submitted to that is no longer open and not yet final
+        (the host restarted meanwhile: it may be challenged now). What the opening's header binds is
+        the chain's (its id, the registry); the chunk limit is the one of the last round this host
+        opened (`Progress.max_chunk_bytes`)."""
+        deployment = self.chain.deployment
+        if str(round_) not in progress.submitted or deployment is None:
+            return
+        info = pb.RoundInfo(chain_id=self.chain.chain_id, registry=bytes.fromhex(deployment.registry.removeprefix("0x")),
+                            epoch=self.settings.epoch, round=round_,
+                            limits=pb.Limits(max_chunk_bytes=progress.max_chunk_bytes))
+        self._await_verdict(info, progress)
+
+    @functools.cached_property
+    def _challengeable(self) -> bool:
+        return get_codec(self.recipe.codec).opens_residual
+
+    def _answer_challenge(self, info: pb.RoundInfo, progress: Progress) -> bool:
+        """Whether the round's challenge is settled: answered, refused, or none will come (the
+        submission failed its checks, or is opened already). False: ask again."""
+        try:
+            status = self.aggregator.submission(info.epoch, info.round, self.host_bytes)
+        except grpc.RpcError:  # unreachable for now: ask again at the next poll
+            return False
+        if status.state in (pb.SubmissionStatus.PENDING, pb.SubmissionStatus.CHECKED):
+            return False
+        if status.state == pb.SubmissionStatus.FAILED:
+            self._forget_failed(info.round, progress, status)
+        if status.state != pb.SubmissionStatus.CHALLENGED:
+            return True
+        layout = commitment_layout(self._spec, get_codec(self.recipe.codec))
+        try:
+            roots = signed_roots(progress, info.round, layout)
+            header, body = build_opening(status, info, self.host_bytes, self.keys.node_key.signing_key, layout,
+                                         sample_settings(self.recipe), roots, self.rounds.residuals())
+        except ChallengeRefused as exc:
+            self.events.note(str(exc))
+            return True
+        self._send_opening(info, header, body, len(status.challenged_chunks), status.opening_deadline_unix_ms)
+        return True
+
+    def _send_opening(
+        self, info: pb.RoundInfo, header: pb.OpeningHeader, body: bytes, chunks: int, deadline_ms: int
+    ) -> None:
+        """Upload the opening over the host's link; an outage is retried while the deadline allows, a
+        refusal is logged (one line) and final."""
+        delay, retry = self.settings.backoff_s, False
+        while True:
+            try:
+                receipt = self.aggregator.open_residual(header, body, info.limits.max_chunk_bytes or OPENING_CHUNK)
+            except SubmitRejected as exc:
+                outage = exc.code in RETRYABLE or exc.reason == "UNAVAILABLE"
+                if outage and time.time() + delay < deadline_ms / 1000:
+                    self.sleep(delay)
+                    delay, retry = min(delay * 2, 30.0), True
+                    continue
+                if retry and exc.reason == "NOT_CHALLENGED" and self._opened(info):
+                    self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
+                                     f"({len(body)} bytes, stored by an earlier attempt)")
+                    return
+                self.events.note(f"round {info.round}: the opening of its residual was refused: "
+                                 f"{exc.reason or exc.code.name}: {exc.message}")
+                return
+            if not receipt.accepted:
+                self.events.note(f"round {info.round}: the opening of its residual was refused: "
+                                 f"{common.RejectReason.Name(receipt.reason).removeprefix('REJECT_')}: {receipt.message}")
+                return
+            self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
+                             f"({len(body)} bytes)")
+            return
+
+    def _opened(self, info: pb.RoundInfo) -> bool:
+        """Whether the aggregator stored this host's opening of the round (an attempt whose answer was lost)."""
+        try:
+            return self.aggregator.submission(info.epoch, info.round, self.host_bytes).state == \
+                pb.SubmissionStatus.OPENED
+        except grpc.RpcError:
+            return False
 
     def _reward(self, round_: int) -> int:
         mine = self._contribution(round_)

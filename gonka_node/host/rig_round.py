@@ -122,7 +122,16 @@ class Rounds(Protocol):
 
     def state_dict(self) -> dict[str, Any]: ...
 
+    def snapshot(self) -> dict[str, Any]:
+        """`state_dict()` as of now, unchanged by the rounds trained after it (a rollback point)."""
+        ...
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def residuals(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The error-feedback residuals before and after the last trained round's compress (e_{r−1},
+        e_r; a name absent was zero): what a challenge of that round opens."""
+        ...
 
     def close(self) -> None: ...
 
@@ -145,11 +154,17 @@ class LocalRounds:
     def state_dict(self) -> dict[str, Any]:
         return self.worker.state_dict()
 
+    def snapshot(self) -> dict[str, Any]:
+        return self.worker.snapshot()
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "rig" in state:
             raise RigError(f"this host's saved state belongs to a rig of {state['rig']['procs']} processes; "
                            f"run with --gpus {state['rig']['procs']}")
         self.worker.load_state_dict(state)
+
+    def residuals(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        return dict(self.worker.feedback.previous), dict(self.worker.feedback.residual)
 
     def close(self) -> None:
         return None
@@ -281,6 +296,9 @@ class RigRounds:
     def state_dict(self) -> dict[str, Any]:
         return {"rig": {"base": self.base, "procs": self.options.procs}}
 
+    def snapshot(self) -> dict[str, Any]:
+        return self.state_dict()  # a version's name: the rig's files of it do not change
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         rig = state.get("rig")
         if not isinstance(rig, Mapping):
@@ -290,6 +308,20 @@ class RigRounds:
             raise RigError(f"this host's saved state belongs to a rig of {rig['procs']} processes; "
                            f"run with --gpus {rig['procs']}")
         self.base = int(rig["base"])
+
+    def residuals(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """From the rig's files of its current version (`training.rig_service.StateVersions`): each
+        process keeps the residuals of the tensors it owns (sharded) or all of them (replicated), so the
+        union over its files is the whole residual. Mapped, not read: only the opened chunks are touched."""
+        previous: dict[str, Tensor] = {}
+        current: dict[str, Tensor] = {}
+        for path in sorted((self.work_dir / "state" / f"after-{self.base}").glob("rank-*.pt")):
+            feedback = torch.load(path, weights_only=True, map_location="cpu", mmap=True)["feedback"]
+            for name, tensor in feedback.get("previous", {}).items():
+                previous.setdefault(name, tensor)
+            for name, tensor in feedback["residual"].items():
+                current.setdefault(name, tensor)
+        return previous, current
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop the rig: a stop order, then the session's processes if they linger."""

@@ -6,8 +6,14 @@ Layout under the host's state directory:
     snap-<round>/global.safetensors   the global model after <round> (its chain hash in progress.json)
     snap-<round>/outer.safetensors    the outer momentum the host mirrors (absent when not in sync)
     snap-<round>/worker.pt            inner AdamW state and the error-feedback residual
-    sent/round-<round>.bin     with overlap = "eager": the payload of <round>, written before it is
-                               submitted (the next round's base is forecast with it: training/overlap.py)
+    sent/round-<round>/        a trained round, written before its upload starts (`save_sent`):
+        payload.bin            the payload (an eager host forecasts the next round's base with it:
+                               training/overlap.py)
+        round.json             the residual root signed with it
+        worker.pt              the worker state after the round (AdamW, both error-feedback residuals;
+                               kept for the newest round only): a host killed after the aggregator took
+                               the payload resumes from it instead of training the round again, whose
+                               residual on a GPU would not be bit for bit the one it signed
 
 A snapshot folder is complete before `progress.json` names it (each file fsync'd, then the folder,
 then an atomic rename of progress.json), so a crash at any point leaves the previous snapshot intact.
@@ -27,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from gonka_node.core.fragments import model_root
-from training.durable import atomic_write, durable_replace, fsync_path
+from training.durable import durable_replace, fsync_path
 
 PROGRESS = "progress.json"
 
@@ -48,10 +54,26 @@ class Progress:
     # the epoch's aggregator shards: model_sha256 is the Merkle root over that many fragments
     # (core/fragments.model_root; 1: the canonical sha256 itself)
     shards: int = 1
+    # round -> the residual root (hex) signed with its accepted payload: e_{r−1}'s root in round r's
+    # opening is the one of the host's last submitted round (docs/PROTOCOL.md "Challenge and opening")
+    residual_roots: dict[str, str] = field(default_factory=dict)
+    # the chunk limit (bytes) of the last round this host took part in: a host restarted while its round
+    # closes opens with it (0: not known, OPENING_CHUNK)
+    max_chunk_bytes: int = 0
 
     @property
     def outer_in_sync(self) -> bool:
         return self.outer_steps >= 0
+
+
+@dataclass(frozen=True)
+class SentRound:
+    """A round as kept before its upload (`HostStore.save_sent`)."""
+
+    round: int
+    payload: bytes
+    residual_root: bytes
+    has_state: bool  # worker.pt is kept (only the newest round's is)
 
 
 @dataclass
@@ -125,18 +147,49 @@ class HostStore:
             if old != snap:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _payload_path(self, round_: int) -> Path:
-        return self.root / "sent" / f"round-{round_:06d}.bin"
+    def _sent(self, round_: int) -> Path:
+        return self.root / "sent" / f"round-{round_:06d}"
 
-    def save_payload(self, round_: int, payload: bytes) -> None:
-        """Keep `round_`'s payload durably (before it is submitted: a crash after the aggregator took it
-        must not lose what the next eager base is made of), dropping those of rounds before `round_` − 1."""
-        atomic_write(self._payload_path(round_), lambda tmp: tmp.write_bytes(payload))
-        for old in (self.root / "sent").glob("round-*.bin"):
-            if int(old.stem.split("-")[1]) < round_ - 1:
-                old.unlink(missing_ok=True)
+    def save_sent(
+        self, round_: int, payload: bytes, residual_root: bytes, worker_state: Mapping[str, Any] | None = None
+    ) -> None:
+        """Keep `round_` durably before its upload starts: a crash after the aggregator took the payload
+        must lose neither the payload (an eager host's next base) nor the state that signed it. Drops
+        the rounds before `round_` − 1 and the worker state of every older round (the snapshot, or this
+        round's, holds what a restart resumes from)."""
+        folder = self._sent(round_)
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "payload.bin").write_bytes(payload)
+        (tmp / "round.json").write_text(json.dumps({"residual_root": residual_root.hex()}))
+        if worker_state is not None:
+            torch.save(dict(worker_state), tmp / "worker.pt")  # the tensors themselves: no copy
+        for f in tmp.iterdir():
+            fsync_path(f)
+        shutil.rmtree(folder, ignore_errors=True)
+        durable_replace(tmp, folder)
+        for old in (self.root / "sent").glob("round-*"):
+            kept = int(old.name.split("-")[1].split(".")[0])
+            if kept < round_ - 1 or old.name.endswith(".tmp"):
+                shutil.rmtree(old, ignore_errors=True)
+            elif kept < round_:
+                (old / "worker.pt").unlink(missing_ok=True)
+
+    def load_sent(self, round_: int) -> SentRound | None:
+        """What `save_sent` kept of `round_` (None: nothing kept), without its worker state."""
+        folder = self._sent(round_)
+        if not (folder / "payload.bin").exists():
+            return None
+        meta = json.loads((folder / "round.json").read_text())
+        return SentRound(round_, (folder / "payload.bin").read_bytes(), bytes.fromhex(meta["residual_root"]),
+                         (folder / "worker.pt").exists())
+
+    def load_sent_state(self, round_: int) -> dict[str, Any]:
+        """The worker state kept with `round_` (`SentRound.has_state`)."""
+        return dict(torch.load(self._sent(round_) / "worker.pt", weights_only=True))
 
     def load_payload(self, round_: int) -> bytes | None:
-        """The payload `save_payload` kept for `round_` (None: none kept)."""
-        path = self._payload_path(round_)
+        """The payload `save_sent` kept for `round_` (None: none kept)."""
+        path = self._sent(round_) / "payload.bin"
         return path.read_bytes() if path.exists() else None

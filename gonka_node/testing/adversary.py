@@ -31,7 +31,6 @@ Behaviours (`BEHAVIOURS`, by name):
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import struct
 import time
@@ -287,7 +286,7 @@ class AdversarialHost(HostNode):
         self, worker: DiLoCoWorker | None, gm: GlobalModel, info: pb.RoundInfo, progress: Progress
     ) -> None:
         assert worker is not None, "an adversarial host trains in one process (no rig)"
-        before = copy.deepcopy(worker.state_dict())
+        before = worker.snapshot()
         started = time.monotonic()
         outcomes = self.behaviour(RoundView(self, worker, gm, info))
         self.outcomes.extend(outcomes)

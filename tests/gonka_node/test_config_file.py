@@ -48,7 +48,7 @@ def aggregator_everything_changed(base: Path) -> AggregatorConfig:
                                         centered_clip_iters=7, copy_cosine=0.5, consensus_fraction=0.0,
                                         min_score=-0.25, heldout_windows=9, score_rule="assignment_gap",
                                         mix_residual=0.0, challenge=False, replay_min_cosine=0.75,
-                                        replay_norm_tolerance=0.3),
+                                        replay_norm_tolerance=0.3, opening_timeout_s=45.5),
         log_level="DEBUG",
         store=StoreSettings(uri='s3://bucket/pre"fix?endpoint=http://127.0.0.1:9000', url_expiry_s=60,
                             direct_upload=True),

@@ -308,12 +308,13 @@ def test_an_eager_host_restarted_after_an_upload_it_did_not_record_keeps_what_th
     world = eager_world(tmp_path)
     node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=Notes())
     progress = Progress(world.epoch, 1, 1, "00" * 32)
-    node.store.save_payload(2, b"round 2 as sent")
+    node.store.save_sent(2, b"round 2 as sent", b"\x05" * 32)
     node.aggregator = _Holding(b"round 2 as sent")  # type: ignore[assignment]
-    assert node._recover_upload(2, progress) == 2
+    assert node._recover_upload(2, progress)
     assert progress.submitted == {"2": hashlib.sha256(b"round 2 as sent").hexdigest()}
+    assert progress.residual_roots == {"2": "05" * 32} and node.residual_roots[2] == b"\x05" * 32
     for other in (_Holding(b"another payload"), _Holding(None)):  # not what it kept, or nothing: train again
         node.aggregator = other  # type: ignore[assignment]
         fresh = Progress(world.epoch, 1, 1, "00" * 32)
-        assert node._recover_upload(2, fresh) is None and fresh.submitted == {}
-    assert node._recover_upload(3, progress) is None  # nothing kept for round 3
+        assert not node._recover_upload(2, fresh) and fresh.submitted == {}
+    assert not node._recover_upload(3, progress)  # nothing kept for round 3

@@ -10,10 +10,11 @@ Merkle tree, and a host restarted from its state directory resumes at the round 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +138,12 @@ def host_keys(i: int, world: World) -> NodeKeys:
 
 
 def make_node(
-    world: World, i: int, target: str, state: Path, stop_after: int | None = None, events: HostEvents | None = None
+    world: World, i: int, target: str, state: Path, stop_after: int | None = None, events: HostEvents | None = None,
+    cls: type[HostNode] = HostNode,
 ) -> HostNode:
     settings = HostSettings(epoch=world.epoch, stake=5 * GNK, state_dir=state, poll_s=0.05,
                             stop_after_rounds=stop_after)
-    return HostNode(
+    return cls(
         settings, world.recipe, world.client(i), AggregatorClient(target, TLS.cert_pem, 60.0), host_keys(i, world), events
     )
 
@@ -204,33 +206,70 @@ def test_each_host_signs_the_root_of_its_residual_and_keeps_the_last_two(two_hos
     assert len(set(roots)) == 4 and zero_root(layout) not in roots
 
 
-def test_a_restarted_host_resumes_from_its_state_dir(world: World, tmp_path: Path) -> None:
+class Killed(Exception):
+    """The daemon's death (what a SIGKILL would be), raised where the test kills it."""
+
+
+class KilledAfterUpload(HostNode):
+    """Dies once its upload of a round was accepted, before the round's result: nothing recorded since."""
+
+    def _await_verdict(self, *args: Any) -> None:  # what follows an accepted upload
+        raise Killed()
+
+
+class Trained(HostEvents):
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+        self.notes: list[str] = []
+
+    def round_trained(self, round_: int, loss: float, tokens: int, seconds: float, payload_bytes: int) -> None:
+        self.rounds.append(round_)
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+
+def test_a_host_killed_after_its_upload_resumes_from_what_it_kept_without_training_again(
+    world: World, tmp_path: Path
+) -> None:
+    """Killed after round 1's upload was accepted and before anything was recorded (no snapshot at all),
+    restarted once round 1 closed: it adopts the payload, root and worker state it kept before the
+    upload (the aggregator holds that payload), so it does not train round 1 again (on a GPU the residual
+    would differ from the one whose root it signed), and still counts round 1's reward and bytes."""
     with AggregatorThread(world, tmp_path / "agg") as target:
-        first = make_node(world, 1, target, tmp_path / "host1", stop_after=1)
+        killed = make_node(world, 1, target, tmp_path / "host1", cls=KilledAfterUpload)
         other = make_node(world, 2, target, tmp_path / "host2")
         with ThreadPoolExecutor(2) as pool:
             other_done = pool.submit(other.run)
-            p1 = pool.submit(first.run).result(timeout=300)
-            assert p1.round_done == 1 and p1.bytes_sent > 0
-            one_payload = p1.bytes_sent
-            # Rewind the state to "killed after round 1's upload was accepted, before recording it": the
-            # initial model, nothing submitted or earned. The restart passes round 1 (already closed) and
-            # must still count its reward and its bytes.
-            store = HostStore(tmp_path / "host1")
-            snap = store.load()
-            assert snap is not None
-            initial = {n: t.detach().clone() for n, t in build_model(world.recipe.model, world.recipe.init_seed).named_parameters()}
-            rewound = replace(snap.progress, round_done=0, model_sha256=canonical_sha256(initial),
-                                          outer_steps=0, submitted={}, rewards={}, bytes_sent=0)
-            store.save(rewound, initial, None, snap.worker_state)
-            # "Restart": a fresh node object on the same state directory picks up at round 1.
-            again = make_node(world, 1, target, tmp_path / "host1")
-            p1b = pool.submit(again.run).result(timeout=300)
+            with pytest.raises(Killed):
+                killed.run()
+            kept_store = HostStore(tmp_path / "host1")
+            assert kept_store.load() is None  # nothing recorded: only the kept round
+            kept = kept_store.load_sent(1)
+            assert kept is not None and kept.residual_root == killed.residual_roots[1]
+            kept_residual = kept_store.load_sent_state(1)["feedback"]["residual"]
+            chain = world.client(0)
+            while chain.latest_round(world.epoch) < 1:
+                time.sleep(0.05)
+            events = Trained()
+            again = make_node(world, 1, target, tmp_path / "host1", events=events)
+            progress = pool.submit(again.run).result(timeout=300)
             other_done.result(timeout=300)
-    assert p1b.round_done == 2 and set(p1b.submitted) == {"2"}  # round 1 was passed over, not resent
-    assert p1b.bytes_sent == 2 * one_payload  # int8 payloads of one model have one size
-    assert p1b.rewards["1"] == p1.rewards["1"] > 0
-    assert p1b.model_sha256 == world.client(0).round_result(world.epoch, 2).checkpoint_sha256.hex()
+        signed = {r: AggregatorThread.last_store.submission(world.epoch, r, again.host_bytes) for r in (1, 2)}
+    assert events.rounds == [2]  # round 1 was not trained again
+    assert any(n.startswith("round 1: the aggregator holds the payload this host kept") for n in events.notes)
+    layout = ChunkLayout.of({n: tuple(t.shape) for n, t in build_model(world.recipe.model, 0).named_parameters()})
+    assert residual_root(kept_residual, layout) == kept.residual_root == signed[1].residual_root  # saved = signed
+    # Round 2 compressed from the residual restored from the kept state: e_1, whose root round 1 signed
+    # (a fresh worker's would be zero), as recorded for round 2's opening.
+    feedback = again._local_worker().feedback
+    assert residual_root(feedback.previous, layout) == signed[1].residual_root != zero_root(layout)
+    assert residual_root(feedback.residual, layout) == signed[2].residual_root
+    assert progress.residual_roots == {str(r): signed[r].residual_root.hex() for r in (1, 2)}
+    assert set(progress.submitted) == {"1", "2"}
+    assert progress.bytes_sent == signed[1].payload_length + signed[2].payload_length
+    assert progress.rewards["1"] > 0
+    assert progress.model_sha256 == world.client(0).round_result(world.epoch, 2).checkpoint_sha256.hex()
 
 
 def scrape(port: int) -> dict[str, float]:

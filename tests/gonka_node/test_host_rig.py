@@ -37,6 +37,7 @@ from gonka_node.host.rig_round import (
 from gonka_node.host.store import HostStore, Progress
 from training.codecs import get_codec, round_seed
 from training.model import ModelConfig, build_model
+from training.residual_commit import ChunkLayout, residual_root
 from training.worker import Assignment, replay_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,7 +104,7 @@ def test_a_sharded_rig_sends_one_process_payloads_and_survives_a_killed_process(
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
 
-        payloads = []
+        payloads, roots = [], []
         for r, (params, path) in enumerate(models, start=1):
             want = alone.train_round(r, params, lambda p=path: p, lambda s, loss: None)
             hook = kill_rank1_at_step_2 if r == 2 else (lambda s, loss: None)
@@ -112,6 +113,7 @@ def test_a_sharded_rig_sends_one_process_payloads_and_survives_a_killed_process(
             assert got.last_loss == want.last_loss and got.tokens == want.tokens
             assert got.residual_root == want.residual_root and len(got.residual_root) == 32  # from the report
             payloads.append(got.payload)
+            roots.append(got.residual_root)
             if r == 2:  # rank 1 died after step 2; the restarted rig trained the round again from step 1
                 assert steps[:2] == [1, 2] and steps[-30:] == list(range(1, 31)) and len(steps) >= 32
                 assert rig.mailbox is not None and rig.mailbox.pid(1) not in (None, killed[0])
@@ -128,6 +130,14 @@ def test_a_sharded_rig_sends_one_process_payloads_and_survives_a_killed_process(
         again = rig.train_round(3, params, lambda: path, lambda s, loss: None)
         assert again.payload == payloads[2]
         assert sorted(p.name for p in (tmp_path / "rig" / "state").iterdir()) == ["after-2", "after-3"]
+        # What a challenge of round 3 opens: e_2 and e_3 from the union of the processes' state files, each
+        # holding the residuals of the tensors it owns: the one-process host's, under the roots signed.
+        previous, current = rig.residuals()
+        layout = ChunkLayout.of({n: tuple(t.shape) for n, t in params.items()})
+        assert (residual_root(previous, layout), residual_root(current, layout)) == (roots[1], roots[2])
+        for mine, theirs in zip(rig.residuals(), alone.residuals(), strict=True):
+            assert mine.keys() == theirs.keys() == params.keys()
+            assert all(torch.equal(mine[n], theirs[n]) for n in params)
         # Stopped without waiting (the agent is killed, as after a stall): the restarted processes,
         # each in a session of its own, go with it instead of living on as orphans.
         assert rig.mailbox is not None

@@ -4,8 +4,10 @@ Built from the devnet's pieces (embedded chain served on loopback, Governor-sche
 and hosts as `gonka-node` processes). Host 1 is killed twice:
 
 1. after its round-1 upload was accepted, before the round closed (host 2 is signed in but its process
-   has not started, so the round cannot close): nothing was applied, so the restarted process re-trains round 1 from the same
-   state, uploads, and the aggregator answers DUPLICATE — counted as accepted, no second submission;
+   has not started, so the round cannot close): nothing was applied, but round 1 was kept before its
+   upload (payload, signed residual root, worker state), so the restarted process finds the aggregator
+   holding that payload and resumes from the kept state without training round 1 again (on a GPU a
+   second training would leave another residual than the one whose root it signed);
 2. once round 1 is applied (progress.json names it), somewhere in round 2: the restart resumes from the
    round-1 snapshot, inner AdamW state and error-feedback residual included.
 
@@ -74,10 +76,13 @@ def test_a_killed_host_process_rejoins_and_finishes_the_epoch(tmp_path: Path) ->
         wait_for("host 1's round-1 upload", lambda: "round 1: submission accepted" in host1_log.read_text(),
                  children, logs)
         sigkill(children, "host1")
-        assert not (out / "host1" / "progress.json").exists()  # nothing applied: round 1 is trained again
+        assert not (out / "host1" / "progress.json").exists()  # nothing applied: only the kept round 1
+        kept = HostStore(out / "host1").load_sent(1)
+        assert kept is not None and kept.has_state
 
         start_host(out, 1, target, children)
-        wait_for("the DUPLICATE answer", lambda: "aggregator answered DUPLICATE" in host1_log.read_text(),
+        wait_for("the kept round's recovery",
+                 lambda: "round 1: the aggregator holds the payload this host kept" in host1_log.read_text(),
                  children, logs)
         start_host(out, 2, target, children)
 
@@ -91,6 +96,7 @@ def test_a_killed_host_process_rejoins_and_finishes_the_epoch(tmp_path: Path) ->
         for name in ("host1", "host2"):
             assert children.procs[name].wait(240) == 0, (logs / f"{name}.log").read_text()[-2000:]
         assert "resumed at round 1" in host1_log.read_text()
+        assert host1_log.read_text().count("round 1: trained") == 1  # not trained again after the first kill
         claimed = claim_rewards(opts, chain.backend, sched.deployment, sched.epoch, target)
         report = make_report(
             opts, chain.backend, sched.deployment, sched.recipe, sched.epoch, target, sched.init_sha, claimed

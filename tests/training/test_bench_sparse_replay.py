@@ -23,6 +23,6 @@ def test_honest_hosts_pass_on_sampled_chunks_and_skipping_or_scaling_fails(tmp_p
     for cheat in ("skip", "scaled", "forged", "copy"):
         assert summary[cheat]["f=0.05"]["accepted"] == summary[cheat]["f=1"]["accepted"] == 0
     assert summary["scaled"]["f=1"]["norm_ratio"][0] > 1.99
-    assert summary["copy"]["f=1"]["bounds_hold"] == 0  # someone else's payload does not fit its residual
+    assert summary["copy"]["f=1"]["payloads_fit"] == 0  # someone else's payload does not fit its residual
     honest_line = lines[0].splitlines()[1]  # old dense | f = 5 % | f = 100 %
     assert honest_line.startswith("  honest  0/4 ") and honest_line.count("| 4/4 ") == 2

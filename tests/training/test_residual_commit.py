@@ -1,5 +1,6 @@
 """training/residual_commit.py: commitments to the error-feedback residual and the top-k replay check's
-pieces (openings, the challenge sample, the claimed Δ, the bounds a payload puts on its residual)."""
+pieces (openings, the challenge sample, the claimed Δ, whether a payload is the compression of its decode
+plus the opened residual)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,30 @@ import hashlib
 import itertools
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
 from gonka_node.aggregator.replay import verdict
+from training.codec_base import _NUMEL, HEADER_SIZE, _pack_codes
 from training.codecs import ErrorFeedback, HeaderError, MalformedSectionError, TopKCodec, get_codec
 from training.residual_commit import (
     ChunkLayout,
     claimed_delta,
+    commitment_layout,
     compare,
     gather_chunks,
     open_chunks,
-    payload_bounds,
+    payload_misfit,
     residual_root,
     root_of_leaves,
     sample_chunks,
     tensor_leaves,
     verify_opening,
-    within_bounds,
     zero_root,
 )
 
@@ -109,6 +113,15 @@ def test_the_sample_is_a_pure_function_of_the_seed_and_stays_in_range() -> None:
     assert sample_chunks(b"seed-1", 3, 0.01, 4) == (0, 1, 2)  # never more than there are
     with pytest.raises(ValueError, match="fraction in"):
         sample_chunks(b"seed-1", 100, 0.0, 4)
+    # The draw the protocol states: sha256(tag ‖ seed ‖ j) mod n for j = 0, 1, …, repeats skipped.
+    draws = [int.from_bytes(hashlib.sha256(b"gonka-residual-sample-v1" + b"seed-1" + j.to_bytes(8, "big")).digest()[:8],
+                            "big") % 1000 for j in range(40)]
+    assert set(a) == set(list(dict.fromkeys(draws))[:10])
+    # More than half wanted: the complement of that many drawn left out.
+    most = sample_chunks(b"seed-1", 10, 0.7, 1)
+    left = [int.from_bytes(hashlib.sha256(b"gonka-residual-sample-v1" + b"seed-1" + j.to_bytes(8, "big")).digest()[:8],
+                           "big") % 10 for j in range(40)]
+    assert set(most) == set(range(10)) - set(list(dict.fromkeys(left))[:3]) and len(most) == 7
 
 
 def test_a_saved_error_feedback_restores_both_residuals_and_an_older_save_has_no_previous() -> None:
@@ -195,38 +208,105 @@ def test_a_host_that_skipped_training_fails_the_verdict() -> None:
         assert ratio == pytest.approx(scale, abs=1e-6)
 
 
-def test_the_bound_of_a_top_k_chunk_is_lo_unsent_and_half_a_step_sent() -> None:
-    t = torch.tensor([3.0, -1.0, 0.5, 0.25])
-    for bits, sent in ((2, 1.0), (4, 1 / 7)):  # step = (hi − lo) / levels, levels = 2^(bits−1) − 1
-        codec = get_codec(f"topk:chunk=4,k=2,bits={bits}")
-        assert isinstance(codec, TopKCodec)
-        part = codec.encode_tensor("w", t)
-        assert codec.residual_bound(part, (4,), "w").tolist() == [sent + 3 * 2.0**-20] * 2 + [1.0, 1.0]
-    one_bit = get_codec("topk:chunk=4,k=2,bits=1")
-    assert isinstance(one_bit, TopKCodec)
-    bound = one_bit.residual_bound(one_bit.encode_tensor("w", t), (4,), "w").tolist()
-    unsent = 2.0 * (1 + 2 * 2.0**-23)  # the mean sent magnitude, with the margin of its fp32 sum of k = 2
-    assert bound == [math.inf, math.inf, unsent, unsent]  # a sent magnitude is not in a 1-bit payload
+ONE = {"w": (256,)}  # four chunks of the codec's 64: one commitment chunk each
+ONE_LAYOUT = ChunkLayout.of(ONE, 64)
+EVERY = tuple(range(4))
 
 
-def test_honest_residuals_hold_their_bounds_and_an_injected_one_does_not() -> None:
+def _honest_one(bits: int) -> tuple[TopKCodec, Tensor, bytes]:
+    """(codec, the target it compressed, the honest payload) of one tensor."""
+    codec = get_codec(f"topk:chunk=64,k=8,bits={bits}")
+    assert isinstance(codec, TopKCodec)
+    target = torch.randn(256, generator=torch.Generator().manual_seed(bits))
+    return codec, target, codec.encode({"w": target})
+
+
+def _forged(codec: TopKCodec, payload: bytes, scales: Callable[[np.ndarray], np.ndarray],
+            codes: Callable[[np.ndarray], np.ndarray]) -> bytes:
+    """`payload` with its chunk scales and entry codes rewritten (positions kept): what a host that
+    sends one thing and parks the difference in its residual would sign."""
+    at = HEADER_SIZE + _NUMEL.size
+    kept = codec._entries(memoryview(payload)[at:], 256, "w")
+    table = np.stack([kept.lo.numpy(), kept.hi.numpy()], 1)[:, : codec.scales]
+    section = (scales(table).astype("<f4").tobytes()
+               + _pack_codes(kept.idx.numpy().astype(np.uint32), codec.index_bits)
+               + _pack_codes(codes(kept.codes.numpy()).astype(np.uint8), codec.bits))
+    forged = payload[:at] + section
+    assert len(forged) == len(payload)
+    return forged
+
+
+def _misfit(codec: TopKCodec, payload: bytes, residual: Tensor) -> str | None:
+    return payload_misfit(codec, payload, ONE, ONE_LAYOUT, EVERY, residual)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_an_honest_residual_fits_the_payload_that_left_it(bits: int) -> None:
+    codec, target, payload = _honest_one(bits)
+    residual = target - codec.decode(payload, ONE)["w"]  # what ErrorFeedback keeps
+    assert _misfit(codec, payload, residual) is None
+    assert payload_misfit(codec, payload, ONE, ONE_LAYOUT, (2,), residual[128:192]) is None  # one chunk alone
+
+
+def test_honest_residuals_fit_their_payloads_round_after_round() -> None:
     codec, everything = _topk(), tuple(range(LAYOUT.n_chunks))
     for decay in (1.0, 0.9):
         rounds = _honest_rounds(decay, 4)
         for (_, before, _), (_, payload, ef) in itertools.pairwise(rounds):
             prev = gather_chunks(ef.previous, LAYOUT, everything)
-            assert within_bounds(prev, payload_bounds(codec, before, SPEC, LAYOUT, everything))
-            assert within_bounds(gather_chunks(ef.residual, LAYOUT, everything),
-                                 payload_bounds(codec, payload, SPEC, LAYOUT, everything))
-    _, payload, ef = rounds[-1]
-    bound = payload_bounds(codec, payload, SPEC, LAYOUT, (5,))
-    honest = gather_chunks(ef.residual, LAYOUT, (5,))
-    unsent = int(torch.nonzero(codec.decode(payload, SPEC)["b"][:64] == 0)[0])
-    injected = honest.clone()
-    injected[unsent] = float(bound[unsent]) * 1.01  # content injected past the chunk's k-th magnitude
-    assert within_bounds(honest, bound) and not within_bounds(injected, bound)
+            assert payload_misfit(codec, before, SPEC, LAYOUT, everything, prev) is None
+            now = gather_chunks(ef.residual, LAYOUT, everything)
+            assert payload_misfit(codec, payload, SPEC, LAYOUT, everything, now) is None
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_a_payload_that_is_not_the_compression_of_decode_plus_residual_does_not_fit(bits: int) -> None:
+    codec, target, payload = _honest_one(bits)
+    sign = 1 << (bits - 1)
+    # The review's forgery: every sent sign flipped at the smallest magnitude, the top scale inflated
+    # (bits 1: the mean), the difference parked in the residual. Its claimed Δ is the honest one exactly.
+    flipped = _forged(codec, payload, lambda t: t * ([50.0] if bits == 1 else [1.0, 1e6]),
+                      lambda c: (c ^ sign) & ~(sign - 1) if bits > 1 else c ^ 1)
+    assert _misfit(codec, flipped, target - codec.decode(flipped, ONE)["w"]) is not None
+    # Signs kept, every magnitude at lo (bits 1: the mean inflated), hi inflated: scales not attained.
+    flat = _forged(codec, payload, lambda t: t * ([3.0] if bits == 1 else [1.0, 1e6]), lambda c: c & sign)
+    why = _misfit(codec, flat, target - codec.decode(flat, ONE)["w"])
+    assert why is not None and ("mean" in why if bits == 1 else "scales" in why), why
+    # A larger unsent target than the smallest sent one: not the top-k.
+    residual = target - codec.decode(payload, ONE)["w"]
+    unsent = int(torch.nonzero(codec.decode(payload, ONE)["w"][:64] == 0)[0])
+    injected = residual.clone()
+    injected[unsent] = 10 * float(target.abs().max())
+    why = _misfit(codec, payload, injected)
+    assert why is not None and "top-k" in why and "elements 0..64" in why, why
+
+
+def test_a_sent_value_beyond_half_a_step_of_its_target_does_not_fit() -> None:
+    codec, target, payload = _honest_one(4)
+    decoded = codec.decode(payload, ONE)["w"]
+    residual = target - decoded
+    sent = torch.nonzero(decoded[:64]).flatten().tolist()
+    lo, hi = sorted(float(decoded[i].abs()) for i in sent)[::len(sent) - 1]
+    inner = next(i for i in sent if lo < float(decoded[i].abs()) < hi)  # moving it keeps lo and hi attained
+    moved = residual.clone()
+    moved[inner] += math.copysign((hi - lo) / codec.levels * 0.6, float(decoded[inner]))
+    why = _misfit(codec, payload, moved)
+    assert why is not None and "half a step" in why, why
+
+
+def test_the_payload_must_be_the_codecs_and_the_layout_whole_codec_chunks() -> None:
+    codec, target, payload = _honest_one(2)
+    residual = target - codec.decode(payload, ONE)["w"]
     with pytest.raises(HeaderError):
-        payload_bounds(codec, get_codec("topk:chunk=64,k=4,bits=2").encode(_tensors(1)), SPEC, LAYOUT, (5,))
+        payload_misfit(codec, get_codec("topk:chunk=64,k=4,bits=2").encode({"w": target}), ONE, ONE_LAYOUT, EVERY,
+                       residual)
+    with pytest.raises(ValueError, match="whole codec chunks"):
+        payload_misfit(codec, payload, ONE, ChunkLayout.of(ONE, 96), (0, 1, 2), residual)
+    # The commitment's chunk: 4096 elements rounded up to whole codec chunks; 4096 for other codecs.
+    chunks = {name: commitment_layout(ONE, get_codec(name)).chunk
+              for name in ("topk:chunk=64,k=8", "topk:chunk=8192,k=8", "topk:chunk=1000,k=8", "int8")}
+    assert chunks == {"topk:chunk=64,k=8": 4096, "topk:chunk=8192,k=8": 8192, "topk:chunk=1000,k=8": 5000,
+                      "int8": 4096}
 
 
 def test_the_tree_is_the_one_the_protocol_states() -> None:
@@ -259,6 +339,15 @@ def test_owners_leaves_joined_in_layout_order_give_the_one_process_root() -> Non
     assert tensor_leaves({}, LAYOUT, "b") == tensor_leaves({"b": torch.zeros(100)}, LAYOUT, "b")  # absent: zero
     with pytest.raises(ValueError, match="at least one element"):
         root_of_leaves([])
+
+
+def test_a_one_bit_value_sent_with_the_opposite_sign_of_its_target_does_not_fit() -> None:
+    # With bits = 1 a sent value's distance to its target is not bounded (only the mean magnitude is
+    # stored): its sign is what pins it.
+    codec, target, payload = _honest_one(1)
+    flipped = _forged(codec, payload, lambda t: t, lambda c: np.concatenate([c[:1] ^ 1, c[1:]]))
+    why = _misfit(codec, flipped, target - codec.decode(flipped, ONE)["w"])
+    assert why is not None and "opposite sign" in why, why
 
 
 def test_the_residual_bound_of_a_malformed_part_is_refused_naming_its_tensor() -> None:

@@ -57,6 +57,27 @@ def test_state_dict_resumes_the_next_round_bit_for_bit() -> None:
     assert a.train_round(2, params).payload == b.train_round(2, params).payload
 
 
+def test_a_snapshot_is_a_rollback_point_that_copies_the_optimizer_and_shares_the_residuals() -> None:
+    """A refused round's rollback point: training on changes nothing in it (AdamW's moments are updated
+    in place, so they are copied), yet it holds the residuals' tensors themselves (a compress replaces
+    them, so sharing is safe and saves two residual-sized copies), and loading it back retrains the
+    round byte for byte."""
+    params = global_params()
+    a = worker("int8")
+    a.train_round(1, params)
+    a.train_round(2, params)  # both residuals exist
+    snap = a.snapshot()
+    live = a.state_dict()
+    assert all(snap["feedback"][k][n] is a.feedback.__dict__[k][n] for k in ("residual", "previous")
+               for n in live["feedback"][k])
+    moments = {i: s["exp_avg"].clone() for i, s in snap["inner"]["optimizer"]["state"].items()}
+    first = a.train_round(3, params).payload
+    assert all(snap["feedback"]["residual"][n] is not a.feedback.residual[n] for n in params)  # replaced
+    assert all(torch.equal(snap["inner"]["optimizer"]["state"][i]["exp_avg"], m) for i, m in moments.items())
+    a.load_state_dict(snap)
+    assert a.train_round(3, params).payload == first
+
+
 def _moved(params: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return {n: t + by * torch.randn(t.shape, generator=gen) for n, t in params.items()}

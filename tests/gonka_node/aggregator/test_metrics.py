@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_round import wait_state
 
 from gonka_node.aggregator.metrics import PrometheusMetrics
-from gonka_node.aggregator.replay import MISMATCH, PASSED
+from gonka_node.aggregator.replay import MISMATCH, NO_OPENING, PASSED
 from gonka_node.aggregator.store import ContributionRow, RoundRow
 from gonka_node.core.client import SubmitRejected
 
@@ -86,3 +86,17 @@ def test_replay_results_are_counted_from_the_closed_rounds_contributions() -> No
     assert got["gonka_aggregator_rounds_total{'state': 'finalized'}"] == 1
     assert got["gonka_aggregator_rounds_total{'state': 'skipped'}"] == 1
     assert got["gonka_aggregator_round{}"] == 4 and got["gonka_aggregator_close_seconds_sum{}"] == pytest.approx(2.6)
+
+
+def test_a_challenged_host_that_did_not_open_is_counted_apart() -> None:
+    metrics = PrometheusMetrics()
+    row = RoundRow(epoch=1, round=2, state="finalized", base_sha256=bytes(32), deadline_ms=0, extensions=0,
+                   opened_ms=0)
+    metrics.round_closed(row, 1.0, [
+        ContributionRow(b"\x01" * 20, 0.0, 0, False, [f"{NO_OPENING}: the residual was not opened by …"]),
+        ContributionRow(b"\x02" * 20, 0.0, 0, False, [f"{MISMATCH}: e_r's opened chunks do not verify …"]),
+    ])
+    got = {f"{s.name}{s.labels}": s.value for f in metrics.registry.collect() for s in f.samples}
+    assert got["gonka_aggregator_replays_total{'result': 'no_opening'}"] == 1
+    assert got["gonka_aggregator_replays_total{'result': 'mismatch'}"] == 1
+    assert "gonka_aggregator_replays_total{'result': 'match'}" not in got

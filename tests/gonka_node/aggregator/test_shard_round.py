@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
-from gonka_node.aggregator.reasons import Reason
+from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard import (
     DirExchange,
@@ -276,6 +276,48 @@ def test_a_shard_killed_mid_round_and_mid_close_resumes_from_its_store(kit: Kit)
             assert torch.equal(t, model[name]), name
     result = kit.world.chain.client(0).round_result(kit.world.epoch4, 1)
     assert result.finalized and bytes(result.checkpoint_sha256) == shards[1].store.get_round(kit.world.epoch4, 1).checkpoint_sha256
+
+
+def test_a_shard_restarted_after_reporting_a_skip_closes_as_it_decided(
+    kit: Kit, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Shard 1's tick saw one host below quorum and closed with a skip while a second upload landed (the
+    race between its tick's drain and its close); it reported the skip over both hosts, then was killed.
+    Restarted with both uploads stored (a quorum) and the deadline passed, it closes with the decision
+    kept with its round, not a recomputed one: no second report, no upload taken, and the round closes
+    (skipped on chain, both votes) without an operator."""
+    caplog.set_level(logging.WARNING, "gonka_node.aggregator.rounds")
+    exchange, epoch = DirExchange(kit.tmp / "exchange"), kit.world.epoch4
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    ups = [update(70 + i) for i in range(3)]
+    for h, u in zip(kit.hosts[:2], ups[:2], strict=True):
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(u, s)).body.accepted
+    kit.clock.ms += 11_000  # past the round's deadline
+    kit.run(shards[0].close(skip=False))  # its seed revealed; shard 1's not yet: it waits
+    kit.run(shards[1].close(skip=True))  # the tick's stale view: below quorum
+    hosts = tuple(sorted(h.address for h in kit.hosts[:2]))
+    [reported] = [r for r in exchange.reports(epoch, 1) if r.index == 1]
+    assert reported.skip and tuple(f.host for f in reported.hosts) == hosts
+    shards[1].store.close()
+    shards[1] = shard_engine(kit, 1, DirExchange(kit.tmp / "exchange"))  # killed and restarted
+    row = shards[1].store.get_round(epoch, 1)
+    assert row is not None and row.state == "open"
+    assert shards[1].closing  # closed for uploads: it reports nothing more than it decided
+    with pytest.raises(Rejected) as late:
+        kit.submit(shards[1], kit.hosts[2], fragment_payload(ups[2], shards[1]))
+    assert late.value.reason == Reason.LATE
+    for _ in range(3):
+        for s in shards:
+            kit.run(s.tick())
+    assert [r for r in exchange.reports(epoch, 1) if r.index == 1] == [reported]
+    for s in shards:
+        got = s.store.get_round(epoch, 1)
+        assert got is not None and got.state == "skipped" and got.checkpoint_sha256 == kit.world.init_sha
+    result = kit.world.chain.client(0).round_result(epoch, 1)
+    assert result.finalized and bytes(result.checkpoint_sha256) == kit.world.init_sha
+    assert not [m for m in caplog.messages if "one report per round" in m]
+    assert shards[1].current is not None and shards[1].current.round == 2 and not shards[1].closing
 
 
 def test_reports_and_verdicts_survive_their_json_form(kit: Kit, tmp_path: Path) -> None:

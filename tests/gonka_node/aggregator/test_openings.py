@@ -1,0 +1,252 @@
+"""The top-k challenge end to end in the round engine (docs/PROTOCOL.md "Challenge and opening"): a
+micro Llama's hosts train their real rounds (the replay's own inputs) through a real `ErrorFeedback`
+with the top-k codec and d = 0.9, sign their residual roots, and open their residuals on the chunks the
+round's seed picks; the close waits for the openings (or the deadline) and judges each host on the
+update its opening claims. Real store, real files, the embedded EVM, a held clock."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from agg_harness import AGGREGATOR, Host
+from engine_kit import Kit, chunks
+from micro_model import INNER, SEED, SLOTS, micro_windows, model
+from nacl.signing import SigningKey
+from test_shard_replay import micro_context
+
+from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.checkpoints import TrainingCheckpoints
+from gonka_node.aggregator.engine_types import EpochContext, clock_text
+from gonka_node.aggregator.ingest import StreamGuard
+from gonka_node.aggregator.replay import MISMATCH, NO_OPENING, PASSED
+from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.store import ContributionRow, OpeningRow, Store
+from gonka_node.core.opening import encode_body, signed_opening
+from gonka_node.slashing import (
+    KIND_REPLAY_MISMATCH,
+    EvidenceLog,
+    RoundIdentity,
+    collect_evidence,
+    verify_evidence,
+)
+from proto.gonka.v1 import aggregator_pb2 as pb
+from training.checkpoint import load_checkpoint
+from training.codecs import ErrorFeedback, get_codec
+from training.data import Windows
+from training.residual_commit import ChunkLayout, Opening, open_chunks, residual_root, zero_root
+from training.worker import Assignment, replay_round
+
+CODEC = "topk:chunk=64,k=8,bits=2"
+DECAY = 0.9
+SAMPLE_MIN = 3 * 4096  # 3 of the micro model's 12 chunks
+
+
+@pytest.fixture(scope="module")
+def windows() -> Windows:
+    return micro_windows()
+
+
+def topk_context(kit: Kit, windows: Windows) -> EpochContext:
+    return dataclasses.replace(
+        micro_context(kit, kit.world.epoch, windows), codec_name=CODEC, codec=get_codec(CODEC), ef_decay=DECAY,
+        residual_sample_min=SAMPLE_MIN,
+    )
+
+
+def start(kit: Kit, ctx: EpochContext) -> RoundEngine:
+    """The aggregator on the kit's store (a second call: the same aggregator restarted)."""
+    kit.settings = dataclasses.replace(kit.settings, max_payload_bytes=1 << 20, max_chunk_bytes=1 << 16)
+    e = RoundEngine(ctx, kit.settings, kit.aggregation, Store(kit.tmp / "agg").open(),
+                    ChainView(kit.world.chain.client(AGGREGATOR)), TrainingCheckpoints(), SigningKey(b"\x09" * 32),
+                    clock=kit.clock, evidence=kit.evidence)
+    kit.engines.append(e)
+    e.start()
+    return e
+
+
+class TopkHost:
+    """An honest host's side: its error feedback, the roots it signed, and its openings."""
+
+    def __init__(self, kit: Kit, h: Host, layout: ChunkLayout) -> None:
+        self.kit, self.h, self.layout = kit, h, layout
+        self.ef = ErrorFeedback(get_codec(CODEC), DECAY)
+        self.roots: list[bytes] = []
+
+    def submit(self, e: RoundEngine, delta: Mapping[str, torch.Tensor], park: float = 0.0) -> None:
+        """Compress and send `delta`; `park`: add this to every element of the residual kept and signed
+        (what the payload did not leave behind)."""
+        payload = self.ef.compress(delta)
+        if park:
+            self.ef.residual = {n: t + park for n, t in self.ef.residual.items()}
+        self.roots.append(residual_root(self.ef.residual, self.layout))
+        sub = self.kit.header(e, self.h, payload, codec=CODEC, residual_root=self.roots[-1])
+        receipt = self.kit.run(e.submit(sub, sub.sign(self.h.key), chunks(payload, 4096), e.stream_guard("t")))
+        assert receipt.body.accepted
+        self.kit.run(e.checks.drain(sub.epoch, sub.round))
+
+    def challenged(self, e: RoundEngine, round_: int) -> tuple[int, ...]:
+        row = e.store.submission(e.ctx.epoch, round_, self.h.address)
+        assert row is not None
+        got = e.openings.challenge(row)
+        assert got is not None
+        return got.chunks
+
+    def body(self, chunks_: tuple[int, ...]) -> tuple[Opening, Opening]:
+        return open_chunks(self.ef.previous, self.layout, chunks_), open_chunks(self.ef.residual, self.layout, chunks_)
+
+    def open(self, e: RoundEngine, round_: int, previous: Opening, current: Opening) -> OpeningRow:
+        body = encode_body(previous, current)
+        before = self.roots[-2] if len(self.roots) > 1 else zero_root(self.layout)
+        info = pb.RoundInfo(chain_id=e.ctx.chain_id, registry=e.ctx.registry, epoch=e.ctx.epoch)
+        header = signed_opening(info, round_, self.h.address, before, self.roots[-1], body, self.h.key)
+        return self.kit.run(send_opening(e, header, body))
+
+
+async def send_opening(e: RoundEngine, header: pb.OpeningHeader, body: bytes) -> OpeningRow:
+    guard = StreamGuard(e.stream_limits, asyncio.Event(), "test opening").arm()
+    try:
+        return await e.openings.open(header, chunks(body, 4096), guard)
+    finally:
+        guard.disarm()
+
+
+def honest(windows: Windows, base: Mapping[str, torch.Tensor], slot: int, round_: int) -> dict[str, torch.Tensor]:
+    return replay_round(model(), INNER, windows, Assignment(SEED, slot, SLOTS), round_, base)
+
+
+def slots(e: RoundEngine) -> dict[bytes, int]:
+    return {m.address: m.slot for m in e.chain.members(e.ctx.epoch)}
+
+
+def state(e: RoundEngine, round_: int) -> str:
+    row = e.store.get_round(e.ctx.epoch, round_)
+    assert row is not None
+    return row.state
+
+
+def by_host(e: RoundEngine, round_: int) -> dict[bytes, ContributionRow]:
+    return {c.host: c for c in e.store.contributions(e.ctx.epoch, round_)}
+
+
+def altered(opening: Opening, chunk: int, element: int) -> Opening:
+    """`opening` with one fp32 value of chunk `chunk` changed (its path left as it was)."""
+    data = bytearray(opening.chunks[chunk])
+    value = torch.frombuffer(data, dtype=torch.float32)
+    value[element] += 1e-3
+    return dataclasses.replace(opening, chunks=(*opening.chunks[:chunk], bytes(data), *opening.chunks[chunk + 1:]))
+
+
+def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails_and_e_prev_meets_its_bound(kit: Kit, windows: Windows) -> None:
+    ctx = topk_context(kit, windows)
+    e = start(kit, ctx)
+    layout = ChunkLayout.of(ctx.spec)
+    h1, h2, h3 = (TopkHost(kit, h, layout) for h in kit.hosts)
+    where = slots(e)
+    base = {n: p.detach().clone() for n, p in model().named_parameters()}
+    for host in (h1, h2, h3):  # h2 keeps (and signs) a residual its payload did not leave: found in round 2
+        host.submit(e, honest(windows, base, where[host.h.address], 1), park=0.05 if host is h2 else 0.0)
+    kit.run(e.tick())  # everyone submitted: the close reveals the seed and waits for the openings
+    row = e.store.get_round(ctx.epoch, 1)
+    assert row is not None and row.round_seed is not None and row.seed_complete_ms == kit.clock.ms
+    assert state(e, 1) == "open" and e.closing
+    sample = h1.challenged(e, 1)
+    assert len(sample) == 3 and sample != h2.challenged(e, 1)  # per host, three of the twelve chunks
+    h1.open(e, 1, *h1.body(sample))
+    previous, current = h3.body(h3.challenged(e, 1))
+    h3.open(e, 1, previous, altered(current, 1, 5))
+    kit.clock.ms += 119_000
+    kit.run(e.tick())
+    assert state(e, 1) == "open"  # h2 has until the seed's completion + 120 s
+    kit.clock.ms += 1_001
+    kit.run(e.tick())
+    assert state(e, 1) == "finalized"
+    got = by_host(e, 1)
+    one, two, three = got[h1.h.address], got[h2.h.address], got[h3.h.address]
+    assert (one.aggregated, one.reward, two.aggregated, two.reward, three.aggregated, three.reward) == (
+        True, ctx.reward_per_round, False, 0, False, 0)
+    assert one.reasons[0].startswith(f"{PASSED} cosine +1.0000, norm ratio 1.0000 with the replay of slot")
+    assert "(on 3 opened residual chunks, opening sha256 " in one.reasons[0]
+    assert two.reasons == [f"{NO_OPENING}: the residual was not opened by {clock_text(row.seed_complete_ms + 120_000)} "
+                           "(3 chunks challenged): excluded and unpaid, not slashed"]
+    stored = e.store.opening(ctx.epoch, 1, h3.h.address)
+    assert stored is not None
+    assert three.reasons == [f"{MISMATCH}: e_r's opened chunks do not verify against the root signed with this "
+                             f"round's payload (opening sha256 {stored.body_sha256.hex()})"]
+    # The altered opening is slashable evidence; the missing one is not.
+    ident = RoundIdentity(ctx.chain_id, ctx.registry, CODEC)
+    records = collect_evidence(e.store, ctx.epoch, ident, EvidenceLog(kit.tmp / "scan"))
+    assert [(r.kind, r.host.lower()) for r in records] == [(KIND_REPLAY_MISMATCH, "0x" + h3.h.address.hex())]
+    # It carries the signed opening it was judged on; a voter checks it is the host's.
+    evidence, kept = records[0], kit.tmp / "scan" / f"{stored.body_sha256.hex()}.opening"
+    assert evidence.other is not None and evidence.other["opening"]["body_sha256"] == stored.body_sha256.hex()
+    assert kept.read_bytes() == Path(stored.path).read_bytes()
+    key = bytes(h3.h.key.verify_key)
+    assert verify_evidence(evidence, key, kit.tmp / "scan") and not verify_evidence(
+        evidence, bytes(h1.h.key.verify_key), kit.tmp / "scan")
+    body = kept.read_bytes()
+    kept.write_bytes(body[:-1] + bytes([body[-1] ^ 1]))
+    assert not verify_evidence(evidence, key, kit.tmp / "scan")  # not the body the host signed
+
+    # Round 2: e_{r-1} opens against round 1's signed roots (h2's too, which it never opened), bounded by
+    # the round-1 payload the aggregator kept (h2's) or not (h1's, removed).
+    base = load_checkpoint(e.store.checkpoint_path(ctx.epoch, 1)).tensors
+    for host in (h1, h2):
+        host.submit(e, honest(windows, base, where[host.h.address], 2))
+    kit.clock.ms += 11_000  # past the round's deadline with a quorum of two
+    kit.run(e.tick())
+    for host in (h1, h2):
+        assert host.ef.previous and host.open(e, 2, *host.body(host.challenged(e, 2))).previous_root == host.roots[0]
+    gone = e.store.submission(ctx.epoch, 1, h1.h.address)
+    assert gone is not None
+    Path(gone.path).unlink()  # an operator removed h1's round-1 payload: e_{r-1} has no bound to meet
+    kit.run(e.tick())  # every challenged host opened: no wait for the deadline
+    assert state(e, 2) == "finalized"
+    got = by_host(e, 2)
+    one, two = got[h1.h.address], got[h2.h.address]
+    assert one.aggregated and one.reasons[0].startswith(f"{PASSED} cosine +1.0000")
+    assert one.reasons[0].endswith("; round 1's payload is no longer held: e_{r-1} checked against its root only)")
+    # h2's claimed Δ̂ is its true Δ (error feedback carried the parked residual on), but e_{r-1} is not
+    # what its round-1 payload left.
+    assert not two.aggregated and two.reasons[0].startswith(
+        f"{MISMATCH}: the host's round-1 payload is not the top-k compression of its decode plus e_{{r-1}}: ")
+
+
+def test_a_restart_resumes_the_wait_an_inflated_update_fails_on_length_and_a_parked_residual_on_its_bound(kit: Kit, windows: Windows) -> None:
+    ctx = topk_context(kit, windows)
+    e = start(kit, ctx)
+    layout = ChunkLayout.of(ctx.spec)
+    h1, h2, h3 = (TopkHost(kit, h, layout) for h in kit.hosts)
+    where = slots(e)
+    base = {n: p.detach().clone() for n, p in model().named_parameters()}
+    for host, scale in ((h1, 2.0), (h2, 1.0)):  # h1 sends twice its Δ, residual consistent with it
+        host.submit(e, {n: t * scale for n, t in honest(windows, base, where[host.h.address], 1).items()})
+    h3.submit(e, honest(windows, base, where[h3.h.address], 1), park=0.5)  # signs a residual its payload did not leave
+    kit.run(e.tick())
+    for host in (h1, h2):
+        host.open(e, 1, *host.body(host.challenged(e, 1)))
+    seed_time = kit.clock.ms
+    e.checks.close()
+    e.store.close()
+    kit.clock.ms += 60_000
+    e = start(kit, ctx)  # restarted mid-wait: the stored seed and its time, the stored openings
+    kit.run(e.tick())
+    kit.run(e.tick())
+    assert state(e, 1) == "open"
+    row = e.store.submission(ctx.epoch, 1, h3.h.address)
+    assert row is not None
+    challenge = e.openings.challenge(row)
+    assert challenge is not None and challenge.deadline_ms == seed_time + 120_000
+    h3.open(e, 1, *h3.body(challenge.chunks))
+    kit.run(e.tick())
+    assert state(e, 1) == "finalized"
+    got = by_host(e, 1)
+    assert [got[h.h.address].aggregated for h in (h1, h2, h3)] == [False, True, False]
+    assert got[h1.h.address].reasons[0].startswith(f"{MISMATCH}: cosine +1.0000, norm ratio 2.0000 with the replay")
+    assert got[h3.h.address].reasons[0].startswith(
+        f"{MISMATCH}: this round's payload is not the top-k compression of its decode plus e_r: ")
+    assert [got[h.h.address].reward for h in (h1, h2, h3)] == [0, ctx.reward_per_round, 0]
