@@ -350,9 +350,9 @@ def test_a_one_bit_value_sent_with_the_opposite_sign_of_its_target_does_not_fit(
     assert why is not None and "opposite sign" in why, why
 
 
-def test_the_residual_bound_of_a_malformed_part_is_refused_naming_its_tensor() -> None:
+def test_an_opening_against_a_malformed_part_is_refused_naming_its_tensor() -> None:
     codec = _topk()
     part = bytearray(codec.encode_tensor("b", _tensors(4)["b"]))
     part[8:12] = struct.pack("<f", math.nan)  # the first chunk's lo scale, right after the element count
     with pytest.raises(MalformedSectionError, match=r"tensor b has a non-finite or inconsistent chunk scale"):
-        codec.residual_bound(bytes(part), SPEC["b"], "b")
+        codec.residual_misfit(bytes(part), SPEC["b"], "b", [(0, 100)], torch.zeros(100))
