@@ -37,12 +37,15 @@ from typing import Any
 
 from eth_utils import to_checksum_address
 
+from gonka_node.aggregator.challenges import challenges_round
 from gonka_node.aggregator.checks import arrival_order
+from gonka_node.aggregator.engine_types import EpochContext
 from gonka_node.aggregator.reasons import Reason
 from gonka_node.aggregator.replay import MISMATCH
 from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.core.envelope import Submission
-from gonka_node.core.opening import OpeningRecord
+from gonka_node.core.opening import OpeningError, OpeningRecord, challenge, decode_body
+from training.residual_commit import ChunkLayout, commitment_layout, verify_opening
 
 # Evidence kinds and why each is proof: a signature over a digest that honest software never signs.
 KIND_COPY = "copy"  # signed a payload whose digest another host had signed earlier (any round)
@@ -146,11 +149,20 @@ class EvidenceLog:
 
 @dataclass(frozen=True)
 class RoundIdentity:
-    """The signed header fields the aggregator's store does not keep per row (fixed for its epoch)."""
+    """The signed header fields the aggregator's store does not keep per row (fixed for its epoch), and
+    what a top-k challenge was drawn with: the residual's layout and the recipe's sample (None: an epoch
+    without openings)."""
 
     chain_id: int
     registry: bytes
     codec: str
+    layout: ChunkLayout | None = None
+    sample: tuple[float, int] = (0.01, 1 << 20)  # the recipe's residual_sample, residual_sample_min
+
+    @classmethod
+    def of(cls, ctx: EpochContext) -> RoundIdentity:
+        layout = commitment_layout(ctx.spec, ctx.codec) if challenges_round(ctx) else None
+        return cls(ctx.chain_id, ctx.registry, ctx.codec_name, layout, (ctx.residual_sample, ctx.residual_sample_min))
 
 
 def collect_evidence(store: Store, epoch: int, ident: RoundIdentity, log: EvidenceLog) -> list[Evidence]:
@@ -174,15 +186,19 @@ def collect_evidence(store: Store, epoch: int, ident: RoundIdentity, log: Eviden
                     log.add(_from_row(KIND_NEAR_COPY, by_host[c.host], row.base_sha256, ident, why, ref))
                 elif why.startswith(MISMATCH):
                     _add_mismatch(store, log, _from_row(KIND_REPLAY_MISMATCH, by_host[c.host], row.base_sha256,
-                                                        ident, why, None))
+                                                        ident, why, None), ident, row.round_seed)
     return [e for e in log.records() if e.epoch == epoch]
 
 
-def _add_mismatch(store: Store, log: EvidenceLog, ev: Evidence) -> None:
+def _add_mismatch(store: Store, log: EvidenceLog, ev: Evidence, ident: RoundIdentity, seed: bytes | None) -> None:
     """A replay mismatch; in a top-k round, with the host's signed opening it was judged on (its record
-    under `other` and its body kept beside the record), so a voter checks that the opening is the host's."""
+    under `other` and its body kept beside the record), so a voter checks that the opening is the host's,
+    and what its challenge was drawn from (the round's seed, the residual's layout, the sample), so a
+    voter recomputes the challenged chunks and re-checks an opening claimed not to answer them
+    (`claim` "unverified"); one that answers them ("judged") failed on its payload or its replay, which a
+    voter re-runs from public inputs as for any replay mismatch."""
     opened = store.opening(ev.epoch, ev.round, bytes.fromhex(ev.header["host"]))
-    if opened is None:
+    if opened is None or ident.layout is None or seed is None:
         log.add(ev)
         return
     name = f"{opened.body_sha256.hex()}.opening"
@@ -192,9 +208,28 @@ def _add_mismatch(store: Store, log: EvidenceLog, ev: Evidence) -> None:
         residual_root=bytes(opened.residual_root), body_sha256=bytes(opened.body_sha256),
         body_length=opened.body_length, timestamp_ms=opened.timestamp_ms,
     )
-    other = {"opening": header_fields(record), "signature": bytes(opened.signature).hex(), "body_file": name}
+    drawn = {"round_seed": seed.hex(), "chunk": ident.layout.chunk,
+             "tensors": [[n, numel] for n, numel in ident.layout.tensors],
+             "fraction": ident.sample[0], "min_elements": ident.sample[1]}
+    answers = _answers(record, Path(opened.path).read_bytes(), drawn)
+    other = {"opening": header_fields(record), "signature": bytes(opened.signature).hex(), "body_file": name,
+             "challenge": drawn, "claim": "judged" if answers else "unverified"}
     if log.add(replace(ev, other=other)):
         shutil.copyfile(opened.path, log.root / name)
+
+
+def _answers(record: OpeningRecord, body: bytes, drawn: dict[str, Any]) -> bool:
+    """Whether `body` answers the challenge `drawn` describes: it opens exactly the chunks drawn from the
+    seed for this host and round, and both openings verify against the roots the record signs."""
+    layout = ChunkLayout(tuple((str(n), int(k)) for n, k in drawn["tensors"]), int(drawn["chunk"]))
+    sample = challenge(bytes.fromhex(drawn["round_seed"]), record.round, record.host, layout,
+                       float(drawn["fraction"]), int(drawn["min_elements"]))
+    try:
+        previous, current = decode_body(body, sample)
+    except OpeningError:
+        return False
+    return (verify_opening(record.previous_root, previous, layout, sample)
+            and verify_opening(record.residual_root, current, layout, sample))
 
 
 def _opening_holds(ev: Evidence, sub: Submission, node_key: bytes, evidence_dir: Path | None) -> bool:
@@ -213,7 +248,11 @@ def _opening_holds(ev: Evidence, sub: Submission, node_key: bytes, evidence_dir:
     if evidence_dir is None:
         return True
     data = (evidence_dir / other["body_file"]).read_bytes()
-    return hashlib.sha256(data).digest() == record.body_sha256 and len(data) == record.body_length
+    if hashlib.sha256(data).digest() != record.body_sha256 or len(data) != record.body_length:
+        return False
+    # A claim that the opening does not answer its challenge is re-checked here; a "judged" one (it
+    # answers, and failed on its payload or replay) only as far as that it does answer.
+    return _answers(record, data, other["challenge"]) == (other.get("claim") == "judged")
 
 
 def _copied_from(store: Store, epoch: int, round_: int, reason: str) -> SubmissionRow | None:

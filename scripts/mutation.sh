@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut) of the modules where a silent bug costs money or trust, each against its
-# fast unit tests. Not part of CI: about 90–100 CPU-minutes (measured part by part in stop 25's run, the
-# round engine 40 of them), so about an hour of wall time at two workers on two idle cores, far longer on
-# a loaded machine. Results and timings: docs/benchmarks.md "Mutation testing".
+# fast unit tests. Not part of CI: 84 CPU-minutes for every part (stop 26's whole run: 70 min 27 s of
+# wall time beside other engineers' jobs at load 4–8; the round engine 42.5 of those CPU-minutes), so
+# about 45 minutes at two workers on two idle cores. Results and timings: docs/benchmarks.md "Mutation testing".
 #
 #   bash scripts/mutation.sh                 # every module below
 #   bash scripts/mutation.sh codecs follow   # some of them
@@ -36,7 +36,8 @@ MODULES=(
   "rounds-publish|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py tests/gonka_node/aggregator/test_deferred_checks.py tests/gonka_node/aggregator/test_publish.py|*ǁ_finish__mutmut_*"
   # Where the close goes sharded or not, and a shard's close of its fragment: only the two-shard rounds
   # (engine_kit, in-process, beside one aggregator's close of the same round) reach both branches.
-  "rounds-shard|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_shard_round.py|*ǁ_compute__mutmut_* *ǁ_close_fragment__mutmut_*"
+  # (test_shard_replay: the verifier's replay, the only close of a shard with a model.)
+  "rounds-shard|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_shard_round.py tests/gonka_node/aggregator/test_shard_replay.py|*ǁ_compute__mutmut_* *ǁ_close_fragment__mutmut_*"
   # close.py: compute_outcome and its checks on constructed rounds (no chain), with a micro model for
   # the replay, the scores and the held-out losses (a mutant's fastest tests run first, so only one that
   # the model-free tests miss pays for the micro-model closes).

@@ -43,7 +43,7 @@ class Challenger:
     def settle(self) -> list[SlashDecision]:
         """Challenge every host the rule names and no challenge covers yet; the decisions acted on."""
         e = self.engine
-        ident = RoundIdentity(e.ctx.chain_id, e.ctx.registry, e.ctx.codec_name)
+        ident = RoundIdentity.of(e.ctx)
         records = collect_evidence(e.store, e.ctx.epoch, ident, self.evidence)
         decisions = e.chain.as_account(_challenge_all_as, e.ctx.epoch, records, self.evidence_uri)
         for d in decisions:

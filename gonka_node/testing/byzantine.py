@@ -229,8 +229,7 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
                 _drive(engine, clock, attempts, futures, plan.timeout_s, passed)
                 for f in futures:
                     f.result(timeout=60)
-        records = collect_evidence(store, epoch, RoundIdentity(deployment.chain_id, ctx.registry,
-                                                               ctx.codec_name), evidence)
+        records = collect_evidence(store, epoch, RoundIdentity.of(ctx), evidence)
         # Anyone may challenge with a bond; the epoch's aggregator (quorum 1 here) rules on it.
         slashed = challenge_all(agg_chain, [agg_chain], epoch, records, "evidence/<sha256>.json")
         report = _report(plan, stake, root, store, epoch, nodes, slashed, started, cache_dir)

@@ -60,6 +60,8 @@ FORMATS = [
     Format("topk:chunk=8,k=8,bits=8", "topk", 5, (8, 8, 8), bits=8, block=8, k=8),
     Format("topk:chunk=6,k=2,bits=1", "topk", 5, (6, 2, 1), bits=1, block=6, k=2),
     Format("topk:chunk=5,k=2,bits=4", "topk", 5, (5, 2, 4), bits=4, block=5, k=2),
+    # 7-bit positions: the one code width where 8 % width == 1 (neither a whole byte nor its divisor)
+    Format("topk:chunk=100,k=4,bits=2", "topk", 5, (100, 4, 2), bits=2, block=100, k=4),
     Format("mask:stride=3,bits=2,chunk=4,seed=5", "mask", 6, (3, 2 << 24 | 4, 5), bits=2, block=4, k=3, seed=5),
     Format("mask:stride=1,bits=8,chunk=7", "mask", 6, (1, 8 << 24 | 7, 0), bits=8, block=7, k=1),
     Format("mask:stride=2,bits=4,chunk=3,seed=7", "mask", 6, (2, 4 << 24 | 3, 7), bits=4, block=3, k=2, seed=7),

@@ -16,6 +16,7 @@ from training.codecs import (
     BlockQuantCodec,
     CodecError,
     ErrorFeedback,
+    PayloadSizeError,
     SharedMaskCodec,
     TopKCodec,
     get_codec,
@@ -248,3 +249,14 @@ def test_round_seeds_are_the_documented_function_of_epoch_seed_and_round() -> No
     """Hosts and the aggregator derive the shared mask from it: a changed formula splits the network."""
     assert [round_seed(0, r) for r in (0, 1, 7)] == [0, 1, 7]
     assert round_seed(3, 5) == 3 * 1_000_003 + 5 and round_seed(1, 0) != round_seed(0, 1_000_002)
+
+
+def test_a_part_of_the_wrong_size_is_refused_with_the_size_its_tensor_needs() -> None:
+    """The size a part must have depends on the tensor's name for the shared-mask codec (its mask
+    does): the refusal names the tensor and both sizes."""
+    codec = get_codec("mask:stride=2,bits=8,chunk=4,seed=3")
+    part = codec.encode_tensor("w", torch.ones(40))
+    with pytest.raises(PayloadSizeError, match=rf"^mask part of w is {len(part) - 1} bytes, expected {len(part)}$"):
+        codec.decode_tensor("w", part[:-1], (40,))
+    with pytest.raises(ValueError, match=r"^spec: w has an invalid shape \(-1,\)$"):
+        codec.decode_tensor("w", part, (-1,))

@@ -154,6 +154,26 @@ def test_resume_from_state_dict_equals_uninterrupted_run() -> None:
         OuterOptimizer(lr=0.5).load_state_dict(saved)
 
 
+def test_restore_continues_from_saved_momentum_under_this_optimizers_hyperparameters() -> None:
+    """`restore(steps, buffers)`, what the aggregator and a host load between rounds: the next step is
+    the uninterrupted run's, and the buffers are copies (stepping does not write into the saved ones)."""
+    params, grads = _problem(steps=3)
+    straight = {n: t.clone() for n, t in params.items()}
+    first = OuterOptimizer(lr=0.5, momentum=0.8)
+    for g in grads:
+        first.step(straight, g)
+    resumed = {n: t.clone() for n, t in params.items()}
+    earlier = OuterOptimizer(lr=0.5, momentum=0.8)
+    for g in grads[:2]:
+        earlier.step(resumed, g)
+    saved = {n: b.clone() for n, b in earlier.buffers.items()}
+    second = OuterOptimizer(lr=0.5, momentum=0.8)
+    second.restore(2, saved)
+    second.step(resumed, grads[2])
+    assert second.steps == 3 and all(torch.equal(resumed[n], straight[n]) for n in params)
+    assert all(torch.equal(saved[n], earlier.buffers[n]) for n in saved)
+
+
 def test_bad_step_input_changes_nothing() -> None:
     params, grads = _problem(steps=1)
     before = {n: t.clone() for n, t in params.items()}

@@ -89,6 +89,41 @@ def test_fma32_on_constructed_ties(a: float, b: float, c: float, exact: float) -
     assert fma32(torch.tensor([a]), b, torch.tensor([c])).item() == exact
 
 
+def test_the_reference_path_alone_is_exact_near_ties() -> None:
+    # Off the CPU every element takes `fma32_reference` (on the CPU only ties and subnormals do), so it
+    # must round to odd exactly: here also where the fp64 sum lands one ulp above a tie (a·b below it
+    # by 0.26 ulp), which a wrong parity test moves back onto the tie, and ties-to-even then rounds down.
+    a_up, b_up = 2.0**-24 * (1 + 2863 * 2.0**-23), 1 - 2862 * 2.0**-23
+    cases = [*near_ties(600, 2), (a_up, b_up, 1.0), (-a_up, b_up, -1.0), (a_up, b_up, 3.0), (a_up * 4, b_up, 4.0)]
+    a, b, c = (torch.tensor(col, dtype=torch.float32) for col in zip(*cases, strict=True))
+    assert fma32_reference(a, b, c).tolist() == exact_fma(a, b, c)
+    assert fma32_reference(a[-4:-3], b[-4:-3], c[-4:-3]).item() == 1.0 + 2.0**-23
+
+
+def test_the_reference_path_takes_a_scalar_as_its_nearest_fp32(float64_default: None) -> None:
+    # The same bits as the CPU path, whose scalar is fp32 too, whatever torch's default dtype.
+    rng = random.Random(4)
+    a, c = (torch.tensor([rng.uniform(-4, 4) for _ in range(200)], dtype=torch.float32) for _ in range(2))
+    for scalar in (0.1, -0.7):
+        expected = exact_fma(a, torch.full_like(a, scalar), c)
+        assert fma32_reference(a, scalar, c).tolist() == expected == fma32(a, scalar, c).tolist()
+
+
+def test_fma32_split_over_threads_gives_the_references_bits() -> None:
+    # With several torch threads the CPU path splits the elements between a pool's threads; this also
+    # runs where the test process has one thread (the mutation run: OMP_NUM_THREADS=1).
+    g = torch.Generator().manual_seed(8)
+    n = 3 * _BLOCK + 7  # four parts at four threads, the last one short
+    a, b, c = (torch.randn(n, generator=g) for _ in range(3))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        split = fma32(a, b, c)
+    finally:
+        torch.set_num_threads(threads)
+    assert _bits(split) == _bits(fma32_reference(a, b, c))
+
+
 def test_fma32_over_several_chunks_equals_it_piece_by_piece() -> None:
     g = torch.Generator().manual_seed(0)
     a, b, c = (torch.randn(_FMA_CHUNK + 5, generator=g) for _ in range(3))
@@ -223,6 +258,15 @@ def test_bad_step_inputs_are_refused_with_what_is_wrong() -> None:
     with pytest.raises(ValueError, match=r"^OuterOptimizer\.step: the averaged pseudo-gradient of w has NaN or infinity$"):
         opt.step(params, {"w": torch.tensor([0.0, math.inf])})
     assert params["w"].tolist() == [0.0, 0.0] and opt.steps == 0
+
+
+def test_a_finite_pseudo_gradient_whose_fp32_sum_would_overflow_is_stepped() -> None:
+    # The finiteness check sums in fp64, where finite fp32 values cannot overflow: 2e38 + 2e38 is
+    # infinite in fp32, but this update is finite and valid.
+    opt = OuterOptimizer(lr=0.5, momentum=0.0, nesterov=False)
+    params = {"w": torch.zeros(2)}
+    opt.step(params, {"w": torch.full((2,), 2e38)})
+    assert params["w"].tolist() == [-float(torch.tensor(2e38)) / 2] * 2 and opt.steps == 1
 
 
 def test_a_models_parameters_are_stepped_in_place() -> None:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from gonka_node.aggregator.replay import verdict
 from training.codec_base import _NUMEL, HEADER_SIZE, _pack_codes
-from training.codecs import ErrorFeedback, HeaderError, TopKCodec, get_codec
+from training.codecs import ErrorFeedback, HeaderError, MalformedSectionError, TopKCodec, get_codec
 from training.residual_commit import (
     ChunkLayout,
     claimed_delta,
@@ -122,6 +122,21 @@ def test_the_sample_is_a_pure_function_of_the_seed_and_stays_in_range() -> None:
     left = [int.from_bytes(hashlib.sha256(b"gonka-residual-sample-v1" + b"seed-1" + j.to_bytes(8, "big")).digest()[:8],
                            "big") % 10 for j in range(40)]
     assert set(most) == set(range(10)) - set(list(dict.fromkeys(left))[:3]) and len(most) == 7
+
+
+def test_a_saved_error_feedback_restores_both_residuals_and_an_older_save_has_no_previous() -> None:
+    """A host restarted between its upload and the round's challenge still opens e_{r−1} and e_r: both
+    come back from its saved state (a save from before `previous` existed loads with none)."""
+    ef = ErrorFeedback(_topk(), decay=0.9)
+    ef.compress(_tensors(1))
+    ef.compress(_tensors(2))
+    again = ErrorFeedback(_topk(), decay=0.9)
+    again.load_state_dict(ef.state_dict())
+    for mine, theirs in ((again.residual, ef.residual), (again.previous, ef.previous)):
+        assert sorted(mine) == sorted(SPEC) and all(torch.equal(mine[n], theirs[n]) for n in SPEC)
+    older = {k: v for k, v in ef.state_dict().items() if k != "previous"}
+    again.load_state_dict(older)
+    assert again.previous == {} and all(torch.equal(again.residual[n], ef.residual[n]) for n in SPEC)
 
 
 def test_error_feedback_keeps_the_previous_residual_without_copying_it() -> None:
@@ -333,3 +348,11 @@ def test_a_one_bit_value_sent_with_the_opposite_sign_of_its_target_does_not_fit(
     flipped = _forged(codec, payload, lambda t: t, lambda c: np.concatenate([c[:1] ^ 1, c[1:]]))
     why = _misfit(codec, flipped, target - codec.decode(flipped, ONE)["w"])
     assert why is not None and "opposite sign" in why, why
+
+
+def test_an_opening_against_a_malformed_part_is_refused_naming_its_tensor() -> None:
+    codec = _topk()
+    part = bytearray(codec.encode_tensor("b", _tensors(4)["b"]))
+    part[8:12] = struct.pack("<f", math.nan)  # the first chunk's lo scale, right after the element count
+    with pytest.raises(MalformedSectionError, match=r"tensor b has a non-finite or inconsistent chunk scale"):
+        codec.residual_misfit(bytes(part), SPEC["b"], "b", [(0, 100)], torch.zeros(100))

@@ -25,6 +25,7 @@ from gonka_node.aggregator.close import (
     public_tensors,
     score_step,
 )
+from gonka_node.aggregator.eager import EagerBases
 from gonka_node.aggregator.engine_types import EpochContext
 from gonka_node.aggregator.replay import ReplayData, chosen_for_replay, replay_comparison, verdict
 from gonka_node.aggregator.scoring import Scorer, ScoringData
@@ -141,6 +142,32 @@ def test_replayed_hosts_pass_or_are_excluded_and_the_rest_is_scored(
     assert out.heldout[1] != out.heldout[0]
 
 
+def test_under_eager_overlap_each_host_is_replayed_from_its_own_eager_base(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    """With overlap "eager" a host trains round r from its own base: round r's base stepped with its own
+    payload of round r − 1 (aggregator/eager.py). The replay starts from that base, so honest hosts
+    whose bases differ both pass (from the round's base alone their updates would not match)."""
+    rd = ModelRound(tmp_path, windows, base)
+    fp32, previous = get_codec("fp32"), {}
+    for i in (1, 2):
+        previous[addr(i)] = tmp_path / f"previous-{i}.bin"
+        previous[addr(i)].write_bytes(fp32.encode({n: 0.05 * i * torch.ones_like(t) for n, t in base.items()}))
+    eager = EagerBases(fp32, {n: tuple(t.shape) for n, t in base.items()}, 0.5, 0.5, None, previous)
+    for i in (1, 2):
+        own = replay_round(model(), INNER, windows, Assignment(SEED, i, SLOTS), 1, eager.base_for(base, addr(i)))
+        rd.add(addr(i), own, started=i)
+    out = compute_outcome(ClosingInputs(
+        ctx=rd.context(1.0), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
+        slots={addr(1): 1, addr(2): 2}, base_path=rd.init_path, prev_outer_state=None, store=rd.store,
+        checkpoints=TrainingCheckpoints(), aggregation=AggregationSettings(rule="mean"), eager=eager,
+    ))
+    rows = {c.host: c for c in out.contributions}
+    assert [(rows[addr(i)].reasons[0], rows[addr(i)].aggregated) for i in (1, 2)] == [
+        (f"replay: cosine +1.0000, norm ratio 1.0000 with the replay of slot {i}'s round 1", True) for i in (1, 2)
+    ]
+
+
 def test_only_the_picked_hosts_are_replayed_and_none_without_replay_data(
     tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor]
 ) -> None:
@@ -178,6 +205,19 @@ def test_replay_comparison_measures_direction_and_length(windows: Windows, base:
     assert cos < 0.99  # another slot's round is not this one's
     cos2, _ = replay_comparison(data, 2, 2, base, own)  # the same update is not round 2's replay
     assert cos2 < 0.9999
+
+
+def test_replay_comparison_replays_the_assignment_the_beacon_decided(
+    windows: Windows, base: dict[str, torch.Tensor]
+) -> None:
+    """Where the recipe mixes the post-sign-in beacon into the window assignment, the replay trains on
+    the windows the host was assigned under that beacon, not those of the epoch seed alone."""
+    beacon = b"\x42" * 32
+    data = ReplayData(model, INNER, windows, SEED, SLOTS, beacon=lambda: beacon)
+    own = replay_round(model(), INNER, windows, Assignment(SEED, 2, SLOTS, beacon), 1, base)
+    assert replay_comparison(data, 1, 2, base, own) == (pytest.approx(1.0, abs=1e-12), 1.0)
+    cos, _ = replay_comparison(ReplayData(model, INNER, windows, SEED, SLOTS), 1, 2, base, own)
+    assert cos < 0.99  # the beacon's windows are not the epoch seed's
 
 
 def trained_on(batch: tuple[torch.Tensor, torch.Tensor], base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

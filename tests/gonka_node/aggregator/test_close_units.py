@@ -41,7 +41,7 @@ from gonka_node.aggregator.store import Store, SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.core.config import AggregationSettings
 from training.checkpoint import CheckpointError, load_checkpoint
-from training.codecs import get_codec
+from training.codecs import get_codec, round_seed
 from training.data import Windows
 from training.hf_export import MODEL_CONFIG_KEY
 
@@ -450,6 +450,31 @@ def test_a_broadcast_is_saved_as_its_update_or_as_its_payload_with_the_residual_
         assert {n: f.get_tensor(n).tolist() for n in sorted(f.keys())} == {"w": [0.125, 0.0], "b": [-2.0]}
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(
         ["update.safetensors", "update.bin", residual_path(coded).name])  # no temporary file left
+
+
+def test_a_shared_mask_broadcast_is_sent_on_the_rounds_mask(tmp_path: Path) -> None:
+    """With a shared-state codec (`mask`) the broadcast uses the round's codec, the one every host
+    derives from the epoch seed and the round (`round_seed`): decoded with it, the update file is the
+    update the outer step applied."""
+    rd = Round(tmp_path)
+    ctx = rd.ctx(codec_name="mask", codec=get_codec("mask"), broadcast="codec", epoch_seed=9)
+    mask = ctx.codec_for(1)
+    ups = {addr(i): honest(i) for i in (1, 2, 3)}
+    for i, (h, u) in enumerate(ups.items()):
+        data = mask.encode(u)
+        part = rd.store.incoming / f"{h.hex()}.part"
+        part.write_bytes(data)
+        rd.store.add_submission(SubmissionRow(
+            1, 1, h, hashlib.sha256(data).digest(), len(data), 64, 100 + i, b"s" * 64, 105 + i, norm(u),
+            count_sketch(u).numpy().tobytes(), str(rd.store.payload_path(1, 1, h)), 100 + i,
+        ), part)
+    out = rd.outcome({h: i for i, h in enumerate(ups)}, ctx=ctx)
+    assert out.aggregated == 3
+    sent = mask.decode(rd.store.update_path(1, 1).read_bytes(), SPEC)
+    assert mask.seed == round_seed(9, 1) % 2**32 and any(float(t.abs().max()) > 0 for t in sent.values())
+    with safe_open(str(rd.store.outer_state_path(1, 1)), "pt") as f:
+        for n in SPEC:
+            torch.testing.assert_close(f.get_tensor(n), sent[n].float(), rtol=0, atol=0)
 
 
 def test_a_codec_broadcast_carries_the_aggregate_plus_the_previous_residual_and_keeps_what_it_left_out(

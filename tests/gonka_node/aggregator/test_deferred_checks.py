@@ -7,9 +7,11 @@ for pending checks, and the pool never decodes more payloads at once than it has
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,14 @@ import torch
 from engine_kit import REWARD, Kit, chunks, payload, update
 from eth_utils import to_checksum_address
 from test_engine_close import row, stepped, submit_all
+from test_shard_round import fragment_payload, shard_engine
 
 from gonka_node.aggregator.deferred import CHECK_NICE, CheckPool
 from gonka_node.aggregator.engine_types import SignedReceipt
+from gonka_node.aggregator.metrics import PrometheusMetrics
 from gonka_node.aggregator.reasons import Reason
-from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.rounds import DECODE_SLOTS, RoundEngine
+from gonka_node.aggregator.shard import LocalExchange
 from gonka_node.aggregator.store import SubmissionRow
 from gonka_node.aggregator.validate import count_sketch
 from gonka_node.slashing import KIND_GARBAGE
@@ -84,6 +89,7 @@ def test_a_receipt_then_a_kill_before_the_checks_loses_nothing(kit: Kit) -> None
 
 def test_a_payload_that_fails_a_deferred_check_is_excluded_from_the_aggregate_and_the_rewards(kit: Kit) -> None:
     e = kit.engine()
+    e.metrics = metrics = PrometheusMetrics()
     ep = kit.world.epoch
     ups = [update(30), update(31)]
     for i, u in enumerate(ups):
@@ -111,6 +117,8 @@ def test_a_payload_that_fails_a_deferred_check_is_excluded_from_the_aggregate_an
     assert (ev.kind, ev.host, ev.detail) == (
         KIND_GARBAGE, to_checksum_address(cheat.address), f"NORM_TOO_LARGE: {failed.check_message}")
     assert (kit.evidence.root / ev.payload_file).read_bytes() == HUGE
+    # the operator's count of uploads by outcome has the decode-time reason (docs: aggregator/metrics.py)
+    assert metrics.registry.get_sample_value("gonka_aggregator_submissions_total", {"outcome": "NORM_TOO_LARGE"}) == 1
 
 
 def test_the_close_waits_for_every_pending_check(kit: Kit) -> None:
@@ -200,6 +208,7 @@ def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: 
         return original(part, round_)
 
     again._check = check  # type: ignore[method-assign]
+    again.metrics = metrics = PrometheusMetrics()
     for _ in range(4):  # each tick queues the pending checks again and waits for them
         kit.clock.ms += 100
         kit.run(again.tick())
@@ -212,6 +221,7 @@ def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: 
     assert flaky_row is not None and "could not check this payload (OSError); send it again" in flaky_row.check_message
     assert [s.host for s in again.store.submissions(ep, 1)] == [kit.hosts[2].address]
     assert not [p for p in (kit.tmp / "evidence").rglob("*") if p.is_file()]  # ours, not the host's: no evidence
+    assert metrics.registry.get_sample_value("gonka_aggregator_submissions_total", {"outcome": "UNAVAILABLE"}) == 2
 
 
 def unchecked_then_restarted(kit: Kit, seed: int) -> RoundEngine:
@@ -300,3 +310,161 @@ def test_checks_run_on_named_threads_below_the_transport_and_are_counted_out_whe
     assert asyncio.run(scenario()) == 0
     assert len(seen) == 3
     assert all(name.startswith("check_") and nice == min(ours + CHECK_NICE, 19) for name, nice in seen)
+
+
+def pool_rows(n: int) -> list[SubmissionRow]:
+    return [SubmissionRow(1, 1, bytes([i]) * 20, bytes(32), 1, 0, 0, b"", 0, 0.0, b"", "") for i in range(n)]
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "the checks never got there"
+        await asyncio.sleep(0.01)
+
+
+def test_drain_waits_for_the_last_check_of_a_round_when_another_ended_first() -> None:
+    """Two checks of a round: the second still runs when the first ends, so the round has one pending
+    and `drain` (what the close waits on) returns only once the second has recorded its verdict."""
+    gates = [threading.Event(), threading.Event()]
+    seen: list[bytes] = []
+
+    def check(row: SubmissionRow) -> None:
+        assert gates[row.host[0]].wait(30)
+        seen.append(row.host)
+
+    async def scenario() -> tuple[int, bool, list[bytes]]:
+        pool = CheckPool(2, check)
+        for r in pool_rows(2):
+            pool.schedule(r)
+        await until(lambda: pool.running == 2)
+        gates[0].set()
+        await until(lambda: pool.running == 1)
+        await asyncio.sleep(0.05)  # the first one's completion reaches the loop
+        pending = pool.pending(1, 1)
+        drain = asyncio.ensure_future(pool.drain(1, 1))
+        await asyncio.sleep(0.2)
+        drained_early = drain.done()
+        gates[1].set()
+        await asyncio.wait_for(drain, 10)
+        pool.close()
+        return pending, drained_early, list(seen)
+
+    assert asyncio.run(scenario()) == (1, False, [bytes([0]) * 20, bytes([1]) * 20])
+
+
+def test_closing_the_pool_drops_the_queued_checks_and_waits_for_the_running_one() -> None:
+    """At shutdown the queued checks are dropped (their rows stay pending for a restart) and the one
+    running finishes before `close` returns (the store it writes to is closed after)."""
+    gate, seen = threading.Event(), []
+
+    def check(row: SubmissionRow) -> None:
+        assert gate.wait(30)
+        seen.append(row.host)
+
+    async def scenario() -> tuple[bool, list[bytes]]:
+        pool = CheckPool(1, check)
+        for r in pool_rows(3):
+            pool.schedule(r)
+        await until(lambda: pool.running == 1)
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        await asyncio.sleep(0.2)
+        returned_early = not closer.is_alive()
+        gate.set()
+        closer.join(10)
+        return returned_early, list(seen)
+
+    assert asyncio.run(scenario()) == (False, [bytes([0]) * 20])
+
+
+def test_a_check_that_fails_for_the_aggregator_is_logged_with_its_host_and_a_passing_one_is_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def check(row: SubmissionRow) -> None:
+        if row.host[0] == 1:
+            raise OSError("disk full")
+
+    async def scenario() -> None:
+        pool = CheckPool(2, check)
+        for r in pool_rows(3):
+            pool.schedule(r)
+        await pool.drain(1, 1)
+        pool.close()
+
+    with caplog.at_level(logging.ERROR, logger="gonka_node.aggregator.deferred"):
+        asyncio.run(scenario())
+    assert [r.getMessage() for r in caplog.records if r.name == "gonka_node.aggregator.deferred"] == [
+        f"checking the payload of 0x{'01' * 20} in round 1/1 failed: OSError('disk full')"
+    ]
+
+
+@pytest.mark.parametrize("refusal", ["OSError", "AttributeError"])
+def test_checks_still_run_where_a_threads_priority_cannot_be_lowered(
+    refusal: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the OS refuses a thread its own nice value (an unprivileged container, a platform whose
+    thread ids are no process ids) or has no `setpriority` (Windows), the checks run at the normal one."""
+    if refusal == "OSError":
+
+        def refuse(which: int, who: int, prio: int) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "setpriority", refuse)
+    else:
+        monkeypatch.delattr(os, "setpriority")
+    seen: list[bytes] = []
+
+    async def scenario() -> None:
+        pool = CheckPool(2, lambda row: seen.append(row.host))
+        for r in pool_rows(2):
+            pool.schedule(r)
+        await pool.drain(1, 1)
+        pool.close()
+
+    asyncio.run(scenario())
+    assert sorted(seen) == [bytes([0]) * 20, bytes([1]) * 20]
+
+
+def test_each_shard_sketches_its_fragment_where_it_sits_in_the_whole_update(kit: Kit) -> None:
+    """A shard's deferred check sketches its fragment at the fragment's coordinates in the whole
+    update, so the shards' sketches of a host's fragments sum to the sketch of its whole update (what
+    the copy check compares across hosts)."""
+    exchange = LocalExchange()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]
+    u, host = update(90), kit.hosts[0]
+    whole = count_sketch(u)
+    parts = []
+    for s in shards:
+        assert kit.submit(s, host, fragment_payload(u, s)).body.accepted
+        stored = s.store.submission(kit.world.epoch4, 1, host.address)
+        assert stored is not None and stored.check_state == "checked"
+        parts.append(torch.frombuffer(bytearray(stored.sketch), dtype=whole.dtype))
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=1e-7)
+
+
+def test_the_engine_decodes_at_most_its_decode_slots_payloads_at_once(kit: Kit) -> None:
+    """The engine's own pool bounds the payloads held decoded at once (memory: slots × a tensor),
+    whatever the backlog of stored payloads waiting for their checks."""
+    e = kit.engine()
+    gate = threading.Event()
+
+    def check(part: Path, round_: int) -> tuple[float, bytes]:
+        assert gate.wait(30)
+        return 0.0, b""
+
+    e._check = check  # type: ignore[method-assign]
+    backlog = [SubmissionRow(kit.world.epoch, 1, bytes([i]) * 20, bytes(32), 1, 0, 0, b"", 0, 0.0, b"",
+                             str(kit.tmp / f"p{i}"), "") for i in range(DECODE_SLOTS + 2)]
+
+    async def scenario() -> tuple[int, int]:
+        for r in backlog:
+            e.checks.schedule(r)
+        await until(lambda: e.checks.running == DECODE_SLOTS)
+        await asyncio.sleep(0.2)  # time for one more to start, were the bound broken
+        running = e.checks.running
+        gate.set()
+        await e.checks.drain(kit.world.epoch, 1)
+        return running, e.checks.peak
+
+    assert kit.run(scenario()) == (DECODE_SLOTS, DECODE_SLOTS)

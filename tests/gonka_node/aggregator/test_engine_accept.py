@@ -322,6 +322,14 @@ def test_the_stream_guard_ends_with_the_round(kit: Kit) -> None:
     assert (e.stream_limits.idle_s, e.stream_limits.setup_s, e.stream_limits.min_bytes_per_s) == (30.0, 30.0, 128 * 1024)
 
 
+def test_the_stream_limits_are_the_operators_configured_ones(kit: Kit) -> None:
+    """Every stream is timed by the operator's `[round]` settings (idle, setup, minimum upload rate),
+    not by StreamLimits' defaults (the kit's settings leave them at the defaults)."""
+    kit.settings = dataclasses.replace(kit.settings, stream_idle_s=5.0, stream_setup_s=2.0, min_upload_kib_per_s=64.0)
+    limits = kit.engine().stream_guard("x").limits
+    assert (limits.idle_s, limits.setup_s, limits.min_bytes_per_s) == (5.0, 2.0, 64 * 1024)
+
+
 def test_the_spec_is_the_models(kit: Kit) -> None:
     assert dict(kit.engine(start=False).ctx.spec) == SPEC
 

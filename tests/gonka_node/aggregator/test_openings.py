@@ -178,8 +178,7 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
     assert three.reasons == [f"{MISMATCH}: e_r's opened chunks do not verify against the root signed with this "
                              f"round's payload (opening sha256 {stored.body_sha256.hex()})"]
     # The altered opening is slashable evidence; the missing one is not.
-    ident = RoundIdentity(ctx.chain_id, ctx.registry, CODEC)
-    records = collect_evidence(e.store, ctx.epoch, ident, EvidenceLog(kit.tmp / "scan"))
+    records = collect_evidence(e.store, ctx.epoch, RoundIdentity.of(ctx), EvidenceLog(kit.tmp / "scan"))
     assert [(r.kind, r.host.lower()) for r in records] == [(KIND_REPLAY_MISMATCH, "0x" + h3.h.address.hex())]
     # It carries the signed opening it was judged on; a voter checks it is the host's.
     evidence, kept = records[0], kit.tmp / "scan" / f"{stored.body_sha256.hex()}.opening"
@@ -188,6 +187,13 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
     key = bytes(h3.h.key.verify_key)
     assert verify_evidence(evidence, key, kit.tmp / "scan") and not verify_evidence(
         evidence, bytes(h1.h.key.verify_key), kit.tmp / "scan")
+    # Its claim, re-checked by a voter from the record alone: the altered body does not answer the
+    # challenge drawn from the round's seed. Claimed the other way ("judged": it answers and failed on its
+    # payload or replay), the record is refused; so is one naming another seed, which draws other chunks.
+    assert evidence.other["claim"] == "unverified" and evidence.other["challenge"]["round_seed"] == \
+        e.store.get_round(ctx.epoch, 1).round_seed.hex()
+    judged = dataclasses.replace(evidence, other={**evidence.other, "claim": "judged"})
+    assert not verify_evidence(judged, key, kit.tmp / "scan")
     body = kept.read_bytes()
     kept.write_bytes(body[:-1] + bytes([body[-1] ^ 1]))
     assert not verify_evidence(evidence, key, kit.tmp / "scan")  # not the body the host signed
@@ -214,6 +220,14 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
     # what its round-1 payload left.
     assert not two.aggregated and two.reasons[0].startswith(
         f"{MISMATCH}: the host's round-1 payload is not the top-k compression of its decode plus e_{{r-1}}: ")
+    # Its evidence: an opening that answers its challenge ("judged": the payload check failed, which a
+    # voter re-runs with the payloads); claimed not to answer it, the record is refused.
+    records = collect_evidence(e.store, ctx.epoch, RoundIdentity.of(ctx), EvidenceLog(kit.tmp / "scan2"))
+    found = next(r for r in records if r.round == 2)
+    assert found.other is not None and found.other["claim"] == "judged"
+    assert verify_evidence(found, bytes(h2.h.key.verify_key), kit.tmp / "scan2")
+    unverified = dataclasses.replace(found, other={**found.other, "claim": "unverified"})
+    assert not verify_evidence(unverified, bytes(h2.h.key.verify_key), kit.tmp / "scan2")
 
 
 def test_a_restart_resumes_the_wait_an_inflated_update_fails_on_length_and_a_parked_residual_on_its_bound(kit: Kit, windows: Windows) -> None:
