@@ -42,6 +42,8 @@ MODULES=(
   # the replay, the scores and the held-out losses (a mutant's fastest tests run first, so only one that
   # the model-free tests miss pays for the micro-model closes).
   "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
+  # The close's wait for the top-k openings (only a challenged top-k round reaches it).
+  "rounds-openings|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_openings.py tests/gonka_node/aggregator/test_open_residual.py|*ǁ_await_openings__mutmut_* *ǁ_members_now__mutmut_*"
   "rounds|gonka_node/aggregator/acceptance.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_deferred_checks.py|"
   # The epoch context's codec per round and the log's clock (engine_types.py; the clock's own test is
   # among the close tests).
@@ -49,6 +51,11 @@ MODULES=(
   # The checks a receipt no longer waits for (decode, shape, finiteness, norm, sketch), drained by a pool.
   "deferred|gonka_node/aggregator/deferred.py|tests/gonka_node/aggregator/test_deferred_checks.py tests/gonka_node/aggregator/test_engine_accept.py|"
   "replay|gonka_node/aggregator/replay.py|tests/gonka_node/aggregator/test_replay_verdict.py tests/gonka_node/aggregator/test_replay_pick.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
+  # The top-k replay: who is challenged and on which chunks, the verdict on an opening, and its pieces
+  # (the residual's commitment, the payload check, the sample; the signed opening record).
+  "challenges|gonka_node/aggregator/challenges.py|tests/gonka_node/aggregator/test_openings.py tests/gonka_node/aggregator/test_open_residual.py tests/gonka_node/test_residual_sample.py|"
+  "opened|gonka_node/aggregator/opened_replay.py|tests/gonka_node/aggregator/test_openings.py|"
+  "residual|training/residual_commit.py|tests/training/test_residual_commit.py tests/gonka_node/test_opening.py|"
   "diloco|training/diloco.py|tests/training/test_diloco.py tests/training/test_diloco_edges.py|"
   "codecs|training/codec*.py|tests/training/test_codecs.py tests/training/test_fuzz_codecs.py tests/training/test_codec_contract.py tests/training/test_codec_refusals.py tests/training/test_residual_commit.py|"
   "envelope|gonka_node/core/envelope.py|tests/gonka_node/test_envelope.py tests/gonka_node/test_fuzz_envelope.py tests/gonka_node/test_envelope_edges.py|"

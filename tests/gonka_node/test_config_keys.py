@@ -68,6 +68,7 @@ AGGREGATOR: dict[tuple[str, str], tuple[str, str, str]] = {
     ("aggregation", "challenge"): ("challenge = false", CLI_AGG, "challenge"),
     ("aggregation", "replay_min_cosine"): ("replay_min_cosine = 0.5", CLOSE, "replay_min_cosine"),
     ("aggregation", "replay_norm_tolerance"): ("replay_norm_tolerance = 0.5", CLOSE, "replay_norm_tolerance"),
+    ("aggregation", "opening_timeout_s"): ("opening_timeout_s = 30", ROUNDS, "opening_timeout_s"),
     ("store", "uri"): ('uri = "s3://bucket/run"', CLI_AGG, "uri"),
     ("store", "public_url"): ('public_url = "https://cdn.example/run"', CLI_AGG, "public_url"),
     ("store", "url_expiry_s"): ("url_expiry_s = 60", CLI_AGG, "url_expiry_s"),
