@@ -266,9 +266,15 @@ class InnerTrainer:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"optimizer", "step"} - set(state)
+        """A `fresh` epoch's state may hold the clock alone (`DiLoCoWorker.state_dict`): its moments are
+        zero at the next round's start whatever they were, so the optimizer restarts."""
+        needed = {"step"} if self.config.round_state == "fresh" else {"optimizer", "step"}
+        missing = needed - set(state)
         if missing:
             raise ValueError(f"inner trainer state lacks {sorted(missing)}")
+        if "optimizer" not in state:
+            self.restart(int(state["step"]))
+            return
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
 

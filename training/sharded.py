@@ -269,14 +269,14 @@ class ShardedWorker(SlotWorker):
         self.feedback.residual = {}
 
     def state_dict(self) -> dict[str, Any]:
-        """This process's share: its optimizer rows, its tensors' residuals, the layout they fit."""
-        optimizer = self.trainer.optimizer.state_dict()
-        optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
-        return {
-            "layout": self.layout.describe(),
-            "inner": {"optimizer": optimizer, "step": self.trainer.step},
-            "feedback": self.feedback.state_dict(),
-        }
+        """This process's share: its optimizer rows (none in a `fresh` epoch, whose rounds restart AdamW:
+        `DiLoCoWorker.state_dict`), its tensors' residuals, the layout they fit."""
+        inner: dict[str, Any] = {"step": self.trainer.step}
+        if self.trainer.config.round_state != "fresh":
+            optimizer = self.trainer.optimizer.state_dict()
+            optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
+            inner["optimizer"] = optimizer
+        return {"layout": self.layout.describe(), "inner": inner, "feedback": self.feedback.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("layout") != self.layout.describe():
@@ -285,12 +285,15 @@ class ShardedWorker(SlotWorker):
                 f"this rig state was saved by rank {saved.get('rank')} of {saved.get('world_size')} processes "
                 f"for another split; this is rank {self.rig.rank} of {self.rig.world_size}"
             )
-        optimizer = dict(state["inner"]["optimizer"])
-        params = [p for group in self.trainer.optimizer.param_groups for p in group["params"]]
-        optimizer["state"] = {
-            i: {k: _like(params[int(i)], v) for k, v in s.items()} for i, s in optimizer["state"].items()
-        }
-        self.trainer.load_state_dict({"optimizer": optimizer, "step": state["inner"]["step"]})
+        inner = dict(state["inner"])
+        if "optimizer" in inner:
+            optimizer = dict(inner["optimizer"])
+            params = [p for group in self.trainer.optimizer.param_groups for p in group["params"]]
+            optimizer["state"] = {
+                i: {k: _like(params[int(i)], v) for k, v in s.items()} for i, s in optimizer["state"].items()
+            }
+            inner["optimizer"] = optimizer
+        self.trainer.load_state_dict(inner)
         self.feedback.load_state_dict(state["feedback"])
 
     def held_bytes(self) -> dict[str, int]:

@@ -5,12 +5,15 @@ Layout under the host's state directory:
     progress.json              which snapshot is current, and the round bookkeeping (written last)
     snap-<round>/global.safetensors   the global model after <round> (its chain hash in progress.json)
     snap-<round>/outer.safetensors    the outer momentum the host mirrors (absent when not in sync)
-    snap-<round>/worker.pt            inner AdamW state and the error-feedback residual
+    snap-<round>/worker.pt            the worker state (`DiLoCoWorker.state_dict`): the error-feedback
+                                      residuals and the inner step, plus the AdamW moments in a "carry"
+                                      epoch (a "fresh" one restarts them every round)
     sent/round-<round>/        a trained round, written before its upload starts (`save_sent`):
         payload.bin            the payload (an eager host forecasts the next round's base with it:
                                training/overlap.py)
         round.json             the residual root signed with it
-        worker.pt              the worker state after the round (AdamW, both error-feedback residuals;
+        worker.pt              the worker state after the round (both error-feedback residuals, the
+                               step, AdamW only in a "carry" epoch;
                                kept for the newest round only, and for the one before it too on an
                                overlapped top-k host, whose round r is challenged while it trains r + 1):
                                a host killed after the aggregator took the payload resumes from it

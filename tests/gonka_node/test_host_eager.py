@@ -154,6 +154,8 @@ def test_a_restarted_eager_host_forecasts_with_the_payload_it_kept(restarted: tu
     store = HostStore(run.root / "host1")
     assert store.load_payload(2) == run.payloads[(2, host1)] and store.load_payload(1) is None  # older pruned
     assert store.load_payload(3) == run.payloads[(3, host1)]
+    # Adopted and resumed from the lean state of a fresh epoch: the residuals and the clock, no moments.
+    assert set(store.load_sent_state(3)["inner"]) == {"step"}
     assert run.progresses[0].submitted["3"] == hashlib.sha256(run.payloads[(3, host1)]).hexdigest()
     assert any(line.startswith("replay:") for line in run.reasons[(3, host1)])
 

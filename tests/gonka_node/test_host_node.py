@@ -247,7 +247,9 @@ def test_a_host_killed_after_its_upload_resumes_from_what_it_kept_without_traini
             assert kept_store.load() is None  # nothing recorded: only the kept round
             kept = kept_store.load_sent(1)
             assert kept is not None and kept.residual_root == killed.residual_roots[1]
-            kept_residual = kept_store.load_sent_state(1)["feedback"]["residual"]
+            kept_state = kept_store.load_sent_state(1)
+            kept_residual = kept_state["feedback"]["residual"]
+            assert kept_state["inner"] == {"step": 15}  # a fresh epoch: no AdamW moments, only the clock
             chain = world.client(0)
             while chain.latest_round(world.epoch) < 1:
                 time.sleep(0.05)

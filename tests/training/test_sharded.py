@@ -25,7 +25,7 @@ from torch import nn
 
 from training.codecs import get_codec, round_seed, spec_of
 from training.data import Windows
-from training.inner import InnerConfig, clip_grad_norm
+from training.inner import InnerConfig, RoundState, clip_grad_norm
 from training.model import Llama, ModelConfig, build_model
 from training.residual_commit import ChunkLayout, residual_root, zero_root
 from training.rig import Rig
@@ -51,10 +51,10 @@ def windows() -> Windows:
     return Windows(rng.randint(0, 256, size=40_000).astype(np.uint8), seq_len=16, heldout_fraction=0.1)
 
 
-def inner(grad_accum: int) -> InnerConfig:
+def inner(grad_accum: int, round_state: RoundState = "carry") -> InnerConfig:
     # lr 3e-2 with clip 0.05: the clip binds on every step, so its coefficient is part of the check.
     return InnerConfig(steps=3, lr=3e-2, warmup_steps=1, total_steps=30, micro_batch=2, grad_accum=grad_accum,
-                       seq_len=16, grad_clip=0.05)
+                       seq_len=16, grad_clip=0.05, round_state=round_state)
 
 
 def _rig_process(rank: int, world_size: int, store: str, out: Path) -> None:
@@ -63,15 +63,18 @@ def _rig_process(rank: int, world_size: int, store: str, out: Path) -> None:
     try:
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
         results: dict[str, object] = {}
-        for accum, codec in ((2, CODEC), (4, "fp32")):
+        for accum, codec, state in ((2, CODEC, "carry"), (4, "fp32", "carry"), (2, CODEC, "fresh")):
             model = shard_model(Llama(CFG, device="meta"), mesh, ShardOptions()).to_empty(device="cpu")
-            worker = ShardedWorker(model, inner(accum), get_codec(codec), windows(), ASSIGNMENT, rig, ef_decay=0.9)
+            worker = ShardedWorker(model, inner(accum, state), get_codec(codec), windows(), ASSIGNMENT, rig,
+                                   ef_decay=0.9)
             worker.reset()
-            for r in (1, 2, 3) if accum == 2 else (1,):
-                figures = worker.run_round(r, out / f"global-{r}.safetensors", out / f"payload-{accum}-{r}.bin")
-                results[f"root-{accum}-{r}"] = figures.residual_root.hex()  # rank 0's joins every owner's leaves
+            for r in (1,) if accum == 4 else (1, 2, 3):
+                name = f"{accum}-{r}" if state == "carry" else f"fresh-{r}"
+                figures = worker.run_round(r, out / f"global-{r}.safetensors", out / f"payload-{name}.bin")
+                results[f"root-{name}"] = figures.residual_root.hex()  # rank 0's joins every owner's leaves
                 if r == 2:  # what a restarted rig does: reload this process's share from a file
                     torch.save(worker.state_dict(), out / f"state-{rank}.pt")
+                    results[f"inner-{state}"] = sorted(worker.state_dict()["inner"])
                     worker.reset()
                     worker.load_state_dict(torch.load(out / f"state-{rank}.pt", weights_only=True))
             results[f"residual-{accum}"] = sorted(worker.feedback.residual)
@@ -98,6 +101,14 @@ def test_sharded_rig_sends_one_process_payloads_and_holds_half_the_state(tmp_pat
         assert want.residual_root == residual_root(alone.feedback.residual, ChunkLayout.of(spec_of(alone.feedback.residual)))
 
     ranks = [torch.load(tmp_path / f"rank-{k}.pt", weights_only=True) for k in (0, 1)]
+    # A fresh epoch's saved share holds no AdamW rows (every round restarts them), and the rig resumed
+    # from it sends one fresh process's payloads, round 3 included.
+    fresh = DiLoCoWorker(build_model(CFG, 0), inner(2, "fresh"), get_codec(CODEC), windows(), ASSIGNMENT,
+                         ef_decay=0.9)
+    for r in (1, 2, 3):
+        want = fresh.train_round(r, _load(tmp_path / f"global-{r}.safetensors"))
+        assert (tmp_path / f"payload-fresh-{r}.bin").read_bytes() == want.payload, f"fresh round {r}"
+    assert [x["inner-fresh"] for x in ranks] == [["step"]] * 2 and ranks[0]["inner-carry"] == ["optimizer", "step"]
     # The rig's root (rank 0, from the two owners' leaves) is the one-process worker's, round by round;
     # the other process reports none. fp32 loses nothing: its residual is zero, and so its root.
     assert [ranks[0][f"root-2-{r}"] for r in (1, 2, 3)] == roots and len(set(roots)) == 3

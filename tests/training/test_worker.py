@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import numpy as np
 import pytest
@@ -55,6 +56,31 @@ def test_state_dict_resumes_the_next_round_bit_for_bit() -> None:
     b = worker("int8")
     b.load_state_dict(copy.deepcopy(a.state_dict()))  # a restarted host: AdamW state and residual
     assert a.train_round(2, params).payload == b.train_round(2, params).payload
+
+
+def test_a_fresh_epochs_state_is_the_residuals_and_the_clock_and_resumes_bit_for_bit() -> None:
+    """A `fresh` round restarts AdamW, so what crosses rounds is the two residuals and the step: a worker
+    restored from that alone (saved to a file, as a host keeps it) trains round 3 exactly as the one that
+    never stopped. A `carry` trainer refuses such a state (its moments would be lost)."""
+    params = global_params()
+    a = worker("int8", round_state="fresh")
+    a.train_round(1, params)
+    a.train_round(2, _moved(params, 0.01))
+    state = a.state_dict()
+    assert state["inner"] == {"step": a.trainer.step} and set(state["feedback"]["previous"]) == set(params)
+    assert a.snapshot()["inner"] == {"step": a.trainer.step}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    b = worker("int8", round_state="fresh")
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    assert b.trainer.step == a.trainer.step and not b.trainer.optimizer.state
+    base = _moved(params, 0.02)
+    assert a.train_round(3, base).payload == b.train_round(3, base).payload
+    assert all(torch.equal(a.feedback.residual[n], b.feedback.residual[n]) for n in params)
+    assert "optimizer" in worker("int8").state_dict()["inner"]  # carry: the moments cross rounds
+    with pytest.raises(ValueError, match="lacks"):
+        worker("int8").load_state_dict(state)
 
 
 def test_a_snapshot_is_a_rollback_point_that_copies_the_optimizer_and_shares_the_residuals() -> None:
