@@ -86,16 +86,39 @@ def header_fields(sub: Submission | OpeningRecord) -> dict[str, Any]:
     }
 
 
-def verify_evidence(ev: Evidence, node_key: bytes, evidence_dir: Path | None = None) -> bool:
+@dataclass(frozen=True)
+class ChallengeTerms:
+    """What a top-k round's challenge was drawn from, as a verifier knows it independently of the
+    record: the round's seed from the chain, the residual's layout (`commitment_layout` of the recipe's
+    model and codec) and the recipe's sample."""
+
+    round_seed: bytes
+    layout: ChunkLayout
+    fraction: float
+    min_elements: int
+
+    def as_record(self) -> dict[str, Any]:
+        return {"round_seed": self.round_seed.hex(), "chunk": self.layout.chunk,
+                "tensors": [[n, numel] for n, numel in self.layout.tensors],
+                "fraction": self.fraction, "min_elements": self.min_elements}
+
+
+def verify_evidence(
+    ev: Evidence, node_key: bytes, evidence_dir: Path | None = None, terms: ChallengeTerms | None = None
+) -> bool:
     """What a voter checks: the signature is the accused's node key over the header; a kept payload
-    hashes to the signed digest."""
+    hashes to the signed digest. A top-k mismatch claimed on an opening that does not answer its
+    challenge is checked against `terms` (the chain's seed, the recipe's layout and sample): without
+    them, or when the record names others, it does not verify — those fields are the aggregator's
+    words, and another seed or sample would make any honest opening "not answer"."""
     h = dict(ev.header)
     if "residual_root" not in h:  # a layout-1 header (before residual commitments): verifies nowhere now
         return False
     for name in ("registry", "host", "base_checkpoint_sha256", "payload_sha256", "residual_root"):
         h[name] = bytes.fromhex(h[name])
     sub = Submission(**h)
-    if not sub.verify(bytes.fromhex(ev.signature), node_key) or not _opening_holds(ev, sub, node_key, evidence_dir):
+    if not sub.verify(bytes.fromhex(ev.signature), node_key) or not _opening_holds(
+            ev, sub, node_key, evidence_dir, terms):
         return False
     if ev.payload_file and evidence_dir is not None:
         data = (evidence_dir / ev.payload_file).read_bytes()
@@ -208,9 +231,7 @@ def _add_mismatch(store: Store, log: EvidenceLog, ev: Evidence, ident: RoundIden
         residual_root=bytes(opened.residual_root), body_sha256=bytes(opened.body_sha256),
         body_length=opened.body_length, timestamp_ms=opened.timestamp_ms,
     )
-    drawn = {"round_seed": seed.hex(), "chunk": ident.layout.chunk,
-             "tensors": [[n, numel] for n, numel in ident.layout.tensors],
-             "fraction": ident.sample[0], "min_elements": ident.sample[1]}
+    drawn = ChallengeTerms(seed, ident.layout, *ident.sample).as_record()
     answers = _answers(record, Path(opened.path).read_bytes(), drawn)
     other = {"opening": header_fields(record), "signature": bytes(opened.signature).hex(), "body_file": name,
              "challenge": drawn, "claim": "judged" if answers else "unverified"}
@@ -232,7 +253,9 @@ def _answers(record: OpeningRecord, body: bytes, drawn: dict[str, Any]) -> bool:
             and verify_opening(record.residual_root, current, layout, sample))
 
 
-def _opening_holds(ev: Evidence, sub: Submission, node_key: bytes, evidence_dir: Path | None) -> bool:
+def _opening_holds(
+    ev: Evidence, sub: Submission, node_key: bytes, evidence_dir: Path | None, terms: ChallengeTerms | None
+) -> bool:
     """A mismatch judged on an opening: the opening is signed by the same key, opens this submission's
     signed root in its round, and the kept body hashes to the signed digest and length."""
     other = ev.other or {}
@@ -250,9 +273,12 @@ def _opening_holds(ev: Evidence, sub: Submission, node_key: bytes, evidence_dir:
     data = (evidence_dir / other["body_file"]).read_bytes()
     if hashlib.sha256(data).digest() != record.body_sha256 or len(data) != record.body_length:
         return False
-    # A claim that the opening does not answer its challenge is re-checked here; a "judged" one (it
-    # answers, and failed on its payload or replay) only as far as that it does answer.
-    return _answers(record, data, other["challenge"]) == (other.get("claim") == "judged")
+    # A claim that the opening does not answer its challenge is re-checked here, against the challenge
+    # the verifier knows; a "judged" one (it answers, and failed on its payload or replay, which a voter
+    # re-runs with the payloads as for any replay mismatch) only as far as that it does answer.
+    if other.get("claim") == "judged":
+        return _answers(record, data, other["challenge"])
+    return terms is not None and other["challenge"] == terms.as_record() and not _answers(record, data, other["challenge"])
 
 
 def _copied_from(store: Store, epoch: int, round_: int, reason: str) -> SubmissionRow | None:

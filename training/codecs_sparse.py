@@ -137,6 +137,8 @@ class TopKCodec(Codec):
         self.decode_tensor(name, view, shape)  # every check of the part: size, numel, scales, positions
         numel = math.prod(shape)
         kept = self._entries(view[_NUMEL.size :], numel, name)
+        if not bool(torch.isfinite(residual).all()):
+            return f"tensor {name}: a non-finite residual value (an honest residual is finite)"
         values, at = self._values(kept).double(), 0
         for start, end in spans:
             if start % self.chunk or (end % self.chunk and end != numel) or not 0 <= start < end <= numel:

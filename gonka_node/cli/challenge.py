@@ -41,6 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_connection_args(file)
     file.add_argument("--evidence", type=Path, required=True, help="evidence record (<sha256>.json)")
     file.add_argument("--uri", default="", help="where voters can fetch the record (stored in the event)")
+    file.add_argument("--recipe", type=Path,
+                      help="the epoch's recipe (JSON or TOML): needed for a top-k replay mismatch claimed on an opening "
+                           "that does not answer its challenge, which is checked against the chain's seed and the "
+                           "recipe's residual layout and sample")
     file.set_defaults(func=chain_errors(_file))
 
     listing = add_verb(
@@ -95,8 +99,8 @@ def _file(args: argparse.Namespace) -> int:
     if not host.joined:
         raise CliError(f"--evidence: {ev.host} is not a host of epoch {ev.epoch}")
     try:
-        valid = verify_evidence(ev, bytes(host.node_key), args.evidence.parent)
-    except (OSError, ValueError) as exc:
+        valid = verify_evidence(ev, bytes(host.node_key), args.evidence.parent, _challenge_terms(args, client, ev))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CliError(f"--evidence: cannot check the record ({exc})") from None
     if not valid:
         raise CliError(
@@ -108,10 +112,46 @@ def _file(args: argparse.Namespace) -> int:
     print(f"challenge {challenge_id}: {ev.host}'s stake in epoch {ev.epoch} frozen on {ev.kind} evidence "
           f"{ev.hash.hex()} ({amount(bond, args)} bond escrowed)")
     if ev.kind == "replay_mismatch":
-        print("checked: the host's signature; the mismatch itself is checked by re-running the host's round")
+        claim = (ev.other or {}).get("claim")
+        if claim == "unverified":
+            print("checked: the host's signature and opening, which does not answer the challenge drawn from the "
+                  "chain's seed and the recipe")
+        elif claim == "judged":
+            print("checked: the host's signature and opening; the mismatch itself is checked by re-running the "
+                  "payload check on the host's payloads and the host's round")
+        else:
+            print("checked: the host's signature; the mismatch itself is checked by re-running the host's round")
     print(f"next: the epoch's aggregators vote (`gonka-node challenge vote --id {challenge_id} --uphold`) "
           "or governance resolves it")
     return 0
+
+
+def _challenge_terms(args: argparse.Namespace, client: Any, ev: Any) -> Any:
+    """The challenge a top-k opening claimed not to answer was drawn from, as this verifier knows it:
+    the chain's round seed, the recipe's residual layout and sample (None: no such claim in `ev`)."""
+    from gonka_node.core.recipe import Recipe, RecipeError
+    from gonka_node.slashing import ChallengeTerms
+    from training.codecs import get_codec
+    from training.model import build_model
+    from training.residual_commit import commitment_layout
+
+    other = ev.other or {}
+    if "opening" not in other or other.get("claim") == "judged":
+        return None
+    if args.recipe is None:
+        raise CliError("--evidence: a top-k opening claimed not to answer its challenge is checked against the "
+                       "epoch's recipe: give --recipe FILE (the recipe.json the epoch was built from)")
+    try:
+        recipe = Recipe.load(args.recipe)
+        spec = client.get_epoch(ev.epoch).spec
+        recipe.check_against_chain(spec)
+    except RecipeError as exc:
+        raise CliError(f"--recipe: {exc}") from None
+    model = build_model(recipe.model, recipe.init_seed)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    seed = client.round_seed(ev.epoch, ev.round).seed
+    return ChallengeTerms(seed, commitment_layout(shapes, get_codec(spec.codec)), recipe.residual_sample,
+                          recipe.residual_sample_min)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ any bond is escrowed.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,8 +111,14 @@ def test_records_that_are_not_evidence_are_refused(world: World, tmp_path: Path,
     chain = ["--deployment", str(world.deployment), "--dev-account", "5"]
     (tmp_path / "junk.json").write_text("{\"kind\": 1}")
     (tmp_path / "late.json").write_text(world.evidence.read_text().replace('"garbage"', '"late"'))
+    # A top-k mismatch claimed on an opening that does not answer its challenge: its challenge is the
+    # aggregator's words until checked against the chain's seed and the recipe, so not without a recipe.
+    record = json.loads(world.evidence.read_text())
+    record.update(kind="replay_mismatch", other={"opening": {}, "claim": "unverified", "challenge": {}})
+    (tmp_path / "topk.json").write_text(json.dumps(record))
     for path, message in ((tmp_path / "missing.json", "no such file"),
                           (tmp_path / "junk.json", "not an evidence record"),
-                          (tmp_path / "late.json", "kind 'late' is not slashable")):
+                          (tmp_path / "late.json", "kind 'late' is not slashable"),
+                          (tmp_path / "topk.json", "give --recipe FILE")):
         code, out, err = run(capsys, "file", *chain, "--evidence", str(path))
         assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err

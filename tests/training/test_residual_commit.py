@@ -356,3 +356,33 @@ def test_an_opening_against_a_malformed_part_is_refused_naming_its_tensor() -> N
     part[8:12] = struct.pack("<f", math.nan)  # the first chunk's lo scale, right after the element count
     with pytest.raises(MalformedSectionError, match=r"tensor b has a non-finite or inconsistent chunk scale"):
         codec.residual_misfit(bytes(part), SPEC["b"], "b", [(0, 100)], torch.zeros(100))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_honest_residuals_fit_across_wide_ranges_ties_and_exact_half_steps(bits: int) -> None:
+    # The fp32 rounding of the quantiser and of e = target − decode is what the check's 2⁻²⁰ margin
+    # absorbs; plain Gaussian targets never need it, these do (a check without the margin fails them:
+    # ties and exact half-steps with every element sent, a 10⁻³⁰..10²⁰ mix in short chunks).
+    g = torch.Generator().manual_seed(bits)
+    n = 200
+    ties = torch.randint(-3, 4, (n,), generator=g).float() * 1e-3
+    halves = torch.tensor([1.0, 2.0, 3.0])[torch.randint(0, 3, (n,), generator=g)] * torch.sign(
+        torch.randn(n, generator=g))
+    mixed = torch.randn(n, generator=g) * 1e-30
+    mixed[::7] = torch.randn(len(mixed[::7]), generator=g) * 1e20
+    wide = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 8)
+    for targets, chunk, k in ((ties, 64, 64), (halves, 64, 64), (mixed, 8, 5), (wide, 8, 5), (wide, 64, 5)):
+        codec = get_codec(f"topk:chunk={chunk},k={k},bits={bits}")
+        assert isinstance(codec, TopKCodec)
+        ef = ErrorFeedback(codec, 0.9)
+        spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+        for r in range(6):
+            part = ef.compress_tensor("w", targets * (1.0 + r))
+            assert codec.residual_misfit(part, (n,), "w", spans, ef.residual["w"].reshape(-1)) is None, (chunk, k, r)
+    codec = get_codec("topk:chunk=64,k=5,bits=2")
+    assert isinstance(codec, TopKCodec)
+    part = codec.encode_tensor("w", wide)
+    residual = wide - codec.decode_tensor("w", part, (n,))
+    residual[3] = math.nan  # a non-finite residual fits no payload (whatever checked it before)
+    spans = [(s, min(s + 64, n)) for s in range(0, n, 64)]
+    assert "finite" in (codec.residual_misfit(part, (n,), "w", spans, residual) or "")

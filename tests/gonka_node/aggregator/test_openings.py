@@ -29,6 +29,7 @@ from gonka_node.aggregator.store import ContributionRow, OpeningRow, Store
 from gonka_node.core.opening import encode_body, signed_opening
 from gonka_node.slashing import (
     KIND_REPLAY_MISMATCH,
+    ChallengeTerms,
     EvidenceLog,
     RoundIdentity,
     collect_evidence,
@@ -38,7 +39,14 @@ from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import load_checkpoint
 from training.codecs import ErrorFeedback, get_codec
 from training.data import Windows
-from training.residual_commit import ChunkLayout, Opening, open_chunks, residual_root, zero_root
+from training.residual_commit import (
+    ChunkLayout,
+    Opening,
+    commitment_layout,
+    open_chunks,
+    residual_root,
+    zero_root,
+)
 from training.worker import Assignment, replay_round
 
 CODEC = "topk:chunk=64,k=8,bits=2"
@@ -184,19 +192,24 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
     evidence, kept = records[0], kit.tmp / "scan" / f"{stored.body_sha256.hex()}.opening"
     assert evidence.other is not None and evidence.other["opening"]["body_sha256"] == stored.body_sha256.hex()
     assert kept.read_bytes() == Path(stored.path).read_bytes()
-    key = bytes(h3.h.key.verify_key)
-    assert verify_evidence(evidence, key, kit.tmp / "scan") and not verify_evidence(
-        evidence, bytes(h1.h.key.verify_key), kit.tmp / "scan")
-    # Its claim, re-checked by a voter from the record alone: the altered body does not answer the
-    # challenge drawn from the round's seed. Claimed the other way ("judged": it answers and failed on its
-    # payload or replay), the record is refused; so is one naming another seed, which draws other chunks.
-    assert evidence.other["claim"] == "unverified" and evidence.other["challenge"]["round_seed"] == \
-        e.store.get_round(ctx.epoch, 1).round_seed.hex()
+    key, scan = bytes(h3.h.key.verify_key), kit.tmp / "scan"
+    # Its claim, that the altered body does not answer the challenge, is re-checked by a voter against
+    # the challenge the voter knows (the chain's seed, the recipe's layout and sample), never the
+    # record's own words: without those terms, or with a record naming others, it does not verify.
+    seed = e.store.get_round(ctx.epoch, 1).round_seed
+    assert seed is not None and evidence.other["claim"] == "unverified"
+    terms = ChallengeTerms(seed, commitment_layout(ctx.spec, ctx.codec), ctx.residual_sample, ctx.residual_sample_min)
+    assert verify_evidence(evidence, key, scan, terms) and not verify_evidence(evidence, key, scan)
+    assert not verify_evidence(evidence, bytes(h1.h.key.verify_key), scan, terms)
+    framed = dataclasses.replace(evidence, other={**evidence.other, "challenge": {
+        **evidence.other["challenge"], "round_seed": bytes(32).hex()}})  # another seed draws other chunks
+    assert not verify_evidence(framed, key, scan, terms)
+    # Claimed the other way ("judged": it answers and failed on its payload or replay), it is refused.
     judged = dataclasses.replace(evidence, other={**evidence.other, "claim": "judged"})
-    assert not verify_evidence(judged, key, kit.tmp / "scan")
+    assert not verify_evidence(judged, key, scan, terms)
     body = kept.read_bytes()
     kept.write_bytes(body[:-1] + bytes([body[-1] ^ 1]))
-    assert not verify_evidence(evidence, key, kit.tmp / "scan")  # not the body the host signed
+    assert not verify_evidence(evidence, key, scan, terms)  # not the body the host signed
 
     # Round 2: e_{r-1} opens against round 1's signed roots (h2's too, which it never opened), bounded by
     # the round-1 payload the aggregator kept (h2's) or not (h1's, removed).
