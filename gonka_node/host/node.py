@@ -786,16 +786,18 @@ class HostNode:
                     self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
                                      f"({len(body)} bytes, stored by an earlier attempt)")
                     return
-                self.events.note(f"round {info.round}: the opening of its residual was refused: "
-                                 f"{exc.reason or exc.code.name}: {exc.message}")
+                self._opening_refused(info.round, exc.reason or exc.code.name, exc.message)
                 return
             if not receipt.accepted:
-                self.events.note(f"round {info.round}: the opening of its residual was refused: "
-                                 f"{common.RejectReason.Name(receipt.reason).removeprefix('REJECT_')}: {receipt.message}")
+                self._opening_refused(info.round, common.RejectReason.Name(receipt.reason).removeprefix("REJECT_"),
+                                      receipt.message)
                 return
             self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
                              f"({len(body)} bytes)")
             return
+
+    def _opening_refused(self, round_: int, reason: str, message: str) -> None:
+        self.events.note(f"round {round_}: the opening of its residual was refused: {reason}: {message}")
 
     def _opened(self, info: pb.RoundInfo) -> bool:
         """Whether the aggregator stored this host's opening of the round (an attempt whose answer was lost)."""

@@ -18,6 +18,7 @@ from engine_kit import Kit, chunks
 from micro_model import INNER, SEED, SLOTS, micro_windows, model
 from nacl.signing import SigningKey
 from test_shard_replay import micro_context
+from torch import Tensor
 
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
@@ -149,13 +150,18 @@ def altered(opening: Opening, chunk: int, element: int) -> Opening:
     return dataclasses.replace(opening, chunks=(*opening.chunks[:chunk], bytes(data), *opening.chunks[chunk + 1:]))
 
 
-def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails_and_e_prev_meets_its_bound(kit: Kit, windows: Windows) -> None:
+def _top_k_round(kit: Kit, windows: Windows) -> tuple[EpochContext, RoundEngine, list[TopkHost], dict[bytes, int],
+                                                     dict[str, Tensor]]:
+    """A top-k epoch's engine at round 1: its context, the three hosts, their slots, the initial model."""
     ctx = topk_context(kit, windows)
     e = start(kit, ctx)
-    layout = ChunkLayout.of(ctx.spec)
-    h1, h2, h3 = (TopkHost(kit, h, layout) for h in kit.hosts)
-    where = slots(e)
-    base = {n: p.detach().clone() for n, p in model().named_parameters()}
+    layout = commitment_layout(ctx.spec, ctx.codec)
+    hosts = [TopkHost(kit, h, layout) for h in kit.hosts]
+    return ctx, e, hosts, slots(e), {n: p.detach().clone() for n, p in model().named_parameters()}
+
+
+def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails_and_e_prev_meets_its_bound(kit: Kit, windows: Windows) -> None:
+    ctx, e, (h1, h2, h3), where, base = _top_k_round(kit, windows)
     for host in (h1, h2, h3):  # h2 keeps (and signs) a residual its payload did not leave: found in round 2
         host.submit(e, honest(windows, base, where[host.h.address], 1), park=0.05 if host is h2 else 0.0)
     kit.run(e.tick())  # everyone submitted: the close reveals the seed and waits for the openings
@@ -244,12 +250,7 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
 
 
 def test_a_restart_resumes_the_wait_an_inflated_update_fails_on_length_and_a_parked_residual_on_its_bound(kit: Kit, windows: Windows) -> None:
-    ctx = topk_context(kit, windows)
-    e = start(kit, ctx)
-    layout = ChunkLayout.of(ctx.spec)
-    h1, h2, h3 = (TopkHost(kit, h, layout) for h in kit.hosts)
-    where = slots(e)
-    base = {n: p.detach().clone() for n, p in model().named_parameters()}
+    ctx, e, (h1, h2, h3), where, base = _top_k_round(kit, windows)
     for host, scale in ((h1, 2.0), (h2, 1.0)):  # h1 sends twice its Δ, residual consistent with it
         host.submit(e, {n: t * scale for n, t in honest(windows, base, where[host.h.address], 1).items()})
     h3.submit(e, honest(windows, base, where[h3.h.address], 1), park=0.5)  # signs a residual its payload did not leave
