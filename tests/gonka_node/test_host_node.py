@@ -40,6 +40,7 @@ from gonka_node.core.keys import NodeKeys, NodeSigningKey, init_keys
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.tls import PeerCertificateError, create_identity
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
+from gonka_node.host.challenge import Challenges
 from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
 from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.store import HostStore
@@ -210,11 +211,15 @@ class Killed(Exception):
     """The daemon's death (what a SIGKILL would be), raised where the test kills it."""
 
 
+class KilledAfterVerdict(Challenges):
+    def await_verdict(self, *args: Any) -> None:  # what follows an accepted upload
+        raise Killed()
+
+
 class KilledAfterUpload(HostNode):
     """Dies once its upload of a round was accepted, before the round's result: nothing recorded since."""
 
-    def _await_verdict(self, *args: Any) -> None:  # what follows an accepted upload
-        raise Killed()
+    challenges_type = KilledAfterVerdict
 
 
 class Trained(HostEvents):
