@@ -360,9 +360,10 @@ class HostNode:
         pending: PendingUpload | None = None
         eager = self.recipe.overlap == "eager"
         applied = 0
-        # No round is undone here when its checks fail (`Challenges._forget_failed`): the next round has compressed
-        # on top of it by then, and a challenge is answered from another thread than the training's.
+        # No round is undone from the challenge's thread when its checks fail (`Challenges._forget_failed`):
+        # the next round has compressed on top of it by then; `_train_overlapped` undoes it instead.
         self._before_round.clear()
+        undo: dict[str, Any] | None = None  # the worker state before the round uploading (`pending`)
         restarted = self.challenges.answer_restarted(progress, self.chain.latest_round(self.settings.epoch))
         try:
             while True:
@@ -388,13 +389,13 @@ class HostNode:
                     self._settle(pending, progress)
                     pending = None
                     return progress
-                result = self._train_eager(r, gm, progress, pending) if eager else self._train(r, gm, progress)
+                result, undo = self._train_overlapped(r, gm, progress, pending, undo)
                 self._keep(result)  # before it is sent: an eager round r + 1's base is forecast with it
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
                     r, gm.sha256, result.payload, result.tokens, self._open_round,
-                    self._submit_checked if eager else self._submit, self.settings.poll_s,
+                    self._submit_checked if eager or self._challengeable else self._submit, self.settings.poll_s,
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
                     self.challenges.answerer(r, pending, progress),
                 ).start()
@@ -407,22 +408,32 @@ class HostNode:
                 pending.cancel()
                 pending.wait()
 
-    def _train_eager(
-        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None
-    ) -> WorkerRound:
-        """Train round r from this host's forecast (training/overlap.py), the held model being the one
-        after r − 2. Forecast with round r − 1's payload while it uploads; if the aggregator then refuses
-        it, the replay's base is the held model itself (the aggregator holds no payload of ours), so the
-        round is trained again from that, the worker's state first taken back."""
-        uploading = pending is not None and pending.round == r - 1
-        before = self.rounds.snapshot() if uploading else None
-        result = self._train(r, gm, progress, self._eager_base(r, gm, self._sent_payload(r - 1, pending, progress)))
-        if pending is not None and before is not None and not pending.accepted():
-            self.events.note(f"round {r}: round {r - 1}'s upload was refused; training round {r} again from "
-                             f"round {gm.round_done}'s model (no payload of ours to forecast with)")
-            self.rounds.load_state_dict(before)
-            result = self._train(r, gm, progress, self._eager_base(r, gm, None))
-        return result
+    def _train_overlapped(
+        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, undo: dict[str, Any] | None
+    ) -> tuple[WorkerRound, dict[str, Any] | None]:
+        """Train round r while round r − 1 (`pending`) uploads, the held model being the one after r − 2;
+        an eager host forecasts with round r − 1's payload (training/overlap.py). If the aggregator then
+        refuses round r − 1 (or it FAILED its checks: a top-k or eager host waits for their verdict), round
+        r is trained again from what the aggregator's replay of it assumes: no payload of ours to forecast
+        with (eager), and in a top-k epoch the residual before round r − 1 (`undo`, the worker state round
+        r − 1 trained from), since round r's opening is checked against e_{r−1}'s root of the host's last
+        checked round. Returns round r and the state it trained from (the next round's `undo`; None where
+        no round is ever trained again: a dense codec with overlap "delayed")."""
+        eager, uploading = self.recipe.overlap == "eager", pending is not None and pending.round == r - 1
+        # A top-k epoch's snapshot shares the residuals and copies no AdamW state (each round restarts it).
+        before = self.rounds.snapshot() if self._challengeable or (eager and uploading) else None
+        own = self._sent_payload(r - 1, pending, progress) if eager else None
+        result = self._train(r, gm, progress, self._eager_base(r, gm, own) if eager else None)
+        keep = before if self._challengeable else None  # the next round's `undo`
+        back = undo if undo is not None else before if eager else None  # None: a restart lost `undo`
+        if pending is None or not uploading or back is None or pending.accepted():
+            return result, keep
+        self.events.note(f"round {r}: round {r - 1}'s upload was refused; training round {r} again "
+                         + (f"from round {gm.round_done}'s model (no payload of ours to forecast with)" if eager
+                            else f"from the residual before round {r - 1} (the one the aggregator holds)"))
+        self.rounds.load_state_dict(back)
+        return self._train(r, gm, progress, self._eager_base(r, gm, None) if eager else None), \
+            back if self._challengeable else None
 
     def _eager_base(self, r: int, gm: GlobalModel, own: bytes | None) -> dict[str, Tensor]:
         """`eager_base` of the held model (after r − 2), its outer momentum and `own` (round r − 1's
