@@ -498,3 +498,65 @@ def test_payload_misfit_refusals_say_which_codec_size_and_tensor() -> None:
                         lambda c: c)
     with pytest.raises(MalformedSectionError, match=r"tensor w has a non-finite or inconsistent chunk scale"):
         payload_misfit(codec, nan_scale, ONE, ONE_LAYOUT, EVERY, residual)
+
+
+def _fit(bits: int, target: Tensor, residual: Tensor | None = None, chunk: int = 64, k: int = 8,
+         spans: list[tuple[int, int]] | None = None) -> str | None:
+    """`residual_misfit` of the honest part of `target` (`topk:chunk=…,k=…`) against `residual` (default:
+    the honest one), over `spans` (default: one span of every chunk)."""
+    codec = get_codec(f"topk:chunk={chunk},k={k},bits={bits}")
+    assert isinstance(codec, TopKCodec)
+    n = target.numel()
+    part = codec.encode_tensor("w", target)
+    if residual is None:
+        residual = target - codec.decode_tensor("w", part, (n,))
+    return codec.residual_misfit(part, (n,), "w", spans or [(0, n)], residual)
+
+
+def test_residual_misfit_refuses_a_span_that_is_not_whole_chunks_inside_its_tensor() -> None:
+    codec = _topk()
+    part = codec.encode_tensor("b", _tensors(4)["b"])
+    for start, end in ((64, 64), (32, 64), (0, 128)):
+        with pytest.raises(ValueError, match=rf"^residual_misfit: span {start}\.\.{end} of b is not whole chunks of 64$"):
+            codec.residual_misfit(part, SPEC["b"], "b", [(start, end)], torch.zeros(end - start))
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_an_honest_span_of_many_chunks_of_different_scales_fits_chunk_by_chunk(bits: int) -> None:
+    # 25 chunks of 8 (3 sent each) in one span, each chunk's scale 2⁻¹²..2¹² apart: every check is per chunk.
+    g = torch.Generator().manual_seed(bits)
+    target = torch.randn(200, generator=g) * (2.0 ** torch.arange(-12, 13)).repeat_interleave(8)
+    assert _fit(bits, target, chunk=8, k=3) is None
+    assert _fit(bits, target.flip(0), chunk=8, k=3, spans=[(0, 96), (96, 200)]) is None
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_an_all_zero_tensor_fits_its_all_zero_payload(bits: int) -> None:
+    # Every scale, target and margin is 0 here: a check that refuses on equality would refuse it.
+    assert _fit(bits, torch.zeros(100)) is None
+
+
+def test_an_unsent_target_may_exceed_the_smallest_sent_one_by_2_to_the_minus_20_of_the_largest() -> None:
+    # bits = 2: sent 1 (×7) and 2 (lo = 1, hi = 2, each decoded exactly), so the margin is 2·2⁻²⁰.
+    target = torch.zeros(64)
+    target[:8] = torch.tensor([1.0] * 7 + [2.0])
+    for excess, fits in ((1.5 * 2.0**-20, True), (2.5 * 2.0**-20, False)):
+        residual = target.clone()
+        residual[:8] = 0.0
+        residual[40] = 1.0 + excess  # an unsent element's target is its residual
+        why = _fit(2, target, residual)
+        assert (why is None) == fits, (excess, why)
+        assert fits or "not its top-k" in (why or "")
+
+
+def test_a_one_bit_scale_may_miss_its_sent_targets_mean_by_k_2_to_the_minus_23_of_it_plus_the_margin() -> None:
+    # bits = 1: eight sent targets of 1, the scale 1. One target raised by 8δ moves the mean by δ; the
+    # bound is lo·k·2⁻²³ + 2⁻²⁰·largest = 2⁻²⁰ + (1 + 8δ)·2⁻²⁰, just above 2·2⁻²⁰.
+    target = torch.zeros(64)
+    target[:8] = 1.0
+    for delta, fits in ((1.75 * 2.0**-20, True), (2.25 * 2.0**-20, False)):
+        residual = torch.zeros(64)
+        residual[3] = 8 * delta
+        why = _fit(1, target, residual)
+        assert (why is None) == fits, (delta, why)
+        assert fits or "not the mean" in (why or "")
