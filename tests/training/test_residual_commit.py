@@ -560,3 +560,15 @@ def test_a_one_bit_scale_may_miss_its_sent_targets_mean_by_k_2_to_the_minus_23_o
         why = _fit(1, target, residual)
         assert (why is None) == fits, (delta, why)
         assert fits or "not the mean" in (why or "")
+
+
+def test_a_sign_flip_within_the_margin_of_2_to_the_minus_20_of_the_largest_fits_and_beyond_it_does_not() -> None:
+    # bits = 2: sent 2⁻²⁰ (= lo, decoded exactly) and 1 (×7, = hi), so the margin is exactly 2⁻²⁰.
+    target = torch.zeros(64)
+    target[:8] = torch.tensor([2.0**-20] + [1.0] * 7)
+    for flipped_to, fits in ((-(2.0**-20), True), (-(2.0**-19), False)):
+        residual = torch.zeros(64)
+        residual[0] = flipped_to - 2.0**-20  # the sent +2⁻²⁰'s target is now `flipped_to`
+        why = _fit(2, target, residual)
+        assert (why is None) == fits, (flipped_to, why)
+        assert fits or "opposite sign" in (why or "")
