@@ -12,7 +12,8 @@
 # is untouched; that venv sees the project's packages (torch, web3, ...) through a .pth file, but not
 # the project's editable install, so the tests import the mutated copy that mutmut writes. Each module
 # runs in its own scratch copy of the tree (.mutation/runs/NAME), $MUTATION_JOBS (default 2) worker processes, one torch
-# thread. Per module it prints the score (killed, timeouts counted as killed, over all mutants) and the
+# thread; $MUTATION_LANES (default 2) parts run at once (lane() below).
+# Per module it prints the score (killed, timeouts counted as killed, over all mutants) and the
 # wall time, and writes .mutation/report/NAME.txt: the summary and the diff of every surviving mutant.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,8 @@ MUTMUT=mutmut==3.8.1
 # Worker processes per module (mutmut --max-children). Two: on a machine shared with other jobs, a second
 # worker takes its share of the cores (measured: docs/benchmarks.md); one torch thread each.
 JOBS=${MUTATION_JOBS:-2}
+# Parts run at once (see lane() below).
+LANES=${MUTATION_LANES:-2}
 
 # name | module | its fast unit tests | mutants to run (fnmatch globs of mutmut's names; empty: all)
 MODULES=(
@@ -208,23 +211,50 @@ PY
   done
 }
 
+# The parts run in $LANES lanes, each taking the next part of the list when its last one ends (the slowest
+# parts are listed first, so the lanes end together): a part's serial stretches (its clean run, the stats
+# run, the fork server's imports, the survivors' `mutmut show`) and its workers' waits (a mutant's test
+# timing out) leave a core idle that the other lane's workers then use.
+next_part() {  # queue-file: prints the index of the next part no lane has taken
+  (
+    flock 9
+    local n
+    n=$(cat "$1")
+    echo $((n + 1)) >"$1"
+    echo "$n"
+  ) 9>"$1.lock"
+}
+
+lane() {  # queue-file parts...: runs parts off the shared queue until none is left
+  local queue=$1 i name module tests globs
+  shift
+  local parts=("$@")
+  while i=$(next_part "$queue") && [ "$i" -lt ${#parts[@]} ]; do
+    IFS='|' read -r name module tests globs <<<"${parts[$i]}"
+    # A part that fails (its clean run did: a flaky test on a loaded machine) does not stop the others.
+    run_module "$name" "$module" "$tests" "${MUTANTS:-$globs}" || echo "$name" >>"$WORK/report/failed"
+  done
+}
+
 main() {
   mkdir -p "$WORK/report" "$WORK/runs"
   setup_venv
-  local want=("$@") line name failed=()
+  local want=("$@") line name parts=() queue=$WORK/runs/queue
   for line in "${MODULES[@]}"; do
-    IFS='|' read -r name module tests globs <<<"$line"
-    if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " =~ " $name " ]]; then continue; fi
-    # A part that fails (its clean run did: a flaky test on a loaded machine) does not stop the others.
-    run_module "$name" "$module" "$tests" "${MUTANTS:-$globs}" || failed+=("$name")
+    name=${line%%|*}
+    if [ ${#want[@]} -eq 0 ] || [[ " ${want[*]} " =~ " $name " ]]; then parts+=("$line"); fi
   done
+  echo 0 >"$queue"
+  rm -f "$WORK/report/failed"
+  for ((l = 0; l < LANES; l++)); do lane "$queue" "${parts[@]}" & done
+  wait
   echo "== summary"
-  for line in "${MODULES[@]}"; do
+  for line in "${parts[@]}"; do
     name=${line%%|*}
     [ -f "$WORK/report/$name.txt" ] && head -1 "$WORK/report/$name.txt"
   done
   echo "(reports with the surviving mutants' diffs: $WORK/report/)"
-  if [ ${#failed[@]} -gt 0 ]; then echo "== failed (no score): ${failed[*]}"; return 1; fi
+  if [ -s "$WORK/report/failed" ]; then echo "== failed (no score): $(tr '\n' ' ' <"$WORK/report/failed")"; return 1; fi
 }
 
 main "$@"

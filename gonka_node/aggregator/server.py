@@ -41,6 +41,8 @@ from proto.gonka.v1 import shard_pb2_grpc as spb_grpc
 log = logging.getLogger(__name__)
 FILE_CHUNK = 1 << 20
 T = TypeVar("T")
+M = TypeVar("M", pb.SubmitRequest, pb.OpeningRequest)  # a client stream: a header, then chunks
+PAYLOAD_CHUNKS = "payload chunks may follow the header"
 MESSAGE_LIMIT = 4 << 20  # chunks are <= 1 MiB; larger messages die in the transport, before our code
 
 STATUS: dict[Reason, grpc.StatusCode] = {
@@ -112,17 +114,24 @@ def submission_from_pb(h: pb.SubmitHeader) -> Submission:
         raise Rejected(Reason.MALFORMED, f"header: {exc}") from exc
 
 
-async def _opening_chunks(stream: AsyncIterator[pb.OpeningRequest]) -> AsyncIterator[bytes]:
-    async for msg in stream:
-        if msg.WhichOneof("part") != "chunk":
-            raise Rejected(Reason.MALFORMED, "only body chunks may follow the opening header")
-        yield msg.chunk
+async def _header_first(
+    request_iterator: AsyncIterator[M], guard: StreamGuard, header: str
+) -> tuple[M, AsyncIterator[M]]:
+    """A client stream's first message, which must be its header (`header` names it in the refusal),
+    and the rest; the guard is touched once the first message came (an upload's and an opening's)."""
+    requests = aiter(request_iterator)
+    first = await anext(requests, None)
+    guard.touch()
+    if first is None or first.WhichOneof("part") != "header":
+        raise Rejected(Reason.MALFORMED, f"the stream must start with {header}")
+    return first, requests
 
 
-async def _chunks(stream: AsyncIterator[pb.SubmitRequest]) -> AsyncIterator[bytes]:
+async def _chunks(stream: AsyncIterator[M], after: str) -> AsyncIterator[bytes]:
+    """The body chunks that follow a stream's header (`after`: what the refusal says follows what)."""
     async for msg in stream:
         if msg.WhichOneof("part") != "chunk":
-            raise Rejected(Reason.MALFORMED, "only payload chunks may follow the header")
+            raise Rejected(Reason.MALFORMED, f"only {after}")
         yield msg.chunk
 
 
@@ -183,11 +192,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
         # Armed from the first byte: a connection that never sends its header is dropped too.
         guard = self.engine.stream_guard(f"stream from {context.peer()}").arm()
         try:
-            requests = aiter(request_iterator)
-            first = await anext(requests, None)
-            guard.touch()
-            if first is None or first.WhichOneof("part") != "header":
-                raise Rejected(Reason.MALFORMED, "the stream must start with a SubmitHeader")
+            first, requests = await _header_first(request_iterator, guard, "a SubmitHeader")
             sub = submission_from_pb(first.header)
             guard.what = f"upload of 0x{sub.host.hex()}"
             receipt = await self.engine.submit(sub, first.header.signature, self._payload(sub, requests), guard)
@@ -215,9 +220,9 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             return
         if first.WhichOneof("part") != "stored":
             if first.WhichOneof("part") != "chunk":
-                raise Rejected(Reason.MALFORMED, "only payload chunks may follow the header")
+                raise Rejected(Reason.MALFORMED, f"only {PAYLOAD_CHUNKS}")
             yield first.chunk
-            async for chunk in _chunks(requests):
+            async for chunk in _chunks(requests, PAYLOAD_CHUNKS):
                 yield chunk
             return
         async for chunk in self._stored(sub, first.stored.key):
@@ -304,12 +309,9 @@ class AggregatorService(pb_grpc.AggregatorServicer):
         """A challenged host's opening (aggregator/openings.py); a refusal: status, reason, nothing stored."""
         guard = StreamGuard(self.engine.stream_limits, asyncio.Event(), f"opening from {context.peer()}").arm()
         try:
-            requests = aiter(request_iterator)
-            first = await anext(requests, None)
-            guard.touch()
-            if first is None or first.WhichOneof("part") != "header":
-                raise Rejected(Reason.MALFORMED, "the stream must start with an OpeningHeader")
-            row = await self.engine.openings.open(first.header, _opening_chunks(requests), guard)
+            first, requests = await _header_first(request_iterator, guard, "an OpeningHeader")
+            body = _chunks(requests, "body chunks may follow the opening header")
+            row = await self.engine.openings.open(first.header, body, guard)
             log.info("opening of 0x%s in round %d/%d stored (%d bytes)", row.host.hex(), row.epoch, row.round,
                      row.body_length)
             return pb.OpeningReceipt(accepted=True, body_sha256=row.body_sha256, received_unix_ms=row.received_ms)

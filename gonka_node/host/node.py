@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,9 +28,9 @@ from chain.units import format_gnk
 from gonka_node.core.client import AggregatorClient, SubmitRejected
 from gonka_node.core.keys import NodeKeys
 from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
+from gonka_node.host.challenge import Challenges, opens_kept_state, opens_residual
 from gonka_node.host.events import HostEvents, LogEvents
 from gonka_node.host.follow import GlobalModel, NextModel, adopt, dense_update, follow_to, step_ahead
-from gonka_node.host.opening import ChallengeRefused, build_opening, sample_settings, signed_roots
 from gonka_node.host.rig_round import LocalRounds, RigError, RigRounds, Rounds, make_worker
 from gonka_node.host.settings import RETRYABLE, ChainHashes, HostError, HostSettings, patiently
 from gonka_node.host.store import HostStore, Progress
@@ -44,14 +42,14 @@ from training.codecs import get_codec, round_seed
 from training.diloco import OuterOptimizer
 from training.model import build_model
 from training.overlap import base_round, eager_base
-from training.residual_commit import commitment_layout
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 T = TypeVar("T")
-# the chunk of an opening's body when the round's limit is not known (a host restarted before this
-# version recorded it): well under any aggregator's `max_chunk_bytes`
-OPENING_CHUNK = 64 << 10
+
+
 class HostNode:
+    challenges_type: type[Challenges] = Challenges  # what answers the challenges (a test's may differ)
+
     def __init__(
         self,
         settings: HostSettings,
@@ -209,7 +207,7 @@ class HostNode:
                 return progress
             info = self._open_round()
             if info is None:
-                self._await_closing(latest + 1, progress)
+                self.challenges.await_closing(latest + 1, progress)
             if info is None or info.round <= gm.round_done:
                 self.sleep(self.settings.poll_s)
                 continue
@@ -228,7 +226,7 @@ class HostNode:
                 self._train_and_submit(self._local_worker(), gm, info, progress)
                 submitted_at = time.monotonic()
             if str(info.round) in progress.submitted:
-                self._await_verdict(info, progress)
+                self.challenges.await_verdict(info, progress)
             else:
                 self._wait_finalized(info.round)
             how = self._follow(gm, info.round, hashes, progress)
@@ -362,10 +360,11 @@ class HostNode:
         pending: PendingUpload | None = None
         eager = self.recipe.overlap == "eager"
         applied = 0
-        # No round is undone here when its checks fail (`_forget_failed`): the next round has compressed
-        # on top of it by then, and a challenge is answered from another thread than the training's.
+        # No round is undone from the challenge's thread when its checks fail (`Challenges._forget_failed`):
+        # the next round has compressed on top of it by then; `_train_overlapped` undoes it instead.
         self._before_round.clear()
-        restarted = self._answer_restarted(progress, self.chain.latest_round(self.settings.epoch))
+        undo: dict[str, Any] | None = None  # the worker state before the round uploading (`pending`)
+        restarted = self.challenges.answer_restarted(progress, self.chain.latest_round(self.settings.epoch))
         try:
             while True:
                 latest = self.chain.latest_round(self.settings.epoch)
@@ -390,15 +389,15 @@ class HostNode:
                     self._settle(pending, progress)
                     pending = None
                     return progress
-                result = self._train_eager(r, gm, progress, pending) if eager else self._train(r, gm, progress)
+                result, undo = self._train_overlapped(r, gm, progress, pending, undo)
                 self._keep(result)  # before it is sent: an eager round r + 1's base is forecast with it
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
                     r, gm.sha256, result.payload, result.tokens, self._open_round,
-                    self._submit_checked if eager else self._submit, self.settings.poll_s,
+                    self._submit_checked if eager or self._challengeable else self._submit, self.settings.poll_s,
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
-                    self._challenge_answerer(r, pending, progress),
+                    self.challenges.answerer(r, pending, progress),
                 ).start()
                 self._settle(pending, progress)
                 pending, trained = upload, r
@@ -409,22 +408,32 @@ class HostNode:
                 pending.cancel()
                 pending.wait()
 
-    def _train_eager(
-        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None
-    ) -> WorkerRound:
-        """Train round r from this host's forecast (training/overlap.py), the held model being the one
-        after r − 2. Forecast with round r − 1's payload while it uploads; if the aggregator then refuses
-        it, the replay's base is the held model itself (the aggregator holds no payload of ours), so the
-        round is trained again from that, the worker's state first taken back."""
-        uploading = pending is not None and pending.round == r - 1
-        before = self.rounds.snapshot() if uploading else None
-        result = self._train(r, gm, progress, self._eager_base(r, gm, self._sent_payload(r - 1, pending, progress)))
-        if pending is not None and before is not None and not pending.accepted():
-            self.events.note(f"round {r}: round {r - 1}'s upload was refused; training round {r} again from "
-                             f"round {gm.round_done}'s model (no payload of ours to forecast with)")
-            self.rounds.load_state_dict(before)
-            result = self._train(r, gm, progress, self._eager_base(r, gm, None))
-        return result
+    def _train_overlapped(
+        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, undo: dict[str, Any] | None
+    ) -> tuple[WorkerRound, dict[str, Any] | None]:
+        """Train round r while round r − 1 (`pending`) uploads, the held model being the one after r − 2;
+        an eager host forecasts with round r − 1's payload (training/overlap.py). If the aggregator then
+        refuses round r − 1 (or it FAILED its checks: a top-k or eager host waits for their verdict), round
+        r is trained again from what the aggregator's replay of it assumes: no payload of ours to forecast
+        with (eager), and in a top-k epoch the residual before round r − 1 (`undo`, the worker state round
+        r − 1 trained from), since round r's opening is checked against e_{r−1}'s root of the host's last
+        checked round. Returns round r and the state it trained from (the next round's `undo`; None where
+        no round is ever trained again: a dense codec with overlap "delayed")."""
+        eager, uploading = self.recipe.overlap == "eager", pending is not None and pending.round == r - 1
+        # A top-k epoch's snapshot shares the residuals and copies no AdamW state (each round restarts it).
+        before = self.rounds.snapshot() if self._challengeable or (eager and uploading) else None
+        own = self._sent_payload(r - 1, pending, progress) if eager else None
+        result = self._train(r, gm, progress, self._eager_base(r, gm, own) if eager else None)
+        keep = before if self._challengeable else None  # the next round's `undo`
+        back = undo if undo is not None else before if eager else None  # None: a restart lost `undo`
+        if pending is None or not uploading or back is None or pending.accepted():
+            return result, keep
+        self.events.note(f"round {r}: round {r - 1}'s upload was refused; training round {r} again "
+                         + (f"from round {gm.round_done}'s model (no payload of ours to forecast with)" if eager
+                            else f"from the residual before round {r - 1} (the one the aggregator holds)"))
+        self.rounds.load_state_dict(back)
+        return self._train(r, gm, progress, self._eager_base(r, gm, None) if eager else None), \
+            back if self._challengeable else None
 
     def _eager_base(self, r: int, gm: GlobalModel, own: bytes | None) -> dict[str, Tensor]:
         """`eager_base` of the held model (after r − 2), its outer momentum and `own` (round r − 1's
@@ -622,190 +631,24 @@ class HostNode:
         while self.chain.latest_round(self.settings.epoch) < round_:
             self.sleep(self.settings.poll_s)
 
-    # ---- the challenge of a top-k round (docs/PROTOCOL.md "Challenge and opening") -----------------
+    # ---- the challenge of a top-k round (docs/PROTOCOL.md "Challenge and opening"; host/challenge.py) --
 
-    def _await_verdict(self, info: pb.RoundInfo, progress: Progress) -> None:
-        """`_wait_finalized` for a round this host submitted to; in a top-k epoch it asks meanwhile
-        whether the replay challenged the round (GetSubmission) and answers once (an overlapped host
-        asks from the round's upload thread instead: `_challenge_answerer`)."""
-        if not self._challengeable:
-            return self._wait_finalized(info.round)
-        answered = False
-        while self.chain.latest_round(self.settings.epoch) < info.round:
-            answered = answered or self._answer_challenge(info, progress)
-            self.sleep(self.settings.poll_s)
-        if not answered:  # final before this host heard the checks' verdict: it still decides e_{r−1}
-            self._check_failed(info, progress)
-        self._before_round.pop(info.round, None)
-        return None
-
-    def _check_failed(self, info: pb.RoundInfo, progress: Progress) -> None:
-        try:
-            status = self.aggregator.submission(info.epoch, info.round, self.host_bytes)
-        except grpc.RpcError:  # unknown: the residual stays (a mismatch later costs an opening, not stake)
-            return
-        if status.state == pb.SubmissionStatus.FAILED:
-            self._forget_failed(info.round, progress, status)
-
-    def _forget_failed(self, round_: int, progress: Progress, status: pb.SubmissionStatus) -> None:
-        """Round `round_`'s payload got a receipt, then failed its checks: it is no submission (the
-        aggregator's e_{r−1} is the residual after the host's last *checked* one), so the round leaves no
-        trace, as a refused one: the worker state goes back to before it and its root is forgotten."""
-        before = self._before_round.pop(round_, None)
-        if before is not None:
-            self.rounds.load_state_dict(before)
-        progress.submitted.pop(str(round_), None)
-        progress.residual_roots.pop(str(round_), None)
-        self.events.note(f"round {round_}: its payload failed the aggregator's checks "
-                         f"({common.RejectReason.Name(status.reason).removeprefix('REJECT_')}: {status.message}); "
-                         "the round is undone" + ("" if before is not None else " (no state before it was kept)"))
-
-    def _await_closing(self, round_: int, progress: Progress) -> None:
-        """`_await_verdict` for a round this host submitted to that is no longer open and not yet final
-        (the host restarted meanwhile: it may be challenged now). What the opening's header binds is
-        the chain's (its id, the registry); the chunk limit is the one of the last round this host
-        opened (`Progress.max_chunk_bytes`)."""
-        deployment = self.chain.deployment
-        if str(round_) not in progress.submitted or deployment is None:
-            return
-        info = pb.RoundInfo(chain_id=self.chain.chain_id, registry=bytes.fromhex(deployment.registry.removeprefix("0x")),
-                            epoch=self.settings.epoch, round=round_,
-                            limits=pb.Limits(max_chunk_bytes=progress.max_chunk_bytes))
-        self._await_verdict(info, progress)
+    @functools.cached_property
+    def challenges(self) -> Challenges:
+        """Built on first use, once the worker (`_prepare`) and the model's shapes (`run`) exist."""
+        return self.challenges_type(
+            self.aggregator, self.chain, self.settings, self.recipe, self.host_bytes,
+            self.keys.node_key.signing_key, self.store, self.rounds, self._spec, self.events, self.sleep,
+            self._open_round, self._before_round, self.residual_roots,
+        )
 
     @functools.cached_property
     def _challengeable(self) -> bool:
-        return get_codec(self.recipe.codec).opens_residual
+        return opens_residual(self.recipe)
 
     @functools.cached_property
     def _opens_kept_state(self) -> bool:
-        """Whether a challenge opens the state kept with its round rather than the worker's: an overlapped
-        host has trained (compressed) the next round by then."""
-        return self._challengeable and self.recipe.overlap != "off"
-
-    def _opened_residuals(self, round_: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """e_{r−1} and e_r of `round_`: the worker's own (it has trained nothing since), or, overlapped,
-        those of the state kept with the round, memory-mapped: no second copy is held for the round's
-        length, and only the opened chunks are read."""
-        if not self._opens_kept_state:
-            return self.rounds.residuals()
-        try:
-            return self.rounds.residuals_of(self.store.load_sent_state(round_, mmap=True))
-        except (OSError, RuntimeError, KeyError) as exc:  # RigError is a RuntimeError
-            raise ChallengeRefused(f"round {round_}: the state kept with the round is unreadable "
-                                   f"({type(exc).__name__}: {exc}); not opened") from exc
-
-    def _challenge_answerer(
-        self, r: int, earlier: PendingUpload | None, progress: Progress
-    ) -> Callable[[pb.RoundInfo], bool] | None:
-        """What round r's upload thread calls until round r's challenge is settled (None: the codec opens
-        nothing). It reads a copy of the signed roots taken here, on the daemon's thread, plus round r's
-        own and, once the aggregator took it, those of `earlier` (the upload still in flight, recorded
-        only after round r + 1 trains): e_{r−1}'s root is the one of the host's last accepted round."""
-        if not self._challengeable:
-            return None
-        known = replace(progress, submitted=dict(progress.submitted), residual_roots=dict(progress.residual_roots))
-        if r in self.residual_roots:  # else recorded before a restart: the progress has it
-            known.residual_roots[str(r)] = self.residual_roots[r].hex()
-        before = None if earlier is None else (earlier, self.residual_roots[earlier.round])
-
-        def answer(info: pb.RoundInfo) -> bool:
-            if before is not None and before[0].accepted():
-                known.submitted.setdefault(str(before[0].round), hashlib.sha256(before[0].payload).hexdigest())
-                known.residual_roots[str(before[0].round)] = before[1].hex()
-            return self._answer_challenge(info, known)
-
-        return answer
-
-    def _answer_restarted(self, progress: Progress, latest: int) -> threading.Event | None:
-        """An overlapped top-k host restarted after its newest round's upload, before that round was
-        final: the challenge its upload thread would have answered, asked for from a thread until settled
-        or the next round opens, while training goes on (`_await_closing` for overlap "off"). The event
-        stops it; None: nothing to ask."""
-        newest = max((int(k) for k in progress.submitted), default=0)
-        deployment = self.chain.deployment
-        if not self._opens_kept_state or newest <= latest or deployment is None:
-            return None
-        answer = self._challenge_answerer(newest, None, progress)
-        assert answer is not None  # _opens_kept_state: the codec opens its residual
-        info = pb.RoundInfo(chain_id=self.chain.chain_id, registry=bytes.fromhex(deployment.registry.removeprefix("0x")),
-                            epoch=self.settings.epoch, round=newest,
-                            limits=pb.Limits(max_chunk_bytes=progress.max_chunk_bytes))
-        stop = threading.Event()
-
-        def ask() -> None:
-            while not stop.is_set() and not answer(info):
-                now = self._open_round()
-                if now is not None and now.round > newest:  # round `newest` closed: no challenge is due
-                    return
-                stop.wait(self.settings.poll_s)
-
-        threading.Thread(target=ask, name=f"challenge-round-{newest}", daemon=True).start()
-        return stop
-
-    def _answer_challenge(self, info: pb.RoundInfo, progress: Progress) -> bool:
-        """Whether the round's challenge is settled: answered, refused, or none will come (the
-        submission failed its checks, or is opened already). False: ask again."""
-        try:
-            status = self.aggregator.submission(info.epoch, info.round, self.host_bytes)
-        except grpc.RpcError:  # unreachable for now: ask again at the next poll
-            return False
-        if status.state in (pb.SubmissionStatus.PENDING, pb.SubmissionStatus.CHECKED):
-            return False
-        if status.state == pb.SubmissionStatus.FAILED:
-            self._forget_failed(info.round, progress, status)
-        if status.state != pb.SubmissionStatus.CHALLENGED:
-            return True
-        layout = commitment_layout(self._spec, get_codec(self.recipe.codec))
-        try:
-            roots = signed_roots(progress, info.round, layout)
-            header, body = build_opening(status, info, self.host_bytes, self.keys.node_key.signing_key, layout,
-                                         sample_settings(self.recipe), roots, self._opened_residuals(info.round))
-        except ChallengeRefused as exc:
-            self.events.note(str(exc))
-            return True
-        self._send_opening(info, header, body, len(status.challenged_chunks), status.opening_deadline_unix_ms)
-        return True
-
-    def _send_opening(
-        self, info: pb.RoundInfo, header: pb.OpeningHeader, body: bytes, chunks: int, deadline_ms: int
-    ) -> None:
-        """Upload the opening over the host's link; an outage is retried while the deadline allows, a
-        refusal is logged (one line) and final."""
-        delay, retry = self.settings.backoff_s, False
-        while True:
-            try:
-                receipt = self.aggregator.open_residual(header, body, info.limits.max_chunk_bytes or OPENING_CHUNK)
-            except SubmitRejected as exc:
-                outage = exc.code in RETRYABLE or exc.reason == "UNAVAILABLE"
-                if outage and time.time() + delay < deadline_ms / 1000:
-                    self.sleep(delay)
-                    delay, retry = min(delay * 2, 30.0), True
-                    continue
-                if retry and exc.reason == "NOT_CHALLENGED" and self._opened(info):
-                    self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
-                                     f"({len(body)} bytes, stored by an earlier attempt)")
-                    return
-                self._opening_refused(info.round, exc.reason or exc.code.name, exc.message)
-                return
-            if not receipt.accepted:
-                self._opening_refused(info.round, common.RejectReason.Name(receipt.reason).removeprefix("REJECT_"),
-                                      receipt.message)
-                return
-            self.events.note(f"round {info.round}: challenged; opened {chunks} chunks of its residual "
-                             f"({len(body)} bytes)")
-            return
-
-    def _opening_refused(self, round_: int, reason: str, message: str) -> None:
-        self.events.note(f"round {round_}: the opening of its residual was refused: {reason}: {message}")
-
-    def _opened(self, info: pb.RoundInfo) -> bool:
-        """Whether the aggregator stored this host's opening of the round (an attempt whose answer was lost)."""
-        try:
-            return self.aggregator.submission(info.epoch, info.round, self.host_bytes).state == \
-                pb.SubmissionStatus.OPENED
-        except grpc.RpcError:
-            return False
+        return opens_kept_state(self.recipe)
 
     def _reward(self, round_: int) -> int:
         mine = self._contribution(round_)

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -24,8 +25,9 @@ import torch
 from test_host_overlap import overlapped_world
 from torch import Tensor
 
+from gonka_node.aggregator.store import now_ms
 from gonka_node.core.client import AggregatorClient
-from gonka_node.core.config import AggregationSettings
+from gonka_node.core.config import AggregationSettings, RoundSettings
 from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from gonka_node.devnet import DevnetError, DevnetOptions, make_recipe, run_devnet
 from gonka_node.epoch_setup import EpochTerms, epoch_spec
@@ -37,8 +39,10 @@ from gonka_node.host.store import HostStore, Progress
 from gonka_node.host.upload import PendingUpload
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import load_checkpoint
+from training.codecs import get_codec, round_seed
 from training.local import LocalDiLoCo, LocalRunConfig
 from training.model import ModelConfig
+from training.residual_commit import commitment_layout, residual_root, zero_root
 from training.worker import Assignment
 
 ROUNDS = (1, 2, 3)
@@ -190,6 +194,69 @@ def test_an_overlapped_top_k_epoch_opens_every_round_and_is_local_diloco_s_bit_f
             assert torch.equal(run.models[r][name], tensor), (r, name)
 
 
+class FailsRound1(HostNode):
+    """Honest, except that round 1's upload carries a payload far above the aggregator's norm bar: it gets
+    a receipt and then FAILS its checks, so the aggregator holds no round 1 of this host's (as after a
+    refusal) and its e_{r−1} for round 2 is the zero residual."""
+
+    def _submit(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
+        if info.round == 1:
+            codec = get_codec(self.recipe.codec).for_round(round_seed(self.recipe.epoch_seed, 1))
+            payload = codec.encode({n: torch.full(shape, 1e4) for n, shape in self._spec.items()})
+        return super()._submit(info, payload, tokens)
+
+
+class RoundOneDeadline:
+    """The aggregator's clock, moved past round 1's deadline once host 1's round 1 is stored (it then
+    fails its checks) and host 2's checked: round 1 closes with host 2 alone (quorum 1) instead of
+    waiting out the epoch's 120 s."""
+
+    def __init__(self, world: base.World) -> None:
+        self.epoch, self.hosts, self.offset_ms = world.epoch, (address(world, 1), address(world, 2)), 0
+
+    def __call__(self) -> int:
+        store = base.AggregatorThread.last_store
+        if not self.offset_ms and store.submission(self.epoch, 1, self.hosts[0]) is not None and \
+                self.hosts[1] in store.submitted_hosts(self.epoch, 1, checked_only=True):
+            self.offset_ms = 130_000
+        return now_ms() + self.offset_ms
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_an_overlapped_top_k_host_whose_round_failed_trains_the_next_again_and_it_opens_and_is_paid(
+    overlap: str, tmp_path: Path,
+) -> None:
+    # Host 1's round 1 FAILS its checks while host 1 trains round 2 on top of round 1's residual e_1. The
+    # aggregator opens round 2 against the zero root (no earlier checked payload of host 1's), so the host
+    # trains round 2 again from the residual before round 1 (docs/PROTOCOL.md "Challenge and opening",
+    # overlapped hosts): round 2 opens, passes the replay and is paid. (Before: it opened e_1 under round
+    # 1's root, ROOT_MISMATCH, unpaid.)
+    world = base.build_world(tmp_path, replay_probability=1.0, inner_steps=8, n_rounds=3, overlap=overlap,
+                             codec="topk:chunk=4096,k=128,bits=2")
+    notes = Notes()
+    agg = base.AggregatorThread(world, tmp_path / "agg", replace(MEAN, opening_timeout_s=30.0),
+                                RoundSettings(quorum=1), RoundOneDeadline(world))
+    with agg as target:
+        nodes = [base.make_node(world, 1, target, tmp_path / "host1", events=notes, cls=FailsRound1),
+                 base.make_node(world, 2, target, tmp_path / "host2")]
+        with ThreadPoolExecutor(2) as pool:
+            progresses = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
+        rows = {(r, bytes(c.host)): c for r in ROUNDS for c in agg.store.contributions(world.epoch, r)}
+        openings = {(r, host): row for r in ROUNDS for host, row in agg.store.openings(world.epoch, r).items()}
+    host1 = address(world, 1)
+    assert all(p.round_done == 3 for p in progresses)
+    for r in (2, 3):
+        why = rows[(r, host1)].reasons
+        assert any(line.startswith("replay:") and "opened residual chunks" in line for line in why), (r, why)
+        assert rows[(r, host1)].reward > 0
+        assert openings[(r, host1)].residual_root.hex() == progresses[0].residual_roots[str(r)]
+    layout = commitment_layout(nodes[0].challenges.spec, get_codec(world.recipe.codec))
+    assert openings[(2, host1)].previous_root == zero_root(layout)  # what round 2 opened e_{r−1} against
+    assert "1" not in progresses[0].submitted and (1, host1) not in rows  # round 1: no submission
+    again = "from round 0's model" if overlap == "eager" else "from the residual before round 1"
+    assert any(f"round 1's upload was refused; training round 2 again {again}" in n for n in notes.notes), notes.notes
+
+
 def test_a_host_that_trains_from_the_delayed_base_fails_the_eager_replay(tmp_path: Path) -> None:
     world = eager_world(tmp_path)
     agg = base.AggregatorThread(world, tmp_path / "agg", MEAN)
@@ -243,7 +310,7 @@ def test_an_eager_host_whose_previous_upload_is_refused_trains_the_round_again_f
     info = pb.RoundInfo(round=1, base_checkpoint_sha256=gm.sha256)
     refused = PendingUpload(1, gm.sha256, first.payload, first.tokens, lambda: info,
                             lambda *_: (False, "LATE: refused in this test"), 0.01).start()
-    second = node._train_eager(2, gm, progress, refused)
+    second, undo = node._train_overlapped(2, gm, progress, refused, None)
 
     def round_2_from(own: bytes | None) -> bytes:
         worker = make_worker(world.recipe, node.rounds.worker.assignment, None)
@@ -252,9 +319,44 @@ def test_an_eager_host_whose_previous_upload_is_refused_trains_the_round_again_f
 
     assert second.payload == round_2_from(None) != round_2_from(first.payload)
     assert any("round 1's upload was refused; training round 2 again" in n for n in notes.notes)
+    assert undo is None  # int8: no round is trained again from further back than the one before it
     # Without the held model's outer momentum (lost to a pulled checkpoint) there is no forecast to train.
     with pytest.raises(HostError, match="round 2: the eager base needs the outer momentum after round 0"):
         node._eager_base(2, replace(gm, outer=None), first.payload)
+    node.rounds.close()
+
+
+def test_a_delayed_top_k_host_whose_previous_upload_is_refused_trains_the_round_again_from_before_it(
+    tmp_path: Path,
+) -> None:
+    # Round 1 refused (LATE) after round 2 trained on top of its residual e_1: round 2 is trained again
+    # from the worker state before round 1 (its base, the initial model, is the same), so its e_{r−1} is
+    # the zero residual, the one the aggregator opens it against.
+    world = base.build_world(tmp_path, replay_probability=1.0, inner_steps=4, n_rounds=3, overlap="delayed",
+                             codec="topk:chunk=4096,k=128,bits=2")
+    notes = Notes()
+    node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=notes)  # no aggregator is asked
+    gm, progress = node._prepare()
+    node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
+    first, undo = node._train_overlapped(1, gm, progress, None, None)
+    assert undo is not None
+    after_first = copy.deepcopy(node.rounds.state_dict())
+    info = pb.RoundInfo(round=1, base_checkpoint_sha256=gm.sha256)
+    refused = PendingUpload(1, gm.sha256, first.payload, first.tokens, lambda: info,
+                            lambda *_: (False, "LATE: refused in this test"), 0.01).start()
+    second, undo_2 = node._train_overlapped(2, gm, progress, refused, copy.deepcopy(undo))
+
+    def round_2_from(state: dict[str, Any]) -> bytes:
+        worker = make_worker(world.recipe, node.rounds.worker.assignment, None)
+        worker.load_state_dict(copy.deepcopy(state))
+        return worker.train_round(2, gm.params).payload
+
+    assert second.payload == round_2_from(undo) != round_2_from(after_first)
+    previous, _ = node.rounds.residuals()
+    layout = commitment_layout(node._spec, get_codec(world.recipe.codec))
+    assert residual_root(previous, layout) == zero_root(layout) != first.residual_root  # e_{r−1}: not e_1
+    assert undo_2 is not None and any("training round 2 again from the residual before round 1" in n
+                                      for n in notes.notes)
     node.rounds.close()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +32,7 @@ from chain.types import Deployment
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.rounds import RoundEngine
-from gonka_node.aggregator.store import Store
+from gonka_node.aggregator.store import Store, now_ms
 from gonka_node.cli import main
 from gonka_node.core.client import AggregatorClient
 from gonka_node.core.config import AggregationSettings, RoundSettings
@@ -40,6 +40,7 @@ from gonka_node.core.keys import NodeKeys, NodeSigningKey, init_keys
 from gonka_node.core.recipe import Recipe
 from gonka_node.core.tls import PeerCertificateError, create_identity
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, epoch_spec, initial_checkpoint
+from gonka_node.host.challenge import Challenges
 from gonka_node.host.events import HostEvents, MetricsEvents, MultiEvents
 from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.store import HostStore
@@ -110,8 +111,12 @@ class AggregatorThread:
 
     last_store: Store  # the store of the latest one entered (the fixtures' tests read what it kept)
 
-    def __init__(self, world: World, root: Path, aggregation: AggregationSettings | None = None) -> None:
+    def __init__(
+        self, world: World, root: Path, aggregation: AggregationSettings | None = None,
+        rounds: RoundSettings | None = None, clock: Callable[[], int] = now_ms,
+    ) -> None:
         self.world, self.root, self.aggregation = world, root, aggregation or AggregationSettings()
+        self.rounds, self.clock = rounds or RoundSettings(quorum=2), clock
 
     def __enter__(self) -> str:
         w = self.world
@@ -122,8 +127,8 @@ class AggregatorThread:
         )
         self.store = AggregatorThread.last_store = Store(self.root).open()
         engine = RoundEngine(
-            ctx, RoundSettings(quorum=2), self.aggregation, self.store,
-            ChainView(chain), TrainingCheckpoints(), SigningKey(b"\x09" * 32),
+            ctx, self.rounds, self.aggregation, self.store,
+            ChainView(chain), TrainingCheckpoints(), SigningKey(b"\x09" * 32), self.clock,
         )
         self.served = Aggregator(engine, TLS)
         return self.served.__enter__()
@@ -210,11 +215,15 @@ class Killed(Exception):
     """The daemon's death (what a SIGKILL would be), raised where the test kills it."""
 
 
+class KilledAfterVerdict(Challenges):
+    def await_verdict(self, *args: Any) -> None:  # what follows an accepted upload
+        raise Killed()
+
+
 class KilledAfterUpload(HostNode):
     """Dies once its upload of a round was accepted, before the round's result: nothing recorded since."""
 
-    def _await_verdict(self, *args: Any) -> None:  # what follows an accepted upload
-        raise Killed()
+    challenges_type = KilledAfterVerdict
 
 
 class Trained(HostEvents):

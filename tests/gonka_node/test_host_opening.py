@@ -122,9 +122,9 @@ def challenged(sample: tuple[int, ...]) -> pb.SubmissionStatus:
 
 def answer(t: Trained, aggregator: Challenger, progress: Progress | None = None) -> list[str]:
     """The host's answer to `aggregator`'s challenge; the notes it logged meanwhile."""
-    t.node.aggregator = aggregator  # type: ignore[assignment]
+    t.node.challenges.aggregator = aggregator  # type: ignore[assignment]
     before = len(t.notes.notes)
-    assert t.node._answer_challenge(t.info, progress or t.progress)  # settled: nothing more to do
+    assert t.node.challenges.answer(t.info, progress or t.progress)  # settled: nothing more to do
     return t.notes.notes[before:]
 
 
@@ -194,9 +194,9 @@ def test_a_host_keeps_asking_until_challenged_or_settled(trained: Trained) -> No
     for state, settled in ((pb.SubmissionStatus.PENDING, False), (pb.SubmissionStatus.CHECKED, False),
                            (pb.SubmissionStatus.OPENED, True), (pb.SubmissionStatus.FAILED, True)):
         agg = Challenger(pb.SubmissionStatus(state=state))
-        t.node.aggregator = agg  # type: ignore[assignment]
+        t.node.challenges.aggregator = agg  # type: ignore[assignment]
         progress = copy.deepcopy(t.progress)
-        assert t.node._answer_challenge(t.info, progress) is settled
+        assert t.node.challenges.answer(t.info, progress) is settled
         assert agg.opened == []
         # FAILED: no submission; the round's root is forgotten (e_{r−1} of the next is the one before)
         assert ("2" in progress.residual_roots) is (state != pb.SubmissionStatus.FAILED)
@@ -215,12 +215,12 @@ class Retried(Challenger):
 
 def test_a_retry_refused_as_not_challenged_finds_its_first_attempt_stored(trained: Trained) -> None:
     t = trained
-    agg, sleep = Retried(challenged(t.sample)), t.node.sleep
-    t.node.sleep = lambda _s: None
+    agg, sleep = Retried(challenged(t.sample)), t.node.challenges.sleep
+    t.node.challenges.sleep = lambda _s: None
     try:
         [line] = answer(t, agg)
     finally:
-        t.node.sleep = sleep
+        t.node.challenges.sleep = sleep
     assert len(agg.opened) == 2 and line.startswith("round 2: challenged; opened 3 chunks of its residual (") \
         and line.endswith("bytes, stored by an earlier attempt)")
 
@@ -306,20 +306,20 @@ def test_a_host_restarted_while_its_round_closes_still_answers_its_challenge(tra
     t = trained
     real = t.node.chain
     agg = Sequenced([pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED)] * 3 + [challenged(t.sample)])
-    t.node.aggregator = agg  # type: ignore[assignment]
+    t.node.challenges.aggregator = agg  # type: ignore[assignment]
     try:
-        t.node.chain = Closing(real, polls=8)  # type: ignore[assignment]
-        t.node._await_closing(2, replace(t.progress, max_chunk_bytes=1000))  # the round's limit, recorded
-        assert t.node.chain.looked == 9  # type: ignore[attr-defined]  # until final
+        t.node.challenges.chain = Closing(real, polls=8)  # type: ignore[assignment]
+        t.node.challenges.await_closing(2, replace(t.progress, max_chunk_bytes=1000))  # the round's limit, recorded
+        assert t.node.challenges.chain.looked == 9  # type: ignore[attr-defined]  # until final
         [(header, _, chunk)] = agg.opened  # answered once, though polled on
         assert (header.chain_id, header.registry, header.epoch, header.round) == (
             t.info.chain_id, t.info.registry, t.info.epoch, 2)
         assert chunk == 1000
-        t.node.chain = Closing(real, polls=8)  # type: ignore[assignment]
-        t.node._await_closing(3, t.progress)
-        assert t.node.chain.looked == 0 and len(agg.opened) == 1  # type: ignore[attr-defined]
+        t.node.challenges.chain = Closing(real, polls=8)  # type: ignore[assignment]
+        t.node.challenges.await_closing(3, t.progress)
+        assert t.node.challenges.chain.looked == 0 and len(agg.opened) == 1  # type: ignore[attr-defined]
     finally:
-        t.node.chain = real
+        t.node.challenges.chain = real
 
 
 class KeptOnly(LocalRounds):
@@ -345,7 +345,7 @@ def test_an_overlapped_host_restarted_before_its_round_is_final_answers_from_a_t
     recorded; once round 2 is final nothing is asked."""
     t = trained
     twin = copy.copy(t.node)  # the same worker, keys and chain; an overlapped recipe, its own state folder
-    twin.__dict__.pop("_opens_kept_state", None)
+    twin.__dict__.pop("challenges", None)  # built again from the twin's recipe, store and worker
     twin.recipe, twin.store, twin.residual_roots = replace(t.node.recipe, overlap="delayed"), HostStore(tmp_path), {}
     roots = (bytes.fromhex(t.progress.residual_roots["1"]), bytes.fromhex(t.progress.residual_roots["2"]))
     twin.store.save_sent(2, t.payload, roots[1], t.node.rounds.state_dict())
@@ -354,7 +354,7 @@ def test_an_overlapped_host_restarted_before_its_round_is_final_answers_from_a_t
     twin.rounds = KeptOnly(worker)
     agg = Reopened([pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED)] * 2 + [challenged(t.sample)])
     twin.aggregator = agg  # type: ignore[assignment]
-    stop = twin._answer_restarted(t.progress, latest=1)
+    stop = twin.challenges.answer_restarted(t.progress, latest=1)
     assert stop is not None
     deadline = time.monotonic() + 30
     while not agg.opened and time.monotonic() < deadline:
@@ -365,7 +365,7 @@ def test_an_overlapped_host_restarted_before_its_round_is_final_answers_from_a_t
     assert (record.round, record.previous_root, record.residual_root) == (2, roots[0], roots[1])
     previous, current = decode_body(body, t.sample)
     assert verify_opening(roots[0], previous, t.layout, t.sample) and verify_opening(roots[1], current, t.layout, t.sample)
-    assert twin._answer_restarted(t.progress, latest=2) is None
+    assert twin.challenges.answer_restarted(t.progress, latest=2) is None
 
 
 class Duplicate:
@@ -390,20 +390,20 @@ def test_a_failed_round_is_undone_and_the_next_challenge_opens_against_the_round
     info = {r: replace_round(t.info, r) for r in (3, 4)}
     before = node.rounds.snapshot()
     third = node._train(3, t.gm, progress)
-    node.aggregator = Duplicate()  # type: ignore[assignment]
+    node.aggregator = node.challenges.aggregator = Duplicate()  # type: ignore[assignment]
     assert node._submit(info[3], third.payload, 1) == (False, "DUPLICATE of a payload that failed its checks: "
                                                               "norm too large")
     node._record_accepted(3, third.payload, progress)
     node._before_round[3] = before
-    assert node._answer_challenge(info[3], progress)  # FAILED: settled, and undone
+    assert node.challenges.answer(info[3], progress)  # FAILED: settled, and undone
     assert "3" not in progress.submitted and "3" not in progress.residual_roots
     assert residual_root(node.rounds.residuals()[1], t.layout).hex() == progress.residual_roots["2"]
     fourth = node._train(4, t.gm, progress)
     node._record_accepted(4, fourth.payload, progress)
     sample = challenge(SEED, 4, node.host_bytes, t.layout, *sample_settings(node.recipe))
     agg = Challenger(challenged(sample))
-    node.aggregator = agg  # type: ignore[assignment]
-    assert node._answer_challenge(info[4], progress)
+    node.challenges.aggregator = agg  # type: ignore[assignment]
+    assert node.challenges.answer(info[4], progress)
     [(header, body, _)] = agg.opened
     assert header.previous_root.hex() == progress.residual_roots["2"] != third.residual_root.hex()
     previous, current = decode_body(body, sample)

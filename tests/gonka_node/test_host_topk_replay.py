@@ -11,6 +11,7 @@ from pathlib import Path
 import test_host_node as base
 
 from gonka_node.core.config import AggregationSettings
+from gonka_node.host.challenge import Challenges
 from gonka_node.host.node import HostNode
 from gonka_node.host.store import Progress
 from proto.gonka.v1 import aggregator_pb2 as pb
@@ -18,13 +19,17 @@ from proto.gonka.v1 import aggregator_pb2 as pb
 TOPK = "topk:chunk=4096,k=128,bits=2"
 
 
+class SilentChallenges(Challenges):
+    def answer(self, info: pb.RoundInfo, progress: Progress) -> bool:
+        if info.round == 2:
+            return True
+        return super().answer(info, progress)
+
+
 class SilentInRound2(HostNode):
     """Trains and uploads honestly, but does not open its residual when round 2 challenges it."""
 
-    def _answer_challenge(self, info: pb.RoundInfo, progress: Progress) -> bool:
-        if info.round == 2:
-            return True
-        return super()._answer_challenge(info, progress)
+    challenges_type = SilentChallenges
 
 
 def test_honest_top_k_hosts_open_and_are_paid_and_a_silent_one_is_left_out(tmp_path: Path) -> None:
