@@ -5,7 +5,7 @@ The daemon (`gonka_node.host.rig_round.RigRounds`) starts one torchrun job; ever
 Every process reads the daemon's orders itself (no collective waits while the rig idles between rounds:
 a round's aggregation can take longer than a collective's timeout); rank 0 alone writes back.
 
-    order.json             the daemon's latest order: {"seq", "round", "global", "base"} or {"seq", "stop"}
+    order.json             the daemon's latest order: {"seq", "round", "global", "base", "keep"} or {"seq", "stop"}
     progress-<seq>.jsonl   rank 0, one line per inner step: {"step": i (1 … H), "loss": x}
     payload-<seq>.bin      rank 0: the round's payload, written before the report
     report-<seq>.json      rank 0: the round's figures; it exists once round <seq> is done
@@ -13,8 +13,9 @@ a round's aggregation can take longer than a collective's timeout); rank 0 alone
 
 Between rounds the rig's state lives in *versions* on disk, `state/after-<r>/rank-<k>.pt`: every
 process's share after training round r (`after-0` is the state before the first round and is never
-written). An order names the version to start from (`base`): the daemon moves it forward only when
-the aggregator accepted the round, so a refused round leaves no trace, and a process that dies is
+written). An order names the version to start from (`base`), and the one other version the daemon
+may still roll back to (`keep`); the rest are deleted. The daemon moves `base` forward only when the
+aggregator accepted the round, so a refused round leaves no trace, and a process that dies is
 restarted by torchrun's agent with the whole rig, which reloads `base` and trains the round again:
 deterministic, so the retried round sends the payload the first attempt would have.
 """
@@ -66,6 +67,9 @@ class RoundOrder:
     global_path: str = ""
     base: int = 0  # the state version to start from: the round after which it was saved (0: initial)
     stop: bool = False
+    # A version the daemon may still roll back to, kept with `base` (an overlapped top-k host's state
+    # before the round uploading meanwhile: the previous order's base); None: only `base`.
+    keep: int | None = None
 
 
 @dataclass(frozen=True)
@@ -184,9 +188,10 @@ class StateVersions:
             )
         return torch.load(where / f"rank-{rig.rank}.pt", weights_only=True, map_location=rig.device)
 
-    def keep_only(self, version: int) -> None:
+    def keep_only(self, *versions: int) -> None:
+        kept = {self.path(v) for v in versions}
         for old in self.root.glob("after-*"):
-            if old != self.path(version):
+            if old not in kept:
                 shutil.rmtree(old, ignore_errors=True)
 
 
@@ -272,7 +277,8 @@ class RigService:
         started = time.perf_counter()
         self._hold(order.base)
         if self.rig.is_rank0:
-            self.versions.keep_only(order.base)  # nobody reads another version any more
+            # Nobody reads another version any more: the round saves a new one, so at most three exist.
+            self.versions.keep_only(order.base, *(() if order.keep is None else (order.keep,)))
         steps = _StepLog(self.mailbox.progress_path(order.seq)) if self.rig.is_rank0 else None
         try:
             figures = self.worker.run_round(

@@ -103,7 +103,7 @@ class HostNode:
             return LocalRounds(make_worker(self.recipe, assignment, self.settings.cache_dir))
         try:
             return RigRounds(self.settings.rig_options(), self.recipe, assignment, self.settings.cache_dir,
-                             self.settings.state_dir / "rig")
+                             self.settings.state_dir / "rig", keep_previous=self._rolls_back)
         except RigError as exc:
             raise HostError(str(exc)) from exc
 
@@ -395,7 +395,9 @@ class HostNode:
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
                     r, gm.sha256, result.payload, result.tokens, self._open_round,
-                    self._submit_checked if eager or self._challengeable else self._submit, self.settings.poll_s,
+                    self._submit_checked if eager or self._challengeable
+                    else lambda info, payload, tokens, _cancelled: self._submit(info, payload, tokens),
+                    self.settings.poll_s,
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
                     self.challenges.answerer(r, pending, progress),
                 ).start()
@@ -418,22 +420,27 @@ class HostNode:
         with (eager), and in a top-k epoch the residual before round r − 1 (`undo`, the worker state round
         r − 1 trained from), since round r's opening is checked against e_{r−1}'s root of the host's last
         checked round. Returns round r and the state it trained from (the next round's `undo`; None where
-        no round is ever trained again: a dense codec with overlap "delayed")."""
+        no round is ever trained again from further back: a dense codec, or a `carry` epoch, never
+        challenged). A top-k host a round behind (its round r − 1 skipped: `pending` is an older round,
+        refused LATE) rolls back the same way: `undo` is the state before `pending`'s round either way."""
         eager, uploading = self.recipe.overlap == "eager", pending is not None and pending.round == r - 1
-        # A top-k epoch's snapshot shares the residuals and copies no AdamW state (each round restarts it).
-        before = self.rounds.snapshot() if self._challengeable or (eager and uploading) else None
+        # A fresh top-k epoch's snapshot shares the residuals and copies no AdamW state (each round restarts it).
+        before = self.rounds.snapshot() if self._rolls_back or (eager and uploading) else None
         own = self._sent_payload(r - 1, pending, progress) if eager else None
         result = self._train(r, gm, progress, self._eager_base(r, gm, own) if eager else None)
-        keep = before if self._challengeable else None  # the next round's `undo`
-        back = undo if undo is not None else before if eager else None  # None: a restart lost `undo`
-        if pending is None or not uploading or back is None or pending.accepted():
+        keep = before if self._rolls_back else None  # the next round's `undo`
+        back = undo if undo is not None else before if eager and uploading else None  # None: a restart lost `undo`
+        if pending is None or back is None or pending.accepted():
             return result, keep
-        self.events.note(f"round {r}: round {r - 1}'s upload was refused; training round {r} again "
+        self.events.note(f"round {r}: round {pending.round}'s upload was refused; training round {r} again "
                          + (f"from round {gm.round_done}'s model (no payload of ours to forecast with)" if eager
-                            else f"from the residual before round {r - 1} (the one the aggregator holds)"))
+                            and uploading else f"from the residual before round {pending.round} (the one the "
+                            "aggregator holds)"))
         self.rounds.load_state_dict(back)
-        return self._train(r, gm, progress, self._eager_base(r, gm, None) if eager else None), \
-            back if self._challengeable else None
+        # Snapshot afresh: the retraining updates in place what `load_state_dict` took from `back`.
+        again = self.rounds.snapshot() if self._rolls_back else None
+        return self._train(r, gm, progress, self._eager_base(r, gm, None if uploading else own) if eager
+                           else None), again
 
     def _eager_base(self, r: int, gm: GlobalModel, own: bytes | None) -> dict[str, Tensor]:
         """`eager_base` of the held model (after r − 2), its outer momentum and `own` (round r − 1's
@@ -574,10 +581,14 @@ class HostNode:
             return False, f"DUPLICATE of a payload that failed its checks: {held.message}"
         return True, "DUPLICATE"
 
-    def _submit_checked(self, info: pb.RoundInfo, payload: bytes, tokens: int) -> tuple[bool, str]:
+    def _submit_checked(
+        self, info: pb.RoundInfo, payload: bytes, tokens: int, cancelled: Callable[[], bool]
+    ) -> tuple[bool, str]:
         """`_submit`, then the checks' verdict an eager host's next forecast depends on: a receipt says
         "stored, checks pending", and a payload that fails them is no submission, which the aggregator's
-        replay of round r + 1 would then rebuild the base without (docs/PROTOCOL.md "Receipt")."""
+        replay of round r + 1 would then rebuild the base without (docs/PROTOCOL.md "Receipt"). After the
+        receipt the round is the aggregator's: a verdict that cannot be had (an error, or the upload
+        `cancelled` while waiting) counts the payload as accepted, as the aggregator holds it."""
         accepted, reason = self._submit(info, payload, tokens)
         if not accepted:
             return accepted, reason
@@ -585,14 +596,18 @@ class HostNode:
             try:
                 status = self.aggregator.checked(info.epoch, info.round, self.host_bytes, self.settings.poll_s)
             except TimeoutError:  # a backlog of checks: the round's close waits for them, so will this
+                if cancelled():
+                    return True, "stored; the checks' verdict unknown (the upload was cancelled)"
                 continue
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an aggregator that checks before its receipt
                     return accepted, reason
-                if exc.code() in RETRYABLE:
-                    self.sleep(self.settings.poll_s)
-                    continue
-                raise
+                if exc.code() not in RETRYABLE:  # FAILED may still come, yet only a replay could tell
+                    return True, f"stored; the checks' verdict unknown ({exc.code().name})"
+                if cancelled():
+                    return True, "stored; the checks' verdict unknown (the upload was cancelled)"
+                self.sleep(self.settings.poll_s)
+                continue
             if status.state != pb.SubmissionStatus.FAILED:
                 return True, reason
             return False, f"{common.RejectReason.Name(status.reason).removeprefix('REJECT_')}: {status.message}"
@@ -645,6 +660,13 @@ class HostNode:
     @functools.cached_property
     def _challengeable(self) -> bool:
         return opens_residual(self.recipe)
+
+    @functools.cached_property
+    def _rolls_back(self) -> bool:
+        """Whether an overlapped host trains a round again from the state before a refused round: only a
+        challenged one must (its opening is checked against the aggregator's e_{r−1}), and only a top-k
+        epoch with `round_state = "fresh"` (replayable) is ever challenged."""
+        return self._opens_kept_state and self.recipe.round_state == "fresh"
 
     @functools.cached_property
     def _opens_kept_state(self) -> bool:

@@ -211,12 +211,15 @@ class RigRounds:
 
     def __init__(
         self, options: RigOptions, recipe: Recipe, assignment: Assignment, cache_dir: Path | None, work_dir: Path,
-        poll_s: float = 0.05,
+        poll_s: float = 0.05, keep_previous: bool = False,
     ) -> None:
         check_rig_size(recipe, options.procs)
         self.options, self.recipe, self.assignment, self.cache_dir = options, recipe, assignment, cache_dir
         self.work_dir, self.poll_s = work_dir, poll_s
         self.base = 0  # the rig-state version the next round starts from
+        # `keep_previous`: the daemon may roll back to the state before the round uploading (an overlapped
+        # top-k host whose previous round is refused), so the rig keeps the previous order's base as well.
+        self.keep_previous, self.previous_base = keep_previous, 0
         self.seq = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.mailbox: Mailbox | None = None
@@ -264,8 +267,10 @@ class RigRounds:
         if self.proc is None or self.mailbox is None:
             raise RigError("the rig is not started")
         self.seq += 1
-        order = RoundOrder(self.seq, round_index, str(params_file()), self.base)
+        keep = self.previous_base if self.keep_previous else None
+        order = RoundOrder(self.seq, round_index, str(params_file()), self.base, keep=keep)
         self.mailbox.post(order)
+        self.previous_base = order.base
         report = self._await(order, on_step)
         payload_path = self.mailbox.payload_path(order.seq)
         payload = payload_path.read_bytes()
@@ -308,7 +313,9 @@ class RigRounds:
         return {"rig": {"base": self.base, "procs": self.options.procs}}
 
     def snapshot(self) -> dict[str, Any]:
-        return self.state_dict()  # a version's name: the rig's files of it do not change
+        # A version's name: the rig's files of it do not change, and it keeps them while the daemon can
+        # still roll back to it (the current order's base and, with `keep_previous`, the previous one's).
+        return self.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         rig = state.get("rig")

@@ -32,7 +32,8 @@ class UploadResult:
 
 
 OpenRound = Callable[[], "pb.RoundInfo | None"]
-Submit = Callable[[pb.RoundInfo, bytes, int], tuple[bool, str]]
+# (info, payload, tokens, cancelled): `cancelled()` says the upload was cancelled (stop waiting)
+Submit = Callable[[pb.RoundInfo, bytes, int, Callable[[], bool]], tuple[bool, str]]
 Prefetch = Callable[[], bytes]  # the round's aggregated update; raises grpc.RpcError when there is none
 Prepare = Callable[[bytes], "NextModel | None"]  # the model after the round, from its update's bytes
 # asks whether the round's submission is challenged (GetSubmission) and opens it if so; True once
@@ -104,7 +105,7 @@ class PendingUpload:
                     f"is not the model this round trained from ({self.base_sha256.hex()[:16]}…)", 0.0,
                 )
             started = time.monotonic()
-            accepted, reason = self._submit(info, self.payload, self.tokens)
+            accepted, reason = self._submit(info, self.payload, self.tokens, self._cancelled.is_set)
             seconds = time.monotonic() - started
             self._accepted = accepted
             self._answered.set()

@@ -331,8 +331,10 @@ def test_a_delayed_top_k_host_whose_previous_upload_is_refused_trains_the_round_
 ) -> None:
     # Round 1 refused (LATE) after round 2 trained on top of its residual e_1: round 2 is trained again
     # from the worker state before round 1 (its base, the initial model, is the same), so its e_{r−1} is
-    # the zero residual, the one the aggregator opens it against.
-    world = base.build_world(tmp_path, replay_probability=1.0, inner_steps=4, n_rounds=3, overlap="delayed",
+    # the zero residual, the one the aggregator opens it against. Round 2 refused as well (a slow link):
+    # round 3 is trained again from the same state. Then a host a round behind: round 3 refused while it
+    # trained round 5 (round 4 skipped): round 5 too goes back to the state before round 3.
+    world = base.build_world(tmp_path, replay_probability=1.0, inner_steps=4, n_rounds=5, overlap="delayed",
                              codec="topk:chunk=4096,k=128,bits=2")
     notes = Notes()
     node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=notes)  # no aggregator is asked
@@ -340,23 +342,53 @@ def test_a_delayed_top_k_host_whose_previous_upload_is_refused_trains_the_round_
     node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
     first, undo = node._train_overlapped(1, gm, progress, None, None)
     assert undo is not None
+    initial = copy.deepcopy(undo)
     after_first = copy.deepcopy(node.rounds.state_dict())
+
+    def refused(round_: int, payload: bytes) -> PendingUpload:
+        info = pb.RoundInfo(round=round_, base_checkpoint_sha256=gm.sha256)
+        return PendingUpload(round_, gm.sha256, payload, 1, lambda: info,
+                             lambda *_: (False, "LATE: refused in this test"), 0.01).start()
+
+    def round_from(state: dict[str, Any], round_: int) -> bytes:
+        worker = make_worker(world.recipe, node.rounds.worker.assignment, None)
+        worker.load_state_dict(copy.deepcopy(state))
+        return worker.train_round(round_, gm.params).payload
+
+    layout = commitment_layout(node._spec, get_codec(world.recipe.codec))
+
+    def e_before() -> bytes:  # the root of e_{r−1} of the round the worker trained last
+        return residual_root(node.rounds.residuals()[0], layout)
+
+    second, undo_2 = node._train_overlapped(2, gm, progress, refused(1, first.payload), undo)
+    assert second.payload == round_from(initial, 2) != round_from(after_first, 2)
+    assert e_before() == zero_root(layout) != first.residual_root  # e_{r−1}: not e_1
+    assert any("training round 2 again from the residual before round 1" in n for n in notes.notes)
+    assert undo_2 is not None
+    third, undo_3 = node._train_overlapped(3, gm, progress, refused(2, second.payload), undo_2)
+    assert third.payload == round_from(initial, 3) and e_before() == zero_root(layout)
+    fifth, _ = node._train_overlapped(5, gm, progress, refused(3, third.payload), undo_3)
+    assert fifth.payload == round_from(initial, 5) and e_before() == zero_root(layout)
+    assert any("round 3's upload was refused; training round 5 again from the residual before round 3" in n
+               for n in notes.notes)
+    node.rounds.close()
+
+
+def test_a_delayed_top_k_host_of_a_carry_epoch_keeps_no_rollback_point(tmp_path: Path) -> None:
+    # A carry epoch is never challenged (not replayable): no round is trained again, so no AdamW state is
+    # copied for it each round.
+    world = base.build_world(tmp_path, replay_probability=0.0, inner_steps=2, overlap="delayed",
+                             codec="topk:chunk=4096,k=128,bits=2", round_state="carry")
+    notes = Notes()
+    node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=notes)
+    gm, progress = node._prepare()
+    node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
+    first, undo = node._train_overlapped(1, gm, progress, None, None)
     info = pb.RoundInfo(round=1, base_checkpoint_sha256=gm.sha256)
     refused = PendingUpload(1, gm.sha256, first.payload, first.tokens, lambda: info,
                             lambda *_: (False, "LATE: refused in this test"), 0.01).start()
-    second, undo_2 = node._train_overlapped(2, gm, progress, refused, copy.deepcopy(undo))
-
-    def round_2_from(state: dict[str, Any]) -> bytes:
-        worker = make_worker(world.recipe, node.rounds.worker.assignment, None)
-        worker.load_state_dict(copy.deepcopy(state))
-        return worker.train_round(2, gm.params).payload
-
-    assert second.payload == round_2_from(undo) != round_2_from(after_first)
-    previous, _ = node.rounds.residuals()
-    layout = commitment_layout(node._spec, get_codec(world.recipe.codec))
-    assert residual_root(previous, layout) == zero_root(layout) != first.residual_root  # e_{r−1}: not e_1
-    assert undo_2 is not None and any("training round 2 again from the residual before round 1" in n
-                                      for n in notes.notes)
+    _, undo_2 = node._train_overlapped(2, gm, progress, refused, undo)
+    assert undo is None and undo_2 is None and not any("again" in n for n in notes.notes)
     node.rounds.close()
 
 
@@ -389,11 +421,21 @@ def test_an_eager_host_counts_an_upload_only_once_its_checks_passed(tmp_path: Pa
     node.residual_roots[1] = b"\x07" * 32  # what training round 1 recorded
     failed = pb.SubmissionStatus(state=pb.SubmissionStatus.FAILED, reason=16, message="norm 12 above 10")
     node.aggregator = _Checking([TimeoutError("backlog"), failed])  # type: ignore[assignment]
-    assert node._submit_checked(info, b"p", 1) == (False, "NORM_TOO_LARGE: norm 12 above 10")
+    assert node._submit_checked(info, b"p", 1, lambda: False) == (False, "NORM_TOO_LARGE: norm 12 above 10")
     assert node.aggregator.roots == [b"\x07" * 32]  # type: ignore[attr-defined]  # the round's, signed
     node.aggregator = _Checking([pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED)])  # type: ignore[assignment]
-    assert node._submit_checked(info, b"p", 1) == (True, "")
+    assert node._submit_checked(info, b"p", 1, lambda: False) == (True, "")
     assert node.aggregator.asked == 1  # type: ignore[attr-defined]
+    # After the receipt the aggregator holds the payload: a verdict that cannot be had counts it as taken
+    # (an odd status, or an upload cancelled while the aggregator is unreachable), never as refused.
+    node.aggregator = _Checking([_Status(grpc.StatusCode.CANCELLED)])  # type: ignore[assignment]
+    assert node._submit_checked(info, b"p", 1, lambda: False) == (
+        True, "stored; the checks' verdict unknown (CANCELLED)")
+    unreachable = _Checking([_Status(grpc.StatusCode.UNAVAILABLE)] * 3)
+    node.aggregator = unreachable  # type: ignore[assignment]
+    assert node._submit_checked(info, b"p", 1, lambda: unreachable.asked >= 2) == (
+        True, "stored; the checks' verdict unknown (the upload was cancelled)")
+    assert unreachable.asked == 2
 
 
 class _Holding:
@@ -408,6 +450,14 @@ class _Holding:
         if self.held is None or round_ != 2:
             raise _NotFound()
         return pb.SubmissionStatus(state=pb.SubmissionStatus.CHECKED, payload_sha256=hashlib.sha256(self.held).digest())
+
+
+class _Status(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
 
 
 class _NotFound(grpc.RpcError):

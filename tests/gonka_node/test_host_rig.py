@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sysconfig
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -38,6 +40,8 @@ from gonka_node.host.store import HostStore, Progress
 from training.codecs import get_codec, round_seed
 from training.model import ModelConfig, build_model
 from training.residual_commit import ChunkLayout, residual_root
+from training.rig import Rig
+from training.rig_service import Mailbox, ReplicatedWorker, RigService, StateVersions
 from training.worker import Assignment, replay_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -177,6 +181,37 @@ def test_saved_state_of_another_rig_size_is_refused_with_the_fix(tmp_path: Path)
     with pytest.raises(RigError, match="not started"):
         rig.train_round(1, {}, lambda: tmp_path, lambda s, loss: None)
     assert not (tmp_path / "rig").exists()  # nothing launched, nothing written
+
+
+def test_a_rig_keeps_the_state_an_overlapped_top_k_host_rolls_back_to(tmp_path: Path) -> None:
+    """Rounds 1-3, then round 2 refused: the daemon goes back to the state before round 2 (version 1,
+    the base of the order before the last) and trains round 3 again; the rig still has it. The rig's
+    loop runs in this process on the daemon's mailbox (a `sleep` stands for the torchrun agent)."""
+    recipe = tiny_recipe(tmp_path, grad_accum=1, round_state="fresh", codec="topk:chunk=4096,k=128,bits=2")
+    assignment = Assignment(recipe.epoch_seed, slot=0, max_slots=2)
+    params, path = global_models(recipe, tmp_path)[0]
+    alone = make_worker(recipe, assignment, None)
+    alone.train_round(1, params)
+    want = alone.train_round(3, params).payload  # round 3 from the state after round 1
+    rounds = RigRounds(RigOptions(1, stall_s=20.0), recipe, assignment, None, tmp_path / "rig", keep_previous=True)
+    rounds.mailbox = Mailbox(tmp_path / "mailbox")
+    rounds.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    rig, running = Rig.single("cpu"), threading.Event()
+    running.set()
+    service = RigService(rig, rounds.mailbox, StateVersions(tmp_path / "rig" / "state"),
+                         ReplicatedWorker(make_worker(recipe, assignment, None), rig), running.is_set, poll_s=0.01)
+    thread = threading.Thread(target=service.serve)
+    thread.start()
+    try:
+        for r in (1, 2, 3):
+            rounds.train_round(r, params, lambda: path, lambda s, loss: None)
+        rounds.load_state_dict({"rig": {"base": 1, "procs": 1}})  # round 2 refused: the state before it
+        assert rounds.train_round(3, params, lambda: path, lambda s, loss: None).payload == want
+        assert sorted(p.name for p in (tmp_path / "rig" / "state").iterdir()) == ["after-1", "after-2", "after-3"]
+    finally:
+        running.clear()
+        thread.join(30)
+        rounds.close(timeout_s=0.0)
 
 
 def test_local_rounds_count_steps_within_the_round(tmp_path: Path) -> None:

@@ -18,7 +18,14 @@ from torch import Tensor
 
 from gonka_node.aggregator.replay import verdict
 from training.codec_base import _NUMEL, HEADER_SIZE, _pack_codes
-from training.codecs import ErrorFeedback, HeaderError, MalformedSectionError, TopKCodec, get_codec
+from training.codecs import (
+    ErrorFeedback,
+    HeaderError,
+    MalformedSectionError,
+    PayloadSizeError,
+    TopKCodec,
+    get_codec,
+)
 from training.residual_commit import (
     ChunkLayout,
     claimed_delta,
@@ -386,3 +393,182 @@ def test_honest_residuals_fit_across_wide_ranges_ties_and_exact_half_steps(bits:
     residual[3] = math.nan  # a non-finite residual fits no payload (whatever checked it before)
     spans = [(s, min(s + 64, n)) for s in range(0, n, 64)]
     assert "finite" in (codec.residual_misfit(part, (n,), "w", spans, residual) or "")
+
+
+# Edges the mutation run (scripts/mutation.sh residual) found untested: the refusals' exact one-line
+# messages, odd trees, the sample's bounds and which draw it takes, the figures `compare` gives.
+
+def test_a_layout_refuses_a_chunk_below_one_and_unsorted_names_and_takes_a_chunk_of_one() -> None:
+    assert ChunkLayout.of({"w": (3,)}, 1).n_chunks == 3
+    with pytest.raises(ValueError, match=r"^ChunkLayout: chunk must be >= 1, got 0$"):
+        ChunkLayout((("w", 3),), 0)
+    with pytest.raises(ValueError, match=r"^ChunkLayout: tensors must be in sorted name order$"):
+        ChunkLayout((("b", 3), ("a", 3)))
+
+
+def test_an_empty_layout_has_no_commitment() -> None:
+    empty = ChunkLayout(())
+    for root in (lambda: zero_root(empty), lambda: residual_root({}, empty), lambda: root_of_leaves([])):
+        with pytest.raises(ValueError, match=r"^a residual commitment needs at least one element$"):
+            root()
+    one = ChunkLayout.of({"w": (3,)}, 4)  # a single chunk: its leaf is the root
+    assert zero_root(one) == residual_root({"w": torch.zeros(3)}, one)
+
+
+def test_a_missing_or_non_fp32_tensor_is_committed_as_its_fp32_bytes() -> None:
+    residual = _tensors(5)
+    absent = open_chunks({}, LAYOUT, (4, 7))  # chunk 4: a's short last chunk (elements 256..300)
+    assert absent.chunks == (bytes(4 * 44), bytes(4 * 5))
+    assert verify_opening(zero_root(LAYOUT), absent, LAYOUT, (4, 7))
+    assert absent.values().dtype == torch.float32 and absent.values().tolist() == [0.0] * 49
+    half = {n: t.to(torch.bfloat16) for n, t in residual.items()}  # read as the fp32 values it holds
+    widened = {n: t.float() for n, t in half.items()}
+    assert residual_root(half, LAYOUT) == residual_root(widened, LAYOUT)
+    assert open_chunks(half, LAYOUT, (5,)).chunks == open_chunks(widened, LAYOUT, (5,)).chunks
+    with pytest.raises(ValueError, match=r"^b: 99 elements, the layout has 100$"):
+        tensor_leaves({"b": torch.zeros(99)}, LAYOUT, "b")
+
+
+def test_the_odd_last_chunk_opens_with_a_shorter_path_and_no_path_may_be_longer() -> None:
+    layout = ChunkLayout.of({"w": (5,)}, 1)  # five leaves: the last moves up twice unchanged
+    residual = {"w": torch.arange(5, dtype=torch.float32)}
+    root = residual_root(residual, layout)
+    every = tuple(range(5))
+    opening = open_chunks(residual, layout, every)
+    assert [len(p) for p in opening.paths] == [3, 3, 3, 3, 1]
+    assert verify_opening(root, opening, layout, every)
+    longer = replace(opening, paths=(*opening.paths[:4], (*opening.paths[4], bytes(32))))
+    assert not verify_opening(root, longer, layout, every)
+
+
+def test_an_opening_missing_a_chunk_or_with_a_chunk_too_long_fails() -> None:
+    residual = _tensors(1)
+    root, good = residual_root(residual, LAYOUT), open_chunks(residual, LAYOUT, (2, 5))
+    assert not verify_opening(root, replace(good, chunks=good.chunks[:1]), LAYOUT, (2, 5))
+    assert not verify_opening(root, replace(good, chunks=(good.chunks[0] + bytes(4), good.chunks[1])), LAYOUT,
+                              (2, 5))
+
+
+def _protocol_draws(seed: bytes, n: int, count: int) -> set[int]:
+    picked: list[int] = []  # the first `count` distinct draws, in order
+    for j in itertools.count():
+        i = int.from_bytes(hashlib.sha256(b"gonka-residual-sample-v1" + seed + j.to_bytes(8, "big")).digest()[:8],
+                           "big") % n
+        picked += [] if i in picked else [i]
+        if len(picked) == count:
+            return set(picked)
+    raise AssertionError("unreachable")
+
+
+def test_the_sample_draws_up_to_half_directly_and_refuses_bounds_outside_the_domain() -> None:
+    assert set(sample_chunks(b"s", 10, 0.4, 1)) == _protocol_draws(b"s", 10, 4)
+    assert set(sample_chunks(b"s", 10, 0.5, 1)) == _protocol_draws(b"s", 10, 5)  # half: still drawn
+    assert set(sample_chunks(b"s", 10, 0.6, 1)) == set(range(10)) - _protocol_draws(b"s", 10, 4)
+    assert sample_chunks(b"s", 1, 0.5, 1) == (0,)
+    assert sample_chunks(b"s", 5, 1.0, 1) == (0, 1, 2, 3, 4)
+    for n, fraction in ((0, 0.5), (5, 1.5)):
+        with pytest.raises(ValueError, match=r"need n_chunks >= 1, minimum >= 1 and fraction in \(0, 1\]"):
+            sample_chunks(b"s", n, fraction, 4)
+
+
+def test_compare_gives_the_cosine_and_the_norm_ratio_and_zero_vectors_edges() -> None:
+    cos, ratio = compare(torch.tensor([0.3, 0.4], dtype=torch.float64), torch.tensor([0.5, 0.0], dtype=torch.float64))  # norms below 1
+    assert cos == pytest.approx(0.6, abs=1e-12) and ratio == pytest.approx(1.0, abs=1e-12)
+    assert compare(torch.tensor([1.0, 0.0]), torch.zeros(2)) == (0.0, math.inf)
+    assert compare(torch.zeros(2), torch.tensor([1.0, 0.0])) == (0.0, 0.0)
+
+
+def test_the_claimed_delta_is_decode_plus_residual_minus_the_decayed_previous_one() -> None:
+    decoded, e_prev, e_now = torch.tensor([1.0, 0.0]), torch.tensor([0.5, -2.0]), torch.tensor([0.25, 1.0])
+    for decay in (0.5, 1.0, 2.0):
+        want = [1.0 + 0.25 - decay * 0.5, 1.0 + decay * 2.0]
+        assert claimed_delta(decoded, e_prev, e_now, decay).tolist() == want
+
+
+def test_payload_misfit_refusals_say_which_codec_size_and_tensor() -> None:
+    codec, target, payload = _honest_one(2)
+    residual = target - codec.decode(payload, ONE)["w"]
+    with pytest.raises(HeaderError, match=r"^payload_misfit: the header is not topk\(64, 8, 2\)'s for this spec$"):
+        payload_misfit(codec, get_codec("topk:chunk=64,k=4,bits=2").encode({"w": target}), ONE, ONE_LAYOUT, EVERY,
+                       residual)
+    size = codec.encoded_size(ONE)
+    with pytest.raises(PayloadSizeError, match=rf"^payload_misfit: {size - 1} bytes, expected {size}$"):
+        payload_misfit(codec, payload[:-1], ONE, ONE_LAYOUT, EVERY, residual)
+    nan_scale = _forged(codec, payload, lambda t: np.where(np.arange(t.size).reshape(t.shape) == 0, np.nan, t),
+                        lambda c: c)
+    with pytest.raises(MalformedSectionError, match=r"tensor w has a non-finite or inconsistent chunk scale"):
+        payload_misfit(codec, nan_scale, ONE, ONE_LAYOUT, EVERY, residual)
+
+
+def _fit(bits: int, target: Tensor, residual: Tensor | None = None, chunk: int = 64, k: int = 8,
+         spans: list[tuple[int, int]] | None = None) -> str | None:
+    """`residual_misfit` of the honest part of `target` (`topk:chunk=…,k=…`) against `residual` (default:
+    the honest one), over `spans` (default: one span of every chunk)."""
+    codec = get_codec(f"topk:chunk={chunk},k={k},bits={bits}")
+    assert isinstance(codec, TopKCodec)
+    n = target.numel()
+    part = codec.encode_tensor("w", target)
+    if residual is None:
+        residual = target - codec.decode_tensor("w", part, (n,))
+    return codec.residual_misfit(part, (n,), "w", spans or [(0, n)], residual)
+
+
+def test_residual_misfit_refuses_a_span_that_is_not_whole_chunks_inside_its_tensor() -> None:
+    codec = _topk()
+    part = codec.encode_tensor("b", _tensors(4)["b"])
+    for start, end in ((64, 64), (32, 64), (0, 128)):
+        with pytest.raises(ValueError, match=rf"^residual_misfit: span {start}\.\.{end} of b is not whole chunks of 64$"):
+            codec.residual_misfit(part, SPEC["b"], "b", [(start, end)], torch.zeros(end - start))
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_an_honest_span_of_many_chunks_of_different_scales_fits_chunk_by_chunk(bits: int) -> None:
+    # 25 chunks of 8 (3 sent each) in one span, each chunk's scale 2⁻¹²..2¹² apart: every check is per chunk.
+    g = torch.Generator().manual_seed(bits)
+    target = torch.randn(200, generator=g) * (2.0 ** torch.arange(-12, 13)).repeat_interleave(8)
+    assert _fit(bits, target, chunk=8, k=3) is None
+    assert _fit(bits, target.flip(0), chunk=8, k=3, spans=[(0, 96), (96, 200)]) is None
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_an_all_zero_tensor_fits_its_all_zero_payload(bits: int) -> None:
+    # Every scale, target and margin is 0 here: a check that refuses on equality would refuse it.
+    assert _fit(bits, torch.zeros(100)) is None
+
+
+def test_an_unsent_target_may_exceed_the_smallest_sent_one_by_2_to_the_minus_20_of_the_largest() -> None:
+    # bits = 2: sent 1 (×7) and 2 (lo = 1, hi = 2, each decoded exactly), so the margin is 2·2⁻²⁰.
+    target = torch.zeros(64)
+    target[:8] = torch.tensor([1.0] * 7 + [2.0])
+    for excess, fits in ((1.5 * 2.0**-20, True), (2.5 * 2.0**-20, False)):
+        residual = target.clone()
+        residual[:8] = 0.0
+        residual[40] = 1.0 + excess  # an unsent element's target is its residual
+        why = _fit(2, target, residual)
+        assert (why is None) == fits, (excess, why)
+        assert fits or "not its top-k" in (why or "")
+
+
+def test_a_one_bit_scale_may_miss_its_sent_targets_mean_by_k_2_to_the_minus_23_of_it_plus_the_margin() -> None:
+    # bits = 1: eight sent targets of 1, the scale 1. One target raised by 8δ moves the mean by δ; the
+    # bound is lo·k·2⁻²³ + 2⁻²⁰·largest = 2⁻²⁰ + (1 + 8δ)·2⁻²⁰, just above 2·2⁻²⁰.
+    target = torch.zeros(64)
+    target[:8] = 1.0
+    for delta, fits in ((1.75 * 2.0**-20, True), (2.25 * 2.0**-20, False)):
+        residual = torch.zeros(64)
+        residual[3] = 8 * delta
+        why = _fit(1, target, residual)
+        assert (why is None) == fits, (delta, why)
+        assert fits or "not the mean" in (why or "")
+
+
+def test_a_sign_flip_within_the_margin_of_2_to_the_minus_20_of_the_largest_fits_and_beyond_it_does_not() -> None:
+    # bits = 2: sent 2⁻²⁰ (= lo, decoded exactly) and 1 (×7, = hi), so the margin is exactly 2⁻²⁰.
+    target = torch.zeros(64)
+    target[:8] = torch.tensor([2.0**-20] + [1.0] * 7)
+    for flipped_to, fits in ((-(2.0**-20), True), (-(2.0**-19), False)):
+        residual = torch.zeros(64)
+        residual[0] = flipped_to - 2.0**-20  # the sent +2⁻²⁰'s target is now `flipped_to`
+        why = _fit(2, target, residual)
+        assert (why is None) == fits, (flipped_to, why)
+        assert fits or "opposite sign" in (why or "")

@@ -4,6 +4,7 @@ test_host_rig.py."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from pathlib import Path
@@ -68,6 +69,43 @@ def test_orders_versions_and_a_rollback_give_one_process_payloads(tmp_path: Path
         alive.clear()  # the daemon is gone: the loop ends by itself
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_an_order_keeps_the_previous_base_so_an_overlapped_host_rolls_back_two_versions(tmp_path: Path) -> None:
+    """An overlapped top-k host whose round r − 1 is refused trains round r again from the state before
+    r − 1, the base of the order before (`keep`): rounds 1-3, round 3 again from version 1, round 4,
+    round 4 again from version 1 (a second refusal in a row); each payload is a lone worker's."""
+    global_path = tmp_path / "global.safetensors"
+    save_file({n: p.detach() for n, p in build_model(CFG, 7).named_parameters()}, str(global_path))
+    params = {n: p.detach().clone() for n, p in build_model(CFG, 7).named_parameters()}
+    alone = worker()
+    want = [alone.train_round(1, params).payload]
+    after_1 = copy.deepcopy(alone.state_dict())
+    want += [alone.train_round(r, params).payload for r in (2, 3)]
+    alone.load_state_dict(copy.deepcopy(after_1))
+    want += [alone.train_round(r, params).payload for r in (3, 4)]
+    alone.load_state_dict(copy.deepcopy(after_1))
+    want.append(alone.train_round(4, params).payload)
+
+    rig = Rig.single("cpu")
+    mailbox, versions = Mailbox(tmp_path / "mailbox"), StateVersions(tmp_path / "state")
+    alive = threading.Event()
+    alive.set()
+    service = RigService(rig, mailbox, versions, ReplicatedWorker(worker(rig), rig), alive.is_set, poll_s=0.01)
+    thread = threading.Thread(target=service.serve)
+    thread.start()
+    try:
+        orders = [(1, 0, None), (2, 1, 0), (3, 2, 1), (3, 1, 2), (4, 3, 1), (4, 1, 3)]
+        for seq, (round_, base, keep) in enumerate(orders, start=1):
+            mailbox.post(RoundOrder(seq, round_, str(global_path), base, keep=keep))
+            wait_for(f"report {seq}", lambda s=seq: mailbox.report(s) is not None or not thread.is_alive())
+            assert mailbox.report(seq) is not None, f"the rig stopped at order {seq}"  # a version it deleted
+            assert mailbox.payload_path(seq).read_bytes() == want[seq - 1], seq
+        # bounded: the base, the kept one and the version just saved
+        assert sorted(p.name for p in versions.root.iterdir()) == ["after-1", "after-3", "after-4"]
+    finally:
+        alive.clear()
+        thread.join(30)
 
 
 def test_progress_lines_are_read_whole_and_a_restarted_file_is_read_again(tmp_path: Path) -> None:

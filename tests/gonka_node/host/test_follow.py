@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import load, save
 from torch import Tensor
 
 from gonka_node.core.fragments import model_root
@@ -109,6 +109,18 @@ def test_follows_by_applying_each_rounds_update_bit_for_bit() -> None:
     assert model.round_done == 2 and model.outer is not None and model.outer.steps == 2
     assert agg.fetched == [("update", 1), ("update", 2)]
     assert agg.follow(model, 2) == "current" and agg.fetched == [("update", 1), ("update", 2)]
+
+
+def test_each_update_is_decoded_with_its_round() -> None:
+    # A compressed broadcast decodes with the round's codec (its mask seed): `decode` is told the round.
+    agg, model, decoded = two_rounds(), fresh_model(), []
+
+    def decode(round_: int, data: bytes) -> dict[str, Tensor]:
+        decoded.append(round_)
+        return {n: t.clone() for n, t in load(data).items()}
+
+    assert follow_to(model, 2, agg.chain, agg.update, agg.checkpoint, decode) == "updates"
+    assert decoded == [1, 2] and model.sha256 == agg.chain.hashes[2]
 
 
 def test_a_model_past_the_target_is_refused() -> None:
