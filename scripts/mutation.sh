@@ -39,12 +39,14 @@ MODULES=(
   "rounds-publish|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_engine_close.py tests/gonka_node/aggregator/test_engine_lifecycle.py tests/gonka_node/aggregator/test_deferred_checks.py tests/gonka_node/aggregator/test_publish.py|*ǁ_finish__mutmut_*"
   # Where the close goes sharded or not, and a shard's close of its fragment: only the two-shard rounds
   # (engine_kit, in-process, beside one aggregator's close of the same round) reach both branches.
-  # (test_shard_replay: the verifier's replay, the only close of a shard with a model.)
-  "rounds-shard|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_shard_round.py tests/gonka_node/aggregator/test_shard_replay.py|*ǁ_compute__mutmut_* *ǁ_close_fragment__mutmut_*"
+  # (test_shard_replay: the verifier's replay, the only close of a shard with a model; test_openings: the
+  # unsharded close of a top-k round, the only one handed openings.)
+  "rounds-shard|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_shard_round.py tests/gonka_node/aggregator/test_shard_replay.py tests/gonka_node/aggregator/test_openings.py|*ǁ_compute__mutmut_* *ǁ_close_fragment__mutmut_*"
   # close.py: compute_outcome and its checks on constructed rounds (no chain), with a micro model for
   # the replay, the scores and the held-out losses (a mutant's fastest tests run first, so only one that
-  # the model-free tests miss pays for the micro-model closes).
-  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py|"
+  # the model-free tests miss pays for the micro-model closes), and the top-k rounds' closes, the only
+  # ones that judge a host on its opened residual (test_openings).
+  "close|gonka_node/aggregator/close.py|tests/gonka_node/aggregator/test_close_units.py tests/gonka_node/aggregator/test_units.py tests/gonka_node/aggregator/test_close_model.py tests/gonka_node/aggregator/test_openings.py|"
   # The close's wait for the top-k openings (only a challenged top-k round reaches it).
   "rounds-openings|gonka_node/aggregator/rounds.py|tests/gonka_node/aggregator/test_openings.py tests/gonka_node/aggregator/test_open_residual.py|*ǁ_await_openings__mutmut_* *ǁ_members_now__mutmut_*"
   "rounds|gonka_node/aggregator/acceptance.py|tests/gonka_node/aggregator/test_engine_accept.py tests/gonka_node/aggregator/test_deferred_checks.py|"

@@ -9,13 +9,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from chain.types import EpochInfo
+from gonka_node.aggregator.challenges import max_body_bytes
 from gonka_node.core.config import AggregationSettings, ConfigError
+from gonka_node.core.opening import encode_body
 from gonka_node.core.recipe import Recipe, RecipeError
 from gonka_node.epoch_setup import EpochTerms, aggregator_context, check_openable, epoch_spec
 from gonka_node.spec_builder import _check_replayable, build_spec
 from training.model import ModelConfig
+from training.residual_commit import ChunkLayout, open_chunks
 
 TOPK = Recipe(model=ModelConfig.preset("tiny"), codec="topk", round_state="fresh")
 
@@ -82,3 +86,20 @@ def test_an_aggregator_refuses_such_an_epoch_too(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"^shards: a top-k epoch with replay probability 0.25 needs shards = 1"):
         aggregator_context(recipe, info, chain_id=1, registry="0x" + "22" * 20, init_path=tmp_path / "init.st")
     assert not (tmp_path / "init.st").exists()
+
+
+@pytest.mark.parametrize(("n_chunks", "depth"), [(1, 0), (5, 3), (9, 4), (12, 4)])
+def test_an_openings_size_bound_counts_each_path_at_the_trees_depth_and_covers_a_real_opening(
+    n_chunks: int, depth: int
+) -> None:
+    """Per chunk: two 11-byte bounds (the chunk's tag and length), then for each residual an 11-byte bound,
+    its fp32 values and `depth` path steps of a tag, a side byte and a 32-byte hash. A tree of n leaves
+    is ⌈log2 n⌉ deep: 1 leaf, 0; 5, 3; 9 and 12, 4."""
+    layout = ChunkLayout.of({"w": (4 * n_chunks - 1,)}, chunk=4)  # the last chunk is shorter
+    assert layout.n_chunks == n_chunks
+    chunks = tuple(range(0, n_chunks, 2))
+    assert max_body_bytes(layout, chunks) == sum(22 + 2 * (11 + 4 * layout.chunk_len(i) + 34 * depth) for i in chunks)
+    g = torch.Generator().manual_seed(n_chunks)
+    previous, current = ({"w": torch.randn(4 * n_chunks - 1, generator=g)} for _ in range(2))
+    body = encode_body(open_chunks(previous, layout, chunks), open_chunks(current, layout, chunks))
+    assert len(body) <= max_body_bytes(layout, chunks)

@@ -15,19 +15,24 @@ import torch
 from agg_harness import AGGREGATOR
 from engine_kit import N_ROUNDS, REWARD, SECOND_AGGREGATOR, SPEC, Kit, chunks, payload, update
 from eth_utils import to_checksum_address
+from micro_model import micro_windows
 from safetensors.torch import load_file
+from test_openings import TopkHost, by_host, honest, slots, start, state, topk_context
 
 from chain.merkle import RewardTree
 from chain.seed import new_secret, seed_commitment
 from gonka_node.aggregator.broadcast import residual_path
+from gonka_node.aggregator.challenges import deadline_ms
 from gonka_node.aggregator.engine_types import clock_text
 from gonka_node.aggregator.metrics import PrometheusMetrics, RoundMetrics
 from gonka_node.aggregator.reasons import Reason, Rejected
+from gonka_node.aggregator.replay import PASSED
 from gonka_node.aggregator.rounds import RoundEngine, _tx_bytes
 from gonka_node.aggregator.store import ContributionRow, RoundRow
 from gonka_node.core.envelope import Submission
 from training.checkpoint import load_checkpoint
 from training.codecs import get_codec, round_seed
+from training.residual_commit import commitment_layout
 
 
 def submit_all(kit: Kit, e: RoundEngine, n: int, seed: int = 10) -> list[dict[str, torch.Tensor]]:
@@ -349,3 +354,28 @@ def test_metrics_get_the_closed_rounds_contributions_only_when_they_want_them(ki
     contributions = e.store.contributions(kit.world.epoch, 1)
     assert len(contributions) == 3
     assert metrics.closed == [(1, contributions if wants else [])]
+
+
+def test_a_top_k_close_waits_from_the_seeds_time_and_judges_each_host_on_its_opening(kit: Kit) -> None:
+    """Two hosts of a top-k epoch (every host challenged) submit and open their residual after the
+    deadline's close revealed the seed: the openings' clock starts at the seed, and each host's opening
+    reaches its replay, which it passes."""
+    windows = micro_windows()
+    ctx = topk_context(kit, windows)
+    e = start(kit, ctx)
+    hosts = [TopkHost(kit, h, commitment_layout(ctx.spec, ctx.codec)) for h in kit.hosts[:2]]
+    where, base = slots(e), load_checkpoint(ctx.initial_checkpoint).tensors
+    for host in hosts:
+        host.submit(e, honest(windows, base, where[host.h.address], 1))
+    kit.clock.ms += 11_000  # past the deadline with a quorum of two
+    kit.run(e.tick())
+    got = e.store.get_round(ctx.epoch, 1)
+    assert got is not None and got.seed_complete_ms == kit.clock.ms and state(e, 1) == "open"
+    assert deadline_ms(got, kit.aggregation.opening_timeout_s) == kit.clock.ms + 120_000
+    for host in hosts:
+        host.open(e, 1, *host.body(host.challenged(e, 1)))
+    kit.run(e.tick())
+    assert state(e, 1) == "finalized"
+    judged = by_host(e, 1)
+    assert [(judged[h.h.address].aggregated, judged[h.h.address].reasons[0].startswith(f"{PASSED} cosine +1.0000"))
+            for h in hosts] == [(True, True)] * 2

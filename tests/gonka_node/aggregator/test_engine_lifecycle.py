@@ -17,6 +17,7 @@ from agg_harness import AGGREGATOR
 from engine_kit import SECOND_AGGREGATOR, Kit, payload, update
 from eth_utils import to_checksum_address
 from test_engine_close import row, set_state, submit_all
+from test_shard_round import fragment_payload, shard_engine
 
 from chain.backends import RpcBackend
 from chain.client import ChainClient, round_result_hash
@@ -25,7 +26,10 @@ from chain.seed import new_secret, seed_commitment
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.engine_types import clock_text
 from gonka_node.aggregator.metrics import PrometheusMetrics
+from gonka_node.aggregator.reasons import Reason, Rejected
 from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.shard import LocalExchange
+from gonka_node.aggregator.store import ShardDecision
 
 
 def unreachable(kit: Kit) -> ChainView:
@@ -423,3 +427,24 @@ def test_an_eager_close_rebuilds_bases_from_the_last_rounds_payloads_and_the_mom
     assert eager.outer_state == e.store.outer_state_path(ep, 1)  # the momentum after round r − 2
     assert (eager.outer_lr, eager.outer_momentum, dict(eager.spec)) == (e.ctx.outer_lr, e.ctx.outer_momentum, dict(e.ctx.spec))
     assert eager.codec.name == e.ctx.codec_for(2).name
+
+
+def test_a_shard_keeps_its_close_decision_before_the_seed_and_restarted_takes_no_upload(kit: Kit) -> None:
+    """Shard 1 closes (a skip: below quorum) before shard 0 revealed its seed: the close waits on the
+    seed, but what its one report covers is already kept with the round, before any seed could sway it.
+    Restarted, the shard is closed for uploads: it closes as it decided."""
+    exchange = LocalExchange()
+    shards = [shard_engine(kit, i, exchange) for i in range(2)]  # both commit their seeds
+    s = shards[1]
+    assert kit.submit(s, kit.hosts[0], fragment_payload(update(90), s)).body.accepted
+    kit.clock.ms += 11_000  # past the deadline
+    kit.run(s.close(skip=True))
+    got = s.store.get_round(kit.world.epoch4, 1)
+    assert got is not None and (got.state, got.round_seed) == ("open", None)  # shard 0 has not revealed
+    assert ShardDecision.of(got) == ShardDecision(True, (kit.hosts[0].address,))
+    s.store.close()
+    s = shard_engine(kit, 1, exchange)  # restarted
+    assert s.closing and s.closed_for_submissions.is_set()
+    with pytest.raises(Rejected) as late:
+        kit.submit(s, kit.hosts[1], fragment_payload(update(91), s))
+    assert late.value.reason == Reason.LATE

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from test_shard_replay import micro_context
 from torch import Tensor
 
 from gonka_node.aggregator.chain_view import ChainView
+from gonka_node.aggregator.challenges import challenges_round
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.engine_types import EpochContext, clock_text
 from gonka_node.aggregator.ingest import StreamGuard
@@ -160,7 +162,10 @@ def _top_k_round(kit: Kit, windows: Windows) -> tuple[EpochContext, RoundEngine,
     return ctx, e, hosts, slots(e), {n: p.detach().clone() for n, p in model().named_parameters()}
 
 
-def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails_and_e_prev_meets_its_bound(kit: Kit, windows: Windows) -> None:
+def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails_and_e_prev_meets_its_bound(
+    kit: Kit, windows: Windows, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, "gonka_node.aggregator.rounds")
     ctx, e, (h1, h2, h3), where, base = _top_k_round(kit, windows)
     for host in (h1, h2, h3):  # h2 keeps (and signs) a residual its payload did not leave: found in round 2
         host.submit(e, honest(windows, base, where[host.h.address], 1), park=0.05 if host is h2 else 0.0)
@@ -173,18 +178,25 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
     h1.open(e, 1, *h1.body(sample))
     previous, current = h3.body(h3.challenged(e, 1))
     h3.open(e, 1, previous, altered(current, 1, 5))
-    kit.clock.ms += 119_000
+    kit.clock.ms += 120_000
     kit.run(e.tick())
-    assert state(e, 1) == "open"  # h2 has until the seed's completion + 120 s
-    kit.clock.ms += 1_001
+    assert state(e, 1) == "open"  # h2 has until the seed's completion + 120 s, that millisecond included
+    due = clock_text(row.seed_complete_ms + 120_000)
+    # The wait is said once (at INFO) however many ticks retry it; each retry says who is missing (DEBUG).
+    assert [m for m in caplog.messages if "waiting for" in m] == [
+        f"round {ctx.epoch}/1: waiting for 3 challenged hosts to open their residual (due by {due})"]
+    assert caplog.messages[-1].endswith(f"1 of 3 challenged hosts have not opened their residual (due by {due})")
+    kit.clock.ms += 1
     kit.run(e.tick())
     assert state(e, 1) == "finalized"
     got = by_host(e, 1)
     one, two, three = got[h1.h.address], got[h2.h.address], got[h3.h.address]
     assert (one.aggregated, one.reward, two.aggregated, two.reward, three.aggregated, three.reward) == (
         True, ctx.reward_per_round, False, 0, False, 0)
-    assert one.reasons[0].startswith(f"{PASSED} cosine +1.0000, norm ratio 1.0000 with the replay of slot")
-    assert "(on 3 opened residual chunks, opening sha256 " in one.reasons[0]
+    opened_one = e.store.opening(ctx.epoch, 1, h1.h.address)
+    assert opened_one is not None and one.reasons[0] == (
+        f"{PASSED} cosine +1.0000, norm ratio 1.0000 with the replay of slot {where[h1.h.address]}'s round 1 "
+        f"(on 3 opened residual chunks, opening sha256 {opened_one.body_sha256.hex()})")  # e_{r-1} is zero: no note
     assert two.reasons == [f"{NO_OPENING}: the residual was not opened by {clock_text(row.seed_complete_ms + 120_000)} "
                            "(3 chunks challenged): excluded and unpaid, not slashed"]
     stored = e.store.opening(ctx.epoch, 1, h3.h.address)
@@ -278,3 +290,10 @@ def test_a_restart_resumes_the_wait_an_inflated_update_fails_on_length_and_a_par
     assert got[h3.h.address].reasons[0].startswith(
         f"{MISMATCH}: this round's payload is not the top-k compression of its decode plus e_r: ")
     assert [got[h.h.address].reward for h in (h1, h2, h3)] == [0, ctx.reward_per_round, 0]
+
+
+def test_only_a_replayed_top_k_epoch_challenges_its_hosts(kit: Kit, windows: Windows) -> None:
+    ctx = topk_context(kit, windows)
+    assert challenges_round(ctx)
+    for off in ({"replay": None}, {"replay_probability": 0.0}, {"codec_name": "fp32", "codec": get_codec("fp32")}):
+        assert not challenges_round(dataclasses.replace(ctx, **off)), off  # nothing to replay, or a dense payload
