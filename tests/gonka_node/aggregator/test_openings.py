@@ -297,3 +297,55 @@ def test_only_a_replayed_top_k_epoch_challenges_its_hosts(kit: Kit, windows: Win
     assert challenges_round(ctx)
     for off in ({"replay": None}, {"replay_probability": 0.0}, {"codec_name": "fp32", "codec": get_codec("fp32")}):
         assert not challenges_round(dataclasses.replace(ctx, **off)), off  # nothing to replay, or a dense payload
+
+
+def unlike(update: Mapping[str, Tensor], n: int) -> dict[str, Tensor]:
+    """`update` itself (n = 0), or another host's of its size that neither copies nor sketches like it."""
+    g = torch.Generator().manual_seed(n)
+    return {name: t + n * t.std() * torch.randn(t.shape, generator=g) for name, t in update.items()}
+
+
+def test_an_undecodable_body_or_payload_and_an_e_prev_off_its_root_fail_and_a_held_bound_met_adds_no_note(
+    kit: Kit, windows: Windows
+) -> None:
+    ctx, e, (h1, h2, h3), where, base = _top_k_round(kit, windows)
+    update = honest(windows, base, where[h3.h.address], 1)
+    for n, host in enumerate((h3, h1, h2)):  # only h3's is replayed to a pass; the others fail before theirs
+        host.submit(e, unlike(update, n))
+    kit.run(e.tick())
+    previous, current = h1.body(h1.challenged(e, 1))
+    h1.open(e, 1, altered(previous, 0, 5), current)  # e_{r-1} is zero: its altered chunk misses the zero root
+    damaged = h2.open(e, 1, *h2.body(h2.challenged(e, 1)))
+    Path(damaged.path).write_bytes(Path(damaged.path).read_bytes()[:-1])  # the stored body lost a byte
+    h3.open(e, 1, *h3.body(h3.challenged(e, 1)))
+    kit.run(e.tick())
+    assert state(e, 1) == "finalized"
+    got = {h: c.reasons[0] for h, c in by_host(e, 1).items()}
+    digest = {h.h.address: e.store.opening(ctx.epoch, 1, h.h.address).body_sha256.hex() for h in (h1, h2, h3)}
+    assert got[h1.h.address] == (f"{MISMATCH}: e_{{r-1}}'s opened chunks do not verify against the root the host "
+                                 f"signed (opening sha256 {digest[h1.h.address]})")
+    assert got[h2.h.address] == (f"{MISMATCH}: the opening body is not a ResidualOpening: Error parsing message with type "
+                                 f"'gonka.v1.ResidualOpening' (opening sha256 {digest[h2.h.address]})")
+    assert got[h3.h.address].startswith(f"{PASSED} cosine +1.0000")
+    # Round 2: h3's e_{r-1} meets the round-1 payload the aggregator holds (no note); h2's round-1 payload
+    # no longer decodes, so its e_{r-1} cannot be checked: a failed opening, said so.
+    base = load_checkpoint(e.store.checkpoint_path(ctx.epoch, 1)).tensors
+    update = honest(windows, base, where[h3.h.address], 2)
+    for n, host in enumerate((h3, h2)):
+        host.submit(e, unlike(update, n))
+    kit.clock.ms += 11_000
+    kit.run(e.tick())
+    for host in (h2, h3):
+        host.open(e, 2, *host.body(host.challenged(e, 2)))
+    held = e.store.submission(ctx.epoch, 1, h2.h.address)
+    assert held is not None
+    Path(held.path).write_bytes(b"\x00" * 8)
+    kit.run(e.tick())
+    assert state(e, 2) == "finalized"
+    got = {h: c.reasons[0] for h, c in by_host(e, 2).items()}
+    digest = {h.h.address: e.store.opening(ctx.epoch, 2, h.h.address).body_sha256.hex() for h in (h2, h3)}
+    assert got[h3.h.address] == (
+        f"{PASSED} cosine +1.0000, norm ratio 1.0000 with the replay of slot {where[h3.h.address]}'s round 2 "
+        f"(on 3 opened residual chunks, opening sha256 {digest[h3.h.address]})")
+    assert got[h2.h.address] == (f"{MISMATCH}: the host's round-1 payload cannot be checked against e_{{r-1}}: "
+                                 f"payload_misfit: the header is not topk(64, 8, 2)'s for this spec (opening sha256 {digest[h2.h.address]})")
