@@ -62,9 +62,9 @@ def windows() -> Windows:
     return micro_windows()
 
 
-def topk_context(kit: Kit, windows: Windows) -> EpochContext:
+def topk_context(kit: Kit, windows: Windows, codec: str = CODEC) -> EpochContext:
     return dataclasses.replace(
-        micro_context(kit, kit.world.epoch, windows), codec_name=CODEC, codec=get_codec(CODEC), ef_decay=DECAY,
+        micro_context(kit, kit.world.epoch, windows), codec_name=codec, codec=get_codec(codec), ef_decay=DECAY,
         residual_sample_min=SAMPLE_MIN,
     )
 
@@ -83,9 +83,9 @@ def start(kit: Kit, ctx: EpochContext) -> RoundEngine:
 class TopkHost:
     """An honest host's side: its error feedback, the roots it signed, and its openings."""
 
-    def __init__(self, kit: Kit, h: Host, layout: ChunkLayout) -> None:
-        self.kit, self.h, self.layout = kit, h, layout
-        self.ef = ErrorFeedback(get_codec(CODEC), DECAY)
+    def __init__(self, kit: Kit, h: Host, layout: ChunkLayout, codec: str = CODEC) -> None:
+        self.kit, self.h, self.layout, self.codec = kit, h, layout, codec
+        self.ef = ErrorFeedback(get_codec(codec), DECAY)
         self.roots: list[bytes] = []
 
     def submit(self, e: RoundEngine, delta: Mapping[str, torch.Tensor], park: float = 0.0) -> None:
@@ -95,7 +95,7 @@ class TopkHost:
         if park:
             self.ef.residual = {n: t + park for n, t in self.ef.residual.items()}
         self.roots.append(residual_root(self.ef.residual, self.layout))
-        sub = self.kit.header(e, self.h, payload, codec=CODEC, residual_root=self.roots[-1])
+        sub = self.kit.header(e, self.h, payload, codec=self.codec, residual_root=self.roots[-1])
         receipt = self.kit.run(e.submit(sub, sub.sign(self.h.key), chunks(payload, 4096), e.stream_guard("t")))
         assert receipt.body.accepted
         self.kit.run(e.checks.drain(sub.epoch, sub.round))
@@ -152,13 +152,13 @@ def altered(opening: Opening, chunk: int, element: int) -> Opening:
     return dataclasses.replace(opening, chunks=(*opening.chunks[:chunk], bytes(data), *opening.chunks[chunk + 1:]))
 
 
-def _top_k_round(kit: Kit, windows: Windows) -> tuple[EpochContext, RoundEngine, list[TopkHost], dict[bytes, int],
-                                                     dict[str, Tensor]]:
+def _top_k_round(kit: Kit, windows: Windows, codec: str = CODEC) -> tuple[EpochContext, RoundEngine, list[TopkHost],
+                                                                         dict[bytes, int], dict[str, Tensor]]:
     """A top-k epoch's engine at round 1: its context, the three hosts, their slots, the initial model."""
-    ctx = topk_context(kit, windows)
+    ctx = topk_context(kit, windows, codec)
     e = start(kit, ctx)
     layout = commitment_layout(ctx.spec, ctx.codec)
-    hosts = [TopkHost(kit, h, layout) for h in kit.hosts]
+    hosts = [TopkHost(kit, h, layout, codec) for h in kit.hosts]
     return ctx, e, hosts, slots(e), {n: p.detach().clone() for n, p in model().named_parameters()}
 
 
@@ -297,3 +297,76 @@ def test_only_a_replayed_top_k_epoch_challenges_its_hosts(kit: Kit, windows: Win
     assert challenges_round(ctx)
     for off in ({"replay": None}, {"replay_probability": 0.0}, {"codec_name": "fp32", "codec": get_codec("fp32")}):
         assert not challenges_round(dataclasses.replace(ctx, **off)), off  # nothing to replay, or a dense payload
+
+
+def unlike(update: Mapping[str, Tensor], n: int) -> dict[str, Tensor]:
+    """`update` itself (n = 0), or another host's of its size that neither copies nor sketches like it."""
+    g = torch.Generator().manual_seed(n)
+    return {name: t + n * t.std() * torch.randn(t.shape, generator=g) for name, t in update.items()}
+
+
+def test_an_undecodable_body_or_payload_and_an_e_prev_off_its_root_fail_and_a_held_bound_met_adds_no_note(
+    kit: Kit, windows: Windows
+) -> None:
+    ctx, e, (h1, h2, h3), where, base = _top_k_round(kit, windows)
+    update = honest(windows, base, where[h3.h.address], 1)
+    for n, host in enumerate((h3, h1, h2)):  # only h3's is replayed to a pass; the others fail before theirs
+        host.submit(e, unlike(update, n))
+    kit.run(e.tick())
+    previous, current = h1.body(h1.challenged(e, 1))
+    h1.open(e, 1, altered(previous, 0, 5), current)  # e_{r-1} is zero: its altered chunk misses the zero root
+    damaged = h2.open(e, 1, *h2.body(h2.challenged(e, 1)))
+    Path(damaged.path).write_bytes(Path(damaged.path).read_bytes()[:-1])  # the stored body lost a byte
+    h3.open(e, 1, *h3.body(h3.challenged(e, 1)))
+    kit.run(e.tick())
+    assert state(e, 1) == "finalized"
+    got = {h: c.reasons[0] for h, c in by_host(e, 1).items()}
+    digest = {h.h.address: e.store.opening(ctx.epoch, 1, h.h.address).body_sha256.hex() for h in (h1, h2, h3)}
+    assert got[h1.h.address] == (f"{MISMATCH}: e_{{r-1}}'s opened chunks do not verify against the root the host "
+                                 f"signed (opening sha256 {digest[h1.h.address]})")
+    assert got[h2.h.address] == (f"{MISMATCH}: the opening body is not a ResidualOpening: Error parsing message with type "
+                                 f"'gonka.v1.ResidualOpening' (opening sha256 {digest[h2.h.address]})")
+    assert got[h3.h.address].startswith(f"{PASSED} cosine +1.0000")
+    # Round 2: h3's e_{r-1} meets the round-1 payload the aggregator holds (no note); h2's round-1 payload
+    # no longer decodes, so its e_{r-1} cannot be checked: a failed opening, said so.
+    base = load_checkpoint(e.store.checkpoint_path(ctx.epoch, 1)).tensors
+    update = honest(windows, base, where[h3.h.address], 2)
+    for n, host in enumerate((h3, h2)):
+        host.submit(e, unlike(update, n))
+    kit.clock.ms += 11_000
+    kit.run(e.tick())
+    for host in (h2, h3):
+        host.open(e, 2, *host.body(host.challenged(e, 2)))
+    held = e.store.submission(ctx.epoch, 1, h2.h.address)
+    assert held is not None
+    Path(held.path).write_bytes(b"\x00" * 8)
+    kit.run(e.tick())
+    assert state(e, 2) == "finalized"
+    got = {h: c.reasons[0] for h, c in by_host(e, 2).items()}
+    digest = {h.h.address: e.store.opening(ctx.epoch, 2, h.h.address).body_sha256.hex() for h in (h2, h3)}
+    assert got[h3.h.address] == (
+        f"{PASSED} cosine +1.0000, norm ratio 1.0000 with the replay of slot {where[h3.h.address]}'s round 2 "
+        f"(on 3 opened residual chunks, opening sha256 {digest[h3.h.address]})")
+    assert got[h2.h.address] == (f"{MISMATCH}: the host's round-1 payload cannot be checked against e_{{r-1}}: "
+                                 f"payload_misfit: the header is not topk(64, 8, 2)'s for this spec (opening sha256 {digest[h2.h.address]})")
+
+
+def test_a_codec_chunk_that_does_not_divide_4096_commits_in_whole_codec_chunks_and_an_honest_opening_passes(
+    kit: Kit, windows: Windows
+) -> None:
+    # chunk 3000: the commitment's chunks are 6,000 elements (two codec chunks), not DEFAULT_CHUNK's 4,096;
+    # the close must judge the opening in the layout the host committed in.
+    ctx, e, (h1, h2, _), where, base = _top_k_round(kit, windows, "topk:chunk=3000,k=64,bits=2")
+    layout = commitment_layout(ctx.spec, ctx.codec)
+    assert layout.chunk == 6000 and h1.layout == layout
+    for host in (h1, h2):
+        host.submit(e, honest(windows, base, where[host.h.address], 1))
+    kit.clock.ms += 11_000  # past the round's deadline with a quorum of two
+    kit.run(e.tick())
+    opened = {host.h.address: host.open(e, 1, *host.body(host.challenged(e, 1))) for host in (h1, h2)}
+    kit.run(e.tick())
+    assert state(e, 1) == "finalized"
+    got = by_host(e, 1)
+    assert [got[a].reasons[0] for a in opened] == [
+        f"{PASSED} cosine +1.0000, norm ratio 1.0000 with the replay of slot {where[a]}'s round 1 "
+        f"(on 3 opened residual chunks, opening sha256 {row.body_sha256.hex()})" for a, row in opened.items()]
