@@ -4,9 +4,11 @@ test_host_rig.py."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,23 @@ def worker(rig: Rig | None = None) -> DiLoCoWorker:
     return DiLoCoWorker(build_model(CFG, 0), inner, get_codec("int8"), windows, Assignment(3, 0, 2), rig=rig)
 
 
+@contextlib.contextmanager
+def serving(mailbox: Mailbox, versions: StateVersions) -> Iterator[threading.Thread]:
+    """A one-process rig serving `mailbox` in a thread while the block runs; on leaving, its daemon is
+    gone (`alive` cleared), so its loop ends by itself."""
+    rig = Rig.single("cpu")
+    alive = threading.Event()
+    alive.set()
+    service = RigService(rig, mailbox, versions, ReplicatedWorker(worker(rig), rig), alive.is_set, poll_s=0.01)
+    thread = threading.Thread(target=service.serve)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        alive.clear()
+        thread.join(30)
+
+
 def wait_for(what: str, ready: object, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():  # type: ignore[operator]
@@ -46,14 +65,8 @@ def test_orders_versions_and_a_rollback_give_one_process_payloads(tmp_path: Path
     alone = worker()
     want = [alone.train_round(r, params).payload for r in (1, 2)]
 
-    rig = Rig.single("cpu")
     mailbox, versions = Mailbox(tmp_path / "mailbox"), StateVersions(tmp_path / "state")
-    alive = threading.Event()
-    alive.set()
-    service = RigService(rig, mailbox, versions, ReplicatedWorker(worker(rig), rig), alive.is_set, poll_s=0.01)
-    thread = threading.Thread(target=service.serve)
-    thread.start()
-    try:
+    with serving(mailbox, versions) as thread:
         for seq, (round_, base) in enumerate([(1, 0), (2, 1), (2, 1), (1, 0)], start=1):
             mailbox.post(RoundOrder(seq, round_, str(global_path), base))
             wait_for(f"report {seq}", lambda s=seq: mailbox.report(s) is not None)
@@ -65,10 +78,7 @@ def test_orders_versions_and_a_rollback_give_one_process_payloads(tmp_path: Path
             assert report.ranks[0]["held_bytes"]["optimizer"] == 2 * report.ranks[0]["held_bytes"]["parameters"]
         assert sorted(p.name for p in versions.root.iterdir()) == ["after-1"]  # base 0 kept nothing else
         assert mailbox.pid(0) is not None
-    finally:
-        alive.clear()  # the daemon is gone: the loop ends by itself
-        thread.join(30)
-    assert not thread.is_alive()
+    assert not thread.is_alive()  # the daemon is gone: the loop ended by itself
 
 
 def test_an_order_keeps_the_previous_base_so_an_overlapped_host_rolls_back_two_versions(tmp_path: Path) -> None:
@@ -87,14 +97,8 @@ def test_an_order_keeps_the_previous_base_so_an_overlapped_host_rolls_back_two_v
     alone.load_state_dict(copy.deepcopy(after_1))
     want.append(alone.train_round(4, params).payload)
 
-    rig = Rig.single("cpu")
     mailbox, versions = Mailbox(tmp_path / "mailbox"), StateVersions(tmp_path / "state")
-    alive = threading.Event()
-    alive.set()
-    service = RigService(rig, mailbox, versions, ReplicatedWorker(worker(rig), rig), alive.is_set, poll_s=0.01)
-    thread = threading.Thread(target=service.serve)
-    thread.start()
-    try:
+    with serving(mailbox, versions) as thread:
         orders = [(1, 0, None), (2, 1, 0), (3, 2, 1), (3, 1, 2), (4, 3, 1), (4, 1, 3)]
         for seq, (round_, base, keep) in enumerate(orders, start=1):
             mailbox.post(RoundOrder(seq, round_, str(global_path), base, keep=keep))
@@ -103,9 +107,6 @@ def test_an_order_keeps_the_previous_base_so_an_overlapped_host_rolls_back_two_v
             assert mailbox.payload_path(seq).read_bytes() == want[seq - 1], seq
         # bounded: the base, the kept one and the version just saved
         assert sorted(p.name for p in versions.root.iterdir()) == ["after-1", "after-3", "after-4"]
-    finally:
-        alive.clear()
-        thread.join(30)
 
 
 def test_progress_lines_are_read_whole_and_a_restarted_file_is_read_again(tmp_path: Path) -> None:
