@@ -343,15 +343,15 @@ class RoundEngine(Acceptance):
         recorded = self.store.get_round(r.epoch, r.round)
         if recorded is not None and recorded.state in ("finalizing", "skipping"):
             return self._finish(recorded)  # the intent of an earlier, failed attempt: never recompute it
-        if self.ctx.shard is not None:  # what its one report covers is kept before the seed is revealed
-            keep_decision(self.store, r, skip)
+        # A shard's one report covers what it decides here, kept before the seed is revealed.
+        decision = keep_decision(self.store, r, skip) if self.ctx.shard is not None else None
         seed = self._revealed_seed(r)
         if skip and self.ctx.shard is None:  # a shard's skip goes through the verdict: every shard skips
             self.store.record_finalize_intent(
                 r.epoch, r.round, "skipping", self.global_sha256(r.round - 1), ZERO32, 0, "skipped", []
             )
         else:
-            outcome = self._compute(r, seed, skip, self._await_openings(r))
+            outcome = self._compute(r, seed, decision, self._await_openings(r))
             if outcome.aggregated == 0:  # nothing worth aggregating: same as a skip, but scores are kept
                 self.store.record_finalize_intent(
                     r.epoch, r.round, "skipping", self.global_sha256(r.round - 1), ZERO32, 0, "skipped",
@@ -420,11 +420,14 @@ class RoundEngine(Acceptance):
     def _members_now(self, epoch: int) -> set[bytes]:
         return {m.address for m in self.chain.members(epoch)}
 
-    def _compute(self, r: RoundRow, seed: bytes, skip: bool, opened: Mapping[bytes, Opened]) -> RoundOutcome:
+    def _compute(
+        self, r: RoundRow, seed: bytes, decision: ShardDecision | None, opened: Mapping[bytes, Opened]
+    ) -> RoundOutcome:
+        """Round `r`'s outcome: the whole close, or a shard's close of its fragment as `decision` says."""
         inputs = self._closing_inputs(r, seed, opened)
-        if self.ctx.shard is None:
+        if decision is None:
             return compute_outcome(inputs)
-        return self._close_fragment(inputs, skip)
+        return self._close_fragment(inputs, decision)
 
     def _closing_inputs(self, r: RoundRow, seed: bytes, opened: Mapping[bytes, Opened] | None = None) -> ClosingInputs:
         """Everything round `r`'s close reads (gonka_node/aggregator/close.py), gathered before it computes."""
@@ -448,10 +451,10 @@ class RoundEngine(Acceptance):
             aggregation=self.aggregation,
         )
 
-    def _close_fragment(self, inputs: ClosingInputs, skip: bool) -> RoundOutcome:
+    def _close_fragment(self, inputs: ClosingInputs, decision: ShardDecision) -> RoundOutcome:
         """A shard's close of its fragment (gonka_node/aggregator/shard_close.py)."""
         assert self.ctx.shard is not None and self.exchange is not None  # a shard's engine has both
-        return close_fragment(inputs, self.ctx.shard, self.exchange, skip, self.settings.max_update_norm)
+        return close_fragment(inputs, self.ctx.shard, self.exchange, decision, self.settings.max_update_norm)
 
     def _prev_residual(self, round_: int) -> Path | None:
         """The compressed broadcast's residual after the last finalized round before `round_`."""

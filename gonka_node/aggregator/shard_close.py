@@ -151,10 +151,9 @@ def decided_inputs(i: ClosingInputs, decision: ShardDecision) -> ClosingInputs:
 
 
 def close_fragment(
-    i: ClosingInputs, role: ShardRole, exchange: ShardExchange, skip: bool, max_update_norm: float
+    i: ClosingInputs, role: ShardRole, exchange: ShardExchange, decision: ShardDecision, max_update_norm: float
 ) -> RoundOutcome:
-    """Close this shard's fragment of the round as its kept decision says (`skip` only if none is kept)."""
-    decision = keep_decision(i.store, i.round_row, skip)
+    """Close this shard's fragment of the round as `decision` (keep_decision's, kept with the round) says."""
     i, skip = decided_inputs(i, decision), decision.skip
     ctx, row = i.ctx, i.round_row
     epoch, round_ = row.epoch, row.round
