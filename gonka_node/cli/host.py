@@ -47,7 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--rig-stall-s", type=float, metavar="S",
         help="stop a rig that takes no inner step for S seconds (a hung process or rendezvous) and leave with "
-        "an error; rerunning resumes (default: 30 minutes)",
+        "an error; rerunning resumes (default: 30 minutes; the clock runs while the rig is up)",
+    )
+    run.add_argument(
+        "--rig-start-s", type=float, metavar="S",
+        help="stop a rig that takes longer than S seconds to start or restart (build its model, load its data, "
+        "compile) and leave with an error (default: 1 hour)",
     )
     run.add_argument(
         "--link", metavar="DOWN/UP[@MS]",
@@ -198,6 +203,8 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(f"--gpus {args.gpus}: a rig has at least one process")
     if args.rig_stall_s is not None and not args.rig_stall_s > 0:
         raise CliError(f"--rig-stall-s {args.rig_stall_s}: give the seconds a round may go without a step (> 0)")
+    if args.rig_start_s is not None and not args.rig_start_s > 0:
+        raise CliError(f"--rig-start-s {args.rig_start_s}: give the seconds the rig may take to start (> 0)")
     shaped = _shaped_link(args.link)  # a malformed --link is refused before anything is read
     session = HostSession(args)
     session.shaped = shaped
@@ -238,6 +245,7 @@ def _train(args: argparse.Namespace, session: HostSession) -> int:
         checkpoint_activations=args.activation_checkpointing,
         compile=args.compile,
         **({"rig_stall_s": args.rig_stall_s} if args.rig_stall_s is not None else {}),
+        **({"rig_start_s": args.rig_start_s} if args.rig_start_s is not None else {}),
     )
     aggregator = session.aggregator()
     node = HostNode(settings, session.recipe, session.chain, aggregator, session.keys, sinks[0])

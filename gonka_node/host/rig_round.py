@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import Tensor
@@ -73,7 +73,10 @@ class RigOptions:
     checkpoint_activations: bool = False
     compile: bool = False
     max_restarts: int = 3  # times torchrun's agent restarts a rig whose process died, per rig start
-    stall_s: float = 1800.0  # a round with no step for this long stops the rig (`--rig-stall-s`)
+    stall_s: float = 1800.0  # a round with no step for this long, the rig up, stops it (`--rig-stall-s`)
+    # A rig (re)starting for this long stops it (`--rig-start-s`): building the model, loading the data
+    # and compiling take what they take on a large model, so the stall clock does not run meanwhile.
+    start_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.procs < 1:
@@ -84,6 +87,8 @@ class RigOptions:
             raise RigError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not self.stall_s > 0:
             raise RigError(f"--rig-stall-s {self.stall_s}: give the seconds a round may go without a step (> 0)")
+        if not self.start_s > 0:
+            raise RigError(f"--rig-start-s {self.start_s}: give the seconds the rig may take to start (> 0)")
 
 
 def check_rig_size(recipe: Recipe, procs: int) -> None:
@@ -247,19 +252,33 @@ class RigRounds:
             # Its own session: the daemon stops the agent and its workers together (close()).
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout_s: float = 600.0) -> float:
-        """Block until every process has built its model and waits for orders; returns the seconds waited.
-        (The daemon need not: an order posted earlier is taken as soon as the rig is up.)"""
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Block until every process has built its model and waits for orders (at most `timeout_s`,
+        default `options.start_s`); returns the seconds waited. (The daemon need not: an order posted
+        earlier is taken as soon as the rig is up.)"""
         if self.proc is None or self.mailbox is None:
             raise RigError("the rig is not started")
+        limit = self.options.start_s if timeout_s is None else timeout_s
         started = time.monotonic()
-        while any(self.mailbox.pid(rank) is None for rank in range(self.options.procs)):
+        while self.starting():
             if self.proc.poll() is not None:
                 raise RigError(f"the rig stopped while starting (exit code {self.proc.returncode}):\n{self.log_tail()}")
-            if time.monotonic() - started > timeout_s:
-                raise RigError(f"the rig did not start within {timeout_s:.0f} s:\n{self.log_tail()}")
+            if time.monotonic() - started > limit:
+                raise RigError(f"the rig did not start within {limit:.0f} s:\n{self.log_tail()}")
             time.sleep(self.poll_s)
         return time.monotonic() - started
+
+    def starting(self) -> bool:
+        """Whether some process of the rig has not announced itself since it last (re)started: it is
+        still building its model, loading its data or compiling. A process announces its pid once it
+        waits for orders (`Mailbox.announce`); one that died (torchrun's agent then restarts every
+        process) leaves a pid that is gone until its successor announces."""
+        assert self.mailbox is not None
+        for rank in range(self.options.procs):
+            pid = self.mailbox.pid(rank)
+            if pid is None or not process_alive(pid):
+                return True
+        return False
 
     def train_round(
         self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
@@ -283,9 +302,11 @@ class RigRounds:
 
     def _await(self, order: RoundOrder, on_step: StepHook) -> RoundReport:
         """The round's report, passing its steps on as they come; a rig that stopped, or went
-        `stall_s` without a step (a hung collective or rendezvous), fails the round."""
+        `stall_s` without a step while up (a hung collective or rendezvous), or `start_s` (re)starting,
+        fails the round. The stall clock starts again when the rig is up: its first start, or a restart
+        after a process died, rebuilds the model, which on a large one may take longer than a step."""
         assert self.proc is not None and self.mailbox is not None
-        offset, last_sign = 0, time.monotonic()
+        offset, last_sign, starting_since = 0, time.monotonic(), None
         while True:
             report = self.mailbox.report(order.seq)
             steps, offset = self.mailbox.progress(order.seq, offset)
@@ -293,18 +314,31 @@ class RigRounds:
                 on_step(step, loss)
             if report is not None:
                 return report
-            if steps:
-                last_sign = time.monotonic()
             if self.proc.poll() is not None:
                 raise RigError(f"round {order.round}: the rig stopped (exit code {self.proc.returncode}) after "
                                f"{self.options.max_restarts} restarts; the end of {self.log_path}:\n{self.log_tail()}")
-            if time.monotonic() - last_sign > self.options.stall_s:
-                tail = self.log_tail()
-                self.close(timeout_s=0.0)
-                raise RigError(f"round {order.round}: the rig took no step for {self.options.stall_s:.0f} s, so it "
-                               f"was stopped (raise --rig-stall-s if its steps are that slow); the end of "
-                               f"{self.log_path}:\n{tail}")
+            now = time.monotonic()
+            if steps:
+                last_sign = now
+            if self.starting():
+                starting_since = now if starting_since is None else starting_since
+                last_sign = now
+                if now - starting_since > self.options.start_s:
+                    self._stop(order, f"did not start within {self.options.start_s:.0f} s",
+                               "raise --rig-start-s if building its model and loading its data take that long")
+            else:
+                starting_since = None
+            if now - last_sign > self.options.stall_s:
+                self._stop(order, f"took no step for {self.options.stall_s:.0f} s",
+                           "raise --rig-stall-s if its steps are that slow")
             time.sleep(self.poll_s)
+
+    def _stop(self, order: RoundOrder, what: str, advice: str) -> NoReturn:
+        """Stop the rig and fail `order`'s round with the log's tail."""
+        tail = self.log_tail()
+        self.close(timeout_s=0.0)
+        raise RigError(f"round {order.round}: the rig {what}, so it was stopped ({advice}); the end of "
+                       f"{self.log_path}:\n{tail}")
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path is not None else ""
@@ -369,17 +403,19 @@ class RigRounds:
 # ---- the rig's processes ---------------------------------------------------------------------------
 
 
-def _parent_alive(pid: int) -> Callable[[], bool]:
-    def alive() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
         return True
+    return True
 
-    return alive
+
+def _parent_alive(pid: int) -> Callable[[], bool]:
+    return lambda: process_alive(pid)
 
 
 def follow_daemon(daemon_pid: int, poll_s: float = 1.0) -> None:

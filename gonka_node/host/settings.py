@@ -60,10 +60,11 @@ class HostSettings:
     checkpoint_activations: bool = False
     compile: bool = False  # torch.compile in the rig's processes
     rig_stall_s: float = RigOptions.stall_s  # `--rig-stall-s`
+    rig_start_s: float = RigOptions.start_s  # `--rig-start-s`
 
     def rig_options(self) -> RigOptions:
         return RigOptions(self.procs, self.sharding, self.checkpoint_activations, self.compile,
-                          stall_s=self.rig_stall_s)
+                          stall_s=self.rig_stall_s, start_s=self.rig_start_s)
 
     def uses_rig(self) -> bool:
         """A rig of processes (torchrun) unless this is one process on a CPU: one GPU trains there too."""

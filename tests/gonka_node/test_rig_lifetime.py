@@ -2,12 +2,14 @@
 
 torchrun's agent starts every rig process in a session of its own, so they once outlived the agent and
 the daemon (found orphaned, blocked in a rendezvous, 20 minutes after a test). `follow_daemon` ties a
-rig process to both; `RigRounds` stops a rig that takes no step for `stall_s`.
+rig process to both; `RigRounds` stops a rig that takes no step for `stall_s` while up, or that takes
+longer than `start_s` to start or restart.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,13 +83,39 @@ def test_a_rig_process_stops_its_agent_and_itself_when_the_daemon_is_gone() -> N
         assert wait_gone(child)
 
 
+def fake_rig(rig: RigRounds, mailbox: Mailbox, body: str) -> None:
+    """Stand in for `rig`'s torchrun job: a process in a session of its own (as the real agent is
+    started) running `body`, with `root` (the mailbox folder), `announce()` (every rank announces this
+    process, as the rig's processes do once they wait for orders), `step(n)` (a progress line) and
+    `report(steps)` (round 1's payload and report) at hand."""
+    script = f"""
+import json, time
+from pathlib import Path
+from training.rig_service import Mailbox
+root = Path({str(mailbox.root)!r}); root.mkdir(parents=True, exist_ok=True)
+def announce():
+    for rank in range({rig.options.procs}):
+        Mailbox(root).announce(rank)
+def step(n):
+    with (root / "progress-1.jsonl").open("a") as f:
+        f.write(json.dumps({{"step": n, "loss": 1.0}}) + "\\n")
+def report(steps):
+    (root / "payload-1.bin").write_bytes(b"p")
+    report = dict(seq=1, round=1, base=0, delta_norm=1.0, mean_loss=1.0, last_loss=1.0, tokens=steps,
+                  seconds=1.0, round_s=1.0, ranks=[])
+    (root / "report-1.json.tmp").write_text(json.dumps(report))
+    (root / "report-1.json.tmp").rename(root / "report-1.json")
+""" + body
+    rig.proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    rig.mailbox = mailbox
+
+
 def test_a_rig_that_takes_no_step_fails_the_round_and_is_stopped(tmp_path: Path) -> None:
     recipe = tiny_recipe(tmp_path)
     rig = RigRounds(RigOptions(2, stall_s=0.5), recipe, Assignment(recipe.epoch_seed, 0, 2), None, tmp_path / "rig")
-    # A rig that never answers: a process in a session of its own, as the real agent is started.
-    rig.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
-    rig.mailbox = Mailbox(tmp_path / "mailbox")
+    fake_rig(rig, Mailbox(tmp_path / "mailbox"), "announce(); time.sleep(120)")  # up, then never answers
     hung = rig.proc
+    assert hung is not None and rig.mailbox is not None
     started = time.monotonic()
     with pytest.raises(RigError, match=r"round 1: the rig took no step for 0 s, so it was stopped .*--rig-stall-s"):
         rig.train_round(1, {}, lambda: tmp_path / "global.safetensors", lambda s, loss: None)
@@ -101,23 +129,13 @@ def test_a_rig_that_steps_is_not_stalled_by_a_long_round(tmp_path: Path) -> None
     """The stall limit bounds the time between steps, not the round: steps keep a slow round alive."""
     recipe = tiny_recipe(tmp_path)
     rig = RigRounds(RigOptions(2, stall_s=1.0), recipe, Assignment(recipe.epoch_seed, 0, 2), None, tmp_path / "rig")
-    mailbox = Mailbox(tmp_path / "mailbox")
     # A "rig" that logs a step every 0.4 s for 3 s, then reports round 1.
-    script = f"""
-import json, time
-from pathlib import Path
-root = Path({str(mailbox.root)!r}); root.mkdir(parents=True, exist_ok=True)
-with (root / "progress-1.jsonl").open("w") as f:
-    for step in range(1, 8):
-        time.sleep(0.4); f.write(json.dumps({{"step": step, "loss": 1.0}}) + "\\n"); f.flush()
-(root / "payload-1.bin").write_bytes(b"p")
-report = dict(seq=1, round=1, base=0, delta_norm=1.0, mean_loss=1.0, last_loss=1.0, tokens=7, seconds=2.8,
-              round_s=2.9, ranks=[])
-(root / "report-1.json.tmp").write_text(json.dumps(report)); (root / "report-1.json.tmp").rename(root / "report-1.json")
-time.sleep(120)
-"""
-    rig.proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    rig.mailbox = mailbox
+    fake_rig(rig, Mailbox(tmp_path / "mailbox"), """
+announce()
+for n in range(1, 8):
+    time.sleep(0.4); step(n)
+report(7); time.sleep(120)
+""")
     try:
         seen: list[int] = []
         result = rig.train_round(1, {}, lambda: tmp_path / "global.safetensors", lambda s, loss: seen.append(s))
@@ -126,13 +144,56 @@ time.sleep(120)
         rig.close(timeout_s=0.0)
 
 
+def test_a_rig_slower_to_start_and_to_restart_than_its_stall_limit_trains_its_round(tmp_path: Path) -> None:
+    """The stall clock runs while the rig is up: its first start and a restart after a process died
+    (the model rebuilt: minutes on a large one) count against `start_s`, not `stall_s`."""
+    recipe = tiny_recipe(tmp_path)
+    rig = RigRounds(RigOptions(2, stall_s=0.5, start_s=30.0), recipe, Assignment(recipe.epoch_seed, 0, 2), None,
+                    tmp_path / "rig")
+    # 2 s to start; a step; rank 1 dies (its announced pid is gone); 2 s to restart; two steps; the report.
+    fake_rig(rig, Mailbox(tmp_path / "mailbox"), """
+import subprocess
+time.sleep(2.0); announce(); step(1)
+dead = subprocess.Popen(["true"]); dead.wait()
+(root / "rank-1.json").write_text(json.dumps({"pid": dead.pid}))
+time.sleep(2.0); announce(); step(2); time.sleep(0.2); step(3); report(3); time.sleep(120)
+""")
+    try:
+        seen: list[int] = []
+        started = time.monotonic()
+        result = rig.train_round(1, {}, lambda: tmp_path / "global.safetensors", lambda s, loss: seen.append(s))
+        assert seen == [1, 2, 3] and result.payload == b"p" and result.tokens == 3
+        assert time.monotonic() - started > 4.0  # both waits were sat out, each 4x the stall limit
+    finally:
+        rig.close(timeout_s=0.0)
+
+
+def test_a_rig_that_never_starts_fails_the_round_after_its_start_limit_and_is_stopped(tmp_path: Path) -> None:
+    recipe = tiny_recipe(tmp_path)
+    rig = RigRounds(RigOptions(2, stall_s=0.2, start_s=1.0), recipe, Assignment(recipe.epoch_seed, 0, 2), None,
+                    tmp_path / "rig")
+    fake_rig(rig, Mailbox(tmp_path / "mailbox"), "Mailbox(root).announce(0); time.sleep(120)")  # rank 1 never up
+    hung = rig.proc
+    assert hung is not None
+    started = time.monotonic()
+    with pytest.raises(RigError, match=r"round 1: the rig did not start within 1 s, so it was stopped "
+                                       r"\(raise --rig-start-s if building its model and loading its data"):
+        rig.train_round(1, {}, lambda: tmp_path / "global.safetensors", lambda s, loss: None)
+    assert 1.0 < time.monotonic() - started < 30
+    assert hung.returncode == -signal.SIGKILL and rig.proc is None
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "nan"])
-def test_run_refuses_a_stall_limit_that_is_not_positive_before_reading_its_config(
-    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(("flag", "field", "says"), [
+    ("--rig-stall-s", "stall_s", "give the seconds a round may go without a step (> 0)"),
+    ("--rig-start-s", "start_s", "give the seconds the rig may take to start (> 0)"),
+])
+def test_run_refuses_a_rig_limit_that_is_not_positive_before_reading_its_config(
+    value: str, flag: str, field: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["run", "--config", str(tmp_path / "absent.toml"), "--rig-stall-s", value]) == 2
+    assert main(["run", "--config", str(tmp_path / "absent.toml"), flag, value]) == 2
     err = capsys.readouterr().err
-    assert f"--rig-stall-s {float(value)}: give the seconds a round may go without a step (> 0)" in err
+    assert f"{flag} {float(value)}: {says}" in err
     assert "absent.toml" not in err and "Traceback" not in err
-    with pytest.raises(RigError, match="--rig-stall-s"):
-        RigOptions(2, stall_s=float(value))
+    with pytest.raises(RigError, match=f"{flag} {float(value)}: {re.escape(says)}"):
+        RigOptions(2, **{field: float(value)})
