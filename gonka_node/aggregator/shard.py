@@ -39,7 +39,7 @@ from gonka_node.aggregator.close import (
     reward_tree,
 )
 from gonka_node.aggregator.replay import chosen_for_replay
-from gonka_node.aggregator.store import ContributionRow, RoundRow, SubmissionRow
+from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
 from gonka_node.core.config import AggregationSettings
 from gonka_node.core.fragments import Fragment, Spec, global_offsets, plan_fragments
 from training.durable import atomic_write
@@ -349,6 +349,18 @@ def sampled(ctx: EpochContext, seed: bytes, round_: int, hosts: Sequence[bytes])
     if ctx.replay is None and ctx.scoring is None:
         return set()
     return chosen_for_replay(ctx.replay_probability, seed, round_, hosts)
+
+
+def sampled_by_seed(ctx: EpochContext, store: Store) -> Callable[[int, int, bytes], bool | None]:
+    """`(epoch, round, host)` -> whether `sampled` picks the host by the round's seed as this shard
+    stored it once complete (None: not complete here yet): what the inbox takes payload blobs of."""
+    def picked(epoch: int, round_: int, host: bytes) -> bool | None:
+        row = store.get_round(epoch, round_)
+        if row is None or row.round_seed is None:
+            return None
+        return host in sampled(ctx, row.round_seed, round_, [host])
+
+    return picked
 
 
 def misfit(reports: Sequence[FragmentReport], role: ShardRole) -> str | None:

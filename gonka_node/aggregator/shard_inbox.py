@@ -51,6 +51,9 @@ VERIFIER = 0  # the shard that decides the verdict
 CLOSED = ("finalized", "skipped")
 DEFAULT_MAX_BODY_BYTES = 4 << 30  # a blob is a host's fragment payload or a base fragment
 HoldsPayload = Callable[[int, int, bytes], bool]  # (epoch, round, host) -> whether this shard stored its payload
+# (epoch, round, host) -> whether the round's replay pick selects the host, by the round's seed as
+# complete at this shard (None: not complete here yet)
+Sampled = Callable[[int, int, bytes], bool | None]
 
 
 class ShardReason(enum.Enum):
@@ -70,6 +73,8 @@ class ShardReason(enum.Enum):
     DIGEST_MISMATCH = 12
     QUOTA = 13
     UNHELD_HOST = 14
+    SEED_PENDING = 15
+    NOT_SAMPLED = 16
 
 
 class ShardRefused(Exception):
@@ -116,14 +121,16 @@ class Inbox:
     def __init__(
         self, root: Path, me: ShardSelf, rounds: Callable[[int], Sequence[RoundRow]],
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, quota: QuotaRule | None = None,
-        holds_payload: HoldsPayload | None = None,
+        holds_payload: HoldsPayload | None = None, sampled: Sampled | None = None,
     ) -> None:
         """`quota(sender, round)`: what one peer may have this shard hold for a round (`shard_quota.
         ShardBudget`); None: no quota beyond `max_body_bytes` per message (in-process tests only).
         `holds_payload(epoch, round, host)`: whether this shard stored a payload of `host` in the round
-        (the store); None: a payload blob of any host is taken (in-process tests only)."""
+        (the store); None: a payload blob of any host is taken (in-process tests only). `sampled(epoch,
+        round, host)`: whether the round's replay picks `host` (`shard.sampled_by_seed`); None: any host
+        this shard holds a payload of (in-process tests only)."""
         self.root, self.me, self.rounds, self.max_body_bytes, self.quota = root, me, rounds, max_body_bytes, quota
-        self.holds_payload = holds_payload
+        self.holds_payload, self.sampled = holds_payload, sampled
         self._lock = threading.Lock()  # one check-and-store at a time (the server's threads, the close)
         # Per (epoch, round, sender): the bodies held (file name -> bytes; read from disk once, then kept
         # by `settle`) and those still streaming (token -> file name, bytes): what its quota counts.
@@ -261,12 +268,23 @@ class Inbox:
         return token
 
     def _check_payload_host(self, h: ShardMessage) -> None:
-        if h.kind != ShardKind.BLOB or h.key == BASE_KEY or self.holds_payload is None:
+        """A payload blob is taken only of a host this shard holds a payload of and the round's replay
+        picks: what an honest shard sends (`shard_close.put_sampled`), so a peer can make this shard
+        hold no more blobs than an honest round's. The pick needs the round's seed, complete only once
+        every aggregator revealed, this one included; before, the blob is refused for a retry."""
+        if h.kind != ShardKind.BLOB or h.key == BASE_KEY:
             return
-        host = payload_host(h.key)
-        if not self.holds_payload(h.epoch, h.round, host):
+        host, where = payload_host(h.key), f"round {h.epoch}/{h.round}"
+        if self.holds_payload is not None and not self.holds_payload(h.epoch, h.round, host):
             raise ShardRefused(ShardReason.UNHELD_HOST, f"shard {self.me.index} holds no payload of 0x{host.hex()} "
-                               f"in round {h.epoch}/{h.round}: its blob is not needed here (yet)")
+                               f"in {where}: its blob is not needed here (yet)")
+        picked = None if self.sampled is None else self.sampled(h.epoch, h.round, host)
+        if self.sampled is not None and picked is None:
+            raise ShardRefused(ShardReason.SEED_PENDING, f"{where}'s seed is not complete at shard {self.me.index} "
+                               f"yet: which hosts its replay picks is not known here")
+        if picked is False:
+            raise ShardRefused(ShardReason.NOT_SAMPLED, f"0x{host.hex()} is not among the hosts {where}'s replay "
+                               f"picks: no shard sends its blob")
 
     def _check_quota(self, h: ShardMessage, pending: dict[int, tuple[str, int]]) -> None:
         assert self.quota is not None

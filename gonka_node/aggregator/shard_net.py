@@ -57,8 +57,10 @@ RETRY_S = 1.0  # a peer that failed is tried again after this long (the close po
 PUT_BYTES_PER_S = 8 << 20  # a Put's deadline grows with its body at this rate
 # Refusals that will not change by sending again: the peer has moved on or the message is wrong. A
 # QUOTA refusal may: the sender's earlier Puts still streaming there end and give their bytes back; and
-# UNHELD_HOST: the host's own upload to the receiver may land after the sender's close began.
-RETRIED = (ShardReason.FUTURE_ROUND, ShardReason.UNKNOWN_SHARD, ShardReason.QUOTA, ShardReason.UNHELD_HOST)
+# UNHELD_HOST: the host's own upload to the receiver may land after the sender's close began; and
+# SEED_PENDING: the receiver stores the round's seed within a tick of its last reveal.
+RETRIED = (ShardReason.FUTURE_ROUND, ShardReason.UNKNOWN_SHARD, ShardReason.QUOTA, ShardReason.UNHELD_HOST,
+           ShardReason.SEED_PENDING)
 FINAL = frozenset(r for r in ShardReason if r not in RETRIED)
 
 

@@ -41,6 +41,8 @@ STATUS: dict[ShardReason, grpc.StatusCode] = {
     ShardReason.DIGEST_MISMATCH: grpc.StatusCode.DATA_LOSS,
     ShardReason.QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ShardReason.UNHELD_HOST: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardReason.SEED_PENDING: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardReason.NOT_SAMPLED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

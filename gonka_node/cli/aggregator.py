@@ -246,7 +246,7 @@ def shard_exchange(
     """How this shard reaches the others: `[aggregator] shard_transport` "grpc" (signed messages over the
     Shard service on this aggregator's own port, peers as their accounts announced them on chain) or "dir"
     (a directory shared on one machine)."""
-    from gonka_node.aggregator.shard import DirExchange
+    from gonka_node.aggregator.shard import DirExchange, sampled_by_seed
     from gonka_node.aggregator.shard_inbox import Inbox, ShardSelf
     from gonka_node.aggregator.shard_net import ChainDirectory, NetExchange
     from gonka_node.aggregator.shard_quota import ShardBudget
@@ -257,5 +257,6 @@ def shard_exchange(
     me = ShardSelf(ctx.chain_id, ctx.registry, ctx.epoch, ctx.shard.index, ctx.shard.count)
     max_hosts = chain.call(chain.chain.get_epoch, ctx.epoch).spec.max_hosts  # what sizes a peer's quota
     inbox = Inbox(cfg.data_dir / SHARD_MESSAGES_DIR, me, store.rounds, quota=ShardBudget.of(ctx, max_hosts),
-                  holds_payload=lambda e, r, host: store.submission(e, r, host) is not None)
+                  holds_payload=lambda e, r, host: store.submission(e, r, host) is not None,
+                  sampled=sampled_by_seed(ctx, store))
     return NetExchange(inbox, signer, ChainDirectory(chain, ctx.epoch))

@@ -30,6 +30,8 @@ class ShardRefusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_DIGEST_MISMATCH: _ClassVar[ShardRefusal]
     SHARD_QUOTA: _ClassVar[ShardRefusal]
     SHARD_UNHELD_HOST: _ClassVar[ShardRefusal]
+    SHARD_SEED_PENDING: _ClassVar[ShardRefusal]
+    SHARD_NOT_SAMPLED: _ClassVar[ShardRefusal]
 SHARD_KIND_UNSPECIFIED: ShardKind
 SHARD_REPORT: ShardKind
 SHARD_VERDICT: ShardKind
@@ -50,6 +52,8 @@ SHARD_OVERSIZE: ShardRefusal
 SHARD_DIGEST_MISMATCH: ShardRefusal
 SHARD_QUOTA: ShardRefusal
 SHARD_UNHELD_HOST: ShardRefusal
+SHARD_SEED_PENDING: ShardRefusal
+SHARD_NOT_SAMPLED: ShardRefusal
 
 class ShardHelloRequest(_message.Message):
     __slots__ = ("epoch",)

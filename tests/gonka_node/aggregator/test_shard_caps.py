@@ -17,17 +17,19 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from test_close_units import Round
 from test_shard_net import CHAIN, EPOCH, KEYS, REGISTRY, Peers, ShardNode, _row
 
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.close import PUBLIC_ROUNDS
-from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict
+from gonka_node.aggregator.replay import chosen_for_replay
+from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict, sampled_by_seed
 from gonka_node.aggregator.shard_inbox import ShardReason, Signed
 from gonka_node.aggregator.shard_net import FINAL, REASON_KEY, envelope_pb
 from gonka_node.aggregator.shard_quota import Quota, ShardBudget
 from gonka_node.aggregator.shard_receive import Incoming
 from gonka_node.aggregator.shard_service import ShardService
-from gonka_node.aggregator.store import ContributionRow
+from gonka_node.aggregator.store import ContributionRow, Store
 from gonka_node.aggregator.validate import Sketcher
 from gonka_node.core.envelope import SIGNATURE_BYTES
 from gonka_node.core.fragments import plan_fragments
@@ -226,9 +228,11 @@ def test_the_quota_holds_what_an_honest_shard_sends(tmp_path: Path) -> None:
 
 def test_a_sender_refused_for_quota_sends_again_later() -> None:
     """Its earlier Puts still streaming may end and give their bytes back; an oversized body will not.
-    Nor is a blob of a host the receiver holds no payload of final: that host's upload may still land."""
+    Nor is a blob of a host the receiver holds no payload of final: that host's upload may still land;
+    nor one sent before the round's seed is complete there. A blob of a host the pick passed over is."""
     assert ShardReason.QUOTA not in FINAL and ShardReason.OVERSIZE in FINAL
-    assert ShardReason.UNHELD_HOST not in FINAL
+    assert ShardReason.UNHELD_HOST not in FINAL and ShardReason.SEED_PENDING not in FINAL
+    assert ShardReason.NOT_SAMPLED in FINAL
 
 
 def test_a_payload_blob_is_held_only_for_a_host_whose_payload_the_receiver_holds(tmp_path: Path) -> None:
@@ -249,6 +253,38 @@ def test_a_payload_blob_is_held_only_for_a_host_whose_payload_the_receiver_holds
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_payload_blob_is_held_only_for_a_host_the_rounds_replay_picks_once_its_seed_is_complete_here(
+    tmp_path: Path,
+) -> None:
+    """An honest shard sends the blobs of the hosts the round's replay picks (`put_sampled`), and only
+    once the round's seed is complete (every aggregator revealed). The receiver, by the seed its own
+    store holds (`sampled_by_seed`, as the aggregator command wires it): SEED_PENDING before it has the
+    seed (retried), NOT_SAMPLED for a host the pick passes over (final) — so a peer no longer has it
+    hold 1/p times an honest round's blobs."""
+    a, b = (bytes.fromhex(c * 40) for c in "ab")
+    store = Store(tmp_path / "agg").open()
+    store.open_round(EPOCH, 1, bytes(32), 10**13)
+    ctx = Round(tmp_path).ctx(replay=object(), replay_probability=0.5)  # replayed: `sampled` draws
+    # A seed under which p = 0.5 picks host a and not host b.
+    seed = next(s for s in (hashlib.sha256(bytes([i])).digest() for i in range(256))
+                if chosen_for_replay(0.5, s, 1, [a, b]) == {a})
+    peers, rows = Peers(), [_row(1)]
+    nodes = [ShardNode(tmp_path / f"s{i}", i, peers, rows, count=3, quota=lambda sender, round_: SMALL,
+                       holds_payload=lambda e, r, host: True, sampled=sampled_by_seed(ctx, store)).start()
+             for i in range(3)]
+    s0 = nodes[0]
+    try:
+        assert _refused(s0, _header(b"p" * 500, 1, PAYLOAD_A)) == ShardReason.SEED_PENDING
+        store.set_round_seed(EPOCH, 1, seed, 1)
+        assert _put(s0, _header(b"p" * 500, 1, PAYLOAD_A))
+        assert _refused(s0, _header(b"q" * 10, 1, PAYLOAD_B)) == ShardReason.NOT_SAMPLED
+        assert _put(s0, _header(b"b" * 300, 1))  # the base fragment is no host's
+    finally:
+        for n in nodes:
+            n.stop()
+        store.close()
 
 
 def test_a_body_a_crash_left_half_received_is_removed_when_the_shard_starts_again(tmp_path: Path) -> None:

@@ -18,7 +18,15 @@ import pytest
 from nacl.signing import SigningKey
 
 from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict
-from gonka_node.aggregator.shard_inbox import HoldsPayload, Inbox, ShardReason, ShardSelf, Signed, body_digest
+from gonka_node.aggregator.shard_inbox import (
+    HoldsPayload,
+    Inbox,
+    Sampled,
+    ShardReason,
+    ShardSelf,
+    Signed,
+    body_digest,
+)
 from gonka_node.aggregator.shard_net import REASON_KEY, RETRY_S, NetExchange, ShardPeer, put_requests
 from gonka_node.aggregator.shard_quota import QuotaRule
 from gonka_node.aggregator.shard_service import ShardService
@@ -51,9 +59,10 @@ class ShardNode:
 
     def __init__(self, root: Path, index: int, peers: Peers, rows: list[RoundRow], count: int = 2,
                  max_body: int = 1 << 20, quota: QuotaRule | None = None,
-                 holds_payload: HoldsPayload | None = None) -> None:
+                 holds_payload: HoldsPayload | None = None, sampled: Sampled | None = None) -> None:
         self.root, self.index, self.peers, self.rows = root, index, peers, rows
         self.count, self.max_body, self.quota, self.holds_payload = count, max_body, quota, holds_payload
+        self.sampled = sampled
         self.identity: TlsIdentity = create_identity()
         self.exchange = self._exchange()
         self.loop = asyncio.new_event_loop()
@@ -62,7 +71,7 @@ class ShardNode:
 
     def _exchange(self) -> NetExchange:
         me = ShardSelf(CHAIN, REGISTRY, EPOCH, self.index, self.count)
-        inbox = Inbox(self.root, me, lambda e: self.rows, self.max_body, self.quota, self.holds_payload)
+        inbox = Inbox(self.root, me, lambda e: self.rows, self.max_body, self.quota, self.holds_payload, self.sampled)
         return NetExchange(inbox, KEYS[self.index], self.peers, timeout_s=5)
 
     def start(self) -> ShardNode:

@@ -23,7 +23,7 @@ from nacl.signing import SigningKey
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.rounds import RoundEngine
-from gonka_node.aggregator.shard import DirExchange, shard_role
+from gonka_node.aggregator.shard import DirExchange, sampled, shard_role
 from gonka_node.aggregator.shard_inbox import Inbox, ShardSelf
 from gonka_node.aggregator.shard_net import ChainDirectory, NetExchange
 from gonka_node.aggregator.shard_quota import ShardBudget
@@ -105,6 +105,11 @@ def test_the_aggregator_command_meets_the_other_shards_as_shard_transport_says(h
     assert isinstance(over_grpc, NetExchange) and over_grpc.inbox.root == h.tmp / "agg" / "shard-messages"
     assert over_grpc.me == ShardSelf(ctx.chain_id, ctx.registry, h.epoch, 1, 2)
     assert over_grpc.inbox.quota == ShardBudget.of(ctx, max_hosts=8)  # the epoch's max_hosts, read on chain
+    # Payload blobs by the replay's pick under the seed the shard's own store holds: none stored yet.
+    assert over_grpc.inbox.sampled is not None and over_grpc.inbox.sampled(h.epoch, 1, me) is None
+    store.open_round(h.epoch, 1, bytes(32), 10**13)
+    store.set_round_seed(h.epoch, 1, b"\x01" * 32, 1)
+    assert over_grpc.inbox.sampled(h.epoch, 1, me) is (me in sampled(ctx, b"\x01" * 32, 1, [me]))
     in_dir = shard_exchange(AggregatorConfig(data_dir=h.tmp / "agg", shard_transport="dir"), ctx, store, view, key)
     assert isinstance(in_dir, DirExchange) and in_dir.root == h.tmp / "shard-exchange"
     store.close()
