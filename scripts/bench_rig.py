@@ -111,7 +111,7 @@ def _persistent(options: RigOptions, recipe: Recipe, assignment: Assignment, wor
     started = time.perf_counter()
     rig.start()
     try:
-        rig.wait_ready()
+        rig.wait_ready(timeout_s=600.0)
         run.start_s = time.perf_counter() - started
         for r, (params, path) in enumerate(models, start=1):
             _rig_round(rig, r, params, path, run)

@@ -117,7 +117,7 @@ def _rig(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         rig.start()
         try:
-            start_s = rig.wait_ready()
+            start_s = rig.wait_ready(timeout_s=600.0)
             rounds = []
             for r in range(1, args.rounds + 1):
                 t0 = time.perf_counter()

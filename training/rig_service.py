@@ -139,13 +139,23 @@ class Mailbox:
         return [(int(x["step"]), float(x["loss"])) for x in lines], offset + len(complete) + (1 if complete else 0)
 
     def announce(self, rank: int) -> None:
-        atomic_write(self.root / f"rank-{rank}.json", lambda p: p.write_text(json.dumps({"pid": os.getpid()})))
+        """This process waits for orders: its pid, and which start of the rig it belongs to (torchrun's
+        agent counts its restarts of the whole rig)."""
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        atomic_write(self.root / f"rank-{rank}.json",
+                     lambda p: p.write_text(json.dumps({"pid": os.getpid(), "restart": restart})))
 
-    def pid(self, rank: int) -> int | None:
+    def announced(self, rank: int) -> tuple[int, int] | None:
+        """The (pid, restart) rank `rank` last announced, or None."""
         try:
-            return int(json.loads((self.root / f"rank-{rank}.json").read_text())["pid"])
+            entry = json.loads((self.root / f"rank-{rank}.json").read_text())
         except FileNotFoundError:
             return None
+        return int(entry["pid"]), int(entry.get("restart", 0))
+
+    def pid(self, rank: int) -> int | None:
+        entry = self.announced(rank)
+        return None if entry is None else entry[0]
 
 
 class StateVersions:

@@ -212,6 +212,9 @@ class NetExchange:
                               body_digest(body), len(body), self.clock())
         signed = Signed(header, header.sign(self.signer), body)
         self.inbox.keep(signed)  # durable first: a crash from here on sends it again after the restart
+        if kind == ShardKind.REPORT:  # after this shard's blobs of the round (`flush`)
+            self.flush(epoch, round_)
+            return
         for peer in self._recipients(kind):
             self._deliver(signed, peer)
 
@@ -221,11 +224,21 @@ class NetExchange:
 
     def flush(self, epoch: int, round_: int) -> None:
         """Send again this shard's messages of the round that a peer has not acknowledged (the verifier,
-        once its verdict is held: the reports it forwards too)."""
+        once its verdict is held: the reports it forwards too). Blobs go first, and the report only once
+        the verifier took every blob of the round (or refused it for good): the report tells it they are
+        in, so it would otherwise decide without a blob the verifier refused for a retry (`SEED_PENDING`,
+        `UNHELD_HOST`) and fail that attempt of its close."""
         if self.me.index == VERIFIER and self.inbox.files(epoch, round_, ShardKind.VERDICT):
             self._forward_reports(epoch, round_)  # first: a verdict that arrives before them waits a tick
-        for path in self.inbox.outbox(epoch, round_):
-            self._send_due(path, self._recipients(kind_at(path)))
+        mine = self.inbox.outbox(epoch, round_)
+        blobs = [p for p in mine if kind_at(p) == ShardKind.BLOB]
+        for path in blobs:
+            self._send_due(path, self._recipients(ShardKind.BLOB))
+        blobs_out = self.me.index != VERIFIER and not all(acked_at(p, VERIFIER) for p in blobs)
+        for path in mine:
+            kind = kind_at(path)
+            if kind != ShardKind.BLOB and not (kind == ShardKind.REPORT and blobs_out):
+                self._send_due(path, self._recipients(kind))
 
     def _forward_reports(self, epoch: int, round_: int) -> None:
         """Every held report, as its signer signed it, to every shard but its signer and this one."""

@@ -46,13 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--compile", action="store_true", help="torch.compile the model in the rig's processes")
     run.add_argument(
         "--rig-stall-s", type=float, metavar="S",
-        help="stop a rig that takes no inner step for S seconds (a hung process or rendezvous) and leave with "
-        "an error; rerunning resumes (default: 30 minutes; the clock runs while the rig is up)",
+        help="stop a rig that takes no inner step for S seconds while it is up (a hung process or collective) and "
+        "leave with an error; rerunning resumes (default: 30 minutes; torch.compile's first step counts)",
     )
     run.add_argument(
         "--rig-start-s", type=float, metavar="S",
-        help="stop a rig that takes longer than S seconds to start or restart (build its model, load its data, "
-        "compile) and leave with an error (default: 1 hour)",
+        help="stop a rig that takes longer than S seconds to start or restart (join its processes, build its "
+        "model, load its data) and leave with an error (default: 1 hour)",
     )
     run.add_argument(
         "--link", metavar="DOWN/UP[@MS]",

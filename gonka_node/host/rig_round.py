@@ -74,8 +74,8 @@ class RigOptions:
     compile: bool = False
     max_restarts: int = 3  # times torchrun's agent restarts a rig whose process died, per rig start
     stall_s: float = 1800.0  # a round with no step for this long, the rig up, stops it (`--rig-stall-s`)
-    # A rig (re)starting for this long stops it (`--rig-start-s`): building the model, loading the data
-    # and compiling take what they take on a large model, so the stall clock does not run meanwhile.
+    # A rig (re)starting for this long stops it (`--rig-start-s`): joining the rig, building the model and
+    # loading the data take what they take on a large model, so the stall clock does not run meanwhile.
     start_s: float = 3600.0
 
     def __post_init__(self) -> None:
@@ -269,16 +269,17 @@ class RigRounds:
         return time.monotonic() - started
 
     def starting(self) -> bool:
-        """Whether some process of the rig has not announced itself since it last (re)started: it is
-        still building its model, loading its data or compiling. A process announces its pid once it
-        waits for orders (`Mailbox.announce`); one that died (torchrun's agent then restarts every
-        process) leaves a pid that is gone until its successor announces."""
+        """Whether some process of the rig has not announced itself since the rig last (re)started: it
+        is still joining the rig, building its model or loading its data. A process announces its pid
+        and the agent's restart count once it waits for orders (`Mailbox.announce`); when one dies,
+        torchrun's agent restarts every process, so until all have announced again the ranks' counts
+        differ or a pid is gone (a dead one not reaped yet still counts as alive, for at most the
+        agent's 0.5 s monitor interval, unless the counts give the restart away)."""
         assert self.mailbox is not None
-        for rank in range(self.options.procs):
-            pid = self.mailbox.pid(rank)
-            if pid is None or not process_alive(pid):
-                return True
-        return False
+        entries = [self.mailbox.announced(rank) for rank in range(self.options.procs)]
+        up = [e for e in entries if e is not None]
+        return (len(up) < len(entries) or len({restart for _pid, restart in up}) > 1
+                or not all(process_alive(pid) for pid, _restart in up))
 
     def train_round(
         self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
@@ -302,7 +303,7 @@ class RigRounds:
 
     def _await(self, order: RoundOrder, on_step: StepHook) -> RoundReport:
         """The round's report, passing its steps on as they come; a rig that stopped, or went
-        `stall_s` without a step while up (a hung collective or rendezvous), or `start_s` (re)starting,
+        `stall_s` without a step while up (a hung collective), or `start_s` (re)starting (a hung rendezvous),
         fails the round. The stall clock starts again when the rig is up: its first start, or a restart
         after a process died, rebuilds the model, which on a large one may take longer than a step."""
         assert self.proc is not None and self.mailbox is not None

@@ -146,24 +146,29 @@ report(7); time.sleep(120)
 
 def test_a_rig_slower_to_start_and_to_restart_than_its_stall_limit_trains_its_round(tmp_path: Path) -> None:
     """The stall clock runs while the rig is up: its first start and a restart after a process died
-    (the model rebuilt: minutes on a large one) count against `start_s`, not `stall_s`."""
+    (the model rebuilt: minutes on a large one) count against `start_s`, not `stall_s`. A restart shows
+    as an announced pid gone, or as the ranks' restart counts differing (a dead rank's pid not reaped
+    yet, or reused, still looks alive)."""
     recipe = tiny_recipe(tmp_path)
     rig = RigRounds(RigOptions(2, stall_s=0.5, start_s=30.0), recipe, Assignment(recipe.epoch_seed, 0, 2), None,
                     tmp_path / "rig")
-    # 2 s to start; a step; rank 1 dies (its announced pid is gone); 2 s to restart; two steps; the report.
+    # 2 s to start; a step; rank 1 dies (its announced pid is gone); 2 s to restart; a step; the agent's
+    # restart 1: rank 0 announces, rank 1's entry (restart 0) names a live pid for 2 s more; two steps.
     fake_rig(rig, Mailbox(tmp_path / "mailbox"), """
-import subprocess
+import os, subprocess
 time.sleep(2.0); announce(); step(1)
 dead = subprocess.Popen(["true"]); dead.wait()
-(root / "rank-1.json").write_text(json.dumps({"pid": dead.pid}))
-time.sleep(2.0); announce(); step(2); time.sleep(0.2); step(3); report(3); time.sleep(120)
+(root / "rank-1.json").write_text(json.dumps({"pid": dead.pid, "restart": 0}))
+time.sleep(2.0); announce(); step(2)
+os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"; Mailbox(root).announce(0)
+time.sleep(2.0); Mailbox(root).announce(1); step(3); time.sleep(0.2); step(4); report(4); time.sleep(120)
 """)
     try:
         seen: list[int] = []
         started = time.monotonic()
         result = rig.train_round(1, {}, lambda: tmp_path / "global.safetensors", lambda s, loss: seen.append(s))
-        assert seen == [1, 2, 3] and result.payload == b"p" and result.tokens == 3
-        assert time.monotonic() - started > 4.0  # both waits were sat out, each 4x the stall limit
+        assert seen == [1, 2, 3, 4] and result.payload == b"p" and result.tokens == 4
+        assert time.monotonic() - started > 6.0  # the three waits were sat out, each 4x the stall limit
     finally:
         rig.close(timeout_s=0.0)
 

@@ -17,7 +17,8 @@ import grpc
 import pytest
 from nacl.signing import SigningKey
 
-from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict
+from gonka_node.aggregator import shard_net
+from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict, payload_key
 from gonka_node.aggregator.shard_inbox import (
     HoldsPayload,
     Inbox,
@@ -159,6 +160,32 @@ def test_a_report_verdict_and_hashes_travel_signed_between_two_shard_servers(pai
     assert not held.header.verify(held.signature, bytes(KEYS[0].verify_key))
     with pytest.raises(ValueError, match="shard 1 cannot put shard 0's messages"):
         s1.exchange.put_hash(EPOCH, 1, 0, b"\xcc" * 32)
+
+
+def test_a_report_waits_for_the_blobs_the_verifier_refused_for_a_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard's report tells the verifier that its blobs of the round are in, so a blob refused for a
+    retry (here SEED_PENDING: the verifier has not stored the round's complete seed yet) holds the
+    report back until the verifier took the blob; else the verifier would decide without it."""
+    monkeypatch.setattr(shard_net, "RETRY_S", 0.0)  # a refused peer is due again at once
+    seed_known: list[bool] = []
+    peers, rows = Peers(), [_row(1)]
+    s0 = ShardNode(tmp_path / "s0", 0, peers, rows, sampled=lambda e, r, host: True if seed_known else None).start()
+    s1 = ShardNode(tmp_path / "s1", 1, peers, rows).start()
+    key = payload_key(b"\x07" * 20)
+    try:
+        s1.exchange.put_blob(EPOCH, 1, 1, key, b"fragment payload")
+        s1.exchange.put_report(_report())
+        s1.exchange.flush(EPOCH, 1)
+        assert s0.exchange.blob(EPOCH, 1, 1, key) is None and s0.exchange.reports(EPOCH, 1) == []
+        seed_known.append(True)
+        s1.exchange.flush(EPOCH, 1)  # what the sender's close does every tick
+        assert s0.exchange.blob(EPOCH, 1, 1, key) == b"fragment payload"
+        assert s0.exchange.reports(EPOCH, 1) == [_report()]
+    finally:
+        s0.stop()
+        s1.stop()
 
 
 def test_forged_replayed_stale_and_misdirected_messages_are_refused_with_their_reason(
