@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut) of the modules where a silent bug costs money or trust, each against its
-# fast unit tests. Not part of CI: 84 CPU-minutes for every part (stop 26's whole run: 70 min 27 s of
-# wall time beside other engineers' jobs at load 4–8; the round engine 42.5 of those CPU-minutes), so
-# about 45 minutes at two workers on two idle cores. Results and timings: docs/benchmarks.md "Mutation testing".
+# fast unit tests. Not part of CI: 145 CPU-minutes for every part (stop 28's whole run on the idle
+# two-core machine: 77 min 27 s of wall time; the round engine 55.9 of those CPU-minutes). Results and
+# timings: docs/benchmarks.md "Mutation testing".
 #
 #   bash scripts/mutation.sh                 # every module below
 #   bash scripts/mutation.sh codecs follow   # some of them
