@@ -58,7 +58,7 @@ PUT_BYTES_PER_S = 8 << 20  # a Put's deadline grows with its body at this rate
 # Refusals that will not change by sending again: the peer has moved on or the message is wrong. A
 # QUOTA refusal may: the sender's earlier Puts still streaming there end and give their bytes back; and
 # UNHELD_HOST: the host's own upload to the receiver may land after the sender's close began; and
-# SEED_PENDING: the receiver stores the round's seed within a tick of its last reveal.
+# SEED_PENDING: the receiver's own close stores the round's seed the next time it reads the chain.
 RETRIED = (ShardReason.FUTURE_ROUND, ShardReason.UNKNOWN_SHARD, ShardReason.QUOTA, ShardReason.UNHELD_HOST,
            ShardReason.SEED_PENDING)
 FINAL = frozenset(r for r in ShardReason if r not in RETRIED)
