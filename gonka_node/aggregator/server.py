@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import TypeVar, cast
 
 import grpc
@@ -19,6 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gonka_node.aggregator.challenges import challenges_round
+from gonka_node.aggregator.checkpoint_service import (
+    CheckpointsService,
+    checkpoint_stream,
+    file_meta,
+    stream_file,
+)
 from gonka_node.aggregator.engine_types import SignedReceipt
 from gonka_node.aggregator.ingest import StreamGuard
 from gonka_node.aggregator.reasons import Reason, Rejected
@@ -39,7 +44,6 @@ from proto.gonka.v1 import common_pb2 as common
 from proto.gonka.v1 import shard_pb2_grpc as spb_grpc
 
 log = logging.getLogger(__name__)
-FILE_CHUNK = 1 << 20
 T = TypeVar("T")
 M = TypeVar("M", pb.SubmitRequest, pb.OpeningRequest)  # a client stream: a header, then chunks
 PAYLOAD_CHUNKS = "payload chunks may follow the header"
@@ -144,13 +148,6 @@ async def _store_read(read: Callable[[], T], what: str) -> T:
                        ) from None
     except StoreError as exc:  # the host may retry; nothing was judged
         raise Rejected(Reason.UNAVAILABLE, f"cannot read the object store: {exc}") from None
-
-
-async def stream_file(path: Path, meta: common.FileMeta) -> AsyncIterator[common.FileChunk]:
-    yield common.FileChunk(meta=meta)
-    with open(path, "rb") as f:
-        while chunk := await asyncio.to_thread(f.read, FILE_CHUNK):
-            yield common.FileChunk(data=chunk)
 
 
 class AggregatorService(pb_grpc.AggregatorServicer):
@@ -365,7 +362,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"round {row.epoch}/{row.round} was skipped: no update"
             )
-        async for chunk in stream_file(path, await _meta(path, row.epoch, row.round, b"")):
+        async for chunk in stream_file(path, await file_meta(path, row.epoch, row.round, b"")):
             yield chunk
         self.engine.metrics.update_served(path.stat().st_size)
 
@@ -434,97 +431,6 @@ class AggregatorService(pb_grpc.AggregatorServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"round {epoch}/{round_} is not finalized")
             raise AssertionError("unreachable: abort raises")
         return row
-
-
-async def _meta(path: Path, epoch: int, round_: int, content_sha256: bytes) -> common.FileMeta:
-    import hashlib
-
-    def digest() -> bytes:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(FILE_CHUNK):
-                h.update(block)
-        return h.digest()
-
-    return common.FileMeta(
-        length=path.stat().st_size,
-        file_sha256=await asyncio.to_thread(digest),
-        content_sha256=content_sha256,
-        epoch=epoch,
-        round=round_,
-        format="safetensors",
-    )
-
-
-async def checkpoint_stream(
-    engine: RoundEngine, epoch: int, round_: int, context: grpc.aio.ServicerContext
-) -> AsyncIterator[common.FileChunk]:
-    if epoch != engine.ctx.epoch:
-        await context.abort(
-            grpc.StatusCode.NOT_FOUND, f"this aggregator serves epoch {engine.ctx.epoch}, not {epoch}"
-        )
-    if round_ == 0:
-        path, sha = engine.ctx.initial_checkpoint, engine.ctx.initial_sha256
-    else:
-        row = engine.store.get_round(epoch, round_)
-        if row is None or row.state != "finalized":
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint for round {epoch}/{round_}")
-        assert row is not None and row.checkpoint_sha256 is not None
-        path, sha = engine.store.checkpoint_path(epoch, round_), row.checkpoint_sha256
-    async for chunk in stream_file(path, await _meta(path, epoch, round_, sha)):
-        yield chunk
-
-
-class CheckpointsService(cpb_grpc.CheckpointsServicer):
-    def __init__(self, engine: RoundEngine, model_name: str = "") -> None:
-        self.engine = engine
-        self.model_name = model_name
-
-    async def ListEpochs(
-        self, request: cpb.ListEpochsRequest, context: grpc.aio.ServicerContext
-    ) -> cpb.ListEpochsResponse:
-        e = self.engine
-        done = [r for r in e.store.rounds(e.ctx.epoch) if r.state == "finalized"]
-        return cpb.ListEpochsResponse(
-            epochs=[
-                cpb.EpochSummary(
-                    epoch=e.ctx.epoch,
-                    model=self.model_name,
-                    codec=e.ctx.codec_name,
-                    rounds_finalized=len(done),
-                    initial_checkpoint_sha256=e.ctx.initial_sha256,
-                    latest_checkpoint_sha256=done[-1].checkpoint_sha256 if done else e.ctx.initial_sha256,
-                )
-            ]
-        )
-
-    async def ListRounds(
-        self, request: cpb.ListRoundsRequest, context: grpc.aio.ServicerContext
-    ) -> cpb.ListRoundsResponse:
-        e = self.engine
-        out = []
-        for r in e.store.rounds(request.epoch):
-            if r.state not in ("finalized", "skipped"):
-                continue
-            on_chain = await asyncio.to_thread(e.chain.round_result, r.epoch, r.round)
-            out.append(
-                cpb.RoundSummary(
-                    epoch=r.epoch,
-                    round=r.round,
-                    state=r.state,
-                    checkpoint_sha256=bytes(on_chain.checkpoint_sha256),
-                    rewards_root=bytes(on_chain.rewards_root),
-                    contributors=on_chain.n_contributors,
-                    total_reward=on_chain.total_reward,
-                )
-            )
-        return cpb.ListRoundsResponse(rounds=out)
-
-    async def StreamCheckpoint(
-        self, request: cpb.StreamCheckpointRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common.FileChunk]:
-        async for chunk in checkpoint_stream(self.engine, request.epoch, request.round, context):
-            yield chunk
 
 
 def server_options(settings: RoundSettings) -> list[tuple[str, int]]:
