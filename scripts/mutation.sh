@@ -83,6 +83,12 @@ setup_venv() {
   # A plain path line: the project's site-packages come after mutmut's own, and its .pth files (the
   # editable install's import hook among them) are not run.
   echo "$project_site" >"$site/gonka-project.pth"
+  # The project's mypy over the clean tree, into a cache every part's type check starts from (each its
+  # own copy: two lanes check different mutated modules at once). Seconds when the tree's own cache is
+  # warm, a minute or two from nothing; it also fails the run early on a tree CI's mypy would refuse.
+  rm -rf "$WORK/mypy-cache"
+  if [ -d .mypy_cache ]; then cp -r .mypy_cache "$WORK/mypy-cache"; fi
+  .venv/bin/mypy --cache-dir "$WORK/mypy-cache"
 }
 
 prepare_run() {  # name module tests
@@ -91,6 +97,9 @@ prepare_run() {  # name module tests
   mkdir -p "$dir"
   tar -C "$ROOT" --exclude=__pycache__ --exclude=.hypothesis -cf - training chain gonka_node proto tests pyproject.toml \
     | tar -C "$dir" -xf -
+  cp -r "$WORK/mypy-cache" "$dir/.mypy_cache"
+  local mutated
+  mutated=$(cd "$dir" && echo $2)  # a glob (training/codec*.py): the files, as mutmut's mutants/ holds them
   {
     echo "[mutmut]"
     # Every package is copied into mutants/ (the tests import across them); only `only_mutate` changes.
@@ -112,6 +121,12 @@ prepare_run() {  # name module tests
     # (torch, web3, the chain): ~1 s of each mutant's ~2 s of pytest overhead (measured in a forked run).
     printf 'pytest_add_cli_args =\n    --hypothesis-profile=mutation\n    --timeout=60\n    -p\n    no:unraisableexception\n    --junitxml=%s\n' "$dir/last-run.xml"
     echo "timeout_multiplier = 5.0"
+    # A mutant the project's mypy refuses is "caught by type check" and its tests are not run: CI runs
+    # the same mypy, so that bug could never land. scripts/mutation_types.py drops the errors of the
+    # mutated file's layout (mutmut runs it in mutants/, hence the absolute paths but for the files).
+    echo "type_check_command ="
+    for w in "$WORK/venv/bin/python" "$ROOT/scripts/mutation_types.py" mypy --config-file "$dir/pyproject.toml" \
+      --cache-dir "$dir/.mypy_cache" $mutated; do echo "    $w"; done
   } >"$dir/setup.cfg"
   # (pyproject.toml has no [tool.mutmut] section, so mutmut reads setup.cfg.) In the scratch copy only:
   # a hypothesis profile without shrinking, since the first failing example already kills the mutant.
@@ -195,13 +210,19 @@ load = " → ".join(line.split()[0] for line in open(sys.argv[6] + ".load"))
 rows = [line.strip().rsplit(": ", 1) for line in open(path, encoding="utf-8") if ": " in line]
 rows = [(m, s) for m, s in rows if not globs or any(fnmatch.fnmatch(m, g) for g in globs)]
 count = Counter(s for _, s in rows)
-detected = count["killed"] + count["timeout"]
+typed = count["caught by type check"]
+caught = ("killed", "timeout", "caught by type check")
+detected = sum(count[s] for s in caught)
 score = 100.0 * detected / len(rows) if rows else 0.0
-print(f"{name}: {module}: {len(rows)} mutants, {count['killed']} killed, {count['timeout']} timeouts, "
-      f"{len(rows) - detected} not detected ({dict((k, v) for k, v in count.items() if k not in ('killed', 'timeout'))}); "
-      f"score {score:.1f}%; {secs // 60} min {secs % 60} s (CPU {cpu / 60:.1f} min, load {load})")
+# The tests' own score: over the mutants mypy let through, the share the tests detected.
+tested = len(rows) - typed
+by_tests = 100.0 * (detected - typed) / tested if tested else 0.0
+print(f"{name}: {module}: {len(rows)} mutants, {typed} caught by mypy, {count['killed']} killed, "
+      f"{count['timeout']} timeouts, {len(rows) - detected} not detected "
+      f"({dict((k, v) for k, v in count.items() if k not in caught)}); score {score:.1f}% "
+      f"(tests: {by_tests:.1f}% of {tested}); {secs // 60} min {secs % 60} s (CPU {cpu / 60:.1f} min, load {load})")
 for m, s in rows:
-    if s not in ("killed", "timeout"):
+    if s not in caught:
         print(f"SURVIVOR {s}: {m}")
 PY
   head -1 "$out"

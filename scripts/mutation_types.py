@@ -1,0 +1,107 @@
+"""mypy as mutmut's type checker, reporting only the errors a mutation causes (scripts/mutation.sh).
+
+    python scripts/mutation_types.py mypy MYPY_ARGS... FILE...
+
+mutmut (`type_check_command`) runs this in its `mutants/` copy of the tree, where every function of a
+mutated module is followed by its unmutated copy (`NAME__mutmut_orig`) and its mutants
+(`NAME__mutmut_N`). A mutant that mypy refuses is reported "caught by type check" and its tests are
+not run: the project's own CI runs the same mypy (scripts/test.sh), so such a bug could never land.
+
+mypy's raw report holds errors no mutation caused, and mutmut would count them against a mutant or
+stop on them: the copies' repeated `self.x: T = ...` declarations (`no-redef`), the trampoline's
+`# type: ignore` comments (`unused-ignore`), and anything an unmutated copy has too (an error at the
+same line of the function, with the same code and message, in `NAME__mutmut_orig`). Only the rest is
+printed, as mypy's JSON lines, which mutmut parses because "mypy" is among its command's words.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_MUTANT = re.compile(r"^(?P<base>.+)__mutmut_(?P<n>\d+|orig)$")
+# Codes that only the mutated file's layout produces, never a mutation.
+_LAYOUT_CODES = frozenset({"no-redef", "unused-ignore"})
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str  # the generated function's name: BASE__mutmut_N or BASE__mutmut_orig
+    first: int  # its `def` line (1-based)
+    last: int
+
+
+def generated_functions(source: str) -> list[Span]:
+    """The mutated file's generated copies (methods included), with their line spans."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _MUTANT.match(node.name):
+            assert node.end_lineno is not None
+            spans.append(Span(node.name, node.lineno, node.end_lineno))
+    return sorted(spans, key=lambda s: s.first)
+
+
+def _signature(error: dict, span: Span) -> tuple[int, str, str]:
+    # Line numbers inside messages ("defined on line 128") differ between copies.
+    return error["line"] - span.first, str(error.get("code")), re.sub(r"\d+", "#", error["message"])
+
+
+def caused_by_mutations(errors: list[dict], sources: dict[str, str]) -> list[dict]:
+    """The errors that lie in a mutant and that its function's unmutated copy does not have."""
+    placed: list[tuple[dict, Span]] = []
+    for error in errors:
+        if error.get("severity") != "error" or error.get("code") in _LAYOUT_CODES or error["file"] not in sources:
+            continue
+        spans = _spans_of(error["file"], sources)
+        span = next((s for s in spans if s.first <= error["line"] <= s.last), None)
+        if span is not None:
+            placed.append((error, span))
+    baseline = {
+        (error["file"], _base(span), _signature(error, span))
+        for error, span in placed if span.name.endswith("__mutmut_orig")
+    }
+    return [
+        error for error, span in placed
+        if not span.name.endswith("__mutmut_orig") and (error["file"], _base(span), _signature(error, span)) not in baseline
+    ]
+
+
+_SPANS: dict[str, list[Span]] = {}
+
+
+def _spans_of(path: str, sources: dict[str, str]) -> list[Span]:
+    if path not in _SPANS:
+        _SPANS[path] = generated_functions(sources[path])
+    return _SPANS[path]
+
+
+def _base(span: Span) -> str:
+    match = _MUTANT.match(span.name)
+    assert match is not None
+    return match["base"]
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] != "mypy":
+        print("usage: mutation_types.py mypy MYPY_ARGS... FILE...", file=sys.stderr)
+        return 2
+    args = argv[1:]
+    files = [a for a in args if a.endswith(".py") and Path(a).is_file()]
+    done = subprocess.run([sys.executable, "-m", "mypy", "--output", "json", *args], capture_output=True, text=True)
+    if done.returncode not in (0, 1):  # 2: mypy itself failed (a bad flag, a crash): say so, catch nothing
+        print(done.stderr or done.stdout, file=sys.stderr)
+        return done.returncode
+    errors = [json.loads(line) for line in done.stdout.splitlines() if line.strip().startswith("{")]
+    sources = {f: Path(f).read_text() for f in files}
+    for error in caused_by_mutations(errors, sources):
+        print(json.dumps(error))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
