@@ -99,7 +99,7 @@ prepare_run() {  # name module tests
     | tar -C "$dir" -xf -
   cp -r "$WORK/mypy-cache" "$dir/.mypy_cache"
   local mutated
-  mutated=$(cd "$dir" && echo $2)  # a glob (training/codec*.py): the files, as mutmut's mutants/ holds them
+  mutated=$(cd "$dir" && shopt -s failglob && echo $2)  # a glob (training/codec*.py): the files, as mutants/ holds them
   {
     echo "[mutmut]"
     # Every package is copied into mutants/ (the tests import across them); only `only_mutate` changes.
@@ -119,7 +119,8 @@ prepare_run() {  # name module tests
     # The last pytest run's JUnit report: what failed when mutmut says only "Failed to run clean test".
     # No unraisable-exception plugin: at the end of every run it calls gc.collect() twice over the whole heap
     # (torch, web3, the chain): ~1 s of each mutant's ~2 s of pytest overhead (measured in a forked run).
-    printf 'pytest_add_cli_args =\n    --hypothesis-profile=mutation\n    --timeout=60\n    -p\n    no:unraisableexception\n    --junitxml=%s\n' "$dir/last-run.xml"
+    # (No xdist: the project's pytest-xdist plugin is seen through the .pth line, and each run is one process.)
+    printf 'pytest_add_cli_args =\n    --hypothesis-profile=mutation\n    --timeout=60\n    -p\n    no:unraisableexception\n    -p\n    no:xdist\n    --junitxml=%s\n' "$dir/last-run.xml"
     echo "timeout_multiplier = 5.0"
     # A mutant the project's mypy refuses is "caught by type check" and its tests are not run: CI runs
     # the same mypy, so that bug could never land. scripts/mutation_types.py drops the errors of the
@@ -185,6 +186,7 @@ run_module() {  # name module tests globs
   end=$(date +%s)
   cut -d' ' -f1-3 /proc/loadavg >>"$WORK/report/$name.load"
   report "$name" "$module" "$dir" "$globs" $((end - start))
+  rm -rf "$dir/.mypy_cache"  # (~130 MB a part)
 }
 
 failures() {  # junit.xml: the failed tests of the last pytest run, with the first lines of each failure

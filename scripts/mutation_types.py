@@ -10,8 +10,14 @@ not run: the project's own CI runs the same mypy (scripts/test.sh), so such a bu
 mypy's raw report holds errors no mutation caused, and mutmut would count them against a mutant or
 stop on them: the copies' repeated `self.x: T = ...` declarations (`no-redef`), the trampoline's
 `# type: ignore` comments (`unused-ignore`), and anything an unmutated copy has too (an error at the
-same line of the function, with the same code and message, in `NAME__mutmut_orig`). Only the rest is
-printed, as mypy's JSON lines, which mutmut parses because "mypy" is among its command's words.
+same code and message anywhere in `NAME__mutmut_orig`: a mutation may join a call's lines, so the
+line within the function is no guide). Nor does the layout type an unannotated attribute as the real
+file would: the first copy, mutmut's trampoline, holds the original body, so its `self.x = 0` fixes
+`x`'s type, and a mutant's `self.x = None` is refused where the real file would re-infer `x`. Those
+errors are dropped too (the mutant's tests decide) unless `x` is declared with a type. Only the rest
+is printed, as mypy's JSON lines, which mutmut parses because "mypy" is among its command's words.
+If mypy itself fails, one line that is not JSON is printed instead: mutmut then stops the part and
+shows why, rather than take an empty report for "no mutant caught".
 """
 
 from __future__ import annotations
@@ -46,9 +52,24 @@ def generated_functions(source: str) -> list[Span]:
     return sorted(spans, key=lambda s: s.first)
 
 
-def _signature(error: dict, span: Span) -> tuple[int, str, str]:
+def _signature(error: dict) -> tuple[str, str]:
     # Line numbers inside messages ("defined on line 128") differ between copies.
-    return error["line"] - span.first, str(error.get("code")), re.sub(r"\d+", "#", error["message"])
+    return str(error.get("code")), re.sub(r"\d+", "#", error["message"])
+
+
+_UNANNOTATED_SELF = re.compile(r"^\s*self\.(\w+)\s*=[^=]")
+
+
+def _retypes_an_inferred_attribute(error: dict, source: str) -> bool:
+    """An assignment error on `self.x = ...` where nothing declares x's type: the layout's, not the
+    mutation's (the trampoline's original assignment typed x first)."""
+    if error.get("code") != "assignment":
+        return False
+    match = _UNANNOTATED_SELF.match(source.splitlines()[error["line"] - 1])
+    if match is None:
+        return False
+    declared = re.compile(rf"^\s*(self\.)?{match[1]}\s*:(?!=)", re.MULTILINE)
+    return declared.search(source) is None
 
 
 def caused_by_mutations(errors: list[dict], sources: dict[str, str]) -> list[dict]:
@@ -59,15 +80,14 @@ def caused_by_mutations(errors: list[dict], sources: dict[str, str]) -> list[dic
             continue
         spans = _spans_of(error["file"], sources)
         span = next((s for s in spans if s.first <= error["line"] <= s.last), None)
-        if span is not None:
+        if span is not None and not _retypes_an_inferred_attribute(error, sources[error["file"]]):
             placed.append((error, span))
     baseline = {
-        (error["file"], _base(span), _signature(error, span))
-        for error, span in placed if span.name.endswith("__mutmut_orig")
+        (error["file"], _base(span), _signature(error)) for error, span in placed if span.name.endswith("__mutmut_orig")
     }
     return [
         error for error, span in placed
-        if not span.name.endswith("__mutmut_orig") and (error["file"], _base(span), _signature(error, span)) not in baseline
+        if not span.name.endswith("__mutmut_orig") and (error["file"], _base(span), _signature(error)) not in baseline
     ]
 
 
@@ -88,13 +108,17 @@ def _base(span: Span) -> str:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] != "mypy":
-        print("usage: mutation_types.py mypy MYPY_ARGS... FILE...", file=sys.stderr)
+        print("usage: mutation_types.py mypy MYPY_ARGS... FILE...")
         return 2
     args = argv[1:]
-    files = [a for a in args if a.endswith(".py") and Path(a).is_file()]
+    files = [a for a in args if a.endswith(".py")]
+    missing = [f for f in files if not Path(f).is_file()]
+    if not files or missing:
+        print(f"mutation_types.py: no such file to type-check: {' '.join(missing) or '(none given)'}")
+        return 2
     done = subprocess.run([sys.executable, "-m", "mypy", "--output", "json", *args], capture_output=True, text=True)
-    if done.returncode not in (0, 1):  # 2: mypy itself failed (a bad flag, a crash): say so, catch nothing
-        print(done.stderr or done.stdout, file=sys.stderr)
+    if done.returncode not in (0, 1):  # 2: mypy itself failed (a bad flag, a crash)
+        print(f"mutation_types.py: mypy exited {done.returncode}: {(done.stderr or done.stdout).strip()[-2000:]}")
         return done.returncode
     errors = [json.loads(line) for line in done.stdout.splitlines() if line.strip().startswith("{")]
     sources = {f: Path(f).read_text() for f in files}
