@@ -25,4 +25,8 @@ fi
 .venv/bin/mypy  # pyproject.toml [tool.mypy]: training, chain, gonka_node, scripts
 .venv/bin/python scripts/gen_proto.py --check
 .venv/bin/python scripts/build_contracts.py --check
-.venv/bin/python -m pytest "$@"
+# Two worker processes (pytest-xdist), each taking whole files, so that a file's shared fixtures (a
+# deployed chain, a trained model) are built once: most of the suite's wall time is waiting (process
+# start-ups, sign-in and voting windows, round deadlines), which the other worker fills. `-n 0` after
+# this script's name runs it in one process.
+.venv/bin/python -m pytest -n "${GONKA_TEST_WORKERS:-2}" --dist loadfile "$@"
