@@ -25,8 +25,9 @@ fi
 .venv/bin/mypy  # pyproject.toml [tool.mypy]: training, chain, gonka_node, scripts
 .venv/bin/python scripts/gen_proto.py --check
 .venv/bin/python scripts/build_contracts.py --check
-# Two worker processes (pytest-xdist), each taking whole files, so that a file's shared fixtures (a
-# deployed chain, a trained model) are built once: most of the suite's wall time is waiting (process
-# start-ups, sign-in and voting windows, round deadlines), which the other worker fills. `-n 0` after
-# this script's name runs it in one process.
-.venv/bin/python -m pytest -n "${GONKA_TEST_WORKERS:-2}" --dist loadfile "$@"
+# Three worker processes (pytest-xdist) on the two cores, each taking whole files, so that a file's
+# shared fixtures (a deployed chain, a trained model) are built once: about half of the suite's wall
+# time in one process was waiting (process start-ups, sign-in and voting windows, round deadlines),
+# which the other workers fill (docs/benchmarks.md "The test suite"). The slow files go first
+# (tests/conftest.py). `-n 0` after this script's name runs it in one process.
+.venv/bin/python -m pytest -n "${GONKA_TEST_WORKERS:-3}" --dist loadfile "$@"
