@@ -63,7 +63,8 @@ def s3_bucket(s3_endpoint: str) -> str:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files with slow tests first, the end-to-end ones (tests/integration) before the rest. Under
-    pytest-xdist (scripts/test.sh) each worker takes whole files in this order, so a two-minute test
-    starts early beside the others instead of last, alone. Stable: each file keeps its own order."""
+    pytest-xdist (scripts/test.sh) this orders the files that have as many tests as each other (xdist
+    hands out the files with the most tests first), so the two-minute single test of test_roles_cli
+    starts first of the one-test files, which come last. Stable: each file keeps its own order."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: (item.path not in slow, "integration" not in item.path.parts))
