@@ -8,10 +8,11 @@ mutated module is followed by its unmutated copy (`NAME__mutmut_orig`) and its m
 not run: the project's own CI runs the same mypy (scripts/test.sh), so such a bug could never land.
 
 mypy's raw report holds errors no mutation caused, and mutmut would count them against a mutant or
-stop on them: the copies' repeated `self.x: T = ...` declarations (`no-redef`), the trampoline's
-`# type: ignore` comments (`unused-ignore`), and anything an unmutated copy has too (an error at the
-same code and message anywhere in `NAME__mutmut_orig`: a mutation may join a call's lines, so the
-line within the function is no guide). Nor does the layout type an unannotated attribute as the real
+stop on them. Errors outside the generated copies (the trampoline's `# type: ignore` comments, its
+imports) are dropped, and so is any error of a mutant that its function's unmutated copy has too (the
+same code and message anywhere in `NAME__mutmut_orig`, line numbers aside: a mutation may join a
+call's lines, so the line within the function is no guide), such as the copies' repeated
+`self.x: T = ...` declarations (`no-redef`). Nor does the layout type an unannotated attribute as the real
 file would: the first copy, mutmut's trampoline, holds the original body, so its `self.x = 0` fixes
 `x`'s type, and a mutant's `self.x = None` is refused where the real file would re-infer `x` (and then
 perhaps refuse another use of it, or not). A mutant whose only errors are of that kind is checked
@@ -35,8 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _MUTANT = re.compile(r"^(?P<base>.+)__mutmut_(?P<n>\d+|orig)$")
-# Codes that only the mutated file's layout produces, never a mutation.
-_LAYOUT_CODES = frozenset({"no-redef", "unused-ignore"})
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def caused_by_mutations(errors: list[dict], sources: dict[str, str]) -> Verdicts
     """The errors that lie in a mutant and that its function's unmutated copy does not have."""
     placed: list[tuple[dict, Span]] = []
     for error in errors:
-        if error.get("severity") != "error" or error.get("code") in _LAYOUT_CODES or error["file"] not in sources:
+        if error.get("severity") != "error" or error["file"] not in sources:
             continue
         spans = _spans_of(error["file"], sources)
         span = next((s for s in spans if s.first <= error["line"] <= s.last), None)
