@@ -29,7 +29,7 @@ fi
 # shared fixtures (a deployed chain, a trained model) are built once: about half of the suite's wall
 # time in one process was waiting (process start-ups, sign-in and voting windows, round deadlines),
 # which the other workers fill (docs/benchmarks.md "The test suite"). xdist hands out the files with
-# the most tests first, which spreads the slow end-to-end files (one to four tests each) over the run;
-# all of them at once, on two cores, overloaded the machine. `-n 0` after this script's name runs it
-# in one process.
+# the most tests first, which spreads the slow end-to-end files (one to four tests each) over the run
+# (a run that started them all at once failed two tests: docs/benchmarks.md). `-n 0` after this
+# script's name runs it in one process.
 .venv/bin/python -m pytest -n "${GONKA_TEST_WORKERS:-3}" --dist loadfile "$@"
