@@ -14,6 +14,9 @@ signed in) serves on 127.0.0.1:0; this process signs and streams N int8-coded ps
   rss_before_round_mb: the same just before the round (embedded chain with N hosts, model, imports).
 bare_grpc_mb_s: the same client, payloads and TLS against a server process whose Submit only reads
 and discards the stream: what loopback gRPC carries here, the ceiling for ingest_mb_s.
+Each run is repeated (`--repeat`, default 3), a bare stream measured right before each repeat; a run
+reports the medians, the largest memory figures, `ingest_vs_bare` (the median of the repeats' own
+ratios) with its range, and every repeat's figures.
 Scoring is off unless `--checks` (it runs forward passes of the model per host); copies, mixtures
 and dissent always run. `--params P` sizes a Llama-shaped model near P parameters (default: 10.1M).
 
@@ -36,6 +39,7 @@ import json
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -261,19 +265,41 @@ def serve_bare() -> None:
     asyncio.run(main())
 
 
-def payloads(cfg: ModelConfig, n_hosts: int) -> list[bytes]:
+def payloads(cfg: ModelConfig, n_hosts: int, directory: Path) -> list[Path]:
     """Distinct, plausible updates: a shared direction plus per-host noise of the same size, encoded
-    tensor by tensor (a payload's parts are independent), so only one fp32 tensor is held at a time."""
+    tensor by tensor (a payload's parts are independent) into one file per host, so only one fp32
+    tensor is held at a time, and an upload reads its payload when it starts: the client holds the
+    payloads in flight, not all of them (64 of the 10.1M model, or four of a 1.2B one, are 5 GB)."""
     spec = spec_of(cfg)
     codec = get_codec(CODEC)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # no server runs yet: the client may use every core
     out = []
-    for i in range(n_hosts):
-        parts = [codec.header(spec)]
-        for name in sorted(spec):
-            shared = torch.randn(spec[name], generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
-            noise = torch.randn(spec[name], generator=torch.Generator().manual_seed(i * 7919 + len(parts)))
-            parts.append(codec.encode_tensor(name, (shared + noise) * 1e-3))
-        out.append(b"".join(parts))
+    try:
+        for i in range(n_hosts):
+            out.append(directory / f"host{i}.payload")
+            with open(out[-1], "wb") as f:
+                f.write(codec.header(spec))
+                for k, name in enumerate(sorted(spec), start=1):
+                    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                    shared = torch.randn(spec[name], generator=gen)
+                    noise = torch.randn(spec[name], generator=torch.Generator().manual_seed(i * 7919 + k))
+                    f.write(codec.encode_tensor(name, shared.add_(noise).mul_(1e-3)))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def fragment_files(paths: list[Path], spec: dict[str, tuple[int, ...]], shards: int, directory: Path) -> list[list[Path]]:
+    """Each host's payload cut into its S fragment payloads (`split_payload`), one file per fragment."""
+    from gonka_node.host.shards import split_payload
+
+    out: list[list[Path]] = []
+    for i, path in enumerate(paths):
+        out.append([])
+        for k, part in enumerate(split_payload(get_codec(CODEC), path.read_bytes(), spec, shards)):
+            out[-1].append(directory / f"host{i}.fragment{k}")
+            out[-1][-1].write_bytes(part)
     return out
 
 
@@ -303,7 +329,7 @@ def upload_all(n: int, submit: Callable[[int], None]) -> float:
     return time.perf_counter() - start
 
 
-def bare_grpc_mb_s(data: list[bytes]) -> float:
+def bare_grpc_mb_s(paths: list[Path]) -> float:
     server = Aggregator(["--serve-bare"])
     info = pb.RoundInfo(chain_id=1, registry=bytes(20), epoch=1, round=1, base_checkpoint_sha256=bytes(32), codec=CODEC)
     try:
@@ -311,21 +337,22 @@ def bare_grpc_mb_s(data: list[bytes]) -> float:
 
             def submit(i: int) -> None:
                 evm, node = host_keys(i)
-                header = header_for(info, hashlib.sha256(evm).digest()[:20], data[i], 1000, node, bytes(32))
-                assert client.submit_raw(_requests(header, data[i], 1 << 20)).accepted
+                data = paths[i].read_bytes()
+                header = header_for(info, hashlib.sha256(evm).digest()[:20], data, 1000, node, bytes(32))
+                assert client.submit_raw(_requests(header, data, 1 << 20)).accepted
 
-            seconds = upload_all(len(data), submit)
+            seconds = upload_all(len(paths), submit)
     finally:
         server.stop()
-    return round(sum(map(len, data)) / 1e6 / seconds, 1)
+    return round(sum(p.stat().st_size for p in paths) / 1e6 / seconds, 1)
 
 
 def run_one(
-    cfg: ModelConfig, params: float | None, n_hosts: int, checks: bool, data: list[bytes], shards: int = 1
+    cfg: ModelConfig, params: float | None, n_hosts: int, checks: bool, paths: list[Path], shards: int = 1
 ) -> dict[str, Any]:
     from eth_account import Account
 
-    from gonka_node.host.shards import split_payload, submit_fragments
+    from gonka_node.host.shards import submit_fragments
 
     with tempfile.TemporaryDirectory() as tmp:
         args = ["--serve", str(n_hosts), *(["--params", str(params)] if params else []), *(["--checks"] if checks else [])]
@@ -339,12 +366,13 @@ def run_one(
             clients = [s.client() for s in servers]
             info = clients[0].open_round()
             spec = spec_of(cfg)
-            parts = [split_payload(get_codec(CODEC), d, spec, shards) for d in data] if shards > 1 else [[d] for d in data]
+            parts = fragment_files(paths, spec, shards, Path(tmp)) if shards > 1 else [[p] for p in paths]
 
             def submit(i: int) -> None:
                 evm, node = host_keys(i)
                 addr = bytes.fromhex(Account.from_key(evm).address[2:])
-                accepted, why = submit_fragments(clients, info.round, parts[i], addr, node, 1000,
+                data = [p.read_bytes() for p in parts[i]]
+                accepted, why = submit_fragments(clients, info.round, data, addr, node, 1000,
                                                  residual_root=bytes(32))
                 assert accepted, why
 
@@ -357,7 +385,7 @@ def run_one(
         finally:
             stopped = [s.stop().get("peak_rss_mb", 0.0) for s in servers]
     largest = max(range(len(servers)), key=lambda k: stopped[k])
-    total_mb = sum(len(d) for d in data) / 1e6
+    total_mb = sum(p.stat().st_size for p in paths) / 1e6
     return {
         "hosts": n_hosts,
         "shards": shards,
@@ -385,9 +413,9 @@ def stages(cfg: ModelConfig) -> dict[str, float]:
 
     torch.set_num_threads(1)
     spec, codec = spec_of(cfg), get_codec(CODEC)
-    data = payloads(cfg, 1)[0]
-    update = codec.decode(data, spec)
     with tempfile.TemporaryDirectory() as tmp:
+        data = payloads(cfg, 1, Path(tmp))[0].read_bytes()
+        update = codec.decode(data, spec)
         part = Path(tmp) / "payload.part"
 
         def spool() -> None:
@@ -447,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checks", action="store_true", help="score every host too (forward passes per host)")
     parser.add_argument("--stages", action="store_true", help="print per-stage costs of one payload and exit")
     parser.add_argument("--no-bare", action="store_true", help="skip the bare gRPC stream measurement")
+    parser.add_argument("--repeat", type=positive, default=3,
+                        help="measure each run this many times, each after its own bare stream (default: 3)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)
@@ -471,6 +501,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def plan(args: argparse.Namespace) -> list[tuple[int, int]]:
     """(hosts, shards) of each run: the default covers 4 and 64 hosts on one aggregator and 4 on 4 shards."""
     if args.hosts is None and args.shards is None:
@@ -479,17 +516,54 @@ def plan(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def measure(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """Each (hosts, shards) run `--repeat` times, a bare stream of the same payloads measured right
+    before each repeat, so every ratio pairs two measurements taken seconds apart (on shared cores the
+    two drift together; measured minutes apart, one run's ratio ranged 43-62 % on an idle machine)."""
     runs = plan(args)
-    data = payloads(cfg, max(n for n, _ in runs))
-    report: dict[str, Any] = {"model_params": cfg.num_params(), "codec": CODEC, "checks": args.checks}
-    if not args.no_bare:
-        report["bare_grpc_mb_s"] = bare_grpc_mb_s(data[: max(STREAMS * 4, min(len(data), 64))])
-        print(json.dumps({"bare_grpc_mb_s": report["bare_grpc_mb_s"]}), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = payloads(cfg, max(n for n, _ in runs), Path(tmp))
+        return _measure(cfg, args, runs, data)
+
+
+def _measure(cfg: ModelConfig, args: argparse.Namespace, runs: list[tuple[int, int]], data: list[Path]) -> dict[str, Any]:
+    bare_data = data[: max(STREAMS * 4, min(len(data), 64))]
+    report: dict[str, Any] = {"model_params": cfg.num_params(), "codec": CODEC, "checks": args.checks,
+                              "repeat": args.repeat}  # fmt: skip
+    bare_all: list[float] = []
     report["runs"] = []
     for n, shards in runs:
-        report["runs"].append(run_one(cfg, args.params, n, args.checks, data[:n], shards))
-        print(json.dumps(report["runs"][-1]), flush=True)
+        repeats = []
+        for _ in range(args.repeat):
+            bare = None if args.no_bare else bare_grpc_mb_s(bare_data)
+            one = run_one(cfg, args.params, n, args.checks, data[:n], shards)
+            repeats.append({**one, "bare_grpc_mb_s": bare})
+            print(json.dumps(repeats[-1]), flush=True)
+        bare_all += [r["bare_grpc_mb_s"] for r in repeats if r["bare_grpc_mb_s"] is not None]
+        report["runs"].append(summarise(repeats))
+        print(json.dumps({k: v for k, v in report["runs"][-1].items() if k != "repeats"}), flush=True)
+    if bare_all:
+        report["bare_grpc_mb_s"] = statistics.median(bare_all)
     return report
+
+
+def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's repeats: medians of the rates and latencies, the largest memory figures (a memory
+    target must hold in every repeat), and ingest / bare as the median of each repeat's own ratio."""
+    first = repeats[0]
+    out: dict[str, Any] = {k: first[k] for k in ("hosts", "shards", "params", "payload_mb")}
+    out["ingest_mb_s"] = round(statistics.median(r["ingest_mb_s"] for r in repeats), 1)
+    out["finalize_latency_s"] = round(statistics.median(r["finalize_latency_s"] for r in repeats), 2)
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in repeats)
+    out["rss_before_round_mb"] = max(r["rss_before_round_mb"] for r in repeats)
+    out["aggregated"] = min(r["aggregated"] for r in repeats)
+    bares = [r["bare_grpc_mb_s"] for r in repeats if r["bare_grpc_mb_s"]]
+    if bares:
+        ratios = [r["ingest_mb_s"] / r["bare_grpc_mb_s"] for r in repeats if r["bare_grpc_mb_s"]]
+        out["bare_grpc_mb_s"] = round(statistics.median(bares), 1)
+        out["ingest_vs_bare"] = round(statistics.median(ratios), 3)
+        out["ingest_vs_bare_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+    out["repeats"] = repeats
+    return out
 
 
 if __name__ == "__main__":

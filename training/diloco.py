@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -184,10 +184,41 @@ class StreamingAverager:
         }
         self._total_weight = 0.0
         self._last_key: str | None = None
+        self._spent = False  # take_result() handed the sums out as the mean
         self.keys: list[str] = []
 
     def add(self, key: str, delta: Mapping[str, Tensor], weight: float = 1.0) -> None:
         """Accumulate one host's decoded pseudo-gradient; checks everything before changing any state."""
+        self._check_key(key, weight)
+        _check_same_keys(self._spec, delta, f"delta from {key!r}")
+        for name in self._spec:
+            self._check_shape(key, name, delta[name])
+        self._accumulate(key, ((name, delta[name]) for name in sorted(self._spec)), weight)
+
+    def add_parts(self, key: str, parts: Iterable[tuple[str, Tensor]], weight: float = 1.0) -> None:
+        """`add` fed one tensor at a time (a payload decoded tensor by tensor holds one decoded tensor, not
+        the whole update), the same sums bit for bit: each tensor's sum is its own, whatever the order.
+        The key, the weight and each tensor's name and shape are checked before it is added; a stream
+        that fails part way leaves some tensors added, so the averager must then be dropped (the
+        aggregator's close starts again from its files)."""
+        self._check_key(key, weight)
+        seen: set[str] = set()
+
+        def checked() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in parts:
+                if name not in self._spec or name in seen:
+                    raise ValueError(f"StreamingAverager.add_parts: {key!r} sent {name!r} "
+                                     f"{'twice' if name in seen else 'which the model does not have'}")
+                self._check_shape(key, name, tensor)
+                seen.add(name)
+                yield name, tensor
+            _check_same_keys(self._spec, dict.fromkeys(seen), f"delta from {key!r}")
+
+        self._accumulate(key, checked(), weight)
+
+    def _check_key(self, key: str, weight: float) -> None:
+        if self._spent:
+            raise ValueError("StreamingAverager.add: take_result() already spent this averager")
         if self._last_key is not None and key <= self._last_key:
             raise ValueError(
                 f"StreamingAverager.add: key {key!r} is not after {self._last_key!r}; add contributions in sorted order"
@@ -196,15 +227,17 @@ class StreamingAverager:
             raise ValueError(
                 f"StreamingAverager.add: weight for {key!r} must be finite and > 0, got {weight}"
             )
-        _check_same_keys(self._spec, delta, f"delta from {key!r}")
-        for name, shape in self._spec.items():
-            if tuple(delta[name].shape) != shape:
-                raise ValueError(
-                    f"StreamingAverager.add: {key!r} sent {name} with shape {tuple(delta[name].shape)}, expected {shape}"
-                )
+
+    def _check_shape(self, key: str, name: str, tensor: Tensor) -> None:
+        if tuple(tensor.shape) != self._spec[name]:
+            raise ValueError(
+                f"StreamingAverager.add: {key!r} sent {name} with shape {tuple(tensor.shape)}, expected {self._spec[name]}"
+            )
+
+    def _accumulate(self, key: str, parts: Iterable[tuple[str, Tensor]], weight: float) -> None:
         w = torch.tensor(weight, dtype=torch.float32)
-        for name in sorted(self._spec):
-            d = delta[name].to(device=self._sum[name].device, dtype=torch.float32)
+        for name, tensor in parts:
+            d = tensor.to(device=self._sum[name].device, dtype=torch.float32)
             self._sum[name].add_(d if weight == 1.0 else d * w.to(d.device))
         self._total_weight += float(w)
         self._last_key = key
@@ -212,10 +245,23 @@ class StreamingAverager:
 
     def result(self) -> dict[str, Tensor]:
         """The weighted mean (new tensors); the averager can keep accumulating afterwards."""
+        inv = self._inverse_weight()
+        return {name: self._sum[name] * inv.to(self._sum[name].device) for name in sorted(self._sum)}
+
+    def take_result(self) -> dict[str, Tensor]:
+        """`result()` computed in the sums' own memory (the same values: one rounding each), so the mean
+        costs no second model; the averager is spent afterwards."""
+        inv = self._inverse_weight()
+        out = {name: self._sum[name].mul_(inv.to(self._sum[name].device)) for name in sorted(self._sum)}
+        self._sum, self._spent = {}, True
+        return out
+
+    def _inverse_weight(self) -> Tensor:
         if not self.keys:
             raise ValueError("StreamingAverager.result: no contributions were added")
-        inv = torch.tensor(1.0 / self._total_weight, dtype=torch.float32)
-        return {name: self._sum[name] * inv.to(self._sum[name].device) for name in sorted(self._sum)}
+        if self._spent:
+            raise ValueError("StreamingAverager.result: take_result() already spent this averager")
+        return torch.tensor(1.0 / self._total_weight, dtype=torch.float32)
 
 
 def average(deltas: Mapping[str, Mapping[str, Tensor]]) -> dict[str, Tensor]:

@@ -255,11 +255,7 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
     save_broadcast(store.update_path(epoch, round_), sent, meta)
     sketch = count_sketch(update).numpy().tobytes()
     atomic_write(_sketch_path(store, epoch, round_), lambda tmp: tmp.write_bytes(sketch))
-    _save_durably(
-        store.outer_state_path(epoch, round_),
-        outer.state_dict()["momentum_buffer"],
-        {"steps": str(outer.steps)},
-    )
+    _save_durably(store.outer_state_path(epoch, round_), outer.buffers, {"steps": str(outer.steps)})  # no copy
     heldout = heldout_losses(c, params, step_base)
     rewards = equal_shares(ctx.reward_per_round, [s.host for s in eligible])
     rows = [

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from gonka_node.aggregator.store import SubmissionRow
 
@@ -60,6 +60,16 @@ class CheckPool:
         self._tasks.setdefault(key, set()).add(future)
         future.add_done_callback(lambda f: self._done(row, f))
         return True
+
+    def prepare(self, job: Callable[[], object], what: str) -> None:
+        """Run `job` on a check thread ahead of every check scheduled after it (the threads take work in
+        order), at the checks' priority: work the first checks would otherwise do while uploads stream."""
+
+        def logged(future: Future[object]) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                log.error("%s failed (the checks will do it themselves): %r", what, future.exception())
+
+        self._executor.submit(job).add_done_callback(logged)
 
     def pending(self, epoch: int, round_: int) -> int:
         """Checks of the round queued or running."""

@@ -64,6 +64,7 @@ from gonka_node.aggregator.publish import RoundPublisher
 from gonka_node.aggregator.shard import ShardExchange, ShardPending
 from gonka_node.aggregator.shard_close import close_fragment, keep_decision
 from gonka_node.aggregator.store import RoundRow, ShardDecision, Store, now_ms
+from gonka_node.aggregator.validate import warm_sketch_tables
 from gonka_node.core.config import AggregationSettings, RoundSettings
 from training.overlap import base_round
 
@@ -101,6 +102,8 @@ class RoundEngine(Acceptance):
         # the GIL), each holding one decoded tensor (validate.scan_update): memory stays bounded by
         # slots × a tensor, whatever the backlog (aggregator/deferred.py).
         self.checks = CheckPool(DECODE_SLOTS, self._check_stored)
+        offsets = None if ctx.shard is None else ctx.shard.offsets
+        self.checks.prepare(lambda: warm_sketch_tables(ctx.spec, offsets), "computing the sketch's hash tables")
         self._check_errors: dict[tuple[int, int, bytes], int] = {}  # our failures to check a stored payload
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()

@@ -9,11 +9,12 @@ its fragment's base, new parameters, aggregate and momentum.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,7 @@ from gonka_node.aggregator.shard import (
 )
 from gonka_node.aggregator.shard_audit import contradiction, rewards_contradiction
 from gonka_node.aggregator.store import RoundRow, ShardDecision, Store, SubmissionRow
-from gonka_node.aggregator.validate import Sketcher, decode_update
+from gonka_node.aggregator.validate import Sketcher, decode_update, decoding, mapped
 from gonka_node.core.fragments import FragmentProof, fragment_root, plan_fragments
 from training.checkpoint import HASH_FORMAT, canonical_sha256
 from training.codecs import round_seed
@@ -118,10 +119,25 @@ def file_sha256(path: Path) -> bytes:
     return digest.digest()
 
 
+_VERIFIED: dict[tuple[str, int, int, int, int], bytes] = {}  # a file's identity → its canonical hash
+
+
+def verified_sha256(path: Path) -> bytes:
+    """`file_sha256`, computed once per file as it stands on disk (device, inode, size, modification
+    time): a close waiting on the other shards is run again each tick, and re-reading a 1.2B model's
+    4.8 GB initial checkpoint each time would cost ~4 s of CPU an attempt. A file rewritten in place
+    changes its modification time, so it is hashed again."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = file_sha256(path)
+    return _VERIFIED[key]
+
+
 def _fragment_of_whole(path: Path, expected: bytes, role: ShardRole) -> dict[str, Tensor]:
     """This shard's tensors of a whole checkpoint, the whole verified against `expected` without
     holding (or mapping) the other fragments: what keeps a shard's memory to its fragment."""
-    if file_sha256(path) != expected:
+    if verified_sha256(path) != expected:
         raise ShardMismatch(f"{path} is not the checkpoint {expected.hex()}")
     with safe_open(str(path), framework="pt") as handle:
         return {n: handle.get_tensor(n) for n in role.fragment.names}
@@ -319,19 +335,36 @@ def report(i: ClosingInputs, role: ShardRole, base: Mapping[str, Tensor], skip: 
     )
 
 
-def _decode(i: ClosingInputs, sub: SubmissionRow) -> dict[str, Tensor]:
-    update = decode_update(i.ctx.codec_for(i.round_row.round), Path(sub.path).read_bytes(), i.ctx.spec)
-    return {name: t.float() for name, t in update.items()}
+@contextlib.contextmanager
+def _decoded(i: ClosingInputs, sub: SubmissionRow) -> Iterator[Iterator[tuple[str, Tensor]]]:
+    """A stored fragment payload's tensors in sorted name order, fp32, decoded one at a time from the
+    memory-mapped file: a close holds one decoded tensor of a host, not its fragment (nor a copy of
+    its bytes). The payload passed its checks at ingest, so its names and shapes are the fragment's."""
+    codec = i.ctx.codec_for(i.round_row.round)
+
+    def tensors(data: memoryview) -> Iterator[tuple[str, Tensor]]:
+        with decoding():  # a codec's error is the sender's (Rejected), as decode_update says; a reader's is not
+            parts = codec.decode_parts(data, i.ctx.spec)
+        while True:
+            with decoding():
+                part = next(parts, None)
+            if part is None:
+                return
+            yield part[0], part[1].float()
+
+    with open(sub.path, "rb") as f, mapped(f) as data:
+        yield tensors(data)
 
 
 def _host_fragment(i: ClosingInputs, sub: SubmissionRow) -> HostFragment:
     """Per-tensor squared norms summed as the ingest check (`validate.square_norm`) and as the clip
     (`robust._norm`) sum them: the verifier adds them in sorted order into the unsharded norms."""
-    update = _decode(i, sub)
-    names = sorted(update)
-    scan = tuple(float(torch.linalg.vector_norm(update[n], dtype=torch.float64)) ** 2 for n in names)
-    clip = tuple(float(update[n].double().square().sum()) for n in names)
-    return HostFragment(sub.host, sub.started_ms, sub.received_ms, scan, clip, sub.sketch)
+    scan, clip = [], []
+    with _decoded(i, sub) as tensors:
+        for _, t in tensors:
+            scan.append(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2)
+            clip.append(float(t.double().square().sum()))
+    return HostFragment(sub.host, sub.started_ms, sub.received_ms, tuple(scan), tuple(clip), sub.sketch)
 
 
 def sketch_at(role: ShardRole, tensors: Mapping[str, Tensor]) -> bytes:
@@ -355,20 +388,26 @@ def _public(i: ClosingInputs, role: ShardRole, base: Mapping[str, Tensor]) -> tu
 # ---- aggregate and step the fragment -------------------------------------------------------------
 
 
-def _scale(update: dict[str, Tensor], norm: float, tau: float | None) -> Mapping[str, Tensor]:
-    """`robust._scale` with the whole update's norm: the fragment of the unsharded clipped update."""
+def _scaled(tensors: Iterator[tuple[str, Tensor]], norm: float, tau: float | None) -> Iterator[tuple[str, Tensor]]:
+    """`robust._scale` with the whole update's norm, tensor by tensor: the fragment of the unsharded
+    clipped update (each freshly decoded tensor scaled in place: the same single fp32 rounding)."""
     if tau is None or norm <= tau or norm == 0.0:
-        return update
+        yield from tensors
+        return
     factor = torch.tensor(tau / norm, dtype=torch.float32)
-    return {n: t.float() * factor for n, t in update.items()}
+    for name, t in tensors:
+        yield name, t.mul_(factor)
 
 
 def aggregate_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict) -> dict[str, Tensor]:
+    """The verdict's hosts' clipped fragments averaged, streamed from their files: the round holds the
+    sum (one fragment) and one decoded tensor, and the mean is taken in the sum's memory."""
     by_host = {s.host: s for s in i.submissions}
     avg = StreamingAverager(role.spec)
     for host in verdict.aggregated:  # increasing address, as the unsharded average
-        avg.add(host.hex(), _scale(_decode(i, by_host[host]), verdict.clip_norms[host], verdict.tau))
-    return avg.result()
+        with _decoded(i, by_host[host]) as tensors:
+            avg.add_parts(host.hex(), _scaled(tensors, verdict.clip_norms[host], verdict.tau))
+    return avg.take_result()
 
 
 def step_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict, base: Mapping[str, Tensor]) -> bytes:
@@ -377,10 +416,11 @@ def step_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict, base: Map
     sent = prepare_broadcast(ctx.broadcast, aggregate_fragment(i, role, verdict), ctx.codec_name,
                              round_seed(ctx.epoch_seed, row.round), i.prev_residual)
     update = sent.update
-    step_from = base
-    if i.step_base is not None:
+    step_from = base  # the round's base unless the recipe overlaps rounds (then one round older)
+    if i.step_base is not None and i.step_base != (i.base_path, row.base_sha256):
         step_from = load_fragment(i.checkpoints, *i.step_base, role, ctx.initial_checkpoint)
     params = {name: t.float().clone() for name, t in step_from.items()}
+    del step_from
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
     if i.prev_outer_state is not None:
         outer.restore(*read_outer_state(i.prev_outer_state))
@@ -395,9 +435,6 @@ def step_fragment(i: ClosingInputs, role: ShardRole, verdict: Verdict, base: Map
     save_broadcast(i.store.update_path(row.epoch, row.round), sent, meta)
     sketch = sketch_at(role, update)
     atomic_write(_sketch_path(i.store, row.epoch, row.round), lambda tmp: tmp.write_bytes(sketch))
-    _save_durably(
-        i.store.outer_state_path(row.epoch, row.round), outer.state_dict()["momentum_buffer"],
-        {"steps": str(outer.steps)},
-    )
+    _save_durably(i.store.outer_state_path(row.epoch, row.round), outer.buffers, {"steps": str(outer.steps)})
     return sha
 

@@ -12,6 +12,7 @@ import functools
 import math
 import mmap
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from gonka_node.aggregator.reasons import Reason, Rejected
+from gonka_node.core.fragments import global_offsets
 from training.codecs import CodecError, NonFiniteError, SpecMismatchError
 
 SKETCH_BUCKETS = 4096
@@ -173,6 +175,32 @@ SKETCH_CHUNK = 1 << 16  # elements per sketch step: its temporaries stay in cach
 SKETCH_CACHE_ELEMENTS = 1 << 27  # hash tables kept for at most this many coordinates (8 bytes each: 1 GiB)
 
 
+_TABLES_LOCK = threading.Lock()  # one thread computes a missing table; the others wait for it
+
+
+def _sketch_table(offset: int, numel: int, buckets: int) -> tuple[Tensor, Tensor]:
+    """`_sketch_hash`, computed once however many check threads ask for it at the same time."""
+    with _TABLES_LOCK:
+        return _sketch_hash(offset, numel, buckets)
+
+
+def warm_sketch_tables(
+    spec: Mapping[str, tuple[int, ...]], offsets: Mapping[str, int] | None = None, buckets: int = SKETCH_BUCKETS
+) -> int:
+    """Compute the hash tables of every tensor the cache keeps, ahead of the first payload: otherwise
+    the round's first checks compute them (~22 ms per million coordinates) while uploads stream in.
+    `offsets`: a shard's fragment (its tensors' coordinates in the whole update). Returns how many
+    coordinates' tables are now cached."""
+    at = global_offsets(spec) if offsets is None else offsets
+    cached = 0
+    for name in sorted(spec):
+        numel = math.prod(spec[name])
+        if at[name] + numel <= SKETCH_CACHE_ELEMENTS:
+            _sketch_table(at[name], numel, buckets)
+            cached += numel
+    return cached
+
+
 @functools.lru_cache(maxsize=4096)  # one entry per tensor of the model
 def _sketch_hash(offset: int, numel: int, buckets: int) -> tuple[Tensor, Tensor]:
     """Bucket (int32) and sign (fp32 ±1) of coordinates [offset, offset + numel): the same for every
@@ -210,7 +238,7 @@ class Sketcher:
         flat = tensor.reshape(-1).float()
         numel = flat.numel()
         cached = offset + numel <= SKETCH_CACHE_ELEMENTS
-        table = _sketch_hash(offset, numel, self.buckets) if cached else None
+        table = _sketch_table(offset, numel, self.buckets) if cached else None
         for start in range(0, numel, SKETCH_CHUNK):
             stop = min(numel, start + SKETCH_CHUNK)
             if table is not None:

@@ -348,3 +348,53 @@ def test_fma32_fast_cpu_path_is_bit_identical_to_the_reference_on_random_and_edg
         assert _bits(fma32(a, scalar, c)) == _bits(fma32_reference(a, scalar, c)), scalar
     assert _bits(fma32(a[:5], b[:5], c[:5])) == _bits(fma32_reference(a[:5], b[:5], c[:5]))  # one block
     assert fma32(a[:0], b[:0], c[:0]).numel() == 0
+
+
+def streamed_and_whole() -> tuple[StreamingAverager, StreamingAverager, dict[str, dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(11)
+    spec = {"a": (5, 3), "b": (7,)}
+    deltas = {f"0x{i}": {n: torch.randn(s, generator=g) / 3.0 for n, s in spec.items()} for i in range(3)}
+    return StreamingAverager(spec), StreamingAverager(spec), deltas
+
+
+def test_parts_fed_in_any_order_sum_bit_for_bit_as_whole_updates() -> None:
+    whole, streamed, deltas = streamed_and_whole()
+    for i, key in enumerate(sorted(deltas)):
+        whole.add(key, deltas[key], weight=0.1 + 0.2 * i)
+        order = ["b", "a"] if i % 2 else ["a", "b"]
+        streamed.add_parts(key, ((n, deltas[key][n]) for n in order), weight=0.1 + 0.2 * i)
+    expected = whole.result()
+    assert streamed.keys == whole.keys
+    took = streamed.take_result()
+    assert all(torch.equal(took[n], expected[n]) for n in expected)
+    with pytest.raises(ValueError, match=r"^StreamingAverager\.result: take_result\(\) already spent this averager$"):
+        streamed.result()
+    with pytest.raises(ValueError, match=r"^StreamingAverager\.add: take_result\(\) already spent this averager$"):
+        streamed.add_parts("0x9", iter([]))
+
+
+def test_take_result_is_the_mean_in_the_sums_memory() -> None:
+    avg = StreamingAverager({"w": (3,)})
+    avg.add("a", {"w": torch.tensor([1.0, 2.0, 4.0])})
+    avg.add("b", {"w": torch.tensor([3.0, 2.0, 1.0])})
+    held = avg._sum["w"]
+    mean = avg.take_result()["w"]
+    assert mean.tolist() == [2.0, 2.0, 2.5] and mean.data_ptr() == held.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("parts", "why"),
+    [
+        ([("a", torch.zeros(5, 3)), ("a", torch.zeros(5, 3))], r"^StreamingAverager\.add_parts: 'k' sent 'a' twice$"),
+        ([("c", torch.zeros(1))], r"^StreamingAverager\.add_parts: 'k' sent 'c' which the model does not have$"),
+        ([("b", torch.zeros(8))], r"^StreamingAverager\.add: 'k' sent b with shape \(8,\), expected \(7,\)$"),
+        ([("a", torch.zeros(5, 3))], r"^delta from 'k': parameter names differ \(missing \['b'\], unexpected \[\]\)$"),
+    ],
+)
+def test_a_stream_of_parts_is_refused_at_the_first_part_out_of_place(
+    parts: list[tuple[str, torch.Tensor]], why: str
+) -> None:
+    avg = StreamingAverager({"a": (5, 3), "b": (7,)})
+    with pytest.raises(ValueError, match=why):
+        avg.add_parts("k", iter(parts))
+    assert avg.keys == []

@@ -21,6 +21,7 @@ from eth_utils import to_checksum_address
 from test_engine_close import row, stepped, submit_all
 from test_shard_round import fragment_payload, shard_engine
 
+from gonka_node.aggregator import validate
 from gonka_node.aggregator.deferred import CHECK_NICE, CheckPool
 from gonka_node.aggregator.engine_types import SignedReceipt
 from gonka_node.aggregator.metrics import PrometheusMetrics
@@ -397,6 +398,38 @@ def test_a_check_that_fails_for_the_aggregator_is_logged_with_its_host_and_a_pas
     assert [r.getMessage() for r in caplog.records if r.name == "gonka_node.aggregator.deferred"] == [
         f"checking the payload of 0x{'01' * 20} in round 1/1 failed: OSError('disk full')"
     ]
+
+
+def test_a_prepared_job_runs_before_the_checks_scheduled_after_it_and_its_failure_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    order: list[str] = []
+
+    def warm() -> None:
+        time.sleep(0.1)  # were the check not queued behind it, it would go first
+        order.append("warm")
+        raise OSError("no memory")
+
+    async def scenario() -> None:
+        pool = CheckPool(1, lambda row: order.append(row.host.hex()))
+        pool.prepare(warm, "warming up")
+        pool.schedule(pool_rows(1)[0])
+        await pool.drain(1, 1)
+        pool.close()
+
+    with caplog.at_level(logging.ERROR, logger="gonka_node.aggregator.deferred"):
+        asyncio.run(scenario())
+    assert order == ["warm", "00" * 20]
+    assert [r.getMessage() for r in caplog.records if r.name == "gonka_node.aggregator.deferred"] == [
+        "warming up failed (the checks will do it themselves): OSError('no memory')"
+    ]
+
+
+def test_the_engine_computes_the_sketchs_hash_tables_before_the_first_upload(kit: Kit) -> None:
+    validate._sketch_hash.cache_clear()
+    e = kit.engine()
+    e.checks.close()  # waits for the warm-up, which was queued at construction
+    assert validate._sketch_hash.cache_info().currsize == len(e.ctx.spec)
 
 
 @pytest.mark.parametrize("refusal", ["OSError", "AttributeError"])

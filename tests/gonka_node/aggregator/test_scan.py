@@ -20,6 +20,7 @@ from gonka_node.aggregator.validate import (
     decode_update,
     mapped,
     scan_update,
+    warm_sketch_tables,
 )
 from training.codec_base import _NUMEL
 from training.codecs import HEADER_SIZE, CodecError, get_codec
@@ -51,6 +52,30 @@ def test_sketch_past_the_hash_cache_is_the_same(monkeypatch: pytest.MonkeyPatch)
     u = update(2)
     monkeypatch.setattr(validate, "SKETCH_CACHE_ELEMENTS", 1000)  # only the first tensor's table is cached
     assert torch.equal(count_sketch(u), reference_sketch(u))
+
+
+def test_warmed_tables_leave_the_first_sketch_nothing_to_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the engine computes before the first upload: every table the cache keeps (here the cache
+    ends after b.bias), so the first payload's sketch hashes only the tensor past the cache, and the
+    sketch is unchanged."""
+    monkeypatch.setattr(validate, "SKETCH_CACHE_ELEMENTS", 75_000 + 1_001)
+    validate._sketch_hash.cache_clear()
+    assert warm_sketch_tables(SPEC) == 76_001
+    assert validate._sketch_hash.cache_info().currsize == 2
+    computed: list[tuple[int, int]] = []
+    real = validate._hash_range
+    monkeypatch.setattr(validate, "_hash_range", lambda o, n, b: computed.append((o, n)) or real(o, n, b))
+    u = update(4)
+    assert torch.equal(count_sketch(u), reference_sketch(u))
+    assert computed == [(76_001, 65_536), (141_537, 4_464)]  # c.weight only, chunk by chunk
+
+
+def test_a_shard_warms_the_tables_at_its_fragments_coordinates() -> None:
+    validate._sketch_hash.cache_clear()
+    assert warm_sketch_tables({"c.weight": (70_000,)}, {"c.weight": 76_001}) == 70_000
+    bucket, _ = validate._sketch_hash(76_001, 70_000, 4096)
+    assert validate._sketch_hash.cache_info().hits == 1
+    assert int(bucket[0]) == ((76_001 * 1_103_515_245 + 12_345) % 2_147_483_647) % 4096
 
 
 def test_sketcher_fed_tensor_by_tensor_equals_count_sketch() -> None:

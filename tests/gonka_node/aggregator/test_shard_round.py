@@ -19,6 +19,7 @@ from engine_kit import SECOND_AGGREGATOR, SPEC, Host, Kit, chunks, initial_tenso
 from nacl.signing import SigningKey
 from safetensors.torch import load_file
 
+from gonka_node.aggregator import shard_close
 from gonka_node.aggregator.broadcast import residual_path
 from gonka_node.aggregator.chain_view import ChainView
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
@@ -384,3 +385,23 @@ def test_a_shard_reads_its_fragment_of_a_verified_whole_model_only(kit: Kit) -> 
     assert torch.equal(load_fragment(TrainingCheckpoints(), path, root, role, kit.init_path)["b"], torch.ones(3))
     with pytest.raises(ShardMismatch, match="its recorded fragment hashes do not make the root"):
         load_fragment(TrainingCheckpoints(), path, own, role, kit.init_path)
+
+
+def test_a_shard_hashes_the_whole_initial_model_once_however_often_its_close_runs(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close waiting on the other shards runs again each tick; the whole initial checkpoint (4.8 GB
+    at 1.2B parameters) is hashed the first time only, and again once the file is rewritten."""
+    hashed: list[Path] = []
+    monkeypatch.setattr(shard_close, "file_sha256", lambda p: hashed.append(p) or file_sha256(p))
+    role = shard_role(SPEC, [b"\x01" * 20, b"\x02" * 20], b"\x02" * 20, "mean")
+    assert role is not None
+    path = kit.tmp / "initial.safetensors"
+    sha = TrainingCheckpoints().save(path, initial_tensors(), {})
+    for _ in range(3):
+        assert torch.equal(load_fragment(TrainingCheckpoints(), path, sha, role, path)["b"], initial_tensors()["b"])
+    assert hashed == [path]
+    TrainingCheckpoints().save(path, {**initial_tensors(), "b": torch.zeros(3)}, {})  # replaced: a new file
+    with pytest.raises(ShardMismatch, match=f"is not the checkpoint {sha.hex()}"):
+        load_fragment(TrainingCheckpoints(), path, sha, role, path)
+    assert hashed == [path, path]
