@@ -225,6 +225,7 @@ async def _serve_engine(engine: Any) -> None:
     from gonka_node.aggregator.server import AggregatorServer
     from gonka_node.core.tls import create_identity
 
+    engine.sketch_tables.result()  # before the RSS "before the round" is read, and before any upload
     identity = create_identity()
     server = AggregatorServer(engine, identity, "127.0.0.1:0")
     port = await server.start()

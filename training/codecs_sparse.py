@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -270,6 +270,31 @@ class SharedMaskCodec(Codec):
             return super().decode(data, spec)
         finally:
             _DECODE_MASKS.reset(token)
+
+    def decode_parts(self, data: bytes | bytearray | memoryview, spec: Spec) -> Iterator[tuple[str, Tensor]]:
+        """`Codec.decode_parts`, each tensor's mask built once for the whole stream, as in `decode` (the
+        memo is set around each step only: a generator may be resumed from another context)."""
+        memo: dict[tuple[int, int, int, str], Tensor] = {}
+        token = _DECODE_MASKS.set(memo)
+        try:
+            parts = super().decode_parts(data, spec)  # the size check builds every mask once
+        finally:
+            _DECODE_MASKS.reset(token)
+        return self._with_masks(parts, memo)
+
+    @staticmethod
+    def _with_masks(
+        parts: Iterator[tuple[str, Tensor]], memo: dict[tuple[int, int, int, str], Tensor]
+    ) -> Iterator[tuple[str, Tensor]]:
+        while True:
+            token = _DECODE_MASKS.set(memo)
+            try:
+                part = next(parts, None)
+            finally:
+                _DECODE_MASKS.reset(token)
+            if part is None:
+                return
+            yield part
 
     def mask(self, numel: int, name: str) -> Tensor:
         """Flat positions sent this round (increasing); inside `decode`, built once per tensor."""

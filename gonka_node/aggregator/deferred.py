@@ -61,15 +61,18 @@ class CheckPool:
         future.add_done_callback(lambda f: self._done(row, f))
         return True
 
-    def prepare(self, job: Callable[[], object], what: str) -> None:
+    def prepare(self, job: Callable[[], object], what: str) -> Future[object]:
         """Run `job` on a check thread ahead of every check scheduled after it (the threads take work in
-        order), at the checks' priority: work the first checks would otherwise do while uploads stream."""
+        order), at the checks' priority: work the first checks would otherwise do while uploads stream.
+        A failure is logged; `close` cancels the job if no thread has taken it yet."""
 
         def logged(future: Future[object]) -> None:
             if not future.cancelled() and future.exception() is not None:
                 log.error("%s failed (the checks will do it themselves): %r", what, future.exception())
 
-        self._executor.submit(job).add_done_callback(logged)
+        future = self._executor.submit(job)
+        future.add_done_callback(logged)
+        return future
 
     def pending(self, epoch: int, round_: int) -> int:
         """Checks of the round queued or running."""

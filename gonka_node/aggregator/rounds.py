@@ -103,7 +103,9 @@ class RoundEngine(Acceptance):
         # slots × a tensor, whatever the backlog (aggregator/deferred.py).
         self.checks = CheckPool(DECODE_SLOTS, self._check_stored)
         offsets = None if ctx.shard is None else ctx.shard.offsets
-        self.checks.prepare(lambda: warm_sketch_tables(ctx.spec, offsets), "computing the sketch's hash tables")
+        self.sketch_tables = self.checks.prepare(  # done: the first payload's sketch computes no table
+            lambda: warm_sketch_tables(ctx.spec, offsets), "computing the sketch's hash tables"
+        )
         self._check_errors: dict[tuple[int, int, bytes], int] = {}  # our failures to check a stored payload
         self._trees: dict[int, RewardTree | None] = {}
         self.round_closed = asyncio.Event()

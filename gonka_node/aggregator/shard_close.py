@@ -13,10 +13,11 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -102,35 +103,41 @@ def file_sha256(path: Path) -> bytes:
     cache: no tensor is materialised and no page is mapped into this process (a mapped file's pages
     count in its resident memory), so hashing the whole initial model costs a shard nothing."""
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        entries = {k: v for k, v in header.items() if k != "__metadata__"}
-        digest = hashlib.sha256(HASH_FORMAT + struct.pack("<Q", len(entries)))
-        for name in sorted(entries, key=lambda n: n.encode("utf-8")):
-            entry, raw_name = entries[name], name.encode("utf-8")
-            dtype, shape = entry["dtype"].encode("ascii"), entry["shape"]
-            digest.update(struct.pack("<I", len(raw_name)) + raw_name + struct.pack("<I", len(dtype)) + dtype)
-            digest.update(struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape))
-            begin, end = entry["data_offsets"]
-            digest.update(struct.pack("<Q", end - begin))
-            f.seek(8 + size + begin)
-            for at in range(begin, end, HASH_CHUNK):
-                digest.update(f.read(min(HASH_CHUNK, end - at)))
+        return _canonical_sha256_of(f)
+
+
+def _canonical_sha256_of(f: BinaryIO) -> bytes:
+    (size,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(size))
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    digest = hashlib.sha256(HASH_FORMAT + struct.pack("<Q", len(entries)))
+    for name in sorted(entries, key=lambda n: n.encode("utf-8")):
+        entry, raw_name = entries[name], name.encode("utf-8")
+        dtype, shape = entry["dtype"].encode("ascii"), entry["shape"]
+        digest.update(struct.pack("<I", len(raw_name)) + raw_name + struct.pack("<I", len(dtype)) + dtype)
+        digest.update(struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape))
+        begin, end = entry["data_offsets"]
+        digest.update(struct.pack("<Q", end - begin))
+        f.seek(8 + size + begin)
+        for at in range(begin, end, HASH_CHUNK):
+            digest.update(f.read(min(HASH_CHUNK, end - at)))
     return digest.digest()
 
 
-_VERIFIED: dict[tuple[str, int, int, int, int], bytes] = {}  # a file's identity → its canonical hash
+_VERIFIED: dict[tuple[int, int, int, int, int], bytes] = {}  # a file's identity and version → its hash
 
 
 def verified_sha256(path: Path) -> bytes:
-    """`file_sha256`, computed once per file as it stands on disk (device, inode, size, modification
-    time): a close waiting on the other shards is run again each tick, and re-reading a 1.2B model's
-    4.8 GB initial checkpoint each time would cost ~4 s of CPU an attempt. A file rewritten in place
-    changes its modification time, so it is hashed again."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _VERIFIED:
-        _VERIFIED[key] = file_sha256(path)
+    """`file_sha256`, computed once per file as it stands on disk: a close waiting on the other shards
+    is run again each tick, and re-reading a 1.2B model's 4.8 GB initial checkpoint each time costs
+    ~4 s of CPU an attempt. The key is the open file's device, inode, size and modification and change
+    times, read from the descriptor the hash then reads (a rename in between cannot pair one file's
+    key with another's hash); a write changes the change time, which no user call can set back."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if key not in _VERIFIED:
+            _VERIFIED[key] = _canonical_sha256_of(f)
     return _VERIFIED[key]
 
 

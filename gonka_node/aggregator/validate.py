@@ -175,12 +175,16 @@ SKETCH_CHUNK = 1 << 16  # elements per sketch step: its temporaries stay in cach
 SKETCH_CACHE_ELEMENTS = 1 << 27  # hash tables kept for at most this many coordinates (8 bytes each: 1 GiB)
 
 
-_TABLES_LOCK = threading.Lock()  # one thread computes a missing table; the others wait for it
+_TABLE_LOCKS: dict[tuple[int, int, int], threading.Lock] = {}  # one per table: who computes it, the others wait
+_TABLE_LOCKS_LOCK = threading.Lock()
 
 
 def _sketch_table(offset: int, numel: int, buckets: int) -> tuple[Tensor, Tensor]:
-    """`_sketch_hash`, computed once however many check threads ask for it at the same time."""
-    with _TABLES_LOCK:
+    """`_sketch_hash`, computed once however many check threads ask for it at the same time; a thread
+    waits only for the table it needs (one lock per table, a few hundred per model)."""
+    with _TABLE_LOCKS_LOCK:
+        lock = _TABLE_LOCKS.setdefault((offset, numel, buckets), threading.Lock())
+    with lock:
         return _sketch_hash(offset, numel, buckets)
 
 

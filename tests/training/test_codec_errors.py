@@ -4,6 +4,7 @@ mask codec builds each tensor's mask once per decode."""
 
 from __future__ import annotations
 
+import contextvars
 import struct
 
 import numpy as np
@@ -77,3 +78,16 @@ def test_the_mask_codec_builds_each_tensors_mask_once_per_decode() -> None:
     assert all(torch.equal(decoded[n], t) for n, t in get_codec("mask:stride=3,bits=2,chunk=4").decode(payload, SPEC).items())
     codec.decode(payload, SPEC)  # the next decode builds them again: nothing outlives a decode
     assert sorted(codec.built) == ["b", "b", "w", "w"]
+
+
+def test_the_mask_codec_builds_each_tensors_mask_once_per_stream_of_parts() -> None:
+    """`decode_parts` (what the aggregator's checks and a shard's close read) shares `decode`'s memo,
+    even when the stream is read from another context (a thread's) than the one that opened it."""
+    payload = _payload("mask:stride=3,bits=2,chunk=4")
+    codec = _CountingMask(stride=3, bits=2, chunk=4)
+    codec.built = []
+    parts = codec.decode_parts(payload, SPEC)
+    assert sorted(codec.built) == ["b", "w"]  # the size check
+    streamed = dict(contextvars.copy_context().run(list, parts))
+    assert sorted(codec.built) == ["b", "w"]
+    assert all(torch.equal(streamed[n], t) for n, t in codec.decode(payload, SPEC).items())

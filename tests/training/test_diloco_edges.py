@@ -364,6 +364,14 @@ def test_parts_fed_in_any_order_sum_bit_for_bit_as_whole_updates() -> None:
         order = ["b", "a"] if i % 2 else ["a", "b"]
         streamed.add_parts(key, ((n, deltas[key][n]) for n in order), weight=0.1 + 0.2 * i)
     expected = whole.result()
+    # the documented formula, written out: (Σ_i fp32(w_i)·Δ_i) · fp32(1 / Σ_i w_i), summed in key order
+    weights = [torch.tensor(0.1 + 0.2 * i, dtype=torch.float32) for i in range(3)]
+    inv = torch.tensor(1.0 / sum(float(w) for w in weights), dtype=torch.float32)
+    for n in expected:
+        total = torch.zeros_like(expected[n])
+        for w, key in zip(weights, sorted(deltas), strict=True):
+            total.add_(deltas[key][n] * w)
+        assert torch.equal(total * inv, expected[n])
     assert streamed.keys == whole.keys
     took = streamed.take_result()
     assert all(torch.equal(took[n], expected[n]) for n in expected)

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -391,17 +392,32 @@ def test_a_shard_hashes_the_whole_initial_model_once_however_often_its_close_run
     kit: Kit, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A close waiting on the other shards runs again each tick; the whole initial checkpoint (4.8 GB
-    at 1.2B parameters) is hashed the first time only, and again once the file is rewritten."""
-    hashed: list[Path] = []
-    monkeypatch.setattr(shard_close, "file_sha256", lambda p: hashed.append(p) or file_sha256(p))
+    at 1.2B parameters) is hashed the first time only, and again once the file is replaced, or
+    rewritten in place with its modification time set back."""
+    hashed: list[str] = []
+    real = shard_close._canonical_sha256_of
+    monkeypatch.setattr(shard_close, "_canonical_sha256_of", lambda f: hashed.append(f.name) or real(f))
     role = shard_role(SPEC, [b"\x01" * 20, b"\x02" * 20], b"\x02" * 20, "mean")
     assert role is not None
     path = kit.tmp / "initial.safetensors"
     sha = TrainingCheckpoints().save(path, initial_tensors(), {})
     for _ in range(3):
         assert torch.equal(load_fragment(TrainingCheckpoints(), path, sha, role, path)["b"], initial_tensors()["b"])
-    assert hashed == [path]
+    assert hashed == [str(path)]
     TrainingCheckpoints().save(path, {**initial_tensors(), "b": torch.zeros(3)}, {})  # replaced: a new file
     with pytest.raises(ShardMismatch, match=f"is not the checkpoint {sha.hex()}"):
         load_fragment(TrainingCheckpoints(), path, sha, role, path)
-    assert hashed == [path, path]
+    assert len(hashed) == 2
+    # Rewritten in place, same size, its modification time put back: the change time still differs.
+    good = kit.tmp / "good.safetensors"
+    TrainingCheckpoints().save(good, initial_tensors(), {})
+    assert torch.equal(load_fragment(TrainingCheckpoints(), good, sha, role, good)["b"], initial_tensors()["b"])
+    before = good.stat()
+    bad = path.read_bytes()
+    assert len(bad) == before.st_size
+    with open(good, "r+b") as f:
+        f.write(bad)
+    os.utime(good, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(ShardMismatch, match=f"is not the checkpoint {sha.hex()}"):
+        load_fragment(TrainingCheckpoints(), good, sha, role, good)
+    assert len(hashed) == 4
