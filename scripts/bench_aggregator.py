@@ -334,10 +334,11 @@ def bare_grpc_mb_s(paths: list[Path]) -> float:
     server = Aggregator(["--serve-bare"])
     info = pb.RoundInfo(chain_id=1, registry=bytes(20), epoch=1, round=1, base_checkpoint_sha256=bytes(32), codec=CODEC)
     try:
+        keys = [host_keys(i) for i in range(len(paths))]  # before the clock starts, as in `run_one`
         with server.client() as client:
 
             def submit(i: int) -> None:
-                evm, node = host_keys(i)
+                evm, node = keys[i]
                 data = paths[i].read_bytes()
                 header = header_for(info, hashlib.sha256(evm).digest()[:20], data, 1000, node, bytes(32))
                 assert client.submit_raw(_requests(header, data, 1 << 20)).accepted
@@ -369,9 +370,13 @@ def run_one(
             spec = spec_of(cfg)
             parts = fragment_files(paths, spec, shards, Path(tmp)) if shards > 1 else [[p] for p in paths]
 
+            # The hosts' keys and addresses before the clock starts (deriving an address is no part of an
+            # upload, and the bare stream's client derives none).
+            keys = [host_keys(i)[1] for i in range(n_hosts)]
+            addrs = [bytes.fromhex(Account.from_key(host_keys(i)[0]).address[2:]) for i in range(n_hosts)]
+
             def submit(i: int) -> None:
-                evm, node = host_keys(i)
-                addr = bytes.fromhex(Account.from_key(evm).address[2:])
+                addr, node = addrs[i], keys[i]
                 data = [p.read_bytes() for p in parts[i]]
                 accepted, why = submit_fragments(clients, info.round, data, addr, node, 1000,
                                                  residual_root=bytes(32))

@@ -157,10 +157,14 @@ class ChainView:
         return hosts
 
     async def warm(self, epoch: int) -> int:
-        """Read every signed-in host's record in one pass (off the loop) into the member cache, as each
-        host's first upload would (same expiry), so that a round's uploads find their host cached instead
-        of each waiting for its own chain read; returns how many hosts may submit."""
-        members = await asyncio.to_thread(self.members, epoch)
+        """`warm_now` off the event loop."""
+        return await asyncio.to_thread(self.warm_now, epoch)
+
+    def warm_now(self, epoch: int) -> int:
+        """Read every signed-in host's record in one pass into the member cache, as each host's first
+        upload would (same expiry), so that a round's uploads find their host cached instead of each
+        waiting for its own chain read; returns how many hosts may submit."""
+        members = self.members(epoch)
         expires = time.monotonic() + self._member_ttl
         for m in members:
             self._members[(epoch, m.address)] = (expires, m)

@@ -133,12 +133,32 @@ class RoundEngine(Acceptance):
                 log.info("resuming the finalization of round %d/%d", ctx.epoch, stored.round)
                 self._finish(stored)
         row = self._resume_or_open()
+        self._warm_now(row)
         if row is not None and row.opened_ms < self.clock() - 1000:
             log.info(
                 "resumed open round %d/%d with %d accepted submissions (deadline %s)",
                 ctx.epoch, row.round, len(self.store.submitted_hosts(ctx.epoch, row.round)), clock_text(row.deadline_ms),
             )
         self._activate(row)
+
+    def _open_and_warm(self) -> RoundRow | None:
+        row = self._resume_or_open()
+        self._warm_now(row)
+        return row
+
+    def _warm_now(self, row: RoundRow | None) -> None:
+        """The round's hosts' chain records read in one pass before the round takes uploads (blocking:
+        at start or in a thread), so that none of its uploads waits for a chain read of its own, nor for
+        this pass, and a burst of uploads at the opening does not become a burst of reads. Best effort:
+        on a chain failure the round's first tick tries again, and uploads read their own records."""
+        if row is None or self._warmed == (row.epoch, row.round):
+            return
+        try:
+            self.chain.warm_now(row.epoch)
+        except Exception as exc:  # the chain is unreachable: nothing lost
+            log.debug("round %d/%d: could not read the hosts' records ahead (%s)", row.epoch, row.round, exc)
+            return
+        self._warmed = (row.epoch, row.round)
 
     def _resume_or_open(self) -> RoundRow | None:
         """The round to take submissions for: the stored open one (its commitment sent if a crash or an
@@ -240,7 +260,8 @@ class RoundEngine(Acceptance):
 
     async def _warm_members(self, r: RoundRow) -> None:
         """Once per round, the hosts' chain records read in one pass (uploads then authenticate from the
-        cache); best effort: on a chain failure each upload reads its own record, as without."""
+        cache), if the opening could not (`_warm_now`); best effort: on a chain failure each upload reads
+        its own record, as without."""
         if self._warmed == (r.epoch, r.round):
             return
         self._warmed = (r.epoch, r.round)
@@ -320,7 +341,7 @@ class RoundEngine(Acceptance):
         """Open the next round (its seed committed on chain first); on failure, again at the next tick,
         saying so once and then every 50 attempts."""
         try:
-            self._activate(await asyncio.to_thread(self._resume_or_open))
+            self._activate(await asyncio.to_thread(self._open_and_warm))
         except Exception as exc:  # the chain is unreachable: the commitment is retried every tick
             if self._opening_failed % 50 == 0:
                 log.warning("epoch %d: opening the next round (committing its seed on chain) failed %d time(s) "

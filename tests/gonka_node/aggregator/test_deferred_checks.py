@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -171,19 +172,43 @@ def test_the_pool_never_decodes_more_payloads_at_once_than_its_slots() -> None:
     assert sorted(seen) == sorted(r.host for r in rows)
 
 
-def test_a_rounds_first_tick_reads_every_hosts_record_once_for_its_uploads(
+def test_a_round_reads_every_hosts_record_once_before_it_takes_uploads(
     kit: Kit, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    e = kit.engine()
+    e = kit.engine(start=False)
     chain = e.chain.chain
     asked: list[str] = []
     real = chain.host_info
     monkeypatch.setattr(chain, "host_info", lambda epoch, host: asked.append(host) or real(epoch, host))
-    kit.run(e.tick())  # reads the three hosts' records ahead of their uploads
+    e.start()  # opens round 1, reading the three hosts' records before any upload can come
     assert sorted(asked) == sorted(to_checksum_address(h.address) for h in kit.hosts)
+    kit.run(e.tick())  # the first tick reads nothing again
     for i in range(2):
         assert receipted(kit, e, i, payload(update(50 + i))).body.accepted
     assert len(asked) == 3  # the uploads authenticated from the cache: no chain read of their own
+
+
+def test_a_round_whose_opening_could_not_read_the_records_reads_them_at_its_first_tick(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = kit.engine(start=False)
+    chain = e.chain.chain
+    asked: list[str] = []
+    real = chain.host_info
+
+    def flaky(epoch: int, host: str) -> Any:
+        asked.append(host)
+        if len(asked) == 1:
+            raise ConnectionError("the node is restarting")
+        return real(epoch, host)
+
+    monkeypatch.setattr(chain, "host_info", flaky)
+    e.start()
+    assert e.current is not None and e.current.round == 1  # the round opened all the same
+    kit.run(e.tick())
+    assert len(asked) == 1 + 3
+    assert receipted(kit, e, 0, payload(update(60))).body.accepted
+    assert len(asked) == 4
 
 
 def test_a_payload_the_aggregator_cannot_check_is_dropped_not_held_forever(kit: Kit) -> None:

@@ -245,15 +245,11 @@ def test_a_later_round_whose_updates_are_all_excluded_keeps_the_model_of_the_rou
 
 
 def test_the_hosts_records_are_read_ahead_once_per_round_not_every_tick(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
-    e = kit.engine()
+    e = kit.engine(start=False)
     warmed: list[int] = []
-    real = e.chain.warm
-
-    async def counted(epoch: int) -> int:
-        warmed.append(epoch)
-        return await real(epoch)
-
-    monkeypatch.setattr(e.chain, "warm", counted)
+    real = e.chain.warm_now
+    monkeypatch.setattr(e.chain, "warm_now", lambda epoch: warmed.append(epoch) or real(epoch))
+    e.start()  # the opening reads them
     for _ in range(3):  # nobody submits: the round stays open
         kit.clock.ms += 100
         kit.run(e.tick())
