@@ -70,7 +70,7 @@ class Evidence:
     signature: str  # hex ed25519 signature over the header's canonical bytes
     detail: str
     other: dict[str, Any] | None = None  # the earlier submission it copies (host, round, digest, signature)
-    payload_file: str = ""  # name of the kept payload (garbage), next to the record
+    payload_file: str = ""  # name of the kept payload (garbage, a replay mismatch), next to the record
 
     def canonical(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -208,21 +208,28 @@ def collect_evidence(store: Store, epoch: int, ident: RoundIdentity, log: Eviden
                     ref = _ref(source) if source is not None else None
                     log.add(_from_row(KIND_NEAR_COPY, by_host[c.host], row.base_sha256, ident, why, ref))
                 elif why.startswith(MISMATCH):
-                    _add_mismatch(store, log, _from_row(KIND_REPLAY_MISMATCH, by_host[c.host], row.base_sha256,
-                                                        ident, why, None), ident, row.round_seed)
+                    mismatch = _from_row(KIND_REPLAY_MISMATCH, by_host[c.host], row.base_sha256, ident, why, None)
+                    _add_mismatch(store, log, mismatch, ident, row.round_seed, Path(by_host[c.host].path))
     return [e for e in log.records() if e.epoch == epoch]
 
 
-def _add_mismatch(store: Store, log: EvidenceLog, ev: Evidence, ident: RoundIdentity, seed: bytes | None) -> None:
-    """A replay mismatch; in a top-k round, with the host's signed opening it was judged on (its record
-    under `other` and its body kept beside the record), so a voter checks that the opening is the host's,
-    and what its challenge was drawn from (the round's seed, the residual's layout, the sample), so a
-    voter recomputes the challenged chunks and re-checks an opening claimed not to answer them
-    (`claim` "unverified"); one that answers them ("judged") failed on its payload or its replay, which a
-    voter re-runs from public inputs as for any replay mismatch."""
+def _add_mismatch(
+    store: Store, log: EvidenceLog, ev: Evidence, ident: RoundIdentity, seed: bytes | None, payload: Path
+) -> None:
+    """A replay mismatch, with the host's payload kept beside the record (`payload_file`, which a voter
+    checks against the signed digest), so a voter re-runs the replay and the payload check from the
+    record and public inputs (the base checkpoint and the recipe on chain) alone; in a top-k round also
+    the host's signed opening it was judged on (its record under `other` and its body kept beside the
+    record), so a voter checks that the opening is the host's, and what its challenge was drawn from (the
+    round's seed, the residual's layout, the sample), so a voter recomputes the challenged chunks and
+    re-checks an opening claimed not to answer them (`claim` "unverified"); one that answers them
+    ("judged") failed on its payload or its replay, which a voter re-runs as for any replay mismatch."""
+    if payload.is_file():
+        ev = replace(ev, payload_file=f"{ev.header['payload_sha256']}.payload")
     opened = store.opening(ev.epoch, ev.round, bytes.fromhex(ev.header["host"]))
     if opened is None or ident.layout is None or seed is None:
-        log.add(ev)
+        if log.add(ev):
+            _keep_payload(log, ev, payload)
         return
     name = f"{opened.body_sha256.hex()}.opening"
     record = OpeningRecord(
@@ -237,6 +244,12 @@ def _add_mismatch(store: Store, log: EvidenceLog, ev: Evidence, ident: RoundIden
              "challenge": drawn, "claim": "judged" if answers else "unverified"}
     if log.add(replace(ev, other=other)):
         shutil.copyfile(opened.path, log.root / name)
+        _keep_payload(log, ev, payload)
+
+
+def _keep_payload(log: EvidenceLog, ev: Evidence, payload: Path) -> None:
+    if ev.payload_file:
+        shutil.copyfile(payload, log.root / ev.payload_file)
 
 
 def _answers(record: OpeningRecord, body: bytes, drawn: dict[str, Any]) -> bool:

@@ -228,6 +228,14 @@ def test_an_honest_opening_passes_a_missing_one_is_excluded_an_altered_one_fails
     body = kept.read_bytes()
     kept.write_bytes(body[:-1] + bytes([body[-1] ^ 1]))
     assert not verify_evidence(evidence, key, scan, terms)  # not the body the host signed
+    kept.write_bytes(body)
+    # The payload the mismatch was found on is kept with it: a voter re-runs the replay from the record.
+    sent = e.store.submission(ctx.epoch, 1, h3.h.address)
+    assert sent is not None and evidence.payload_file == f"{sent.payload_sha256.hex()}.payload"
+    payload_kept = scan / evidence.payload_file
+    assert payload_kept.read_bytes() == Path(sent.path).read_bytes() and verify_evidence(evidence, key, scan, terms)
+    payload_kept.write_bytes(payload_kept.read_bytes() + b"\x00")
+    assert not verify_evidence(evidence, key, scan, terms)  # not the payload the host signed
 
     # Round 2: e_{r-1} opens against round 1's signed roots (h2's too, which it never opened), bounded by
     # the round-1 payload the aggregator kept (h2's) or not (h1's, removed).
