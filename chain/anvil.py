@@ -22,6 +22,7 @@ class AnvilNode:
         self.url: str | None = None
         self._proc: subprocess.Popen[str] | None = None
         self._tail: deque[str] = deque(maxlen=50)
+        self._drainer: threading.Thread | None = None
 
     @staticmethod
     def available(binary: str = "anvil") -> bool:
@@ -50,24 +51,31 @@ class AnvilNode:
             self.stop()
             raise ChainError("anvil did not report its port:\n" + "".join(self._tail))
         # Keep draining its output: a full pipe would block anvil.
-        threading.Thread(target=self._drain, name="anvil-log", daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, args=(self._proc,), name="anvil-log", daemon=True)
+        self._drainer.start()
         return self.url
 
-    def _drain(self) -> None:
-        proc = self._proc
-        if proc is not None and proc.stdout is not None:
+    def _drain(self, proc: subprocess.Popen[str]) -> None:
+        if proc.stdout is not None:
             for line in proc.stdout:
                 self._tail.append(line)
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
             try:
-                self._proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._proc = None
+                proc.kill()
+                proc.wait()
+        if self._drainer is not None:  # it reads to the pipe's end, which the exit brings
+            self._drainer.join(timeout=5)
+            self._drainer = None
+        if proc.stdout is not None:
+            proc.stdout.close()
 
     def __enter__(self) -> AnvilNode:
         self.start()
