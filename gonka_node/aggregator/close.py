@@ -193,6 +193,8 @@ class ClosingInputs:
     prev_outer_state: Path | None  # the outer momentum after the previous round (None: fresh)
     eager: EagerBases | None = None  # overlap = "eager": what each host's training base is made of
     opened: Mapping[bytes, Opened] = field(default_factory=dict)  # top-k: each challenged host's opening
+    # the members' node keys: a sharded verifier checks each shard's payload blob against the host's signature
+    node_keys: Mapping[bytes, bytes] = field(default_factory=dict)
     store: Store
     checkpoints: CheckpointIO
     aggregation: AggregationSettings

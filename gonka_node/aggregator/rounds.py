@@ -458,6 +458,7 @@ class RoundEngine(Acceptance):
     def _closing_inputs(self, r: RoundRow, seed: bytes, opened: Mapping[bytes, Opened] | None = None) -> ClosingInputs:
         """Everything round `r`'s close reads (gonka_node/aggregator/close.py), gathered before it computes."""
         ctx = self.ctx
+        members = self.chain.members(r.epoch)
         return ClosingInputs(
             ctx=ctx,
             round_row=r,
@@ -465,7 +466,8 @@ class RoundEngine(Acceptance):
             submissions=self.store.submissions(r.epoch, r.round),
             earlier=[s for row in self.store.rounds(r.epoch) if row.round < r.round
                      for s in self.store.submissions(r.epoch, row.round)],
-            slots={m.address: m.slot for m in self.chain.members(r.epoch)},
+            slots={m.address: m.slot for m in members},
+            node_keys={m.address: m.node_key for m in members},
             base_path=self.base_path(r.round),
             step_base=(self.global_path(r.round - 1), self.global_sha256(r.round - 1)),
             prev_residual=self._prev_residual(r.round),

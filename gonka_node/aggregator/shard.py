@@ -41,6 +41,7 @@ from gonka_node.aggregator.close import (
 from gonka_node.aggregator.replay import chosen_for_replay
 from gonka_node.aggregator.store import ContributionRow, RoundRow, Store, SubmissionRow
 from gonka_node.core.config import AggregationSettings
+from gonka_node.core.envelope import Submission
 from gonka_node.core.fragments import Fragment, Spec, global_offsets, plan_fragments
 from training.durable import atomic_write
 
@@ -97,6 +98,43 @@ def shard_role(whole_spec: Spec, aggregators: Sequence[bytes], me: bytes, rule: 
 
 
 @dataclass(frozen=True)
+class SignedFragment:
+    """The fields of a host's signed header for its fragment payload at one shard that the round does not
+    fix, and the signature: with the epoch's and the round's (chain, registry, base, codec) they are the
+    `Submission` the host signed, so the verifier can check that a payload blob a shard puts is the one
+    the host signed there, not one the shard made up."""
+
+    payload_sha256: bytes
+    payload_length: int
+    tokens_trained: int
+    timestamp_ms: int
+    residual_root: bytes
+    signature: bytes
+
+    @classmethod
+    def of(cls, row: SubmissionRow) -> SignedFragment:
+        return cls(row.payload_sha256, row.payload_length, row.tokens_trained, row.timestamp_ms,
+                   row.residual_root, row.signature)
+
+    def submission(self, ctx: EpochContext, row: RoundRow, host: bytes) -> Submission:
+        return Submission(
+            chain_id=ctx.chain_id, registry=ctx.registry, epoch=row.epoch, round=row.round, host=host,
+            base_checkpoint_sha256=row.base_sha256, codec=ctx.codec_name, payload_sha256=self.payload_sha256,
+            payload_length=self.payload_length, tokens_trained=self.tokens_trained, timestamp_ms=self.timestamp_ms,
+            residual_root=self.residual_root,
+        )
+
+    def to_list(self) -> list[Any]:
+        return [self.payload_sha256.hex(), self.payload_length, self.tokens_trained, self.timestamp_ms,
+                self.residual_root.hex(), self.signature.hex()]
+
+    @classmethod
+    def from_list(cls, d: list[Any]) -> SignedFragment:
+        sha, length, tokens, ts, root, sig = d
+        return cls(bytes.fromhex(sha), int(length), int(tokens), int(ts), bytes.fromhex(root), bytes.fromhex(sig))
+
+
+@dataclass(frozen=True)
 class HostFragment:
     """What shard i knows of one host's accepted fragment."""
 
@@ -106,6 +144,7 @@ class HostFragment:
     scan_sq: tuple[float, ...]  # per fragment tensor (sorted): squared norm as the ingest check sums it
     clip_sq: tuple[float, ...]  # per fragment tensor: squared norm as the aggregate's clip sums it
     sketch: bytes  # fp32 count sketch of the fragment at global coordinates
+    signed: SignedFragment | None = None  # its signed header (None: a report of a version without it)
 
 
 @dataclass(frozen=True)
@@ -126,8 +165,8 @@ class FragmentReport:
         return json.dumps({
             "epoch": self.epoch, "round": self.round, "index": self.index, "count": self.count,
             "names": list(self.names), "skip": self.skip,
-            "hosts": [[h.host.hex(), h.started_ms, h.received_ms, list(h.scan_sq), list(h.clip_sq), _b64(h.sketch)]
-                      for h in self.hosts],
+            "hosts": [[h.host.hex(), h.started_ms, h.received_ms, list(h.scan_sq), list(h.clip_sq), _b64(h.sketch),
+                       *([] if h.signed is None else [h.signed.to_list()])] for h in self.hosts],
             "earlier": [[n, h.hex(), _b64(s)] for n, h, s in self.earlier],
             "public": [[label, _b64(s)] for label, s in self.public],
         })
@@ -136,8 +175,9 @@ class FragmentReport:
     def from_json(cls, text: str) -> FragmentReport:
         d: dict[str, Any] = json.loads(text)
         hosts = tuple(
-            HostFragment(bytes.fromhex(h), a, b, tuple(map(float, sq)), tuple(map(float, cl)), _unb64(k))
-            for h, a, b, sq, cl, k in d["hosts"]
+            HostFragment(bytes.fromhex(h), a, b, tuple(map(float, sq)), tuple(map(float, cl)), _unb64(k),
+                         SignedFragment.from_list(signed[0]) if signed else None)
+            for h, a, b, sq, cl, k, *signed in d["hosts"]
         )
         return cls(
             d["epoch"], d["round"], d["index"], d["count"], tuple(d["names"]), bool(d["skip"]), hosts,

@@ -41,6 +41,7 @@ from gonka_node.aggregator.shard import (
     ShardMismatch,
     ShardPending,
     ShardRole,
+    SignedFragment,
     Verdict,
     VerdictRefused,
     VerifierInputs,
@@ -303,12 +304,39 @@ def _blob(exchange: ShardExchange, row: RoundRow, index: int, key: str) -> bytes
 
 
 def whole_update(i: ClosingInputs, role: ShardRole, exchange: ShardExchange, sub: SubmissionRow) -> dict[str, Tensor]:
-    """A picked host's whole update: each shard's fragment payload decoded with its fragment's spec."""
+    """A picked host's whole update: each shard's fragment payload, checked to be the one the host signed
+    there (`unsigned_blob`), decoded with its fragment's spec."""
     codec, out = i.ctx.codec_for(i.round_row.round), {}
+    row = i.round_row
+    reports = {r.index: r for r in exchange.reports(row.epoch, row.round)}
     for k, fragment in enumerate(plan_fragments(role.whole_spec, role.count)):
-        data = _blob(exchange, i.round_row, k, payload_key(sub.host))
+        data = _blob(exchange, row, k, payload_key(sub.host))
+        why = unsigned_blob(i, reports.get(k), k, sub.host, data)
+        if why is not None:
+            raise ShardMismatch(f"round {row.epoch}/{row.round}: {why}: the verifier does not judge the host on it")
         out.update(decode_update(codec, data, fragment.spec(role.whole_spec)))
     return {name: out[name].float() for name in sorted(out)}
+
+
+def unsigned_blob(i: ClosingInputs, report: FragmentReport | None, k: int, host: bytes, data: bytes) -> str | None:
+    """Why shard k's payload blob of `host` is not the fragment payload the host signed at shard k (None:
+    it is): the blob must hash to the digest and length of the header shard k's report names for the
+    host, and that header must verify under the host's node key on chain. Otherwise a shard could make
+    an honest host fail the replay with bytes it never sent. (A host no longer signed in, whose key the
+    close does not hold, is checked against the report alone: the departed check excludes it anyway.)"""
+    who = f"0x{host.hex()}"
+    entry = None if report is None else next((h for h in report.hosts if h.host == host), None)
+    if entry is None or entry.signed is None:
+        return f"shard {k}'s report names no signed header of {who}'s fragment"
+    signed = entry.signed
+    if len(data) != signed.payload_length or hashlib.sha256(data).digest() != signed.payload_sha256:
+        return (f"shard {k}'s payload blob of {who} ({len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}…) "
+                f"is not the payload its report names ({signed.payload_length} bytes, sha256 "
+                f"{signed.payload_sha256.hex()[:16]}…)")
+    key = i.node_keys.get(host)
+    if key is not None and not signed.submission(i.ctx, i.round_row, host).verify(signed.signature, key):
+        return f"the header shard {k}'s report names for {who}'s fragment is not signed by {who}'s node key"
+    return None
 
 
 def whole_base(i: ClosingInputs, role: ShardRole, exchange: ShardExchange) -> dict[str, Tensor]:
@@ -371,7 +399,8 @@ def _host_fragment(i: ClosingInputs, sub: SubmissionRow) -> HostFragment:
         for _, t in tensors:
             scan.append(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2)
             clip.append(float(t.double().square().sum()))
-    return HostFragment(sub.host, sub.started_ms, sub.received_ms, tuple(scan), tuple(clip), sub.sketch)
+    return HostFragment(sub.host, sub.started_ms, sub.received_ms, tuple(scan), tuple(clip), sub.sketch,
+                        SignedFragment.of(sub))
 
 
 def sketch_at(role: ShardRole, tensors: Mapping[str, Tensor]) -> bytes:

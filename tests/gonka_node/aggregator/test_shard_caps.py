@@ -23,7 +23,7 @@ from test_shard_net import CHAIN, EPOCH, KEYS, REGISTRY, Peers, ShardNode, _row
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.close import PUBLIC_ROUNDS
 from gonka_node.aggregator.replay import chosen_for_replay
-from gonka_node.aggregator.shard import FragmentReport, HostFragment, Verdict, sampled_by_seed
+from gonka_node.aggregator.shard import FragmentReport, HostFragment, SignedFragment, Verdict, sampled_by_seed
 from gonka_node.aggregator.shard_inbox import ShardReason, Signed
 from gonka_node.aggregator.shard_net import FINAL, REASON_KEY, envelope_pb
 from gonka_node.aggregator.shard_quota import Quota, ShardBudget
@@ -170,7 +170,9 @@ def test_concurrent_puts_of_one_sender_cannot_race_past_its_quota(trio: list[Sha
     with pinned_channel(peer.target, peer.tls_cert_pem) as channel:
         first = spb_grpc.ShardStub(channel).Put.future(_requests(_header(b"p" * 600, 1, PAYLOAD_A), held_back()),
                                                        timeout=30)
-        _wait_for(lambda: list(s0.root.rglob(f".blob-1-{PAYLOAD_A}.msg.*.tmp")))  # reserved, streaming
+        # reserved and streaming, its first chunk on disk (else that write could land while the refusal
+        # below compares the receiver's files before and after it)
+        _wait_for(lambda: [p for p in s0.root.rglob(f".blob-1-{PAYLOAD_A}.msg.*.tmp") if p.stat().st_size >= PREFIX + 100])
         assert _refused(s0, _header(b"q" * 401, 1, PAYLOAD_B)) == ShardReason.QUOTA  # 600 reserved + 401
         release.set()
         assert first.result().stored
@@ -212,7 +214,8 @@ def test_the_quota_holds_what_an_honest_shard_sends(tmp_path: Path) -> None:
     assert path.stat().st_size <= q.base
     sketch = Sketcher().result().numpy().tobytes()
     floats = tuple(-1.2345678901234567e-300 for _ in fragment.names)
-    hosts = tuple(HostFragment(bytes([h]) * 20, 2**62, 2**62, floats, floats, sketch) for h in range(max_hosts))
+    signed = SignedFragment(b"\xff" * 32, 2**63 - 1, 2**63 - 1, 2**63 - 1, b"\xff" * 32, b"\xff" * 64)
+    hosts = tuple(HostFragment(bytes([h]) * 20, 2**62, 2**62, floats, floats, sketch, signed) for h in range(max_hosts))
     earlier = tuple((r, bytes([h]) * 20, sketch) for r in range(1, round_) for h in range(max_hosts))
     public = tuple((f"round {r}'s aggregate", sketch) for r in range(1 + PUBLIC_ROUNDS))
     report = FragmentReport(9, round_, 1, 2, fragment.names, False, hosts, earlier, public)

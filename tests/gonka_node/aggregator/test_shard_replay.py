@@ -7,6 +7,7 @@ the host whose update is twice its replay is excluded with the slashable mismatc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import statistics
 from pathlib import Path
@@ -29,6 +30,7 @@ from gonka_node.aggregator.scoring import Scorer, ScoringData
 from gonka_node.aggregator.shard import (
     BASE_KEY,
     DirExchange,
+    FragmentReport,
     LocalExchange,
     ShardExchange,
     payload_key,
@@ -189,3 +191,69 @@ def test_hosts_not_picked_are_neither_replayed_nor_scored_and_no_payload_crosses
         assert [(c.score, c.aggregated) for c in rows] == [(1.0, True)] * 3
         assert all(NOT_SAMPLED in c.reasons and not any(r.startswith("replay") for r in c.reasons) for c in rows)
     assert all(exchange.blob(kit.world.epoch4, 1, k, payload_key(h.address)) is None for k in (0, 1) for h in kit.hosts)
+
+
+class Forging(LocalExchange):
+    """Shard 1 puts, for one honest host, a fragment payload the host never sent there (its own doubled);
+    with `report_it`, its report also names that payload's digest and length in the host's header."""
+
+    def __init__(self, victim: bytes, forged: bytes, report_it: bool) -> None:
+        super().__init__()
+        self.victim, self.forged, self.report_it = victim, forged, report_it
+
+    def put_blob(self, epoch: int, round_: int, index: int, key: str, data: bytes) -> None:
+        super().put_blob(epoch, round_, index, key, self.forged if (index, key) == (1, payload_key(self.victim)) else data)
+
+    def put_report(self, report: FragmentReport) -> None:
+        if self.report_it and report.index == 1:
+            digest, size = hashlib.sha256(self.forged).digest(), len(self.forged)
+            hosts = tuple(dataclasses.replace(h, signed=dataclasses.replace(h.signed, payload_sha256=digest,
+                                                                              payload_length=size))
+                          if h.host == self.victim and h.signed is not None else h for h in report.hosts)
+            report = dataclasses.replace(report, hosts=hosts)
+        super().put_report(report)
+
+
+@pytest.mark.parametrize(
+    ("report_it", "why"),
+    [
+        (False, "shard 1's payload blob of 0x{victim} ({size} bytes, sha256 {forged}…) is not the payload its "
+                "report names ({size} bytes, sha256 {signed}…)"),
+        (True, "the header shard 1's report names for 0x{victim}'s fragment is not signed by 0x{victim}'s node key"),
+    ],
+)
+def test_the_verifier_refuses_a_payload_blob_the_host_did_not_sign(
+    kit: Kit, windows: Windows, monkeypatch: pytest.MonkeyPatch, report_it: bool, why: str
+) -> None:
+    """A shard cannot make an honest host fail the replay with bytes of its own: the verifier checks
+    each blob against the digest of the header the shard reports for the host, and that header against
+    the host's node key. It judges nobody on a blob that fails: the round waits, saying why."""
+    kit.settings = dataclasses.replace(kit.settings, max_payload_bytes=1 << 20, max_chunk_bytes=1 << 16)
+    ctx = micro_context(kit, kit.world.epoch4, windows)
+    victim = kit.hosts[0].address
+    gen = torch.Generator().manual_seed(7)
+    ups = {h.address: {n: torch.randn(s, generator=gen) * 1e-3 for n, s in ctx.spec.items()} for h in kit.hosts}
+    fragment = plan_fragments(ctx.spec, 2)[1]
+    sent = payload({n: ups[victim][n] for n in fragment.names})
+    forged = payload({n: ups[victim][n] * 2 for n in fragment.names})
+    exchange = Forging(victim, forged, report_it)
+    shards = []
+    for i, who in enumerate(ORDER):
+        role = shard_role(ctx.spec, [address(kit, a) for a in ORDER], address(kit, who), kit.aggregation.rule)
+        assert role is not None
+        shards.append(engine(kit, dataclasses.replace(ctx, spec=role.spec, shard=role), f"shard{i}", who,
+                             bytes([who]) * 32, exchange))
+    for h in kit.hosts:
+        for s in shards:
+            assert kit.submit(s, h, fragment_payload(ups[h.address], s)).body.accepted
+    for _ in range(3):  # the seed revealed, the reports in: the verifier's close meets the forged blob
+        for s in shards:
+            kit.run(s.tick())
+    failures: list[str] = []
+    monkeypatch.setattr(shards[0], "_note_close_failure", lambda r, skip, exc: failures.append(str(exc)))
+    kit.run(shards[0].tick())  # (the log says a failure once, then every 50: the reason of this attempt)
+    assert exchange.verdict(kit.world.epoch4, 1) is None
+    assert all(s.store.get_round(kit.world.epoch4, 1).state == "open" for s in shards)  # type: ignore[union-attr]
+    expected = why.format(victim=victim.hex(), size=len(sent), forged=hashlib.sha256(forged).hexdigest()[:16],
+                          signed=hashlib.sha256(sent).hexdigest()[:16])
+    assert failures == [f"round {kit.world.epoch4}/1: {expected}: the verifier does not judge the host on it"]
