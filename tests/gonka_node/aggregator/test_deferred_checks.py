@@ -172,16 +172,31 @@ def test_the_pool_never_decodes_more_payloads_at_once_than_its_slots() -> None:
     assert sorted(seen) == sorted(r.host for r in rows)
 
 
-def test_a_round_reads_every_hosts_record_once_before_it_takes_uploads(
-    kit: Kit, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def started_counting_reads(kit: Kit, monkeypatch: pytest.MonkeyPatch, fail_first: bool) -> tuple[RoundEngine, list[str]]:
+    """An engine started with every chain read of a host's record counted (the first one failing, as a
+    restarting node would, with `fail_first`)."""
     e = kit.engine(start=False)
     chain = e.chain.chain
     asked: list[str] = []
     real = chain.host_info
-    monkeypatch.setattr(chain, "host_info", lambda epoch, host: asked.append(host) or real(epoch, host))
-    e.start()  # opens round 1, reading the three hosts' records before any upload can come
-    assert sorted(asked) == sorted(to_checksum_address(h.address) for h in kit.hosts)
+
+    def counted(epoch: int, host: str) -> Any:
+        asked.append(host)
+        if fail_first and len(asked) == 1:
+            raise ConnectionError("the node is restarting")
+        return real(epoch, host)
+
+    monkeypatch.setattr(chain, "host_info", counted)
+    e.start()  # opens round 1
+    assert e.current is not None and e.current.round == 1  # the round opens all the same
+    return e, asked
+
+
+def test_a_round_reads_every_hosts_record_once_before_it_takes_uploads(
+    kit: Kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e, asked = started_counting_reads(kit, monkeypatch, fail_first=False)
+    assert sorted(asked) == sorted(to_checksum_address(h.address) for h in kit.hosts)  # before any upload
     kit.run(e.tick())  # the first tick reads nothing again
     for i in range(2):
         assert receipted(kit, e, i, payload(update(50 + i))).body.accepted
@@ -191,20 +206,7 @@ def test_a_round_reads_every_hosts_record_once_before_it_takes_uploads(
 def test_a_round_whose_opening_could_not_read_the_records_reads_them_at_its_first_tick(
     kit: Kit, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    e = kit.engine(start=False)
-    chain = e.chain.chain
-    asked: list[str] = []
-    real = chain.host_info
-
-    def flaky(epoch: int, host: str) -> Any:
-        asked.append(host)
-        if len(asked) == 1:
-            raise ConnectionError("the node is restarting")
-        return real(epoch, host)
-
-    monkeypatch.setattr(chain, "host_info", flaky)
-    e.start()
-    assert e.current is not None and e.current.round == 1  # the round opened all the same
+    e, asked = started_counting_reads(kit, monkeypatch, fail_first=True)
     kit.run(e.tick())
     assert len(asked) == 1 + 3
     assert receipted(kit, e, 0, payload(update(60))).body.accepted

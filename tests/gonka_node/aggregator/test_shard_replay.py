@@ -169,15 +169,21 @@ def test_the_sample_is_the_replay_pick_and_blobs_cross_a_directory(kit: Kit, win
     assert on_disk.blob(4, 3, 0, payload_key(hosts[0])) is None and on_disk.blob(4, 3, 1, BASE_KEY) is None
 
 
-def test_hosts_not_picked_are_neither_replayed_nor_scored_and_no_payload_crosses(kit: Kit, windows: Windows) -> None:
-    kit.settings = dataclasses.replace(kit.settings, max_payload_bytes=1 << 20, max_chunk_bytes=1 << 16)
-    exchange, ctx = LocalExchange(), dataclasses.replace(micro_context(kit, kit.world.epoch4, windows), replay_probability=0.0)
+def two_shards(kit: Kit, ctx: EpochContext, exchange: ShardExchange) -> list[RoundEngine]:
+    """The epoch's two shards of `ctx`'s model, meeting in `exchange`."""
     shards = []
     for i, who in enumerate(ORDER):
         role = shard_role(ctx.spec, [address(kit, a) for a in ORDER], address(kit, who), kit.aggregation.rule)
         assert role is not None
         shards.append(engine(kit, dataclasses.replace(ctx, spec=role.spec, shard=role), f"shard{i}", who,
                              bytes([who]) * 32, exchange))
+    return shards
+
+
+def test_hosts_not_picked_are_neither_replayed_nor_scored_and_no_payload_crosses(kit: Kit, windows: Windows) -> None:
+    kit.settings = dataclasses.replace(kit.settings, max_payload_bytes=1 << 20, max_chunk_bytes=1 << 16)
+    exchange, ctx = LocalExchange(), dataclasses.replace(micro_context(kit, kit.world.epoch4, windows), replay_probability=0.0)
+    shards = two_shards(kit, ctx, exchange)
     gen = torch.Generator().manual_seed(5)
     ups = {h.address: {n: torch.randn(s, generator=gen) * 1e-3 for n, s in ctx.spec.items()} for h in kit.hosts}
     for h in kit.hosts:
@@ -237,12 +243,7 @@ def test_the_verifier_refuses_a_payload_blob_the_host_did_not_sign(
     sent = payload({n: ups[victim][n] for n in fragment.names})
     forged = payload({n: ups[victim][n] * 2 for n in fragment.names})
     exchange = Forging(victim, forged, report_it)
-    shards = []
-    for i, who in enumerate(ORDER):
-        role = shard_role(ctx.spec, [address(kit, a) for a in ORDER], address(kit, who), kit.aggregation.rule)
-        assert role is not None
-        shards.append(engine(kit, dataclasses.replace(ctx, spec=role.spec, shard=role), f"shard{i}", who,
-                             bytes([who]) * 32, exchange))
+    shards = two_shards(kit, ctx, exchange)
     for h in kit.hosts:
         for s in shards:
             assert kit.submit(s, h, fragment_payload(ups[h.address], s)).body.accepted
