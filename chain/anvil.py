@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -36,6 +39,7 @@ class AnvilNode:
         self._proc = subprocess.Popen(
             [path, "--host", self.host, "--port", "0", *self.extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # its own process group: npm's wrapper starts the real anvil as a child
         )
         deadline = time.monotonic() + timeout_s
         assert self._proc.stdout is not None
@@ -64,17 +68,18 @@ class AnvilNode:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._drainer is not None:  # it reads to the pipe's end, which the exit brings
-            self._drainer.join(timeout=5)
-            self._drainer = None
-        if proc.stdout is not None:
+        _signal_group(proc, signal.SIGTERM)  # the wrapper and what it started (which holds the pipe too)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        drainer, self._drainer = self._drainer, None
+        if drainer is not None:  # it reads to the pipe's end, which the group's exit brings
+            drainer.join(timeout=5)
+        # Closing while the drainer still reads would wait for that read (the file's lock): then the pipe
+        # is left to the collector rather than hanging the caller.
+        if proc.stdout is not None and (drainer is None or not drainer.is_alive()):
             proc.stdout.close()
 
     def __enter__(self) -> AnvilNode:
@@ -83,3 +88,8 @@ class AnvilNode:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is gone already
+        os.killpg(proc.pid, sig)

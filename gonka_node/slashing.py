@@ -30,7 +30,7 @@ import json
 import re
 import shutil
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -121,9 +121,22 @@ def verify_evidence(
             ev, sub, node_key, evidence_dir, terms):
         return False
     if ev.payload_file and evidence_dir is not None:
-        data = (evidence_dir / ev.payload_file).read_bytes()
-        return hashlib.sha256(data).digest() == sub.payload_sha256
+        if ev.payload_file != f"{sub.payload_sha256.hex()}.payload":  # a record names no other file
+            return False
+        return _file_sha256(evidence_dir / ev.payload_file) == sub.payload_sha256
     return True
+
+
+def _file_sha256(path: Path) -> bytes | None:
+    """A kept file's sha256, read in chunks (a payload may be gigabytes); None: it is not there."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                digest.update(chunk)
+    except FileNotFoundError:
+        return None
+    return digest.digest()
 
 
 class EvidenceLog:
@@ -142,9 +155,8 @@ class EvidenceLog:
             self.add(self._evidence(KIND_COPY, sub, signature, "identical payload digest", other))
         elif reason in GARBAGE_REASONS and payload is not None:
             name = f"{sub.payload_sha256.hex()}.payload"
-            ev = self._evidence(KIND_GARBAGE, sub, signature, f"{reason.name}: {detail}", None, name)
-            if self.add(ev):
-                shutil.copyfile(payload, self.root / name)
+            self.add(self._evidence(KIND_GARBAGE, sub, signature, f"{reason.name}: {detail}", None, name),
+                     {name: payload})
 
     @staticmethod
     def _evidence(
@@ -153,12 +165,19 @@ class EvidenceLog:
         return Evidence(kind, sub.epoch, sub.round, to_checksum_address(sub.host), header_fields(sub),
                         sig.hex(), detail, other, file)
 
-    def add(self, ev: Evidence) -> bool:
-        """Record `ev` unless the host already has evidence of this kind in this epoch; True if new."""
+    def add(self, ev: Evidence, files: Mapping[str, Path] | None = None) -> bool:
+        """Record `ev` unless the host already has evidence of this kind in this epoch; True if new.
+        `files` (name → source: a payload, an opening's body) are copied beside it first, each written
+        whole and renamed into place, so a crash never leaves a record naming a file missing or cut short
+        (their names are their content's digest: a second copy of one is the same bytes)."""
         with self._lock:
             self.root.mkdir(parents=True, exist_ok=True)
             if any((e.epoch, e.host, e.kind) == (ev.epoch, ev.host, ev.kind) for e in self.records()):
                 return False
+            for name, source in (files or {}).items():
+                part = self.root / f"{name}.part"
+                shutil.copyfile(source, part)
+                part.replace(self.root / name)
             tmp = self.root / f"{ev.hash.hex()}.tmp"
             tmp.write_bytes(ev.canonical())
             tmp.replace(self.root / f"{ev.hash.hex()}.json")
@@ -224,12 +243,13 @@ def _add_mismatch(
     round's seed, the residual's layout, the sample), so a voter recomputes the challenged chunks and
     re-checks an opening claimed not to answer them (`claim` "unverified"); one that answers them
     ("judged") failed on its payload or its replay, which a voter re-runs as for any replay mismatch."""
+    files: dict[str, Path] = {}
     if payload.is_file():
         ev = replace(ev, payload_file=f"{ev.header['payload_sha256']}.payload")
+        files[ev.payload_file] = payload
     opened = store.opening(ev.epoch, ev.round, bytes.fromhex(ev.header["host"]))
     if opened is None or ident.layout is None or seed is None:
-        if log.add(ev):
-            _keep_payload(log, ev, payload)
+        log.add(ev, files)
         return
     name = f"{opened.body_sha256.hex()}.opening"
     record = OpeningRecord(
@@ -242,14 +262,7 @@ def _add_mismatch(
     answers = _answers(record, Path(opened.path).read_bytes(), drawn)
     other = {"opening": header_fields(record), "signature": bytes(opened.signature).hex(), "body_file": name,
              "challenge": drawn, "claim": "judged" if answers else "unverified"}
-    if log.add(replace(ev, other=other)):
-        shutil.copyfile(opened.path, log.root / name)
-        _keep_payload(log, ev, payload)
-
-
-def _keep_payload(log: EvidenceLog, ev: Evidence, payload: Path) -> None:
-    if ev.payload_file:
-        shutil.copyfile(payload, log.root / ev.payload_file)
+    log.add(replace(ev, other=other), {**files, name: Path(opened.path)})
 
 
 def _answers(record: OpeningRecord, body: bytes, drawn: dict[str, Any]) -> bool:
@@ -283,6 +296,8 @@ def _opening_holds(
         return False
     if evidence_dir is None:
         return True
+    if other["body_file"] != f"{record.body_sha256.hex()}.opening":  # a record names no other file
+        return False
     data = (evidence_dir / other["body_file"]).read_bytes()
     if hashlib.sha256(data).digest() != record.body_sha256 or len(data) != record.body_length:
         return False

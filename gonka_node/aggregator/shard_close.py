@@ -313,7 +313,8 @@ def whole_update(i: ClosingInputs, role: ShardRole, exchange: ShardExchange, sub
         data = _blob(exchange, row, k, payload_key(sub.host))
         why = unsigned_blob(i, reports.get(k), k, sub.host, data)
         if why is not None:
-            raise ShardMismatch(f"round {row.epoch}/{row.round}: {why}: the verifier does not judge the host on it")
+            raise ShardMismatch(f"round {row.epoch}/{row.round}: {why}: the verifier's close waits (it judges no "
+                                "host on such a blob)")
         out.update(decode_update(codec, data, fragment.spec(role.whole_spec)))
     return {name: out[name].float() for name in sorted(out)}
 

@@ -4,6 +4,7 @@ line): stopping it ends the process, its log thread, and closes the pipe (no fil
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 from pathlib import Path
 
@@ -43,3 +44,16 @@ def test_a_node_that_never_reports_its_port_is_stopped_and_says_so(tmp_path: Pat
     with pytest.raises(ChainError, match="anvil did not report its port:\nstarting"):
         node.start()
     assert node._proc is None
+
+
+def test_stopping_a_wrapper_also_stops_what_it_started(tmp_path: Path) -> None:
+    """npm's `anvil` is a wrapper that starts the real binary, which shares the pipe: the whole process
+    group is stopped, so the pipe ends and nothing is left running (before, the child kept the pipe)."""
+    node = AnvilNode(binary=stand_in(tmp_path, '#!/bin/sh\necho "Listening on 127.0.0.1:8545"\nsleep 60 &\nwait\n'))
+    node.start()
+    proc = node._proc
+    assert proc is not None and proc.stdout is not None
+    started = time.monotonic()
+    node.stop()
+    # Closed only once the drainer read the pipe's end: every writer, the child too, has exited.
+    assert time.monotonic() - started < 5 and proc.stdout.closed

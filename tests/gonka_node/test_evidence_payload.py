@@ -4,6 +4,7 @@ host signed. On a real store, with a real signature."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -47,3 +48,24 @@ def test_a_dense_replay_mismatch_keeps_the_payload_a_voter_checks(tmp_path: Path
     assert verify_evidence(record, voter_key, evidence_dir)
     (evidence_dir / record.payload_file).write_bytes(payload + b"!")
     assert not verify_evidence(record, voter_key, evidence_dir)  # not the bytes the host signed
+
+
+def test_a_record_names_its_payload_by_the_signed_digest_and_no_other_file(tmp_path: Path) -> None:
+    """A record is the aggregator's words: one naming another file (a path elsewhere, a device) for its
+    payload does not verify, whatever that file holds."""
+    key, host = SigningKey(b"\x08" * 32), b"\x0d" * 20
+    payload = b"bytes"
+    sub = Submission(chain_id=IDENT.chain_id, registry=IDENT.registry, epoch=1, round=1, host=host,
+                     base_checkpoint_sha256=BASE, codec=IDENT.codec, payload_sha256=hashlib.sha256(payload).digest(),
+                     payload_length=len(payload), tokens_trained=1, timestamp_ms=1, residual_root=b"\x01" * 32)
+    log = EvidenceLog(tmp_path / "evidence")
+    ev = log._evidence(KIND_REPLAY_MISMATCH, sub, sub.sign(key), "replay mismatch", None,
+                       f"{sub.payload_sha256.hex()}.payload")
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(payload)
+    assert log.add(ev, {ev.payload_file: elsewhere})
+    assert verify_evidence(ev, bytes(key.verify_key), log.root)
+    assert not list(log.root.glob("*.part"))  # written whole, then renamed
+    assert not verify_evidence(dataclasses.replace(ev, payload_file=str(elsewhere)), bytes(key.verify_key), log.root)
+    (log.root / ev.payload_file).unlink()
+    assert not verify_evidence(ev, bytes(key.verify_key), log.root)  # a record whose payload is gone

@@ -257,4 +257,5 @@ def test_the_verifier_refuses_a_payload_blob_the_host_did_not_sign(
     assert all(s.store.get_round(kit.world.epoch4, 1).state == "open" for s in shards)  # type: ignore[union-attr]
     expected = why.format(victim=victim.hex(), size=len(sent), forged=hashlib.sha256(forged).hexdigest()[:16],
                           signed=hashlib.sha256(sent).hexdigest()[:16])
-    assert failures == [f"round {kit.world.epoch4}/1: {expected}: the verifier does not judge the host on it"]
+    assert failures == [f"round {kit.world.epoch4}/1: {expected}: the verifier's close waits (it judges no host on "
+                        "such a blob)"]
