@@ -21,6 +21,9 @@ class Answer:
     sha: str
     header_sha: str
     error: Exception | None = None
+    # when its response headers came: the server had chosen its model by then (a request sent earlier may
+    # still wait for the server behind the others, past a switch: `started` does not bound the choice)
+    answered: float = 0.0
 
 
 class Load:
@@ -28,6 +31,8 @@ class Load:
 
     def __init__(self, url: str, clients: int) -> None:
         self.answers: list[Answer] = []
+        self.streaming = 0  # streams whose headers came and whose chunks still come
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(url, i)) for i in range(clients)]
 
@@ -58,17 +63,25 @@ class Load:
     def _whole(client: openai.OpenAI, seed: int) -> Answer:
         raw = client.completions.with_raw_response.create(model="gonka-epoch-1", prompt="x", max_tokens=120,
                                                           seed=seed)
+        answered = time.monotonic()
         gonka = raw.parse().model_extra["gonka"]
         return Answer(0, time.monotonic(), {gonka["round"]}, gonka["checkpoint_sha256"],
-                      raw.headers["x-gonka-checkpoint-sha256"])
+                      raw.headers["x-gonka-checkpoint-sha256"], answered=answered)
 
-    @staticmethod
-    def _stream(client: openai.OpenAI, seed: int) -> Answer:
+    def _stream(self, client: openai.OpenAI, seed: int) -> Answer:
         with client.completions.with_streaming_response.create(model="gonka-epoch-1", prompt="y", max_tokens=120,
                                                                seed=seed, stream=True) as raw:
-            chunks = [chunk.model_extra["gonka"] for chunk in raw.parse()]
+            answered = time.monotonic()
+            with self._lock:
+                self.streaming += 1
+            try:
+                chunks = [chunk.model_extra["gonka"] for chunk in raw.parse()]
+            finally:
+                with self._lock:
+                    self.streaming -= 1
             header = raw.headers["x-gonka-checkpoint-sha256"]
-        return Answer(0, time.monotonic(), {c["round"] for c in chunks}, chunks[-1]["checkpoint_sha256"], header)
+        return Answer(0, time.monotonic(), {c["round"] for c in chunks}, chunks[-1]["checkpoint_sha256"], header,
+                      answered=answered)
 
 
 def wait_for_round(handle, round_: int, timeout_s: float = 60.0) -> tuple[float, float]:
@@ -89,7 +102,7 @@ def test_a_new_round_is_served_under_load_without_a_failed_request(world: ServeW
     try:
         assert [m.id for m in handle.served()] == ["gonka-epoch-1-round-2"]
         with Load(handle.url, clients=4) as load:
-            while len(load.answers) < 4:
+            while len(load.answers) < 4 or not load.streaming:  # a stream is under way when round 3 comes
                 time.sleep(0.01)
             world.finalize(3)
             before, after = wait_for_round(handle, 3)
@@ -104,7 +117,7 @@ def test_a_new_round_is_served_under_load_without_a_failed_request(world: ServeW
         (round_,) = answer.rounds  # a stream never changes models midway
         assert answer.sha == answer.header_sha == world.shas[round_]
     assert {next(iter(a.rounds)) for a in load.answers} == {2, 3}
-    across = [a for a in load.answers if a.started < before and a.ended > after]
+    across = [a for a in load.answers if a.answered < before and a.ended > after]
     assert across and all(a.rounds == {2} for a in across)  # in flight at the switch: finished on round 2
     assert all(a.rounds == {3} for a in load.answers if a.started > after)
 
