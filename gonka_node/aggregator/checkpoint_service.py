@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from gonka_node.aggregator.rounds import RoundEngine
+from gonka_node.aggregator.store import STEPPED
 from proto.gonka.v1 import checkpoints_pb2 as cpb
 from proto.gonka.v1 import checkpoints_pb2_grpc as cpb_grpc
 from proto.gonka.v1 import common_pb2 as common
@@ -55,7 +56,7 @@ async def checkpoint_stream(
         path, sha = engine.ctx.initial_checkpoint, engine.ctx.initial_sha256
     else:
         row = engine.store.get_round(epoch, round_)
-        if row is None or row.state != "finalized":
+        if row is None or row.state not in STEPPED:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint for round {epoch}/{round_}")
         assert row is not None and row.checkpoint_sha256 is not None
         path, sha = engine.store.checkpoint_path(epoch, round_), row.checkpoint_sha256

@@ -31,7 +31,7 @@ from gonka_node.aggregator.rounds import RoundEngine
 from gonka_node.aggregator.shard_close import served_proof
 from gonka_node.aggregator.shard_net import NetExchange
 from gonka_node.aggregator.shard_service import ShardService
-from gonka_node.aggregator.store import CHECKED, FAILED, PENDING, RoundRow
+from gonka_node.aggregator.store import CHECKED, DECIDED, FAILED, PENDING, STEPPED, RoundRow
 from gonka_node.core.config import RoundSettings
 from gonka_node.core.envelope import EnvelopeError, Submission
 from gonka_node.core.storage import ObjectMissing, StoreError
@@ -358,7 +358,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
     ) -> AsyncIterator[common.FileChunk]:
         row = await self._done_round(request.epoch, request.round, context)
         path = self.engine.store.update_path(row.epoch, row.round)
-        if row.state != "finalized" or not path.exists():
+        if row.state not in STEPPED or not path.exists():
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"round {row.epoch}/{row.round} was skipped: no update"
             )
@@ -416,7 +416,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
     async def _fragment_proof(self, row: RoundRow) -> pb.FragmentProof | None:
         """A shard's proof of its fragment of a finalized round (None: unsharded, or nothing stepped)."""
         shard = self.engine.ctx.shard
-        if shard is None or row.state != "finalized":
+        if shard is None or row.state not in STEPPED:
             return None
         path = self.engine.store.checkpoint_path(row.epoch, row.round)
         proof = await asyncio.to_thread(served_proof, path, shard)
@@ -427,7 +427,7 @@ class AggregatorService(pb_grpc.AggregatorServicer):
 
     async def _done_round(self, epoch: int, round_: int, context: grpc.aio.ServicerContext) -> RoundRow:
         row = self.engine.store.get_round(epoch, round_)
-        if row is None or row.state not in ("finalized", "skipped"):
+        if row is None or row.state not in DECIDED:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"round {epoch}/{round_} is not finalized")
             raise AssertionError("unreachable: abort raises")
         return row

@@ -99,6 +99,14 @@ CREATE TABLE IF NOT EXISTS openings (   -- a challenged top-k submission's resid
 """
 
 
+# A round's states once its close computed and durably recorded its result (the intent; its files are
+# written before it). The chain may record the result before this aggregator marks it finalized, and a
+# host that saw the chain asks in that window: what is served from here is checked against the chain by
+# whoever receives it, so the intent is served as soon as it exists.
+DECIDED = ("finalizing", "finalized", "skipping", "skipped")
+STEPPED = ("finalizing", "finalized")  # decided with an outer step: an update and a checkpoint exist
+
+
 @dataclass(frozen=True)
 class RoundRow:
     epoch: int

@@ -236,3 +236,44 @@ def test_restart_after_voting_below_quorum_does_not_vote_again(harness: Harness)
         assert ours.latest_round(h.epoch) == 1  # the second aggregator's vote reached the quorum
     finally:
         again.stop()
+
+
+def test_a_round_the_chain_finalized_is_served_before_the_aggregator_marks_it(harness: Harness) -> None:
+    """A host follows the chain: once the finalize transaction is mined it asks for the round's update,
+    and may ask before this aggregator has recorded that the transaction went through. The update, the
+    checkpoint and the result are served in that window (a NOT_FOUND there sent hosts to pull the whole
+    checkpoint, and lose their outer momentum)."""
+    h = harness
+    h.schedule(3)
+    server = h.start_server()
+    view = server.engine.chain
+    asked: dict[str, object] = {}
+    real_finalize = view.finalize_round
+
+    def finalize_then_ask(*args: object, **kwargs: object) -> object:
+        sent = real_finalize(*args, **kwargs)  # type: ignore[arg-type]
+        row = server.engine.store.get_round(h.epoch, 1)
+        asked["state"] = None if row is None else row.state
+        with server.client() as asking:
+            try:
+                asked["update"] = asking.round_update(h.epoch, 1).data
+                asked["checkpoint"] = asking.checkpoint(h.epoch, 1).meta.content_sha256
+                asked["result"] = asking.round_result(h.epoch, 1)
+            except grpc.RpcError as exc:
+                asked["error"] = f"{exc.code()}: {exc.details()}"
+        return sent
+
+    view.finalize_round = finalize_then_ask  # type: ignore[method-assign]
+    with server.client() as client:
+        info = client.open_round()
+        for host in h.hosts:
+            assert client.submit(info, host.address, h.payload(h.honest_update(host, 1)), host.key, 1000).accepted
+        assert wait_state(server, h.epoch, 1, ("finalized", "skipped")) == "finalized"
+        assert "error" not in asked, asked.get("error")
+        assert asked["state"] == "finalizing"  # asked in the window, not after it
+        on_chain = h.world.client(0).round_result(h.epoch, 1)
+        assert asked["checkpoint"] == on_chain.checkpoint_sha256
+        assert asked["update"] == client.round_update(h.epoch, 1).data  # the same bytes as after the mark
+        result = asked["result"]
+        assert isinstance(result, pb.RoundResult)
+        assert (result.state, result.checkpoint_sha256) == ("finalizing", on_chain.checkpoint_sha256)
