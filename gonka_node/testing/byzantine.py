@@ -91,7 +91,8 @@ class EpochReport:
     rounds: list[int] = field(default_factory=list)  # rounds that closed (finalized or skipped)
     stake: int = STAKE
     stake_lost: dict[str, int] = field(default_factory=dict)  # address → stake − what remains on chain
-    close_delay_s: dict[int, float] = field(default_factory=dict)  # round → close − deadline passed (wall)
+    # round → seconds from its deadline passing to its close beginning (uploads cut: LATE from then on)
+    close_delay_s: dict[int, float] = field(default_factory=dict)
     epoch: int = 0
     addresses: dict[int, str] = field(default_factory=dict)  # host index (1..hosts) → address
 
@@ -218,6 +219,7 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
     tap = Tap()
     attempts = {i: Attempts() for i in keys}
     passed: dict[int, float] = {}
+    began: dict[int, float] = {}
     try:
         server = Aggregator(engine)
         with server as target:
@@ -226,7 +228,7 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
                      for i in keys]
             with ThreadPoolExecutor(len(nodes)) as pool:
                 futures = [pool.submit(n.run) for n in nodes]
-                _drive(engine, clock, attempts, futures, plan.timeout_s, passed)
+                _drive(engine, clock, attempts, futures, plan.timeout_s, passed, began)
                 for f in futures:
                     f.result(timeout=60)
         records = collect_evidence(store, epoch, RoundIdentity.of(ctx), evidence)
@@ -234,7 +236,7 @@ def run_epoch(plan: EpochPlan, root: Path, cache_dir: Path | None = None) -> Epo
         slashed = challenge_all(agg_chain, [agg_chain], epoch, records, "evidence/<sha256>.json")
         report = _report(plan, stake, root, store, epoch, nodes, slashed, started, cache_dir)
         report.stake_lost = {h: gov.host_info(epoch, h).slashed for h in report.rewards}
-        report.close_delay_s = _close_delays(store, epoch, passed)
+        report.close_delay_s = _close_delays(store, epoch, passed, began)
         return report
     finally:
         store.close()
@@ -258,15 +260,18 @@ def _node(plan: EpochPlan, stake: int, i: int, aggregator: tuple[str, bytes], ta
 
 
 def _drive(engine: RoundEngine, clock: DrivenClock, attempts: dict[int, Attempts], futures: list[Any],
-           timeout_s: float, passed: dict[int, float]) -> None:
+           timeout_s: float, passed: dict[int, float], began: dict[int, float]) -> None:
     """Move the aggregator's clock past a round's deadline once every host has made its attempt;
-    `passed` gets the wall time (time.time()) at which each round's deadline was passed so."""
+    `passed` gets the wall time (time.time()) at which each round's deadline was passed so, `began` the
+    wall time at which its close was first seen under way (polled: up to 50 ms late)."""
     deadline = time.monotonic() + timeout_s
     while not all(f.done() for f in futures):
         for f in futures:
             if f.done() and f.exception() is not None:
                 raise f.exception()
         r = engine.current
+        if r is not None and engine.closing:
+            began.setdefault(r.round, time.time())
         if r is not None and not engine.closing and all(r.round in a.rounds for a in attempts.values()):
             clock.offset = max(clock.offset, r.deadline_ms - now_ms() + 1)
             passed.setdefault(r.round, time.time())
@@ -275,13 +280,17 @@ def _drive(engine: RoundEngine, clock: DrivenClock, attempts: dict[int, Attempts
         time.sleep(0.05)
 
 
-def _close_delays(store: Store, epoch: int, passed: dict[int, float]) -> dict[int, float]:
-    """round → seconds from the driven clock passing its deadline to its close (the store's closed_ms,
-    wall time); 0 for a round that closed before its deadline (everyone had submitted)."""
+def _close_delays(store: Store, epoch: int, passed: dict[int, float], began: dict[int, float]) -> dict[int, float]:
+    """round → seconds from the driven clock passing its deadline to its close beginning (`began`; a close
+    over before the poll saw it: its end, the store's closed_ms); 0 for a round that closed before its
+    deadline (everyone had submitted). What follows the beginning (the checks, replays, scoring) is the
+    close's own work, which no host can stretch by holding an upload open: it takes seconds more on a
+    loaded machine and measures the machine, not the stall."""
     out = {}
     for row in store.rounds(epoch):
         if row.closed_ms is not None:
-            out[row.round] = max(0.0, row.closed_ms / 1000 - passed[row.round]) if row.round in passed else 0.0
+            start = began.get(row.round, row.closed_ms / 1000)
+            out[row.round] = max(0.0, start - passed[row.round]) if row.round in passed else 0.0
     return out
 
 
