@@ -33,7 +33,7 @@ from gonka_node.host.events import HostEvents, LogEvents
 from gonka_node.host.follow import GlobalModel, NextModel, adopt, dense_update, follow_to, step_ahead
 from gonka_node.host.rig_round import LocalRounds, RigError, RigRounds, Rounds, make_worker
 from gonka_node.host.settings import RETRYABLE, ChainHashes, HostError, HostSettings, patiently
-from gonka_node.host.store import HostStore, Progress
+from gonka_node.host.store import HostStore, Progress, RollbackPoint
 from gonka_node.host.upload import PendingUpload
 from proto.gonka.v1 import aggregator_pb2 as pb
 from proto.gonka.v1 import common_pb2 as common
@@ -74,6 +74,9 @@ class HostNode:
         # checks are known: a payload that FAILED them is no submission, and its residual is undone
         # (docs/PROTOCOL.md "Challenge and opening", e_{r−1})
         self._before_round: dict[int, dict[str, Any]] = {}
+        # the file under the store's sent/ that holds the worker's current state (None: none does, e.g.
+        # once a round trained): what a round's rollback point is linked to instead of written again
+        self._state_file: Path | None = None
 
     # ---- sign-in ----------------------------------------------------------------------------------
 
@@ -305,11 +308,14 @@ class HostNode:
         else:
             self.rounds.load_state_dict(before)
 
-    def _keep(self, result: WorkerRound) -> None:
+    def _keep(self, result: WorkerRound, before: RollbackPoint | None = None) -> RollbackPoint | None:
         """Save the trained round durably before its upload starts (`HostStore.save_sent`); an overlapped
-        top-k host keeps the previous round's state too, which that round's challenge opens."""
+        top-k host keeps the previous round's state too, which that round's challenge opens, and `before`,
+        the state the round trained from (its rollback point, returned as now kept on disk)."""
         self.store.save_sent(result.round, result.payload, result.residual_root, self.rounds.state_dict(),
-                             keep_previous=self._opens_kept_state)
+                             keep_previous=self._opens_kept_state, before=before)
+        self._state_file = self.store.sent_state_path(result.round)
+        return None if before is None else RollbackPoint(before.state, self.store.before_path(result.round))
 
     def _record_accepted(self, round_: int, payload: bytes, progress: Progress) -> None:
         progress.submitted[str(round_)] = hashlib.sha256(payload).hexdigest()
@@ -330,6 +336,7 @@ class HostNode:
         def params_file() -> Path:
             return self._global_file(gm, progress) if base is None else self._base_file(base)
 
+        self._state_file = None  # the state trained on is no file's any more
         try:
             result = self.rounds.train_round(round_, gm.params if base is None else base, params_file, on_step)
         except RigError as exc:
@@ -363,7 +370,7 @@ class HostNode:
         # No round is undone from the challenge's thread when its checks fail (`Challenges._forget_failed`):
         # the next round has compressed on top of it by then; `_train_overlapped` undoes it instead.
         self._before_round.clear()
-        undo: dict[str, Any] | None = None  # the worker state before the round uploading (`pending`)
+        undo: RollbackPoint | None = None  # the worker state before the round uploading (`pending`)
         restarted = self.challenges.answer_restarted(progress, self.chain.latest_round(self.settings.epoch))
         try:
             while True:
@@ -390,7 +397,7 @@ class HostNode:
                     pending = None
                     return progress
                 result, undo = self._train_overlapped(r, gm, progress, pending, undo)
-                self._keep(result)  # before it is sent: an eager round r + 1's base is forecast with it
+                undo = self._keep(result, undo)  # before it is sent: an eager round r + 1's base is forecast with it
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
@@ -411,8 +418,8 @@ class HostNode:
                 pending.wait()
 
     def _train_overlapped(
-        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, undo: dict[str, Any] | None
-    ) -> tuple[WorkerRound, dict[str, Any] | None]:
+        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, undo: RollbackPoint | None
+    ) -> tuple[WorkerRound, RollbackPoint | None]:
         """Train round r while round r − 1 (`pending`) uploads, the held model being the one after r − 2;
         an eager host forecasts with round r − 1's payload (training/overlap.py). If the aggregator then
         refuses round r − 1 (or it FAILED its checks: a top-k or eager host waits for their verdict), round
@@ -425,20 +432,22 @@ class HostNode:
         refused LATE) rolls back the same way: `undo` is the state before `pending`'s round either way."""
         eager, uploading = self.recipe.overlap == "eager", pending is not None and pending.round == r - 1
         # A fresh top-k epoch's snapshot shares the residuals and copies no AdamW state (each round restarts it).
-        before = self.rounds.snapshot() if self._rolls_back or (eager and uploading) else None
+        before = RollbackPoint(self.rounds.snapshot(), self._state_file) if self._rolls_back or (eager and uploading) \
+            else None
         own = self._sent_payload(r - 1, pending, progress) if eager else None
         result = self._train(r, gm, progress, self._eager_base(r, gm, own) if eager else None)
         keep = before if self._rolls_back else None  # the next round's `undo`
-        back = undo if undo is not None else before if eager and uploading else None  # None: a restart lost `undo`
+        back = undo if undo is not None else before if eager and uploading else None  # None: nothing to undo
         if pending is None or back is None or pending.accepted():
             return result, keep
         self.events.note(f"round {r}: round {pending.round}'s upload was refused; training round {r} again "
                          + (f"from round {gm.round_done}'s model (no payload of ours to forecast with)" if eager
                             and uploading else f"from the residual before round {pending.round} (the one the "
                             "aggregator holds)"))
-        self.rounds.load_state_dict(back)
+        self.rounds.load_state_dict(back.state)
+        self._state_file = back.file
         # Snapshot afresh: the retraining updates in place what `load_state_dict` took from `back`.
-        again = self.rounds.snapshot() if self._rolls_back else None
+        again = RollbackPoint(self.rounds.snapshot(), back.file) if self._rolls_back else None
         return self._train(r, gm, progress, self._eager_base(r, gm, None if uploading else own) if eager
                            else None), again
 
@@ -475,10 +484,33 @@ class HostNode:
 
     def _recover_uploads(self, progress: Progress) -> None:
         """Adopt, in order, the rounds after the last recorded one that were kept and that the aggregator
-        holds (an overlapping host may have two uploads unrecorded)."""
-        r = max([progress.round_done, *(int(k) for k in progress.submitted)]) + 1
-        while self._recover_upload(r, progress):
-            r += 1
+        holds (an overlapping host may have two uploads unrecorded). An overlapped top-k host resumes
+        from the state before the first of them that the aggregator does not hold (its upload was cut,
+        refused, or failed its checks): the snapshot's state may carry that round's residual, which the
+        aggregator's e_{r−1} does not (the next opening would not match it)."""
+        recorded = max([progress.round_done, *(int(k) for k in progress.submitted)])
+        kept = [r for r in self.store.sent_rounds() if r > recorded]
+        adopted = True  # the round before (recorded, or adopted here): its state is the current one
+        for r in range(recorded + 1, max(kept, default=recorded) + 1):
+            if self._recover_upload(r, progress):
+                adopted = True
+                continue
+            if adopted and self._rolls_back:
+                self._resume_before(r)
+            adopted = False
+
+    def _resume_before(self, round_: int) -> None:
+        """Take the worker state `round_` trained from, as kept with it, if it was (`HostStore.save_sent`)."""
+        state = self.store.load_sent_before(round_)
+        if state is None:
+            return
+        try:
+            self.rounds.load_state_dict(state)
+        except RigError as exc:
+            raise HostError(f"{self.store.root}: {exc}") from exc
+        self._state_file = self.store.before_path(round_)
+        self.events.note(f"round {round_}: the aggregator does not hold the payload this host kept; resuming "
+                         "from the state the round trained from")
 
     def _recover_upload(self, round_: int, progress: Progress) -> bool:
         """Whether this host's payload of `round_` as kept before its upload (`HostStore.save_sent`) is the
@@ -495,8 +527,13 @@ class HostNode:
                                    lambda: self.aggregator.submission(self.settings.epoch, round_, self.host_bytes))
         except grpc.RpcError:  # none held (NOT_FOUND): train it again
             return False
-        if bytes(held.payload_sha256) != hashlib.sha256(kept.payload).digest() or \
-                held.state == pb.SubmissionStatus.FAILED:
+        if bytes(held.payload_sha256) != hashlib.sha256(kept.payload).digest():
+            return False
+        if held.state == pb.SubmissionStatus.PENDING and (self._challengeable or self.recipe.overlap == "eager"):
+            # What follows it depends on its verdict: the residual the next round trains on (top-k) or
+            # the payload its eager base is forecast with count only if it passes the checks.
+            held = self._verdict(held, round_)
+        if held.state == pb.SubmissionStatus.FAILED:
             return False
         if kept.has_state:
             if self._challengeable:  # should its checks fail yet, the residual goes back to this
@@ -505,11 +542,27 @@ class HostNode:
                 self.rounds.load_state_dict(self.store.load_sent_state(round_))
             except RigError as exc:
                 raise HostError(f"{self.store.root}: {exc}") from exc
+            self._state_file = self.store.sent_state_path(round_)
         self.residual_roots[round_] = kept.residual_root
         self._record_accepted(round_, kept.payload, progress)
         self.events.note(f"round {round_}: the aggregator holds the payload this host kept (sent before a restart); "
                          "resuming from the state it left instead of training it again")
         return True
+
+    def _verdict(self, held: pb.SubmissionStatus, round_: int) -> pb.SubmissionStatus:
+        """This host's submission of `round_` (`held`, PENDING) once its checks ran, asked again while a
+        backlog delays them; `held` itself when the aggregator will not say (an older one: UNIMPLEMENTED)."""
+        epoch = self.settings.epoch
+        while True:
+            try:
+                return self._patiently(f"round {round_}'s checks", lambda: self.aggregator.checked(
+                    epoch, round_, self.host_bytes, self.settings.poll_s))
+            except TimeoutError:
+                continue
+            except grpc.RpcError as exc:
+                self.events.note(f"round {round_}: the verdict of its checks is not known ({exc.code().name}); "
+                                 "counting the payload the aggregator holds as submitted")
+                return held
 
     def _update_bytes(self, round_: int) -> bytes:
         return self.aggregator.round_update(self.settings.epoch, round_).data

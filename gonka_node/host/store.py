@@ -19,6 +19,11 @@ Layout under the host's state directory:
                                a host killed after the aggregator took the payload resumes from it
                                instead of training the round again, whose residual on a GPU would not be
                                bit for bit the one it signed; a challenge of the round opens it
+        before.pt              the worker state the round trained from (an overlapped top-k host only,
+                               `RollbackPoint`): a host killed before the aggregator took the payload, or
+                               whose payload failed its checks, resumes from it, since the aggregator's
+                               e_{r−1} is the residual after the host's last *checked* round; a hard link
+                               to the file already holding it where there is one (no second write)
 
 A snapshot folder is complete before `progress.json` names it (each file fsync'd, then the folder,
 then an atomic rename of progress.json), so a crash at any point leaves the previous snapshot intact.
@@ -27,6 +32,7 @@ then an atomic rename of progress.json), so a crash at any point leaves the prev
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -41,6 +47,7 @@ from gonka_node.core.fragments import model_root
 from training.durable import durable_replace, fsync_path
 
 PROGRESS = "progress.json"
+BEFORE = "before.pt"
 
 
 @dataclass
@@ -79,6 +86,16 @@ class SentRound:
     payload: bytes
     residual_root: bytes
     has_state: bool  # worker.pt is kept (only the newest round's is)
+
+
+@dataclass(frozen=True)
+class RollbackPoint:
+    """The worker state a round trained from (`state`), and the file that already holds it, if any
+    (`file`: a kept round's `worker.pt` or `before.pt`; files under `sent/` are only ever replaced whole,
+    never written in place, so a hard link to one keeps that content)."""
+
+    state: Mapping[str, Any]
+    file: Path | None = None
 
 
 @dataclass
@@ -157,14 +174,15 @@ class HostStore:
 
     def save_sent(
         self, round_: int, payload: bytes, residual_root: bytes, worker_state: Mapping[str, Any] | None = None,
-        keep_previous: bool = False,
+        keep_previous: bool = False, before: RollbackPoint | None = None,
     ) -> None:
         """Keep `round_` durably before its upload starts: a crash after the aggregator took the payload
         must lose neither the payload (an eager host's next base) nor the state that signed it. Drops
         the rounds before `round_` − 1 and the worker state of every older round (the snapshot, or this
         round's, holds what a restart resumes from), except `round_` − 1's with `keep_previous` (an
         overlapped top-k host: that round may still be challenged, and its residuals are opened from
-        it; it is final before `round_` + 1 trains, whose save drops it)."""
+        it; it is final before `round_` + 1 trains, whose save drops it). `before`: the state the round
+        trained from, kept as long as the round (`before.pt`)."""
         folder = self._sent(round_)
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -173,6 +191,8 @@ class HostStore:
         (tmp / "round.json").write_text(json.dumps({"residual_root": residual_root.hex()}))
         if worker_state is not None:
             torch.save(dict(worker_state), tmp / "worker.pt")  # the tensors themselves: no copy
+        if before is not None:
+            _keep_state(before, tmp / BEFORE)
         for f in tmp.iterdir():
             fsync_path(f)
         shutil.rmtree(folder, ignore_errors=True)
@@ -193,6 +213,24 @@ class HostStore:
         return SentRound(round_, (folder / "payload.bin").read_bytes(), bytes.fromhex(meta["residual_root"]),
                          (folder / "worker.pt").exists())
 
+    def sent_rounds(self) -> list[int]:
+        """The rounds `save_sent` keeps, oldest first."""
+        folders = (self.root / "sent").glob("round-*")
+        return sorted(int(f.name.split("-")[1]) for f in folders if not f.name.endswith(".tmp"))
+
+    def sent_state_path(self, round_: int) -> Path:
+        """Where `save_sent` keeps the worker state after `round_`."""
+        return self._sent(round_) / "worker.pt"
+
+    def before_path(self, round_: int) -> Path:
+        """Where `save_sent` keeps the worker state `round_` trained from (present only if given)."""
+        return self._sent(round_) / BEFORE
+
+    def load_sent_before(self, round_: int) -> dict[str, Any] | None:
+        """The worker state `round_` trained from, as kept with it (None: not kept)."""
+        path = self.before_path(round_)
+        return dict(torch.load(path, weights_only=True)) if path.exists() else None
+
     def load_sent_state(self, round_: int, mmap: bool = False) -> dict[str, Any]:
         """The worker state kept with `round_` (`SentRound.has_state`). `mmap`: mapped, not read (an
         opening touches only its chunks of the residuals; the file must stay until they are used)."""
@@ -202,3 +240,16 @@ class HostStore:
         """The payload `save_sent` kept for `round_` (None: none kept)."""
         path = self._sent(round_) / "payload.bin"
         return path.read_bytes() if path.exists() else None
+
+
+def _keep_state(point: RollbackPoint, path: Path) -> None:
+    """Write `point`'s state to `path`: a hard link to the file that holds it when there is one (a
+    residual is as large as the model: a second write of it would cost the round seconds), else saved."""
+    if point.file is not None and point.file.exists():
+        try:
+            os.link(point.file, path)
+            return
+        except OSError:  # another filesystem, or one without hard links: copy it
+            shutil.copyfile(point.file, path)
+            return
+    torch.save(dict(point.state), path)

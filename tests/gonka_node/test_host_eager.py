@@ -342,7 +342,7 @@ def test_a_delayed_top_k_host_whose_previous_upload_is_refused_trains_the_round_
     node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
     first, undo = node._train_overlapped(1, gm, progress, None, None)
     assert undo is not None
-    initial = copy.deepcopy(undo)
+    initial = copy.deepcopy(dict(undo.state))
     after_first = copy.deepcopy(node.rounds.state_dict())
 
     def refused(round_: int, payload: bytes) -> PendingUpload:
@@ -372,6 +372,76 @@ def test_a_delayed_top_k_host_whose_previous_upload_is_refused_trains_the_round_
     assert any("round 3's upload was refused; training round 5 again from the residual before round 3" in n
                for n in notes.notes)
     node.rounds.close()
+
+
+class _Kept:
+    """An aggregator that holds the host's kept payload of the rounds in `held`, each with its checks'
+    verdict: PENDING first (the checks still running when the host restarted), then `verdict`."""
+
+    target = "127.0.0.1:9"
+
+    def __init__(self, store: HostStore, held: dict[int, int]) -> None:
+        self.store, self.held = store, held
+        self.asked: list[int] = []
+
+    def _status(self, round_: int, state: int) -> pb.SubmissionStatus:
+        payload = self.store.load_payload(round_)
+        assert payload is not None
+        return pb.SubmissionStatus(state=state, payload_sha256=hashlib.sha256(payload).digest())
+
+    def submission(self, epoch: int, round_: int, host: bytes) -> pb.SubmissionStatus:
+        if round_ not in self.held:
+            raise _NotFound()
+        return self._status(round_, pb.SubmissionStatus.PENDING)
+
+    def checked(self, epoch: int, round_: int, host: bytes, poll_s: float) -> pb.SubmissionStatus:
+        self.asked.append(round_)
+        return self._status(round_, self.held[round_])
+
+
+@pytest.mark.parametrize("round_1", ["cut", "failed", "checked"])
+def test_a_delayed_top_k_host_killed_before_its_previous_round_was_final_resumes_from_what_the_aggregator_holds(
+    tmp_path: Path, round_1: str,
+) -> None:
+    # Round 1 uploading, round 2 trained on top of its residual, both kept; the snapshot saved between
+    # them holds the state after round 1. Then the daemon dies. If the aggregator does not hold round 1
+    # (the upload was cut) or its payload fails the checks that were still running, the restarted host
+    # resumes from the state before round 1, the one whose residual the aggregator's e_{r−1} is: it
+    # trains round 1 again to the same payload. If round 1 passes, it resumes after round 1 and trains
+    # round 2 to the same payload.
+    world = base.build_world(tmp_path, replay_probability=1.0, inner_steps=4, n_rounds=5, overlap="delayed",
+                             codec="topk:chunk=4096,k=128,bits=2")
+    node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=Notes())
+    gm, progress = node._prepare()
+    node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
+    first, undo = node._train_overlapped(1, gm, progress, None, None)
+    undo = node._keep(first, undo)
+    node._save(gm, progress)  # as `_apply` does before the next round: the state after round 1
+    second, undo_2 = node._train_overlapped(2, gm, progress, None, undo)
+    node._keep(second, undo_2)
+    store = node.store
+    # Round 2 trained from the state kept with round 1: linked, not written again.
+    assert store.before_path(2).stat().st_ino == store.sent_state_path(1).stat().st_ino
+    assert store.before_path(1).exists() and store.sent_rounds() == [1, 2]
+    node.rounds.close()
+
+    notes = Notes()
+    again = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1", events=notes)
+    verdict = {"failed": pb.SubmissionStatus.FAILED, "checked": pb.SubmissionStatus.CHECKED}.get(round_1)
+    aggregator = _Kept(store, {} if verdict is None else {1: verdict})
+    again.aggregator = aggregator  # type: ignore[assignment]
+    gm_2, progress_2 = again._prepare()
+    again._spec, again._busy_until = node._spec, time.monotonic()
+    assert aggregator.asked == ([] if verdict is None else [1])  # a PENDING verdict is waited for
+    if round_1 == "checked":
+        assert progress_2.submitted == {"1": hashlib.sha256(first.payload).hexdigest()}
+        assert again._train_overlapped(2, gm_2, progress_2, None, None)[0].payload == second.payload
+    else:
+        assert progress_2.submitted == {}
+        assert again._train_overlapped(1, gm_2, progress_2, None, None)[0].payload == first.payload
+        assert any("round 1: the aggregator does not hold the payload this host kept; resuming from the state "
+                   "the round trained from" in n for n in notes.notes)
+    again.rounds.close()
 
 
 def test_a_delayed_top_k_host_of_a_carry_epoch_keeps_no_rollback_point(tmp_path: Path) -> None:
