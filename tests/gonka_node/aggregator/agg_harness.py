@@ -136,6 +136,8 @@ class ServerThread:
             self.run(self.server.stop(0.2))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():  # else it is still running: closing it would raise
+            self.loop.close()
         self.engine.store.close()
 
 

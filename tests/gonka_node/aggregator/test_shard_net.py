@@ -94,6 +94,8 @@ class ShardNode:
             asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():  # else it is still running: closing it would raise
+            self.loop.close()
         self.exchange.close()
 
     def put_raw(self, s: Signed) -> spb.ShardAck:
