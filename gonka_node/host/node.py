@@ -65,7 +65,7 @@ class HostNode:
         )
         self.events = events or LogEvents()
         self.sleep = sleep
-        self.store = HostStore(settings.state_dir)
+        self.store = HostStore(settings.state_dir, settings.epoch)
         self.host_bytes = bytes.fromhex(keys.evm_address[2:])
         # round → the root of the residual its training left (`WorkerRound.residual_root`), signed with
         # its payload; a round trained again (a refusal, a restart) records its new root
@@ -75,7 +75,8 @@ class HostNode:
         # (docs/PROTOCOL.md "Challenge and opening", e_{r−1})
         self._before_round: dict[int, dict[str, Any]] = {}
         # the file under the store's sent/ that holds the worker's current state (None: none does, e.g.
-        # once a round trained): what a round's rollback point is linked to instead of written again
+        # once a round trained): what an overlapped round's rollback point is linked to instead of
+        # written again
         self._state_file: Path | None = None
 
     # ---- sign-in ----------------------------------------------------------------------------------
@@ -137,7 +138,8 @@ class HostNode:
             gm = GlobalModel(snap.global_params, bytes.fromhex(progress.model_sha256), progress.round_done, outer,
                              self.recipe.shards)
             self.events.note(f"resumed at round {progress.round_done} from {self.store.root}")
-            self._recover_uploads(progress)
+            if self._recover_uploads(progress):
+                self._save(gm, progress)
             self.rounds.start()
             return gm, progress
         # The daemon's copy of the global model: a model of its own (a rig trains in other processes).
@@ -150,9 +152,12 @@ class HostNode:
                 f"{spec.init_checkpoint_hash.hex()}"
             )
         progress = Progress(self.settings.epoch, slot, 0, sha.hex())
-        self._recover_uploads(progress)
+        resumed = self._recover_uploads(progress)
+        gm = GlobalModel(params, sha, 0, self._outer(), self.recipe.shards)
+        if resumed:
+            self._save(gm, progress)
         self.rounds.start()
-        return GlobalModel(params, sha, 0, self._outer(), self.recipe.shards), progress
+        return gm, progress
 
     def _assignment_beacon(self) -> bytes:
         """The randomness the recipe's assignment waits for ("signin-block": exists once sign-in closed)."""
@@ -307,6 +312,7 @@ class HostNode:
                 self._before_round[info.round] = before
         else:
             self.rounds.load_state_dict(before)
+            self._state_file = None
 
     def _keep(self, result: WorkerRound, before: RollbackPoint | None = None) -> RollbackPoint | None:
         """Save the trained round durably before its upload starts (`HostStore.save_sent`); an overlapped
@@ -482,28 +488,28 @@ class HostNode:
             return kept
         return kept if kept is not None and self._contribution(round_) is not None else None
 
-    def _recover_uploads(self, progress: Progress) -> None:
+    def _recover_uploads(self, progress: Progress) -> bool:
         """Adopt, in order, the rounds after the last recorded one that were kept and that the aggregator
-        holds (an overlapping host may have two uploads unrecorded). An overlapped top-k host resumes
-        from the state before the first of them that the aggregator does not hold (its upload was cut,
-        refused, or failed its checks): the snapshot's state may carry that round's residual, which the
-        aggregator's e_{r−1} does not (the next opening would not match it)."""
+        holds (an overlapping host may have two uploads unrecorded). An overlapped top-k host whose next
+        round after the recorded one is not held (its upload was cut, refused, or failed its checks)
+        resumes from the state that round trained from: the snapshot, saved once the round before it
+        was final, may carry that round's residual, which the aggregator's e_{r−1} does not (the next
+        opening would not match it). Only that round's: the snapshot carries no later one, and after a
+        round adopted here the state is the one it left. Returns whether it resumed so (the snapshot
+        is then saved again: a crash while that round is kept anew must not find the old state)."""
         recorded = max([progress.round_done, *(int(k) for k in progress.submitted)])
         kept = [r for r in self.store.sent_rounds() if r > recorded]
-        adopted = True  # the round before (recorded, or adopted here): its state is the current one
+        resumed = False
         for r in range(recorded + 1, max(kept, default=recorded) + 1):
-            if self._recover_upload(r, progress):
-                adopted = True
-                continue
-            if adopted and self._rolls_back:
-                self._resume_before(r)
-            adopted = False
+            if not self._recover_upload(r, progress) and r == recorded + 1 and self._rolls_back:
+                resumed = self._resume_before(r)
+        return resumed
 
-    def _resume_before(self, round_: int) -> None:
+    def _resume_before(self, round_: int) -> bool:
         """Take the worker state `round_` trained from, as kept with it, if it was (`HostStore.save_sent`)."""
         state = self.store.load_sent_before(round_)
         if state is None:
-            return
+            return False
         try:
             self.rounds.load_state_dict(state)
         except RigError as exc:
@@ -511,6 +517,7 @@ class HostNode:
         self._state_file = self.store.before_path(round_)
         self.events.note(f"round {round_}: the aggregator does not hold the payload this host kept; resuming "
                          "from the state the round trained from")
+        return True
 
     def _recover_upload(self, round_: int, progress: Progress) -> bool:
         """Whether this host's payload of `round_` as kept before its upload (`HostStore.save_sent`) is the
@@ -532,7 +539,10 @@ class HostNode:
         if held.state == pb.SubmissionStatus.PENDING and (self._challengeable or self.recipe.overlap == "eager"):
             # What follows it depends on its verdict: the residual the next round trains on (top-k) or
             # the payload its eager base is forecast with count only if it passes the checks.
-            held = self._verdict(held, round_)
+            verdict = self._verdict(held, round_)
+            if verdict is None:  # no longer held
+                return False
+            held = verdict
         if held.state == pb.SubmissionStatus.FAILED:
             return False
         if kept.has_state:
@@ -549,17 +559,24 @@ class HostNode:
                          "resuming from the state it left instead of training it again")
         return True
 
-    def _verdict(self, held: pb.SubmissionStatus, round_: int) -> pb.SubmissionStatus:
+    def _verdict(self, held: pb.SubmissionStatus, round_: int) -> pb.SubmissionStatus | None:
         """This host's submission of `round_` (`held`, PENDING) once its checks ran, asked again while a
-        backlog delays them; `held` itself when the aggregator will not say (an older one: UNIMPLEMENTED)."""
+        backlog delays them (the round's close waits for them too). None: no longer held (NOT_FOUND);
+        `held` itself when the aggregator will not say otherwise."""
         epoch = self.settings.epoch
+        said = False
         while True:
             try:
                 return self._patiently(f"round {round_}'s checks", lambda: self.aggregator.checked(
                     epoch, round_, self.host_bytes, self.settings.poll_s))
             except TimeoutError:
-                continue
+                if not said:
+                    self.events.note(f"round {round_}: waiting for the aggregator's checks of the payload it "
+                                     "holds (what this host resumes from depends on their verdict)")
+                    said = True
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return None
                 self.events.note(f"round {round_}: the verdict of its checks is not known ({exc.code().name}); "
                                  "counting the payload the aggregator holds as submitted")
                 return held

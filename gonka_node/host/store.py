@@ -11,7 +11,8 @@ Layout under the host's state directory:
     sent/round-<round>/        a trained round, written before its upload starts (`save_sent`):
         payload.bin            the payload (an eager host forecasts the next round's base with it:
                                training/overlap.py)
-        round.json             the residual root signed with it
+        round.json             the residual root signed with it, and the epoch (a state folder outlives
+                               its epoch: another epoch's rounds are never read as this one's)
         worker.pt              the worker state after the round (both error-feedback residuals, the
                                step, AdamW only in a "carry" epoch;
                                kept for the newest round only, and for the one before it too on an
@@ -107,8 +108,9 @@ class Snapshot:
 
 
 class HostStore:
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, epoch: int | None = None) -> None:
+        """`epoch`: the epoch whose kept rounds (`sent/`) this store reads and writes (None: any)."""
+        self.root, self.epoch = root, epoch
 
     def _snap(self, round_done: int) -> Path:
         return self.root / f"snap-{round_done:06d}"
@@ -188,7 +190,7 @@ class HostStore:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         (tmp / "payload.bin").write_bytes(payload)
-        (tmp / "round.json").write_text(json.dumps({"residual_root": residual_root.hex()}))
+        (tmp / "round.json").write_text(json.dumps({"residual_root": residual_root.hex(), "epoch": self.epoch}))
         if worker_state is not None:
             torch.save(dict(worker_state), tmp / "worker.pt")  # the tensors themselves: no copy
         if before is not None:
@@ -207,8 +209,8 @@ class HostStore:
     def load_sent(self, round_: int) -> SentRound | None:
         """What `save_sent` kept of `round_` (None: nothing kept), without its worker state."""
         folder = self._sent(round_)
-        if not (folder / "payload.bin").exists():
-            return None
+        if not (folder / "payload.bin").exists() or not (folder / "round.json").exists() or not self._ours(round_):
+            return None  # nothing kept, a folder half deleted by a crash, or another epoch's
         meta = json.loads((folder / "round.json").read_text())
         return SentRound(round_, (folder / "payload.bin").read_bytes(), bytes.fromhex(meta["residual_root"]),
                          (folder / "worker.pt").exists())
@@ -216,7 +218,16 @@ class HostStore:
     def sent_rounds(self) -> list[int]:
         """The rounds `save_sent` keeps, oldest first."""
         folders = (self.root / "sent").glob("round-*")
-        return sorted(int(f.name.split("-")[1]) for f in folders if not f.name.endswith(".tmp"))
+        rounds = (int(f.name.split("-")[1]) for f in folders if not f.name.endswith(".tmp"))
+        return sorted(r for r in rounds if self._ours(r))
+
+    def _ours(self, round_: int) -> bool:
+        """Whether the kept `round_` is of this store's epoch (one kept before epochs were recorded: yes)."""
+        meta = self._sent(round_) / "round.json"
+        if self.epoch is None or not meta.exists():
+            return True
+        kept = json.loads(meta.read_text()).get("epoch")
+        return kept is None or kept == self.epoch
 
     def sent_state_path(self, round_: int) -> Path:
         """Where `save_sent` keeps the worker state after `round_`."""
@@ -229,7 +240,7 @@ class HostStore:
     def load_sent_before(self, round_: int) -> dict[str, Any] | None:
         """The worker state `round_` trained from, as kept with it (None: not kept)."""
         path = self.before_path(round_)
-        return dict(torch.load(path, weights_only=True)) if path.exists() else None
+        return dict(torch.load(path, weights_only=True)) if path.exists() and self._ours(round_) else None
 
     def load_sent_state(self, round_: int, mmap: bool = False) -> dict[str, Any]:
         """The worker state kept with `round_` (`SentRound.has_state`). `mmap`: mapped, not read (an
@@ -239,7 +250,7 @@ class HostStore:
     def load_payload(self, round_: int) -> bytes | None:
         """The payload `save_sent` kept for `round_` (None: none kept)."""
         path = self._sent(round_) / "payload.bin"
-        return path.read_bytes() if path.exists() else None
+        return path.read_bytes() if path.exists() and self._ours(round_) else None
 
 
 def _keep_state(point: RollbackPoint, path: Path) -> None:

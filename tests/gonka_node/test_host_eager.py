@@ -35,7 +35,7 @@ from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import GlobalModel
 from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.rig_round import LocalRounds, make_worker
-from gonka_node.host.store import HostStore, Progress
+from gonka_node.host.store import HostStore, Progress, RollbackPoint
 from gonka_node.host.upload import PendingUpload
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import load_checkpoint
@@ -403,11 +403,12 @@ class _Kept:
 def test_a_delayed_top_k_host_killed_before_its_previous_round_was_final_resumes_from_what_the_aggregator_holds(
     tmp_path: Path, round_1: str,
 ) -> None:
-    # Round 1 uploading, round 2 trained on top of its residual, both kept; the snapshot saved between
-    # them holds the state after round 1. Then the daemon dies. If the aggregator does not hold round 1
-    # (the upload was cut) or its payload fails the checks that were still running, the restarted host
-    # resumes from the state before round 1, the one whose residual the aggregator's e_{r−1} is: it
-    # trains round 1 again to the same payload. If round 1 passes, it resumes after round 1 and trains
+    # Round 1 kept and uploading, round 2 training on top of its residual; then the daemon dies. If the
+    # aggregator does not hold round 1 (the upload was cut) or its payload fails the checks still running,
+    # the restarted host resumes from the state before round 1, the one whose residual the aggregator's
+    # e_{r−1} is, though its snapshot (saved once round 0 was final, as `_apply` does) holds the state
+    # after round 1: it trains round 1 again to the same payload. If round 1 passes, the host (killed
+    # once round 2 was kept, before recording round 1; no snapshot) resumes after round 1 and trains
     # round 2 to the same payload.
     world = base.build_world(tmp_path, replay_probability=1.0, inner_steps=4, n_rounds=5, overlap="delayed",
                              codec="topk:chunk=4096,k=128,bits=2")
@@ -416,13 +417,16 @@ def test_a_delayed_top_k_host_killed_before_its_previous_round_was_final_resumes
     node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
     first, undo = node._train_overlapped(1, gm, progress, None, None)
     undo = node._keep(first, undo)
-    node._save(gm, progress)  # as `_apply` does before the next round: the state after round 1
-    second, undo_2 = node._train_overlapped(2, gm, progress, None, undo)
-    node._keep(second, undo_2)
     store = node.store
-    # Round 2 trained from the state kept with round 1: linked, not written again.
-    assert store.before_path(2).stat().st_ino == store.sent_state_path(1).stat().st_ino
-    assert store.before_path(1).exists() and store.sent_rounds() == [1, 2]
+    if round_1 == "checked":
+        second, undo_2 = node._train_overlapped(2, gm, progress, None, undo)
+        node._keep(second, undo_2)
+        # Round 2 trained from the state kept with round 1: linked, not written again.
+        assert store.before_path(2).stat().st_ino == store.sent_state_path(1).stat().st_ino
+        assert store.sent_rounds() == [1, 2]
+    else:
+        node._save(gm, progress)
+        assert store.sent_rounds() == [1] and store.before_path(1).exists()
     node.rounds.close()
 
     notes = Notes()
@@ -441,7 +445,25 @@ def test_a_delayed_top_k_host_killed_before_its_previous_round_was_final_resumes
         assert again._train_overlapped(1, gm_2, progress_2, None, None)[0].payload == first.payload
         assert any("round 1: the aggregator does not hold the payload this host kept; resuming from the state "
                    "the round trained from" in n for n in notes.notes)
+        # The snapshot was saved again with that state: a crash while round 1 is kept anew loses nothing.
+        snap = HostStore(tmp_path / "host1").load()
+        assert snap is not None and snap.worker_state is not None
+        assert snap.worker_state["feedback"] == store.load_sent_before(1)["feedback"]  # type: ignore[index]
     again.rounds.close()
+
+
+def test_kept_rounds_of_another_epoch_are_not_read_as_this_one_s(tmp_path: Path) -> None:
+    """A state folder outlives its epoch: the rounds an earlier epoch kept under sent/ are never this
+    epoch's payloads or rollback points (one kept before epochs were recorded still is read)."""
+    earlier, now = HostStore(tmp_path, epoch=1), HostStore(tmp_path, epoch=2)
+    earlier.save_sent(3, b"epoch 1's round 3", b"\x03" * 32, {"step": 3}, before=RollbackPoint({"step": 2}))
+    assert earlier.load_sent_before(3) == {"step": 2} and earlier.sent_rounds() == [3]
+    assert now.load_sent(3) is None and now.load_payload(3) is None and now.load_sent_before(3) is None
+    assert now.sent_rounds() == []
+    HostStore(tmp_path).save_sent(4, b"a round kept before epochs were recorded", b"\x04" * 32)
+    kept = now.load_sent(4)
+    assert kept is not None and kept.payload == b"a round kept before epochs were recorded"
+    assert now.sent_rounds() == [4]
 
 
 def test_a_delayed_top_k_host_of_a_carry_epoch_keeps_no_rollback_point(tmp_path: Path) -> None:
