@@ -179,14 +179,20 @@ def test_a_throttled_host_misses_the_deadline_and_the_round_closes_with_quorum(n
     assert none.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-CLOSE_GRACE_S = 5.0  # one 0.2 s tick plus the close's own work, with room for a loaded CI machine
+# One 0.2 s tick plus the close's own work (checks, the seed's reveal on chain, scoring), with room for
+# a loaded CI machine, where 5 s was not always enough; a close that waited for the held stream would
+# take its 240 s.
+CLOSE_GRACE_S = 60.0
 
 
 def test_a_host_holding_a_half_sent_stream_does_not_hold_the_round(net_factory) -> None:
     """A signed-in host sends a valid signed header and half its payload, then holds the stream open (its
     idle limit is set far beyond the round). The round still closes at its deadline, within the grace,
     with the two honest submissions, and the held stream ends with LATE as soon as it does."""
-    net: FaultNet = net_factory(hosts=3, quorum=2, round_length_s=15, stream_idle_s=300)
+    # Short extensions: honest payloads whose checks are still running at the deadline extend the round
+    # by 5 s, not by the default 120 s past the wait below.
+    net: FaultNet = net_factory(hosts=3, quorum=2, round_length_s=15, stream_idle_s=300, extend_s=5,
+                                max_extensions=30)
     target = net.start_aggregator()
     held = stall_upload(net, target, 1, hold_s=240)
     assert net.submit_update(target, 2, seed=2).accepted

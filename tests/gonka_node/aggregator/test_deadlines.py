@@ -13,11 +13,12 @@ from gonka_node.core.config import RoundSettings
 def test_below_quorum_the_round_is_extended_then_skipped(harness: Harness, caplog) -> None:
     caplog.set_level(logging.INFO, logger="gonka_node.aggregator")
     h = harness
-    h.round_length_s = 1.0
+    # Real time: the one upload must land within the round (10 s: on a loaded machine 1 s was missed).
+    h.round_length_s = 10.0
     h.settings = RoundSettings(quorum=2, extend_s=0.5, max_extensions=1, max_update_norm=100.0)
     h.schedule(3)
     lone = h.hosts[0]
-    payload = h.payload(h.honest_update(lone, 1))  # before the 1-second round opens
+    payload = h.payload(h.honest_update(lone, 1))  # before the round's clock runs
     server = h.start_server()
     with server.client() as client:
         info = client.open_round()

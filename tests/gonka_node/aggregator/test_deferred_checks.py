@@ -369,7 +369,7 @@ def test_drain_waits_for_the_last_check_of_a_round_when_another_ended_first() ->
         await until(lambda: pool.running == 2)
         gates[0].set()
         await until(lambda: pool.running == 1)
-        await asyncio.sleep(0.05)  # the first one's completion reaches the loop
+        await until(lambda: pool.pending(1, 1) < 2)  # the first one's completion reaches the loop
         pending = pool.pending(1, 1)
         drain = asyncio.ensure_future(pool.drain(1, 1))
         await asyncio.sleep(0.2)

@@ -378,7 +378,8 @@ def test_the_loop_ticks_every_fifth_of_a_second_by_default(kit: Kit) -> None:
     e.tick = timed_tick  # type: ignore[method-assign]
     kit.run(e.run(stop))
     gaps = [b - a for a, b in itertools.pairwise(ticked)]
-    assert len(gaps) == 2 and all(0.19 < g < 1.1 for g in gaps), gaps  # 0.2 s apart (not 1 s or more)
+    # 0.2 s apart, not 1 s or more (one gap may stretch on a loaded machine; both would at 1 s)
+    assert len(gaps) == 2 and all(g > 0.19 for g in gaps) and min(gaps) < 0.9, gaps
     assert row(e).state == "open"
 
 
