@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from stdlib_corpus import write_small_corpus
 
-VOTING_S = 30  # two votes must fit in it, each a process start
+VOTING_S = 60  # two votes must fit in it, each a process start (on a loaded machine, seconds each)
 SIGNIN_S = 75  # the host must be refused, funded and signed in within this (~30 s on a busy 2-core machine)
 REWARD_GNK = 50
 
