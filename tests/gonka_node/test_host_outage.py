@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gonka_node.host.node import patiently
+from gonka_node.host.settings import patiently
 
 
 class Refused(grpc.RpcError):
