@@ -75,6 +75,10 @@ class Codec(ABC):
     # the residual it leaves (`residual_misfit`): the replay then opens the residual instead
     # (training/residual_commit.py; docs/PROTOCOL.md "Challenge and opening").
     opens_residual: bool = False
+    # True for a codec whose decoded tensors are mostly exact zeros (top-k, a shared mask): an outer step
+    # with such an update can be taken ahead of it and finished on its nonzero entries alone
+    # (`training.diloco.SpeculativeStep`).
+    sparse: bool = False
 
     @property
     def codec_id(self) -> int:
@@ -126,6 +130,11 @@ class Codec(ABC):
 
     def decode_tensor(self, name: str, part: bytes | memoryview, shape: tuple[int, ...]) -> Tensor:
         """Inverse of `encode_tensor` for a part already known to come from this codec's payload."""
+        section, numel = self._section(name, part, shape)
+        return self._decode_flat(section, numel, name).reshape(shape)
+
+    def _section(self, name: str, part: bytes | memoryview, shape: tuple[int, ...]) -> tuple[memoryview, int]:
+        """A tensor's part checked against its shape: (its section, its element count)."""
         view = memoryview(part).cast("B")
         numel = _numel(shape, name)
         if len(view) != _NUMEL.size + self.section_size(numel, name):
@@ -134,15 +143,39 @@ class Codec(ABC):
         (claimed,) = _NUMEL.unpack_from(view, 0)
         if claimed != numel:
             raise SpecMismatchError(f"{self.name} payload: tensor {name} claims {claimed} elements, spec has {numel}")
-        return self._decode_flat(view[_NUMEL.size :], numel, name).reshape(shape)
+        return view[_NUMEL.size :], numel
 
     def decode(self, data: bytes | bytearray | memoryview, spec: Spec) -> dict[str, Tensor]:
         return dict(self.decode_parts(data, spec))
+
+    def decode_sparse(self, data: bytes | bytearray | memoryview, spec: Spec) -> dict[str, tuple[Tensor, Tensor]]:
+        """`decode` as (flat positions, fp32 values there) per tensor, +0 at every position not listed:
+        what an outer step taken ahead of its update (`training.diloco.SpeculativeStep`) finishes with,
+        without a dense tensor to fill and scan. The same checks as `decode`."""
+        view = self._checked(data, spec)
+        out, pos = {}, HEADER_SIZE
+        for name in sorted(spec):
+            size = _NUMEL.size + self.section_size(_numel(spec[name], name), name)
+            section, numel = self._section(name, view[pos : pos + size], tuple(spec[name]))
+            out[name] = self._decode_flat_sparse(section, numel, name)
+            pos += size
+        return out
+
+    def _decode_flat_sparse(self, buf: memoryview, numel: int, name: str) -> tuple[Tensor, Tensor]:
+        """`_decode_flat` as (positions, values) of its entries that are not +0; sparse codecs list their
+        kept entries directly."""
+        flat = self._decode_flat(buf, numel, name)
+        idx = flat.view(torch.int32).nonzero().squeeze(1)  # +0 is the only all-zero bit pattern
+        return idx, flat[idx]
 
     def decode_parts(self, data: bytes | bytearray | memoryview, spec: Spec) -> Iterator[tuple[str, Tensor]]:
         """`decode`, one tensor at a time in sorted name order: a reader that checks or reduces each
         tensor holds one decoded tensor, not the whole update. The header and the total length are
         checked before the first tensor is yielded, so a payload of the wrong shape decodes nothing."""
+        return self._parts(self._checked(data, spec), spec)
+
+    def _checked(self, data: bytes | bytearray | memoryview, spec: Spec) -> memoryview:
+        """The payload's bytes, its header and total length checked against `spec`."""
         view = memoryview(data).cast("B")
         self._check_header(view, spec)
         expected = self.encoded_size(spec)
@@ -151,7 +184,7 @@ class Codec(ABC):
             raise PayloadSizeError(
                 f"{self.name} payload is {len(view)} bytes, expected {expected} for this spec ({kind})"
             )
-        return self._parts(view, spec)
+        return view
 
     def _parts(self, view: memoryview, spec: Spec) -> Iterator[tuple[str, Tensor]]:
         pos = HEADER_SIZE

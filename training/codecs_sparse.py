@@ -41,6 +41,7 @@ class TopKCodec(Codec):
 
     name = "topk"
     opens_residual = True
+    sparse = True
 
     def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2) -> None:
         if not 2 <= chunk <= 1 << 24:
@@ -101,10 +102,15 @@ class TopKCodec(Codec):
         return (sign | mag.to(torch.int64)).reshape(-1)
 
     def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
-        kept = self._entries(buf, numel, name)
+        positions, values = self._decode_flat_sparse(buf, numel, name)
         out = torch.zeros(numel, dtype=torch.float32)
-        out[kept.owner * self.chunk + kept.idx] = self._values(kept)
-        return _finite(out, self.name, name)  # lo + 127·step can round past fp32's max when hi is near it
+        out[positions] = values
+        return out
+
+    def _decode_flat_sparse(self, buf: memoryview, numel: int, name: str) -> tuple[Tensor, Tensor]:
+        kept = self._entries(buf, numel, name)
+        # lo + 127·step can round past fp32's max when hi is near it
+        return kept.owner * self.chunk + kept.idx, _finite(self._values(kept), self.name, name)
 
     def _values(self, kept: _Kept) -> Tensor:
         """The decoded fp32 value of each kept entry."""
@@ -245,6 +251,7 @@ class SharedMaskCodec(Codec):
     """
 
     name = "mask"
+    sparse = True
     _STEP_IN_SIGMAS: ClassVar[dict[int, float]] = {2: 0.996, 4: 0.335, 8: 0.0308}
 
     def __init__(self, stride: int = 4, bits: int = 2, chunk: int = 256, seed: int = 0) -> None:

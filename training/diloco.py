@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -299,19 +299,32 @@ class OuterOptimizer:
     def step(self, params: Mapping[str, Tensor], avg_delta: Mapping[str, Tensor]) -> None:
         """Update `params` in place (fp32 tensors) with the averaged pseudo-gradient, in sorted name order."""
         self._check_step(params, avg_delta)
-        mu = torch.tensor(self.momentum, dtype=torch.float32)
-        with torch.no_grad():  # params may be a model's leaf parameters, updated in place
-            for name in sorted(params):
-                p, g = params[name], avg_delta[name].to(device=params[name].device, dtype=torch.float32)
-                update = g
-                if self.momentum != 0.0:
-                    buf = self.buffers.get(name)
-                    # torch: buf = g first, then buf.mul_(μ).add_(g): two roundings (alpha=1 fuses nothing).
-                    buf = g.clone() if buf is None else torch.mul(buf, mu.to(buf.device)).add_(g)
-                    self.buffers[name] = buf
-                    update = fma32(buf, self.momentum, g) if self.nesterov else buf
-                p.copy_(fma32(update, -self.lr, p))
+        for name in sorted(params):
+            self._step_tensor(name, params[name], avg_delta[name])
         self.steps += 1
+
+    def _step_tensor(self, name: str, p: Tensor, g: Tensor) -> None:
+        """One parameter's step, in place, its momentum buffer replaced (never written: a copy of this
+        optimizer may share it). Element by element: element i of the result depends on element i of
+        `p`, `g` and the buffer alone, which `SpeculativeStep` relies on."""
+        g = g.to(device=p.device, dtype=torch.float32)
+        update = g
+        with torch.no_grad():  # p may be a model's leaf parameter, updated in place
+            if self.momentum != 0.0:
+                buf = self.buffers.get(name)
+                mu = torch.tensor(self.momentum, dtype=torch.float32, device=g.device)
+                # torch: buf = g first, then buf.mul_(μ).add_(g): two roundings (alpha=1 fuses nothing).
+                buf = g.clone() if buf is None else torch.mul(buf, mu).add_(g)
+                self.buffers[name] = buf
+                update = fma32(buf, self.momentum, g) if self.nesterov else buf
+            p.copy_(fma32(update, -self.lr, p))
+
+    def copy(self) -> OuterOptimizer:
+        """Another optimizer in this one's state, sharing its buffer tensors (a step replaces a buffer
+        rather than writing it, so neither optimizer's steps change the other's state)."""
+        other = OuterOptimizer(self.lr, self.momentum, self.nesterov)
+        other.steps, other.buffers = self.steps, dict(self.buffers)
+        return other
 
     def _check_step(self, params: Mapping[str, Tensor], avg_delta: Mapping[str, Tensor]) -> None:
         """Everything `step` needs, checked before any tensor or buffer changes."""
@@ -360,6 +373,131 @@ class OuterOptimizer:
             raise ValueError("OuterOptimizer.load_state_dict: momentum_buffer must map names to fp32 tensors")
         self.steps = int(state["steps"])
         self.buffers = {name: buf.clone() for name, buf in buffers.items()}
+
+
+# An outer step's update: dense tensors, or per name (flat positions, values there) with +0 elsewhere.
+Update = Mapping[str, Tensor] | Mapping[str, tuple[Tensor, Tensor]]
+
+
+class SpeculativeStep:
+    """An outer step taken before its update is known, finished on the update's nonzero entries alone.
+
+    `run` steps copies of the model and the momentum as if every entry of the update were +0; `finish`
+    then recomputes, from the untouched base, only the entries where the update is not +0 (bit pattern
+    0; −0 and NaN count as nonzero) and writes them over the copies. Every operation of the outer step
+    is element by element (`OuterOptimizer._step_tensor`), so the result is bit for bit the step taken
+    with the update, while the dense part of the work runs before the update exists: a host computes it
+    while its upload is in flight, and with a sparse broadcast (top-k: 3 % of the entries) only a few
+    percent of a step is left for when the round's update arrives (docs/PROTOCOL.md "Overlapped
+    rounds"). The base's tensors and buffers must not change until `finish` returns; they are never
+    written here.
+    """
+
+    def __init__(self, outer: OuterOptimizer, params: Mapping[str, Tensor]) -> None:
+        for name, t in params.items():
+            if t.dtype != torch.float32:
+                raise ValueError(f"SpeculativeStep: {name} must be fp32 (got {t.dtype})")
+        self._base, self._base_outer = dict(params), outer
+        self.params: dict[str, Tensor] = {}
+        self.outer = outer.copy()
+        self.done = False
+        self._forecast: dict[str, tuple[Tensor, Tensor]] | None = None  # positions a forecast wrote, what was there
+
+    def run(self, cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """The step with an all +0 update, tensor by tensor; False when `cancelled()` stopped it first."""
+        zero = torch.zeros((), dtype=torch.float32, device=self._device())
+        for name in sorted(self._base):
+            if cancelled():
+                return False
+            if name not in self.params:
+                base = self._base[name]
+                p = base.detach().clone(memory_format=torch.contiguous_format)
+                self.outer._step_tensor(name, p, zero.expand(base.shape))  # one +0 read everywhere: no memory
+                self.params[name] = p
+        self.outer.steps = self._base_outer.steps + 1
+        self.done = True
+        return True
+
+    def finish(self, update: Update) -> tuple[dict[str, Tensor], OuterOptimizer]:
+        """(the stepped model, the stepped optimizer): exactly `outer.step(params, update)` on copies of
+        the base, written over this speculation's own tensors, or over a copy of them after a `forecast`
+        (which a round is training from). Finish once. Raises ValueError, changing nothing, for an update
+        `OuterOptimizer.step` would refuse."""
+        where, params, buffers = self._entries(update)
+        if self._forecast is not None:
+            undo, self._forecast = self._forecast, None
+            self.params = {name: t.clone() for name, t in self.params.items()}
+            for name, (idx, before) in undo.items():
+                self.params[name].view(-1)[idx] = before
+        for name, idx in where.items():
+            self.params[name].view(-1)[idx] = params[name]
+            if name in buffers:
+                self.outer.buffers[name].view(-1)[idx] = buffers[name]
+        return self.params, self.outer
+
+    def forecast(self, update: Update) -> dict[str, Tensor]:
+        """The model `finish(update)` would give, written over this speculation's own model tensors (what
+        `finish` later starts from a copy of, with these entries undone): an eager host's forecast of the
+        round's model from its own payload costs only the payload's entries (training/overlap.py). The
+        returned tensors stay as they are from then on. Once, before `finish`."""
+        if self._forecast is not None:
+            raise RuntimeError("SpeculativeStep.forecast: a forecast was taken already")
+        where, params, _ = self._entries(update)
+        undo = {name: (idx, self.params[name].view(-1)[idx]) for name, idx in where.items()}  # gathers copy
+        for name, idx in where.items():
+            self.params[name].view(-1)[idx] = params[name]
+        self._forecast = undo
+        return dict(self.params)
+
+    @property
+    def forecasted(self) -> bool:
+        """Whether `forecast` was taken (and `finish` not yet)."""
+        return self._forecast is not None
+
+    def steps_from(self, params: Mapping[str, Tensor]) -> bool:
+        """Whether this speculation was taken from these very tensors (not copies, not other ones)."""
+        return params.keys() == self._base.keys() and all(params[n] is t for n, t in self._base.items())
+
+    def _entries(self, update: Update) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+        """(per name: the flat positions where `update` is not +0, the model's and the momentum's values
+        there after the step with `update`), computed from the base by `OuterOptimizer.step` itself."""
+        if not self.done:
+            self.run()
+        _check_same_keys(self._base, update, "SpeculativeStep: update")
+        names = sorted(self._base)
+        values: dict[str, Tensor] = {}
+        where: dict[str, Tensor] = {}
+        for name in names:
+            where[name], values[name] = self._positions(name, update[name])
+        # The same step on the gathered entries: it checks the values (NaN, infinity: all among them) and
+        # raises before anything here is written.
+        sub = OuterOptimizer(self.outer.lr, self.outer.momentum, self.outer.nesterov)
+        sub.steps = self._base_outer.steps
+        sub.buffers = {name: buf.reshape(-1)[where[name]] for name, buf in self._base_outer.buffers.items()}
+        params = {name: self._base[name].reshape(-1)[where[name]] for name in names}
+        sub.step(params, values)
+        return where, params, sub.buffers
+
+    def _positions(self, name: str, g: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """(flat positions, fp32 values) of one tensor's update: a dense tensor's entries that are not +0,
+        or a sparse one's (`Codec.decode_sparse`: distinct positions) checked against the parameter."""
+        base = self._base[name]
+        if isinstance(g, Tensor):
+            if g.shape != base.shape:
+                raise ValueError(f"SpeculativeStep: update {name} has shape {tuple(g.shape)}, "
+                                 f"expected {tuple(base.shape)}")
+            flat = g.detach().to(device=base.device, dtype=torch.float32).reshape(-1)
+            idx = flat.view(torch.int32).nonzero().squeeze(1)  # +0 is the only all-zero bit pattern
+            return idx, flat[idx]
+        idx, vals = g
+        if idx.dim() != 1 or vals.shape != idx.shape or idx.dtype != torch.int64 or \
+                (idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < base.numel())):
+            raise ValueError(f"SpeculativeStep: sparse update {name} must be int64 positions in "
+                             f"[0, {base.numel()}) with one value each")
+        return idx.to(base.device), vals.detach().to(device=base.device, dtype=torch.float32)
+
+    def _device(self) -> torch.device:
+        return next(iter(self._base.values())).device if self._base else torch.device("cpu")
 
 
 def _check_same_keys(expected: Mapping[str, Any], got: Mapping[str, Any], what: str) -> None:

@@ -44,6 +44,32 @@ def test_every_codec_round_trips_with_the_exact_announced_size(name: str) -> Non
     assert codec.encode(tensors) == payload  # encoding is deterministic
 
 
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_the_sparse_decode_lists_exactly_the_dense_decode_s_entries_that_are_not_plus_zero(name: str) -> None:
+    # What an outer step taken ahead of its update finishes with (training.diloco.SpeculativeStep): every
+    # position the dense decode fills with anything but +0, with its value bit for bit; positions a codec
+    # kept with the value +0 may be listed too (stepping them changes nothing).
+    codec = get_codec(name).for_round(7)
+    tensors = _tensors()
+    tensors["model.norm.weight"][2] = -0.0
+    payload = codec.encode(tensors)
+    dense, sparse = codec.decode(payload, spec_of(tensors)), codec.decode_sparse(payload, spec_of(tensors))
+    assert list(sparse) == sorted(tensors)
+    for key, t in dense.items():
+        positions, values = sparse[key]
+        assert positions.dtype == torch.int64 and values.dtype == torch.float32
+        flat = t.reshape(-1)
+        rebuilt = torch.zeros_like(flat)
+        rebuilt[positions] = values
+        assert torch.equal(rebuilt.view(torch.int32), flat.view(torch.int32)), key
+        assert len(set(positions.tolist())) == positions.numel()
+        listed = torch.zeros(flat.numel(), dtype=torch.bool)
+        listed[positions] = True
+        assert bool(listed[flat.view(torch.int32) != 0].all()), key
+    with pytest.raises(CodecError, match="truncated"):
+        codec.decode_sparse(payload[:-1], spec_of(tensors))
+
+
 def test_fp32_is_lossless_and_bf16_within_half_an_ulp() -> None:
     tensors = _tensors()
     exact = get_codec("fp32").decode(get_codec("fp32").encode(tensors), spec_of(tensors))

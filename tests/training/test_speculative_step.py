@@ -1,0 +1,187 @@
+"""The outer step taken ahead of its update (`SpeculativeStep`): bit for bit the step it stands for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.diloco import OuterOptimizer, SpeculativeStep
+
+TINY = 2.0**-149  # the smallest fp32 subnormal
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.reshape(-1).view(torch.int32).tolist()
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    model = {"a.weight": torch.randn(37, 41, generator=gen), "b.bias": torch.randn(333, generator=gen) * 1e-3}
+    # Edges of the fp32 step where a shortcut would round differently: signed zeros, subnormals, huge.
+    model["b.bias"][:6] = torch.tensor([0.0, -0.0, TINY, -TINY * 3, 3e38, -1e-38])
+    return model
+
+
+def _sparse_update(model: dict[str, torch.Tensor], seed: int, density: float) -> dict[str, torch.Tensor]:
+    """A decoded top-k broadcast's shape: mostly +0, a few entries set, among them −0 and subnormals
+    (a +0 entry is the only one the speculation may skip; −0 has other bits)."""
+    gen = torch.Generator().manual_seed(seed)
+    update = {}
+    for name, p in model.items():
+        g = torch.randn(p.shape, generator=gen) * 1e-2
+        g[torch.rand(p.shape, generator=gen) >= density] = 0.0
+        flat = g.view(-1)
+        flat[7], flat[8], flat[9], flat[10] = -0.0, TINY, -TINY, 1e-39
+        update[name] = g
+    return update
+
+
+@pytest.mark.parametrize(("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (1.0, 0.5, False), (0.3, 0.0, False)])
+def test_the_speculated_step_finished_with_the_update_is_the_step_bit_for_bit(
+    lr: float, momentum: float, nesterov: bool
+) -> None:
+    """Three rounds (the first without momentum buffers), each speculated from the previous round's
+    result and finished with a sparse update: model and momentum equal the plain step's, every bit."""
+    plain_model, ahead_model = _model(0), _model(0)
+    plain, ahead = OuterOptimizer(lr, momentum, nesterov), OuterOptimizer(lr, momentum, nesterov)
+    for r in range(3):
+        update = _sparse_update(plain_model, 10 + r, density=0.05)
+        plain.step(plain_model, update)
+        before = {name: t.clone() for name, t in ahead_model.items()}
+        buffers_before = {name: b.clone() for name, b in ahead.buffers.items()}
+        spec = SpeculativeStep(ahead, ahead_model)
+        assert spec.run()
+        ahead_model, ahead = spec.finish(update)
+        for name in plain_model:
+            assert _bits(ahead_model[name]) == _bits(plain_model[name]), (r, name)
+        assert ahead.steps == plain.steps == r + 1
+        assert sorted(ahead.buffers) == sorted(plain.buffers)
+        for name, buf in plain.buffers.items():
+            assert _bits(ahead.buffers[name]) == _bits(buf), (r, name)
+        # The base it was speculated from is untouched (a round may be training from it).
+        for name, t in before.items():
+            assert _bits(spec._base[name]) == _bits(t)
+        for name, b in buffers_before.items():
+            assert _bits(spec._base_outer.buffers[name]) == _bits(b)
+
+
+def test_only_the_update_s_nonzero_entries_are_recomputed() -> None:
+    """The speculation is the step with a +0 update: where the update is +0 the result is the run's, so a
+    finish that recomputed nothing would equal it, and one with a nonzero entry differs exactly there."""
+    model, outer = _model(1), OuterOptimizer(0.7, 0.9)
+    outer.step(model, _sparse_update(model, 1, 1.0))  # momentum buffers everywhere
+    spec = SpeculativeStep(outer, model)
+    spec.run()
+    ran = {name: t.clone() for name, t in spec.params.items()}
+    update = {name: torch.zeros_like(t) for name, t in model.items()}
+    update["b.bias"][100] = 0.5
+    update["a.weight"][0, 3] = -0.0
+    stepped, _ = spec.finish(update)
+    changed = {(name, i) for name in model for i, (x, y) in enumerate(zip(_bits(stepped[name]), _bits(ran[name]), strict=True))
+               if x != y}
+    assert ("b.bias", 100) in changed
+    assert changed <= {("b.bias", 100), ("a.weight", 3)}
+
+
+def test_an_update_the_step_refuses_changes_nothing() -> None:
+    model, outer = _model(2), OuterOptimizer(0.7, 0.9)
+    outer.step(model, _sparse_update(model, 2, 0.5))
+    spec = SpeculativeStep(outer, model)
+    spec.run()
+    ran = {name: t.clone() for name, t in spec.params.items()}
+    bad = _sparse_update(model, 3, 0.05)
+    bad["a.weight"][5, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        spec.finish(bad)
+    with pytest.raises(ValueError, match=r"update b.bias has shape \(3,\)"):
+        spec.finish({"a.weight": bad["a.weight"], "b.bias": torch.zeros(3)})
+    with pytest.raises(ValueError, match="parameter names differ"):
+        spec.finish({"a.weight": bad["a.weight"]})
+    for name, t in ran.items():
+        assert _bits(spec.params[name]) == _bits(t)
+    assert spec.outer.steps == outer.steps + 1
+
+
+def test_a_cancelled_run_is_completed_by_finish() -> None:
+    model, outer = _model(3), OuterOptimizer(0.7, 0.9)
+    expected = {name: t.clone() for name, t in model.items()}
+    update = _sparse_update(model, 4, 0.1)
+    outer.copy().step(expected, update)
+    calls = []
+    spec = SpeculativeStep(outer, model)
+    assert not spec.run(cancelled=lambda: calls.append(1) is None and len(calls) > 1)  # one tensor, then stop
+    assert list(spec.params) == ["a.weight"]
+    stepped, stepped_outer = spec.finish(update)
+    for name in model:
+        assert _bits(stepped[name]) == _bits(expected[name])
+    assert stepped_outer.steps == 1
+
+
+def test_a_copy_of_the_optimizer_steps_without_touching_the_original() -> None:
+    model, outer = _model(4), OuterOptimizer(0.7, 0.9)
+    outer.step(model, _sparse_update(model, 5, 1.0))
+    saved = {name: b.clone() for name, b in outer.buffers.items()}
+    other = outer.copy()
+    other.step({name: t.clone() for name, t in model.items()}, _sparse_update(model, 6, 1.0))
+    assert other.steps == 2 and outer.steps == 1
+    for name, b in saved.items():
+        assert _bits(outer.buffers[name]) == _bits(b)
+        assert _bits(other.buffers[name]) != _bits(b)
+
+
+def test_a_forecast_with_one_update_then_a_finish_with_another_are_each_the_step() -> None:
+    """An eager host forecasts with its own payload, then the round's broadcast finishes the same
+    speculation: both are the plain step with their update, bit for bit, and the forecast's tensors (a
+    round trains from them) are left as they were by the finish."""
+    model, outer = _model(5), OuterOptimizer(0.7, 0.9)
+    outer.step(model, _sparse_update(model, 7, 1.0))
+    own, broadcast = _sparse_update(model, 8, 0.05), _sparse_update(model, 9, 0.05)
+    expected = {}
+    for label, update in (("own", own), ("broadcast", broadcast)):
+        params = {name: t.clone() for name, t in model.items()}
+        outer.copy().step(params, update)
+        expected[label] = params
+    spec = SpeculativeStep(outer, model)
+    spec.run()
+    forecast = spec.forecast(own)
+    assert spec.forecasted
+    for name in model:
+        assert _bits(forecast[name]) == _bits(expected["own"][name])
+        assert forecast[name] is spec.params[name]  # written over the speculation's own tensors: no copy
+    with pytest.raises(RuntimeError, match="a forecast was taken already"):
+        spec.forecast(own)
+    stepped, stepped_outer = spec.finish(broadcast)
+    assert not spec.forecasted
+    for name in model:
+        assert _bits(stepped[name]) == _bits(expected["broadcast"][name])
+        assert _bits(forecast[name]) == _bits(expected["own"][name])  # the round's base is untouched
+    assert stepped_outer.steps == 2
+
+
+def test_a_sparse_update_is_the_dense_one_s_entries() -> None:
+    """`Codec.decode_sparse`'s form: (positions, values) per tensor, +0 elsewhere; checked like a dense one."""
+    model, outer = _model(7), OuterOptimizer(0.7, 0.9)
+    outer.step(model, _sparse_update(model, 10, 1.0))
+    dense = _sparse_update(model, 11, 0.05)
+    sparse = {}
+    for name, g in dense.items():
+        idx = g.reshape(-1).view(torch.int32).nonzero().squeeze(1)
+        sparse[name] = (idx, g.reshape(-1)[idx])
+    expected = {name: t.clone() for name, t in model.items()}
+    outer.copy().step(expected, dense)
+    spec = SpeculativeStep(outer, model)
+    for name, t in spec.finish(sparse)[0].items():
+        assert _bits(t) == _bits(expected[name])
+    for bad in ((sparse["b.bias"][0] + 333, sparse["b.bias"][1]), (sparse["b.bias"][0].int(), sparse["b.bias"][1]),
+                (sparse["b.bias"][0], sparse["b.bias"][1][:-1])):
+        with pytest.raises(ValueError, match=r"sparse update b.bias must be int64 positions in \[0, 333\)"):
+            SpeculativeStep(outer, model).finish({**sparse, "b.bias": bad})
+
+
+def test_a_speculation_knows_the_tensors_it_steps_from() -> None:
+    model, outer = _model(6), OuterOptimizer(0.7, 0.9)
+    spec = SpeculativeStep(outer, model)
+    assert spec.steps_from(model)
+    assert spec.steps_from(dict(model))  # another mapping of the same tensors
+    assert not spec.steps_from({name: t.clone() for name, t in model.items()})  # equal values, other tensors
+    assert not spec.steps_from({"a.weight": model["a.weight"]})
