@@ -9,18 +9,17 @@ the chain records the Merkle root over the model's fragments (`core.fragments.mo
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from safetensors.torch import load as load_safetensors
 from torch import Tensor
 
 from gonka_node.core.fragments import model_root
 from training.checkpoint import tensors_view
-from training.diloco import OuterOptimizer
+from training.diloco import OuterOptimizer, SpeculativeStep, Update
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +57,45 @@ class NextModel:
     params: dict[str, Tensor]
     outer: OuterOptimizer
     sha256: bytes
+    # the next round's outer step from this model, taken ahead of its update (`speculate`), or None
+    next_step: SpeculativeStep | None = None
 
 
-def step_ahead(model: GlobalModel, round_: int, update: Mapping[str, Tensor]) -> NextModel | None:
-    """The model after `round_` on copies of `model`'s tensors and outer state, which stay untouched (a
-    round may be training from them). None when `model` does not hold round_ − 1 with its momentum."""
+def speculate(model: GlobalModel, round_: int, cancelled: Callable[[], bool]) -> SpeculativeStep | None:
+    """The part of round `round_`'s outer step that needs no update, on copies of `model` (which must stay
+    as it is until the step is finished): the dense work, done while the round's payload is uploading
+    and its update pending. None when `model` does not hold round_ − 1 with its momentum, or `cancelled()`
+    stopped it."""
     if model.outer is None or model.round_done != round_ - 1:
         return None
-    params = {name: t.clone() for name, t in model.params.items()}
-    outer = copy.deepcopy(model.outer)
-    outer.step(params, update)
-    return NextModel(round_, params, outer, model.hash_of(params))
+    step = SpeculativeStep(model.outer, model.params)
+    return step if step.run(cancelled) else None
+
+
+def step_ahead(
+    model: GlobalModel, round_: int, update: Update, speculated: SpeculativeStep | None = None,
+    speculate_next: bool = False,
+) -> NextModel | None:
+    """The model after `round_` on copies of `model`'s tensors and outer state, which stay untouched (a
+    round may be training from them). None when `model` does not hold round_ − 1 with its momentum.
+    `speculated`: `speculate(model, round_, …)`, finished here on the update's entries (dense, or sparse:
+    `Codec.decode_sparse`; without `speculated` the update must be dense).
+    `speculate_next`: also take round_ + 1's step from the new model ahead of its update (`next_step`)."""
+    if model.outer is None or model.round_done != round_ - 1:
+        return None
+    if speculated is not None:
+        params, outer = speculated.finish(update)
+    else:
+        if not all(isinstance(t, Tensor) for t in update.values()):
+            raise ValueError("step_ahead: a sparse update needs the step taken ahead (`speculated`)")
+        update = cast(Mapping[str, Tensor], update)
+        params, outer = {name: t.clone() for name, t in model.params.items()}, model.outer.copy()
+        outer.step(params, update)
+    ahead = NextModel(round_, params, outer, model.hash_of(params))
+    if speculate_next:
+        ahead.next_step = SpeculativeStep(outer, params)
+        ahead.next_step.run()
+    return ahead
 
 
 def adopt(model: GlobalModel, ahead: NextModel, chain: RoundHashes) -> bool:

@@ -16,7 +16,7 @@ import hashlib
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from safetensors.torch import save_file
@@ -31,18 +31,34 @@ from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from gonka_node.host.aggregator_calls import AggregatorCalls
 from gonka_node.host.challenge import Challenges, opens_kept_state, opens_residual
 from gonka_node.host.events import HostEvents, LogEvents
-from gonka_node.host.follow import GlobalModel, NextModel, adopt, dense_update, follow_to, step_ahead
+from gonka_node.host.follow import (
+    GlobalModel,
+    NextModel,
+    adopt,
+    dense_update,
+    follow_to,
+    speculate,
+    step_ahead,
+)
 from gonka_node.host.rig_round import LocalRounds, RigError, RigRounds, Rounds, make_worker
 from gonka_node.host.settings import ChainHashes, HostError, HostSettings
 from gonka_node.host.store import HostStore, Progress, RollbackPoint
 from gonka_node.host.upload import PendingUpload
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import canonical_sha256
-from training.codecs import get_codec, round_seed
-from training.diloco import OuterOptimizer
+from training.codecs import Codec, get_codec, round_seed
+from training.diloco import OuterOptimizer, SpeculativeStep, Update
 from training.model import build_model
 from training.overlap import base_round, eager_base
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
+
+
+class Forecast(NamedTuple):
+    """An eager host's base for a round: its payload of the round before (None: none the aggregator
+    holds) and the outer step with it as the average (training/overlap.py)."""
+
+    own: bytes | None
+    base: dict[str, Tensor]
 
 
 class HostNode(AggregatorCalls):
@@ -76,6 +92,10 @@ class HostNode(AggregatorCalls):
         # once a round trained): what an overlapped round's rollback point is linked to instead of
         # written again
         self._state_file: Path | None = None
+        # (round, the next round's outer step from the held model after it, taken ahead of its update):
+        # the adopted model's `next_step`, which an eager forecast writes over and the next upload thread
+        # finishes (with a sparse broadcast: `_speculates`)
+        self._next_step: tuple[int, SpeculativeStep] | None = None
 
     # ---- sign-in ----------------------------------------------------------------------------------
 
@@ -268,8 +288,10 @@ class HostNode(AggregatorCalls):
     def _decode_update(self, round_: int, data: bytes) -> Mapping[str, Tensor]:
         """A compressed broadcast, decoded as the aggregator decoded it to take the outer step (the global
         model is defined by these tensors: gonka_node/aggregator/broadcast.py)."""
-        codec = get_codec(self.recipe.codec).for_round(round_seed(self.recipe.epoch_seed, round_))
-        return codec.decode(data, self._spec)
+        return self._round_codec(round_).decode(data, self._spec)
+
+    def _round_codec(self, round_: int) -> Codec:
+        return get_codec(self.recipe.codec).for_round(round_seed(self.recipe.epoch_seed, round_))
 
     def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> str:
         """Follow to `target`, recording the reward and upload of every round passed over on the way: a
@@ -394,13 +416,17 @@ class HostNode(AggregatorCalls):
                 if gm.round_done < base:
                     self._apply(gm, base, hashes, progress)
                     applied += 1
+                stopping = self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds
+                # An eager forecast writes over the step that the upload thread, once released, finishes: first.
+                forecast = self._forecast(r, gm, pending, progress) if eager and not stopping else None
                 if pending is not None:  # the held model stays as it is until that upload is joined
-                    pending.release_base(gm.round_done == pending.round - 1)
-                if self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds:
+                    held = gm.round_done == pending.round - 1
+                    pending.release_base(held, self._take_next_step(gm) if held else None)
+                if stopping:
                     self._settle(pending, progress)
                     pending = None
                     return progress
-                result, undo = self._train_overlapped(r, gm, progress, pending, undo)
+                result, undo = self._train_overlapped(r, gm, progress, pending, undo, forecast)
                 undo = self._keep(result, undo)  # before it is sent: an eager round r + 1's base is forecast with it
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
@@ -411,6 +437,7 @@ class HostNode(AggregatorCalls):
                     self.settings.poll_s,
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
                     self.challenges.answerer(r, pending, progress),
+                    functools.partial(speculate, gm, r) if self._speculates else None,
                 ).start()
                 self._settle(pending, progress)
                 pending, trained = upload, r
@@ -422,10 +449,12 @@ class HostNode(AggregatorCalls):
                 pending.wait()
 
     def _train_overlapped(
-        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, undo: RollbackPoint | None
+        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, undo: RollbackPoint | None,
+        forecast: Forecast | None = None,
     ) -> tuple[WorkerRound, RollbackPoint | None]:
         """Train round r while round r − 1 (`pending`) uploads, the held model being the one after r − 2;
-        an eager host forecasts with round r − 1's payload (training/overlap.py). If the aggregator then
+        an eager host trains from its forecast with round r − 1's payload (training/overlap.py; `forecast`:
+        taken already, by `_forecast`). If the aggregator then
         refuses round r − 1 (or it FAILED its checks: a top-k or eager host waits for their verdict), round
         r is trained again from what the aggregator's replay of it assumes: no payload of ours to forecast
         with (eager), and in a top-k epoch the residual before round r − 1 (`undo`, the worker state round
@@ -438,8 +467,10 @@ class HostNode(AggregatorCalls):
         # A fresh top-k epoch's snapshot shares the residuals and copies no AdamW state (each round restarts it).
         before = RollbackPoint(self.rounds.snapshot(), self._state_file) if self._rolls_back or (eager and uploading) \
             else None
-        own = self._sent_payload(r - 1, pending, progress) if eager else None
-        result = self._train(r, gm, progress, self._eager_base(r, gm, own) if eager else None)
+        if eager and forecast is None:
+            forecast = self._forecast(r, gm, pending, progress)
+        own = None if forecast is None else forecast.own
+        result = self._train(r, gm, progress, None if forecast is None else forecast.base)
         keep = before if self._rolls_back else None  # the next round's `undo`
         back = undo if undo is not None else before if eager and uploading else None  # None: nothing to undo
         if pending is None or back is None or pending.accepted():
@@ -455,6 +486,10 @@ class HostNode(AggregatorCalls):
         return self._train(r, gm, progress, self._eager_base(r, gm, None if uploading else own) if eager
                            else None), again
 
+    def _forecast(self, r: int, gm: GlobalModel, pending: PendingUpload | None, progress: Progress) -> Forecast:
+        own = self._sent_payload(r - 1, pending, progress)
+        return Forecast(own, self._eager_base(r, gm, own))
+
     def _eager_base(self, r: int, gm: GlobalModel, own: bytes | None) -> dict[str, Tensor]:
         """`eager_base` of the held model (after r − 2), its outer momentum and `own` (round r − 1's
         payload, decoded as the aggregator decodes it)."""
@@ -464,8 +499,19 @@ class HostNode(AggregatorCalls):
                 "host lost when it pulled a checkpoint; start it again with an empty state_dir (its config) to "
                 "follow the epoch's updates from the initial model"
             )
+        ready = self._next_step
+        if own is not None and ready is not None and ready[0] == gm.round_done and ready[1].steps_from(gm.params) \
+                and not ready[1].forecasted:
+            # The dense part of the step was taken ahead, off this path: only the payload's entries are left.
+            return ready[1].forecast(self._round_codec(r - 1).decode_sparse(own, self._spec))
         decoded = None if own is None else {n: t.float() for n, t in self._decode_update(r - 1, own).items()}
         return eager_base(gm.params, gm.outer, decoded)
+
+    def _take_next_step(self, gm: GlobalModel) -> SpeculativeStep | None:
+        """The held model's next step taken ahead of its update, for the upload thread to finish (once)."""
+        ready, self._next_step = self._next_step, None
+        return ready[1] if ready is not None and ready[0] == gm.round_done and ready[1].steps_from(gm.params) \
+            else None
 
     def _sent_payload(self, round_: int, pending: PendingUpload | None, progress: Progress) -> bytes | None:
         """This host's payload of `round_` that the aggregator holds (None: none): the one uploading now
@@ -557,17 +603,30 @@ class HostNode(AggregatorCalls):
                          "resuming from the state it left instead of training it again")
         return True
 
-    def _step_ahead(self, gm: GlobalModel, round_: int, data: bytes) -> NextModel | None:
-        decode = self._decode_update if self.recipe.broadcast == "codec" else dense_update
-        return step_ahead(gm, round_, decode(round_, data))
+    @functools.cached_property
+    def _speculates(self) -> bool:
+        """Whether the upload thread takes the outer step ahead of the round's update: worth it when the
+        update is a sparse codec's broadcast (3 % of the entries for top-k), so that little is left to do
+        once it arrives; a dense update would be recomputed whole."""
+        return self.recipe.broadcast == "codec" and get_codec(self.recipe.codec).sparse
+
+    def _step_ahead(
+        self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None
+    ) -> NextModel | None:
+        if speculated is not None:  # a sparse codec's broadcast (`_speculates`): its entries, no dense tensor
+            update: Update = self._round_codec(round_).decode_sparse(data, self._spec)
+        else:
+            update = (self._decode_update if self.recipe.broadcast == "codec" else dense_update)(round_, data)
+        return step_ahead(gm, round_, update, speculated, speculate_next=self._speculates)
 
     def _apply(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
         """Bring the held model to `target`: the model the upload thread computed ahead when it is the
         chain's (the outer step and the hash then cost the training path nothing), else follow."""
         started = time.monotonic()
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead, self._next_step = self._ahead, None, None
         if ahead is not None and ahead.round == target and adopt(gm, ahead, hashes):
             how = "ahead"
+            self._next_step = None if ahead.next_step is None else (target, ahead.next_step)
             self._record_round(target, progress)
         else:
             how = self._catch_up(gm, target, hashes, progress)

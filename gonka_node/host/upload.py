@@ -11,6 +11,7 @@ close and the next one open, which is what this thread waits for to fetch the ro
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,9 @@ import grpc
 
 from gonka_node.host.follow import NextModel
 from proto.gonka.v1 import aggregator_pb2 as pb
+from training.diloco import SpeculativeStep
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,11 @@ OpenRound = Callable[[], "pb.RoundInfo | None"]
 # (info, payload, tokens, cancelled): `cancelled()` says the upload was cancelled (stop waiting)
 Submit = Callable[[pb.RoundInfo, bytes, int, Callable[[], bool]], tuple[bool, str]]
 Prefetch = Callable[[], bytes]  # the round's aggregated update; raises grpc.RpcError when there is none
-Prepare = Callable[[bytes], "NextModel | None"]  # the model after the round, from its update's bytes
+# the part of the round's outer step that needs no update (`follow.speculate`), run in its own thread
+# while the payload uploads, from when the daemon holds the base; given `cancelled`
+Speculate = Callable[[Callable[[], bool]], "SpeculativeStep | None"]
+# the model after the round, from its update's bytes and what `Speculate` computed (None: nothing)
+Prepare = Callable[[bytes, "SpeculativeStep | None"], "NextModel | None"]
 # asks whether the round's submission is challenged (GetSubmission) and opens it if so; True once
 # settled (opened, refused, or no challenge will come), False: ask again at the next poll
 Answer = Callable[[pb.RoundInfo], bool]
@@ -45,11 +53,13 @@ class PendingUpload:
     def __init__(
         self, round_: int, base_sha256: bytes, payload: bytes, tokens: int, open_round: OpenRound,
         submit: Submit, poll_s: float, prefetch: Prefetch | None = None, prepare: Prepare | None = None,
-        answer: Answer | None = None,
+        answer: Answer | None = None, speculate: Speculate | None = None,
     ) -> None:
         self.round, self.base_sha256, self.payload, self.tokens = round_, base_sha256, payload, tokens
         self._open_round, self._submit, self._poll_s, self._prefetch = open_round, submit, poll_s, prefetch
-        self._prepare, self._answer = prepare, answer
+        self._prepare, self._answer, self._speculate = prepare, answer, speculate
+        self._speculation: SpeculativeStep | None = None
+        self._speculating: threading.Thread | None = None
         self._cancelled = threading.Event()
         self._base_ready = threading.Event()
         self._base_held = False
@@ -62,10 +72,19 @@ class PendingUpload:
         self._thread.start()
         return self
 
-    def release_base(self, held: bool) -> None:
+    def release_base(self, held: bool, speculated: SpeculativeStep | None = None) -> None:
         """The daemon holds (`held`) the model after round − 1 and will not change it until it joins this
-        upload: the thread may compute the next model from it. Called once per upload, held or not."""
+        upload: the thread may compute the next model from it. Called once per upload, held or not.
+        `speculated`: this round's step from that model, already taken ahead of the update (the thread
+        then takes none of its own)."""
         self._base_held = held
+        if held and speculated is not None:
+            self._speculation = speculated
+        elif held and self._speculate is not None and self._prepare is not None:
+            self._speculating = threading.Thread(
+                target=self._run_speculation, name=f"speculate-round-{self.round}", daemon=True
+            )
+            self._speculating.start()
         self._base_ready.set()
 
     def cancel(self) -> None:
@@ -79,8 +98,18 @@ class PendingUpload:
         return self._accepted
 
     def wait(self) -> UploadResult:
+        """The outcome, once the upload's thread and the speculation (which reads the held model) are done."""
         self._thread.join()
+        if self._speculating is not None:
+            self._speculating.join()
         return self._result
+
+    def _run_speculation(self) -> None:
+        assert self._speculate is not None
+        try:
+            self._speculation = self._speculate(self._cancelled.is_set)
+        except Exception:  # the step is then taken whole from the update, as without speculation
+            log.exception("round %d: the outer step ahead of the update failed", self.round)
 
     def _run(self) -> None:
         try:
@@ -121,7 +150,11 @@ class PendingUpload:
         while not self._base_ready.wait(self._poll_s):
             if self._cancelled.is_set():
                 return None
-        return self._prepare(update) if self._base_held else None
+        if not self._base_held:
+            return None
+        if self._speculating is not None:
+            self._speculating.join()
+        return self._prepare(update, self._speculation)
 
     def _fetch_update(self, submitted: pb.RoundInfo | None) -> bytes | None:
         """The round's aggregated update, downloaded once the next round opens (this one has closed),

@@ -11,12 +11,14 @@ import pytest
 import test_host_node as base
 import torch
 from safetensors.torch import load_file, save_file
-from test_host_overlap import overlapped_world
+from test_host_overlap import Applied, overlapped_world
 
 from gonka_node.aggregator.broadcast import compress_broadcast, residual_path
+from gonka_node.host.follow import GlobalModel, NextModel
+from gonka_node.host.node import HostNode
 from training.checkpoint import canonical_sha256, load_checkpoint
 from training.codecs import get_codec, round_seed
-from training.diloco import OuterOptimizer
+from training.diloco import OuterOptimizer, SpeculativeStep
 
 
 def test_an_epoch_with_a_compressed_download_ends_on_the_chains_model(tmp_path: Path) -> None:
@@ -48,6 +50,59 @@ def test_an_epoch_with_a_compressed_download_ends_on_the_chains_model(tmp_path: 
         assert canonical_sha256(params) == canonical_sha256(models[r]) == chain.round_result(world.epoch, r).checkpoint_sha256.hex()
     # The aggregator kept what int8 left out (its error feedback), to send in the next round.
     assert all(float(sum(t.abs().sum() for t in res.values())) > 0 for res in residuals.values())
+
+
+class Speculating(HostNode):
+    """Records, for each round the upload thread steps ahead, whether it finished a speculated step."""
+
+    finished: list[tuple[int, bool]]
+
+    def _step_ahead(self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None
+                    ) -> NextModel | None:
+        self.finished = [*getattr(self, "finished", []), (round_, speculated is not None)]
+        return super()._step_ahead(gm, round_, data, speculated)
+
+
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_an_overlapped_top_k_epoch_takes_the_outer_step_ahead_of_the_compressed_update(
+    overlap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With a sparse broadcast the host steps the model as if the update were +0 before the update exists,
+    # and finishes on the update's nonzero entries when it arrives: the models it hands the daemon are
+    # the chain's, bit for bit (the daemon adopts them only if they hash to what it records). An eager
+    # host's forecast is the same speculation finished with its own payload (written over it, undone for
+    # the round's finish), and the replay (p = 1), which recomputes the forecast from public inputs,
+    # reproduces every round.
+    forecasts: list[int] = []
+    forecast = SpeculativeStep.forecast
+    monkeypatch.setattr(SpeculativeStep, "forecast", lambda self, update: forecasts.append(1) or forecast(self, update))
+    world = base.build_world(tmp_path, inner_steps=8, n_rounds=4, overlap=overlap, broadcast="codec",
+                             codec="topk:chunk=4096,k=128,bits=2")
+    agg = base.AggregatorThread(world, tmp_path / "agg")
+    with agg as target:
+        events = [Applied(), Applied()]
+        nodes = [base.make_node(world, i, target, tmp_path / f"host{i}", events=events[i - 1], cls=Speculating)
+                 for i in (1, 2)]
+        with ThreadPoolExecutor(2) as pool:
+            progresses = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
+        updates = {r: agg.store.update_path(world.epoch, r).read_bytes() for r in (1, 2, 3, 4)}
+        reasons = {(r, c.host): c.reasons for r in (1, 2, 3, 4) for c in agg.store.contributions(world.epoch, r)}
+    final = world.client(0).round_result(world.epoch, 4).checkpoint_sha256.hex()
+    spec = {n: tuple(t.shape) for n, t in load_checkpoint(world.init_path).tensors.items()}
+    for node, progress, seen in zip(nodes, progresses, events, strict=True):
+        assert progress.model_sha256 == final and progress.outer_steps == 4
+        assert all(progress.rewards[str(r)] > 0 for r in (1, 2, 3, 4))
+        # Round 1's step was speculated by the upload thread; round 2's was taken ahead right after round
+        # 1's model (its `next_step`) and handed to round 2's upload thread: finished, adopted, each.
+        assert node.finished[:2] == [(1, True), (2, True)]
+        assert [how for _, how in seen.seen[:2]] == ["ahead", "ahead"]
+    # Eager: rounds 3 and 4 forecast over the adopted model's step taken ahead, once per host-round.
+    assert len(forecasts) == (4 if overlap == "eager" else 0)
+    assert len(reasons) == 8
+    for key, why in reasons.items():
+        assert any(line.startswith("replay:") for line in why), (key, why)
+    # The broadcast is sparse: a top-k payload, a few percent of the dense update's bytes.
+    assert all(len(u) < get_codec("fp32").encoded_size(spec) / 10 for u in updates.values())
 
 
 def test_the_broadcast_residual_carries_what_the_codec_left_out(tmp_path: Path) -> None:
