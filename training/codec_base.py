@@ -75,8 +75,8 @@ class Codec(ABC):
     # the residual it leaves (`residual_misfit`): the replay then opens the residual instead
     # (training/residual_commit.py; docs/PROTOCOL.md "Challenge and opening").
     opens_residual: bool = False
-    # True for a codec whose decoded tensors are mostly exact zeros (top-k, a shared mask): an outer step
-    # with such an update can be taken ahead of it and finished on its nonzero entries alone
+    # True for a codec whose decoded tensors are nearly all exact zeros (top-k: 1/32 of the entries): an
+    # outer step with such an update is worth taking ahead of it and finishing on its entries alone
     # (`training.diloco.SpeculativeStep`).
     sparse: bool = False
 

@@ -402,6 +402,7 @@ class SpeculativeStep:
         self.outer = outer.copy()
         self.done = False
         self._forecast: dict[str, tuple[Tensor, Tensor]] | None = None  # positions a forecast wrote, what was there
+        self.finished = False  # once finished, the base is let go of (the result no longer needs it)
 
     def run(self, cancelled: Callable[[], bool] = lambda: False) -> bool:
         """The step with an all +0 update, tensor by tensor; False when `cancelled()` stopped it first."""
@@ -423,6 +424,8 @@ class SpeculativeStep:
         the base, written over this speculation's own tensors, or over a copy of them after a `forecast`
         (which a round is training from). Finish once. Raises ValueError, changing nothing, for an update
         `OuterOptimizer.step` would refuse."""
+        if self.finished:
+            raise RuntimeError("SpeculativeStep.finish: finished already (its tensors are the model's now)")
         where, params, buffers = self._entries(update)
         if self._forecast is not None:
             undo, self._forecast = self._forecast, None
@@ -431,8 +434,10 @@ class SpeculativeStep:
                 self.params[name].view(-1)[idx] = before
         for name, idx in where.items():
             self.params[name].view(-1)[idx] = params[name]
-            if name in buffers:
+            if name in buffers:  # `run` made every buffer anew: written here, they are this step's alone
                 self.outer.buffers[name].view(-1)[idx] = buffers[name]
+        self.finished = True
+        self._base, self._base_outer = {}, OuterOptimizer(self.outer.lr, self.outer.momentum, self.outer.nesterov)
         return self.params, self.outer
 
     def forecast(self, update: Update) -> dict[str, Tensor]:
@@ -440,8 +445,8 @@ class SpeculativeStep:
         `finish` later starts from a copy of, with these entries undone): an eager host's forecast of the
         round's model from its own payload costs only the payload's entries (training/overlap.py). The
         returned tensors stay as they are from then on. Once, before `finish`."""
-        if self._forecast is not None:
-            raise RuntimeError("SpeculativeStep.forecast: a forecast was taken already")
+        if self._forecast is not None or self.finished:
+            raise RuntimeError("SpeculativeStep.forecast: a forecast was taken already, or the step finished")
         where, params, _ = self._entries(update)
         undo = {name: (idx, self.params[name].view(-1)[idx]) for name, idx in where.items()}  # gathers copy
         for name, idx in where.items():
@@ -479,14 +484,15 @@ class SpeculativeStep:
         return where, params, sub.buffers
 
     def _positions(self, name: str, g: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """(flat positions, fp32 values) of one tensor's update: a dense tensor's entries that are not +0,
-        or a sparse one's (`Codec.decode_sparse`: distinct positions) checked against the parameter."""
+        """(flat positions, fp32 values) of one tensor's update: a dense fp32 tensor's entries that are not
+        +0, or a sparse one's, checked against the parameter. Sparse positions must be distinct (as
+        `Codec.decode_sparse` gives them; not checked here: that would sort them on the training path)."""
         base = self._base[name]
         if isinstance(g, Tensor):
-            if g.shape != base.shape:
-                raise ValueError(f"SpeculativeStep: update {name} has shape {tuple(g.shape)}, "
-                                 f"expected {tuple(base.shape)}")
-            flat = g.detach().to(device=base.device, dtype=torch.float32).reshape(-1)
+            if g.shape != base.shape or g.dtype != torch.float32:
+                raise ValueError(f"SpeculativeStep: update {name} is {g.dtype} of shape {tuple(g.shape)}, "
+                                 f"expected torch.float32 of shape {tuple(base.shape)}")
+            flat = g.detach().to(device=base.device).reshape(-1)
             idx = flat.view(torch.int32).nonzero().squeeze(1)  # +0 is the only all-zero bit pattern
             return idx, flat[idx]
         idx, vals = g

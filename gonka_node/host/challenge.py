@@ -159,12 +159,17 @@ class Challenges:
         known = replace(progress, submitted=dict(progress.submitted), residual_roots=dict(progress.residual_roots))
         if r in self.residual_roots:  # else recorded before a restart: the progress has it
             known.residual_roots[str(r)] = self.residual_roots[r].hex()
-        before = None if earlier is None else (earlier, self.residual_roots[earlier.round])
+        # What of `earlier` the answer needs, not `earlier` itself: an upload holds what it computed (the
+        # next model, its step taken ahead) and its own answer, so holding it would keep every round's.
+        before = None if earlier is None else (
+            earlier.round, hashlib.sha256(earlier.payload).hexdigest(), self.residual_roots[earlier.round],
+            earlier.outcome,
+        )
 
         def answer(info: pb.RoundInfo) -> bool:
-            if before is not None and before[0].accepted():
-                known.submitted.setdefault(str(before[0].round), hashlib.sha256(before[0].payload).hexdigest())
-                known.residual_roots[str(before[0].round)] = before[1].hex()
+            if before is not None and before[3].accepted():
+                known.submitted.setdefault(str(before[0]), before[1])
+                known.residual_roots[str(before[0])] = before[2].hex()
             return self.answer(info, known)
 
         return answer

@@ -74,15 +74,18 @@ def speculate(model: GlobalModel, round_: int, cancelled: Callable[[], bool]) ->
 
 def step_ahead(
     model: GlobalModel, round_: int, update: Update, speculated: SpeculativeStep | None = None,
-    speculate_next: bool = False,
+    speculate_next: bool = False, cancelled: Callable[[], bool] = lambda: False,
 ) -> NextModel | None:
     """The model after `round_` on copies of `model`'s tensors and outer state, which stay untouched (a
     round may be training from them). None when `model` does not hold round_ − 1 with its momentum.
     `speculated`: `speculate(model, round_, …)`, finished here on the update's entries (dense, or sparse:
     `Codec.decode_sparse`; without `speculated` the update must be dense).
-    `speculate_next`: also take round_ + 1's step from the new model ahead of its update (`next_step`)."""
+    `speculate_next`: also take round_ + 1's step from the new model ahead of its update (`next_step`;
+    left None when that fails or `cancelled()` stops it: the next round's step is then taken whole)."""
     if model.outer is None or model.round_done != round_ - 1:
         return None
+    if speculated is not None and not speculated.steps_from(model.params):
+        raise ValueError(f"step_ahead: round {round_}'s step was taken ahead from other tensors than the held model's")
     if speculated is not None:
         params, outer = speculated.finish(update)
     else:
@@ -93,8 +96,10 @@ def step_ahead(
         outer.step(params, update)
     ahead = NextModel(round_, params, outer, model.hash_of(params))
     if speculate_next:
-        ahead.next_step = SpeculativeStep(outer, params)
-        ahead.next_step.run()
+        try:
+            ahead.next_step = speculate(GlobalModel(params, ahead.sha256, round_, outer), round_ + 1, cancelled)
+        except Exception:  # the model computed is good all the same
+            log.exception("round %d: the next round's outer step ahead of its update failed", round_ + 1)
     return ahead
 
 

@@ -534,13 +534,18 @@ class HostNode(UploadRecovery):
         return self.recipe.broadcast == "codec" and get_codec(self.recipe.codec).sparse
 
     def _step_ahead(
-        self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None
+        self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None,
+        cancelled: Callable[[], bool],
     ) -> NextModel | None:
         if speculated is not None:  # a sparse codec's broadcast (`_speculates`): its entries, no dense tensor
             update: Update = self._round_codec(round_).decode_sparse(data, self._spec)
         else:
             update = (self._decode_update if self.recipe.broadcast == "codec" else dense_update)(round_, data)
-        return step_ahead(gm, round_, update, speculated, speculate_next=self._speculates)
+        # An eager host forecasts the next round's base from the next step, right when the round after
+        # this one starts: taken here, it is ready then (the daemon joins this thread before that round).
+        # A delayed host's next upload thread takes it while it uploads, holding one model less meanwhile.
+        chain = self._speculates and self.recipe.overlap == "eager"
+        return step_ahead(gm, round_, update, speculated, speculate_next=chain, cancelled=cancelled)
 
     def _apply(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
         """Bring the held model to `target`: the model the upload thread computed ahead when it is the

@@ -42,11 +42,39 @@ Prefetch = Callable[[], bytes]  # the round's aggregated update; raises grpc.Rpc
 # the part of the round's outer step that needs no update (`follow.speculate`), run in its own thread
 # while the payload uploads, from when the daemon holds the base; given `cancelled`
 Speculate = Callable[[Callable[[], bool]], "SpeculativeStep | None"]
-# the model after the round, from its update's bytes and what `Speculate` computed (None: nothing)
-Prepare = Callable[[bytes, "SpeculativeStep | None"], "NextModel | None"]
+# the model after the round, from its update's bytes and what `Speculate` computed (None: nothing);
+# given `cancelled`
+Prepare = Callable[[bytes, "SpeculativeStep | None", Callable[[], bool]], "NextModel | None"]
 # asks whether the round's submission is challenged (GetSubmission) and opens it if so; True once
 # settled (opened, refused, or no challenge will come), False: ask again at the next poll
 Answer = Callable[[pb.RoundInfo], bool]
+
+
+class SubmitOutcome:
+    """Whether the aggregator took an upload's payload, once it answered: what the next round's challenge
+    answer needs of the upload before it, without holding the upload (and the models it computed)."""
+
+    def __init__(self) -> None:
+        self._answered = threading.Event()  # the aggregator answered the submit, or the upload gave up
+        self._accepted = False
+
+    def set(self, accepted: bool) -> None:
+        self._accepted = accepted
+        self._answered.set()
+
+    def settle(self) -> None:
+        """The upload is over: whoever waits for an answer has it (not accepted, unless `set` said so)."""
+        self._answered.set()
+
+    @property
+    def taken(self) -> bool:
+        """Accepted as far as known now (no wait)."""
+        return self._accepted
+
+    def accepted(self) -> bool:
+        """Waits for the answer (not the download that follows it)."""
+        self._answered.wait()
+        return self._accepted
 
 
 class PendingUpload:
@@ -63,8 +91,7 @@ class PendingUpload:
         self._cancelled = threading.Event()
         self._base_ready = threading.Event()
         self._base_held = False
-        self._answered = threading.Event()  # the aggregator answered the submit, or the upload gave up
-        self._accepted = False
+        self.outcome = SubmitOutcome()
         self._result = UploadResult(False, "the upload did not run", 0.0)
         self._thread = threading.Thread(target=self._run, name=f"upload-round-{round_}", daemon=True)
 
@@ -94,14 +121,15 @@ class PendingUpload:
     def accepted(self) -> bool:
         """Whether the aggregator took the payload (DUPLICATE included), once it answered: what an eager
         host's next round may forecast with (training/overlap.py). Waits for the answer, not the download."""
-        self._answered.wait()
-        return self._accepted
+        return self.outcome.accepted()
 
     def wait(self) -> UploadResult:
-        """The outcome, once the upload's thread and the speculation (which reads the held model) are done."""
+        """The outcome, once the upload's thread and the speculation (which reads the held model) are done.
+        The upload lets go of what it computed then: the daemon takes it from the result."""
         self._thread.join()
         if self._speculating is not None:
             self._speculating.join()
+        self._speculation = None
         return self._result
 
     def _run_speculation(self) -> None:
@@ -116,9 +144,9 @@ class PendingUpload:
             self._result = self._upload()
         except Exception as exc:  # reported by the daemon's thread, never lost silently; a payload the
             # aggregator took stays accepted when what follows (the challenge, the download) failed
-            self._result = UploadResult(self._accepted, f"upload failed: {type(exc).__name__}: {exc}", 0.0)
+            self._result = UploadResult(self.outcome.taken, f"upload failed: {type(exc).__name__}: {exc}", 0.0)
         finally:
-            self._answered.set()
+            self.outcome.settle()
 
     def _upload(self) -> UploadResult:
         while not self._cancelled.is_set():
@@ -136,8 +164,7 @@ class PendingUpload:
             started = time.monotonic()
             accepted, reason = self._submit(info, self.payload, self.tokens, self._cancelled.is_set)
             seconds = time.monotonic() - started
-            self._accepted = accepted
-            self._answered.set()
+            self.outcome.set(accepted)
             update = self._fetch_update(info if accepted else None)
             return UploadResult(accepted, reason, seconds, update, self._step_ahead(update))
         return UploadResult(False, f"LATE: round {self.round} never opened to this upload", 0.0)
@@ -154,7 +181,8 @@ class PendingUpload:
             return None
         if self._speculating is not None:
             self._speculating.join()
-        return self._prepare(update, self._speculation)
+        speculated, self._speculation = self._speculation, None
+        return self._prepare(update, speculated, self._cancelled.is_set)
 
     def _fetch_update(self, submitted: pb.RoundInfo | None) -> bytes | None:
         """The round's aggregated update, downloaded once the next round opens (this one has closed),

@@ -4,6 +4,9 @@ broadcast, so hosts that download a quarter of the dense bytes still hold the ch
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,14 +56,25 @@ def test_an_epoch_with_a_compressed_download_ends_on_the_chains_model(tmp_path: 
 
 
 class Speculating(HostNode):
-    """Records, for each round the upload thread steps ahead, whether it finished a speculated step."""
+    """Records, for each round the upload thread steps ahead, whether it finished a speculated step, and
+    which models computed ahead of earlier rounds are still alive then (each is a model and its momentum:
+    one kept per round would exhaust a host's memory within an epoch)."""
 
     finished: list[tuple[int, bool]]
+    models: dict[int, weakref.ref[NextModel]]
+    alive: dict[int, list[int]]
 
-    def _step_ahead(self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None
-                    ) -> NextModel | None:
-        self.finished = [*getattr(self, "finished", []), (round_, speculated is not None)]
-        return super()._step_ahead(gm, round_, data, speculated)
+    def _step_ahead(self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None,
+                    cancelled: Callable[[], bool]) -> NextModel | None:
+        if not hasattr(self, "finished"):
+            self.finished, self.models, self.alive = [], {}, {}
+        self.finished.append((round_, speculated is not None))
+        gc.collect()
+        self.alive[round_] = sorted(r for r, ref in self.models.items() if ref() is not None)
+        ahead = super()._step_ahead(gm, round_, data, speculated, cancelled)
+        if ahead is not None:
+            self.models[round_] = weakref.ref(ahead)
+        return ahead
 
 
 @pytest.mark.parametrize("overlap", ["delayed", "eager"])
@@ -95,6 +109,8 @@ def test_an_overlapped_top_k_epoch_takes_the_outer_step_ahead_of_the_compressed_
         # Round 1's step was speculated by the upload thread; round 2's was taken ahead right after round
         # 1's model (its `next_step`) and handed to round 2's upload thread: finished, adopted, each.
         assert node.finished[:2] == [(1, True), (2, True)]
+        # When round 3's model is computed, round 1's (adopted before round 3 trained) is gone.
+        assert 1 not in node.alive[3], node.alive
         assert [how for _, how in seen.seen[:2]] == ["ahead", "ahead"]
     # Eager: rounds 3 and 4 forecast over the adopted model's step taken ahead, once per host-round.
     assert len(forecasts) == (4 if overlap == "eager" else 0)

@@ -49,6 +49,7 @@ def test_the_speculated_step_finished_with_the_update_is_the_step_bit_for_bit(
         plain.step(plain_model, update)
         before = {name: t.clone() for name, t in ahead_model.items()}
         buffers_before = {name: b.clone() for name, b in ahead.buffers.items()}
+        base_model, base_buffers = ahead_model, dict(ahead.buffers)
         spec = SpeculativeStep(ahead, ahead_model)
         assert spec.run()
         ahead_model, ahead = spec.finish(update)
@@ -60,27 +61,35 @@ def test_the_speculated_step_finished_with_the_update_is_the_step_bit_for_bit(
             assert _bits(ahead.buffers[name]) == _bits(buf), (r, name)
         # The base it was speculated from is untouched (a round may be training from it).
         for name, t in before.items():
-            assert _bits(spec._base[name]) == _bits(t)
+            assert _bits(base_model[name]) == _bits(t)
         for name, b in buffers_before.items():
-            assert _bits(spec._base_outer.buffers[name]) == _bits(b)
+            assert _bits(base_buffers[name]) == _bits(b)
+        with pytest.raises(RuntimeError, match="finished already"):
+            spec.finish(update)  # a second finish would write over the model it returned
 
 
-def test_only_the_update_s_nonzero_entries_are_recomputed() -> None:
-    """The speculation is the step with a +0 update: where the update is +0 the result is the run's, so a
-    finish that recomputed nothing would equal it, and one with a nonzero entry differs exactly there."""
+def test_the_entries_recomputed_are_exactly_the_update_s_that_are_not_plus_zero() -> None:
+    """The speculation is the step with a +0 update: the finish recomputes every entry whose bits are not
+    those of +0 (−0 and subnormals included) and no other, and leaves the others as the run made them."""
     model, outer = _model(1), OuterOptimizer(0.7, 0.9)
     outer.step(model, _sparse_update(model, 1, 1.0))  # momentum buffers everywhere
     spec = SpeculativeStep(outer, model)
     spec.run()
     ran = {name: t.clone() for name, t in spec.params.items()}
     update = {name: torch.zeros_like(t) for name, t in model.items()}
-    update["b.bias"][100] = 0.5
+    update["b.bias"][100], update["b.bias"][101] = 0.5, TINY
     update["a.weight"][0, 3] = -0.0
+    where, _, _ = spec._entries(update)
+    assert {name: idx.tolist() for name, idx in where.items()} == {"a.weight": [3], "b.bias": [100, 101]}
     stepped, _ = spec.finish(update)
-    changed = {(name, i) for name in model for i, (x, y) in enumerate(zip(_bits(stepped[name]), _bits(ran[name]), strict=True))
-               if x != y}
+    changed = {
+        (name, i)
+        for name in model
+        for i, (x, y) in enumerate(zip(_bits(stepped[name]), _bits(ran[name]), strict=True))
+        if x != y
+    }
     assert ("b.bias", 100) in changed
-    assert changed <= {("b.bias", 100), ("a.weight", 3)}
+    assert changed <= {("b.bias", 100), ("b.bias", 101), ("a.weight", 3)}
 
 
 def test_an_update_the_step_refuses_changes_nothing() -> None:
@@ -93,13 +102,27 @@ def test_an_update_the_step_refuses_changes_nothing() -> None:
     bad["a.weight"][5, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN or infinity"):
         spec.finish(bad)
-    with pytest.raises(ValueError, match=r"update b.bias has shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"update b.bias is torch.float32 of shape \(3,\), expected torch.float32 of shape \(333,\)"):
         spec.finish({"a.weight": bad["a.weight"], "b.bias": torch.zeros(3)})
     with pytest.raises(ValueError, match="parameter names differ"):
         spec.finish({"a.weight": bad["a.weight"]})
     for name, t in ran.items():
         assert _bits(spec.params[name]) == _bits(t)
-    assert spec.outer.steps == outer.steps + 1
+    ran_buffers = {name: b.clone() for name, b in spec.outer.buffers.items()}
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        spec.forecast(bad)
+    with pytest.raises(ValueError, match=r"update a.weight is torch.float64"):
+        spec.finish({name: t.double() for name, t in bad.items()})
+    for name, t in ran.items():
+        assert _bits(spec.params[name]) == _bits(t)
+        assert _bits(spec.outer.buffers[name]) == _bits(ran_buffers[name])
+    assert spec.outer.steps == outer.steps + 1 and not spec.forecasted and not spec.finished
+    # A forecast taken, then a refused finish: the forecast's tensors and the speculation stay as they were.
+    forecast = spec.forecast(_sparse_update(model, 4, 0.05))
+    kept = {name: t.clone() for name, t in forecast.items()}
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        spec.finish(bad)
+    assert spec.forecasted and all(_bits(forecast[name]) == _bits(t) for name, t in kept.items())
 
 
 def test_a_cancelled_run_is_completed_by_finish() -> None:

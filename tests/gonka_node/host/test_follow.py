@@ -16,9 +16,17 @@ from safetensors.torch import load, save
 from torch import Tensor
 
 from gonka_node.core.fragments import model_root
-from gonka_node.host.follow import FollowError, GlobalModel, NextModel, adopt, follow_to, step_ahead
+from gonka_node.host.follow import (
+    FollowError,
+    GlobalModel,
+    NextModel,
+    adopt,
+    follow_to,
+    speculate,
+    step_ahead,
+)
 from training.checkpoint import canonical_sha256
-from training.diloco import OuterOptimizer
+from training.diloco import OuterOptimizer, SpeculativeStep
 
 SHAPES = {"w": (4, 3), "b": (5,)}
 LR, MOMENTUM = 0.7, 0.9
@@ -241,6 +249,32 @@ def test_a_model_stepped_ahead_is_the_next_rounds_and_the_held_one_stays_untouch
     assert bits_equal(model.params, before) and model.round_done == 0 and model.sha256 == sha(before)
     assert step_ahead(model, 2, tensors(2, 0.1)) is None  # not the round after the one held
     assert step_ahead(fresh_model(outer=False), 1, tensors(1, 0.1)) is None  # no momentum to step with
+
+
+def test_a_step_taken_ahead_gives_the_same_next_model_and_takes_the_one_after(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agg, model = two_rounds(), fresh_model()
+    speculated = speculate(model, 1, lambda: False)
+    assert speculated is not None
+    assert speculate(model, 2, lambda: False) is None  # not the round after the one held
+    assert speculate(model, 1, lambda: True) is None  # cancelled before its first tensor
+    ahead = step_ahead(model, 1, tensors(1, 0.1), speculated, speculate_next=True)
+    assert ahead is not None and bits_equal(ahead.params, agg.params[1]) and ahead.sha256 == agg.chain.hashes[1]
+    assert bits_equal(model.params, tensors(0))  # the held model untouched
+    # The next round's step, taken ahead from the new model: finished with round 2's update it is round 2's.
+    assert ahead.next_step is not None and ahead.next_step.steps_from(ahead.params)
+    adopt(model, ahead, agg.chain)
+    after = step_ahead(model, 2, tensors(2, 0.1), ahead.next_step)
+    assert after is not None and bits_equal(after.params, agg.params[2]) and after.sha256 == agg.chain.hashes[2]
+    # A step taken ahead from other tensors is refused; one that fails to take the next leaves it out.
+    with pytest.raises(ValueError, match="taken ahead from other tensors than the held model's"):
+        step_ahead(fresh_model(), 1, tensors(1, 0.1), speculate(fresh_model(), 1, lambda: False))
+    monkeypatch.setattr(SpeculativeStep, "run", lambda self, cancelled=None: (_ for _ in ()).throw(MemoryError()))
+    caplog.set_level(logging.ERROR, "gonka_node.host.follow")
+    again = step_ahead(fresh_model(), 1, tensors(1, 0.1), speculate_next=True)
+    assert again is not None and again.next_step is None and again.sha256 == agg.chain.hashes[1]
+    assert "round 2: the next round's outer step ahead of its update failed" in caplog.text
 
 
 def test_a_model_ahead_is_adopted_only_as_the_next_round_with_the_chains_hash(caplog: pytest.LogCaptureFixture) -> None:
