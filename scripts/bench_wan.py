@@ -14,8 +14,11 @@ The timeline is the host daemon's (gonka_node/host/node.py), per round r:
   (`--apply-s`: the outer step and the sha256 check of the new model); train r + 1.
 - `overlap = "delayed"`: train r from the model after r − 2; the upload of r starts when r is trained
   and r is open (it opens when r − 1 closes), queued behind the previous upload on the same uplink; the
-  upload thread downloads r's update as soon as r closes; before training r + 1 the daemon waits for
-  the update of r − 1 and applies it (`--apply-s`, on the training path).
+  upload thread downloads r's update as soon as r closes and steps the model with it (`--apply-s`);
+  before training r + 2 the daemon adopts that model. With a sparse broadcast (top-k, `broadcast =
+  "codec"`) the host takes the dense part of the step ahead of the update (`training.diloco.
+  SpeculativeStep`, `--ahead-s`), from when it holds the base (the start of round r + 1), so only the
+  step's nonzero entries and the hash are left for when the update arrives.
 
 Utilisation = inner-step seconds / wall seconds from the start of round 1 to the end of round R's
 training (the host's own `gonka_host_utilisation` figure over the epoch). The download is the dense
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -46,6 +50,7 @@ from training.codecs import Codec, get_codec
 from training.model import Llama, ModelConfig
 
 LINKS = ("1000/1000", "100/10", "20/5")
+OVERLAPS = ("off", "delayed", "eager")  # training/overlap.py
 CODECS = {"int8": "int8", "top-k": "topk:chunk=4096,k=128,bits=2"}  # top-k: the benchmarked 1,798× codec
 CHUNK = 1 << 20  # the gRPC client's chunk (the round's max_chunk_bytes)
 
@@ -55,10 +60,17 @@ class Timing:
     steps: int  # H
     step_s: float  # seconds per inner step (H200, 1.2B, 16k tokens)
     close_s: float  # the aggregator's close after the last upload: decode, check, aggregate, step, finalize
-    apply_s: float  # the host's outer step and sha256 of the new model (overlap on: in the upload thread)
+    apply_s: float  # the host's outer step and sha256 of the new model once the update is there (overlap on:
+    # in the upload thread)
     save_s: float  # the host's snapshot of each new model (on the training path in both modes)
     rounds: int
     latency_ms: float
+    # overlap on, a sparse broadcast: the part of the step taken before its update (`SpeculativeStep.run`),
+    # from when the daemon releases the base to the round's upload thread; eager: round k's right after
+    # the model after k − 1, by the thread that computed that model (round 1's from the release)
+    ahead_s: float = 0.0
+    forecast_s: float = 0.0  # eager: the forecast of a round's base, on the training path (from round 3)
+    first_forecast_s: float | None = None  # eager: round 2's (no step taken ahead yet); None: forecast_s
 
     @property
     def compute_s(self) -> float:
@@ -98,16 +110,29 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
     ends: list[float] = [0.0]  # end of training of round r (index r); round 0 = the start
     closed: list[float] = [0.0]  # when round r closed at the aggregator
     fetched: list[float] = [0.0]  # when the host holds round r's update
-    ready: dict[int, float] = {0: 0.0}  # delayed: when the upload thread has computed the model after r
+    ready: dict[int, float] = {0: 0.0}  # overlap on: when the upload thread has computed the model after r
+    ahead: dict[int, float] = {}  # overlap on: when round k's step is taken ahead of its update
+    first_forecast = t.forecast_s if t.first_forecast_s is None else t.first_forecast_s
     for r in range(1, t.rounds + 1):
         if overlap == "off":  # download, apply and save on the training path
             start = fetched[r - 1] + (t.apply_s + t.save_s if r > 1 else 0.0)
-        else:  # adopt the model computed ahead, then save it; nothing to apply for rounds 1 and 2
-            start = max(ends[r - 1], ready[r - 2] if r >= 3 else 0.0) + (t.save_s if r >= 3 else 0.0)
-            # The thread of round r − 1 steps a copy of the model the daemon holds from now on.
-            ready[r - 1] = max(fetched[r - 1], start) + t.apply_s
+        else:
+            # Adopt the model after r − 2 computed ahead, then save it (nothing to adopt for rounds 1, 2);
+            # eager: forecast from it (previewing round r − 1's step taken ahead, from round 3 on).
+            eager = overlap == "eager"
+            held = ready[r - 2] if r >= 3 else 0.0
+            if eager and r >= 3:  # round r − 1's step, taken ahead by round r − 2's upload thread right
+                # after the model after r − 2 (the daemon joins that thread, then forecasts from it)
+                ahead[r - 1] = ready[r - 2] + t.ahead_s
+                held = ahead[r - 1]
+            forecast = 0.0 if not eager or r == 1 else first_forecast if r == 2 else t.forecast_s
+            start = max(ends[r - 1], held) + (t.save_s if r >= 3 else 0.0) + forecast
+            if r >= 2 and (r == 2 or not eager):  # else taken by round r − 1's upload thread from the base's
+                ahead[r - 1] = start + t.ahead_s  # release, now, beside its upload (joined with it)
+            if r >= 2:  # round r − 1's upload thread finishes the step with the update
+                ready[r - 1] = max(fetched[r - 1], ahead[r - 1], start) + t.apply_s
         ends.append(start + t.compute_s)
-        opens = closed[r - 1] if overlap == "delayed" else 0.0
+        opens = closed[r - 1] if overlap != "off" else 0.0
         uploaded = send(buckets.up, up_bytes, max(ends[r], opens))
         closed.append(uploaded + t.close_s)
         fetched.append(send(buckets.down, down_bytes, closed[r]))
@@ -117,61 +142,155 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
             "round_wall_s": round(ends[-1] - ends[-2], 2)}
 
 
-def measure_apply(params: int, numel: int = 1 << 22) -> dict[str, Any]:
-    """The host's outer step (bit-exact `fma32`, training/diloco.py) and sha256 of one tensor of `numel`
-    elements on this machine's CPU with torch's threads, scaled linearly to `params`."""
+def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[str, Any]:
+    """The host's work on the global model on this machine's CPU with torch's threads, for one tensor of
+    `numel` elements scaled linearly to `params` (medians of `repeat`): the bit-exact outer step
+    (`fma32`, training/diloco.py) on a copy, each codec's dense decode of an update, sha256 of the model,
+    and the step taken ahead of a top-k update (`SpeculativeStep`): its dense part, its finish from the
+    update's bytes (`Codec.decode_sparse`), an eager forecast from the host's own payload's bytes, and
+    the finish after such a forecast (which copies the model the forecast wrote over)."""
     from training.checkpoint import canonical_sha256
-    from training.diloco import OuterOptimizer
+    from training.diloco import OuterOptimizer, SpeculativeStep
 
     gen = torch.Generator().manual_seed(0)
     p, g = {"w": torch.randn(numel, generator=gen)}, {"w": torch.randn(numel, generator=gen) * 1e-3}
+    own = {"w": torch.randn(numel, generator=gen) * 1e-3}
+    spec = {"w": (numel,)}
+    payloads = {label: get_codec(name).encode(g) for label, name in CODECS.items()}
+    topk = get_codec(CODECS["top-k"])
+    own_payload = topk.encode(own)
     outer = OuterOptimizer(0.7, 0.9)
-    outer.step(p, g)  # the first step only copies the momentum: time the second
-    started = time.perf_counter()
-    outer.step(p, g)
-    step_s = time.perf_counter() - started
-    started = time.perf_counter()
-    canonical_sha256(p)
-    hash_s = time.perf_counter() - started
+    outer.step(p, g)  # the first step only copies the momentum: time later ones
+
+    def timed(f: Any, prepare: Any = lambda: None) -> float:
+        """Seconds of `f(prepare())`; its tensors are freed before the next call (as a host's are)."""
+        arg = prepare()
+        started = time.perf_counter()
+        f(arg)
+        elapsed = time.perf_counter() - started
+        del arg
+        return elapsed
+
+    def speculated() -> SpeculativeStep:
+        step = SpeculativeStep(outer, p)
+        step.run()
+        return step
+
+    def forecasted() -> SpeculativeStep:
+        step = speculated()
+        step.forecast(topk.decode_sparse(own_payload, spec))
+        return step
+
+    measures: dict[str, tuple[Any, Any]] = {
+        "step_s": (lambda _: outer.copy().step({"w": p["w"].clone()}, g), None),  # on a copy, as the upload thread
+        "ahead_s": (lambda _: speculated(), None),
+        "finish_s": (lambda step: step.finish(topk.decode_sparse(payloads["top-k"], spec)), speculated),
+        "forecast_s": (lambda step: step.forecast(topk.decode_sparse(own_payload, spec)), speculated),
+        "finish_after_forecast_s": (lambda step: step.finish(topk.decode_sparse(payloads["top-k"], spec)),
+                                    forecasted),
+        "sha256_s": (lambda _: canonical_sha256(p), None),
+    } | {f"decode_{label}": (lambda _, name=name, data=data: get_codec(name).decode(data, spec), None)
+         for (label, name), data in zip(CODECS.items(), payloads.values(), strict=True)}
+    # Round robin, so that a shared machine's slow spells fall on every figure alike; medians.
+    times: dict[str, list[float]] = {key: [] for key in measures}
+    for _ in range(repeat):
+        for key, (f, prepare) in measures.items():
+            times[key].append(timed(f, prepare or (lambda: None)))
     scale = params / numel
-    return {"threads": torch.get_num_threads(), "numel": numel, "step_s": round(step_s * scale, 1),
-            "sha256_s": round(hash_s * scale, 1), "where": "this machine's CPU (shared), scaled to the model"}
+    median = {key: round(sorted(t)[len(t) // 2] * scale, 1) for key, t in times.items()}
+    nonzero = int((topk.decode(payloads["top-k"], spec)["w"] != 0).sum())
+    return {"threads": torch.get_num_threads(), "numel": numel, "repeat": repeat,
+            "load_average_1min": round(os.getloadavg()[0], 2),
+            **{k: v for k, v in median.items() if not k.startswith("decode_")},
+            "decode_s": {label: median[f"decode_{label}"] for label in CODECS},
+            "top_k_density": round(nonzero / numel, 4), "where": "this machine's CPU (shared), scaled to the model"}
 
 
-def sensitivity(up: int, down: int, t: Timing) -> list[dict[str, Any]]:
-    """The target configuration (100/10, top-k, overlap on, compressed download) at other host apply times."""
-    return [{"apply_s": a, "utilisation": simulate("100/10", up, down, "delayed", dataclasses.replace(t, apply_s=a))
-             ["utilisation"]} for a in (0.0, 15.0, 30.0, 45.0, 60.0, 120.0)]
+def speculates(overlap: str, broadcast: str, codec_name: str) -> bool:
+    """Whether the host takes the step ahead of the update (gonka_node/host/node.py `_speculates`)."""
+    return overlap != "off" and broadcast == "codec" and get_codec(codec_name).sparse
+
+
+def host_timing(
+    t: Timing, measured: Mapping[str, Any] | None, overlap: str, speculated: bool, codec: str = "top-k",
+    broadcast: str = "codec",
+) -> Timing:
+    """`t` with the host's work measured (`measured`, else `t`'s own figures) placed as the host does it
+    for `codec` (a CODECS label) and `broadcast`: with a sparse broadcast, the step's dense part ahead of
+    the update and an eager forecast written over it from the payload's bytes; else the update decoded
+    (a codec's broadcast), the whole step after it and an eager forecast stepping a copy of the model."""
+    eager = overlap == "eager"
+    if measured is None:
+        t = t if speculated else dataclasses.replace(t, ahead_s=0.0)
+        return t if eager else dataclasses.replace(t, forecast_s=0.0, first_forecast_s=None)
+    step, sha, decode = measured["step_s"], measured["sha256_s"], measured["decode_s"][codec]
+    if speculated:
+        finish = measured["finish_after_forecast_s" if eager else "finish_s"]
+        return dataclasses.replace(t, ahead_s=measured["ahead_s"], apply_s=finish + sha,
+                                   forecast_s=measured["forecast_s"] if eager else 0.0,
+                                   # round 2: nothing taken ahead yet, the own payload decoded and stepped
+                                   first_forecast_s=step + decode if eager else None)
+    return dataclasses.replace(t, ahead_s=0.0, apply_s=step + sha + (decode if broadcast == "codec" else 0.0),
+                               forecast_s=step + decode if eager else 0.0, first_forecast_s=None)
+
+
+def sensitivity(up: int, down: int, t: Timing, measured: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The target configuration (100/10, top-k, overlap on, compressed download) with a slower or faster
+    host: every time measured here multiplied by `slower`, for each overlap mode, the step taken ahead of
+    the update as the host takes it, and not (the whole step after it, as with a dense download)."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for overlap in ("delayed", "eager"):
+        for label, speculated in (("ahead", True), ("whole_step_after_update", False)):
+            key = f"{overlap}_{label}"
+            rows[key] = []
+            for slower in (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0):
+                scaled = {k: v * slower for k, v in measured.items() if k.endswith("_s") and k != "decode_s"}
+                scaled["decode_s"] = {k: v * slower for k, v in measured["decode_s"].items()}
+                timing = host_timing(t, scaled, overlap, speculated)
+                rows[key].append({"slower": slower, "ahead_s": round(timing.ahead_s, 1),
+                                  "apply_s": round(timing.apply_s, 1), "forecast_s": round(timing.forecast_s, 1),
+                                  "utilisation": simulate("100/10", up, down, overlap, timing)["utilisation"]})
+    return rows
 
 
 def run(t: Timing, apply_measured: bool = False) -> dict[str, Any]:
-    """`apply_measured`: the host's apply is this machine's measured outer step plus sha256 (scaled to
-    the model), not `t.apply_s`."""
+    """`apply_measured`: the host's work (outer step, sha256, eager forecast) is this machine's, measured
+    and scaled to the model, placed as the host places it; else `t`'s figures."""
     spec = llama_1b_spec()
     params = sum(int(torch.Size(s).numel()) for s in spec.values())
     measured = measure_apply(params)
-    if apply_measured:
-        t = dataclasses.replace(t, apply_s=measured["step_s"] + measured["sha256_s"])
     dense = get_codec("fp32").encoded_size(spec)
     runs = []
     for codec_label, codec_name in CODECS.items():
         size = checked_size(get_codec(codec_name), spec)
         for link in LINKS:
-            for overlap in ("off", "delayed"):
+            for overlap in OVERLAPS:
                 for broadcast, down in (("dense", dense), ("codec", size)):
-                    result = simulate(link, size, down, overlap, t)
+                    speculated = speculates(overlap, broadcast, codec_name)
+                    timing = host_timing(t, measured if apply_measured else None, overlap, speculated, codec_label,
+                                         broadcast)
+                    result = simulate(link, size, down, overlap, timing)
                     runs.append({"params": params, "link": link, "codec": codec_label, "codec_spec": codec_name,
-                                 "overlap": "on" if overlap == "delayed" else "off", "overlap_mode": overlap,
-                                 "broadcast": broadcast, "upload_bytes": size, "download_bytes": down, **result})
+                                 "overlap": "on" if overlap != "off" else "off", "overlap_mode": overlap,
+                                 "broadcast": broadcast, "upload_bytes": size, "download_bytes": down,
+                                 "step_ahead": speculated, "ahead_s": round(timing.ahead_s, 1),
+                                 "apply_s": round(timing.apply_s, 1), "forecast_s": round(timing.forecast_s, 1),
+                                 **result})
     topk = checked_size(get_codec(CODECS["top-k"]), spec)
     return {
         "model": "Llama-3.2-1B shapes (preset 1b, vocab 128256, tied embeddings)",
         "params": params,
         "apply_measured": measured,
-        "apply_s_source": "measured (apply_measured: step_s + sha256_s)" if apply_measured else "--apply-s",
-        "target": {"link": "100/10", "codec": "top-k", "overlap": "on", "broadcast": "codec",
-                   "steps": t.steps, "utilisation_goal": 0.98},
-        "sensitivity_to_apply_s": sensitivity(topk, topk, t),
+        "apply_s_source": ("measured (apply_measured), placed as the host places it (host_timing): with a "
+                           "sparse broadcast ahead_s before the update, finish_s (eager: finish_after_forecast_s) "
+                           "+ sha256_s after it, an eager forecast forecast_s on the training path (round 2: "
+                           "step_s + decode_s); else decode_s (a codec's broadcast) + step_s + sha256_s after "
+                           "the update, an eager forecast step_s + decode_s"
+                           if apply_measured else "--apply-s, --ahead-s, --forecast-s"),
+        "target": {"link": "100/10", "codec": "top-k", "overlap": "on (eager: the mode that meets the loss "
+                   "target; delayed reported beside it)", "broadcast": "codec", "steps": t.steps,
+                   "utilisation_goal": 0.98},
+        "sensitivity_to_host_speed": sensitivity(topk, topk, t, measured),
         "compute": f"simulated: H x {t.step_s} s per inner step (H200, 16k tokens, measured), no GPU used",
         "clock": "simulated (the link limiter's own arithmetic on a simulated clock); time_scale 1.0",
         "time_scale": 1.0,
@@ -186,14 +305,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     for ax, codec in zip(axes, CODECS, strict=True):
         rows = [r for r in report["runs"] if r["codec"] == codec]
-        labels = [f"{o}/{b}" for o in ("off", "on") for b in ("dense", "codec")]
+        labels = [f"{o}/{b}" for o in OVERLAPS for b in ("dense", "codec")]
         width = 0.8 / len(labels)
         for i, label in enumerate(labels):
             o, b = label.split("/")
-            values = [next(r["utilisation"] for r in rows if r["link"] == link and r["overlap"] == o
+            values = [next(r["utilisation"] for r in rows if r["link"] == link and r["overlap_mode"] == o
                            and r["broadcast"] == b) for link in LINKS]
             ax.bar([x + i * width for x in range(len(LINKS))], values, width, label=f"overlap {o}, download {b}")
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(LINKS))], [f"{link} Mbit/s" for link in LINKS])
@@ -203,8 +322,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel(f"utilisation (H = {report['timing']['steps']})")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=3)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -218,18 +337,24 @@ def main() -> None:
     p.add_argument("--close-s", type=float, default=10.0, help="the aggregator's close after the last upload")
     p.add_argument("--apply-s", type=float, default=60.0,
                    help="the host's outer step and sha256 of the new model on its CPU (default 60; see the JSON)")
+    p.add_argument("--ahead-s", type=float, default=0.0,
+                   help="overlap on, top-k broadcast: the part of the step the host takes before the update (default 0)")
+    p.add_argument("--forecast-s", type=float, default=0.0,
+                   help="eager: the forecast of each round's base, on the training path (default 0)")
     p.add_argument("--apply-measured", action="store_true",
-                   help="use this machine's measured outer step + sha256 (scaled to the model) as --apply-s")
+                   help="use this machine's measured outer step + sha256 (scaled to the model), split where the "
+                        "host steps ahead, instead of --apply-s and --ahead-s")
     p.add_argument("--save-s", type=float, default=0.0,
                    help="the host's per-round snapshot write, on the training path (default 0: not modelled)")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--latency-ms", type=float, default=20.0, help="before each transfer's first byte")
     args = p.parse_args()
-    timing = Timing(args.steps, args.step_s, args.close_s, args.apply_s, args.save_s, args.rounds, args.latency_ms)
+    timing = Timing(args.steps, args.step_s, args.close_s, args.apply_s, args.save_s, args.rounds, args.latency_ms,
+                    args.ahead_s, args.forecast_s)
     report = run(timing, args.apply_measured)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for r in report["runs"]:
-        print(f"{r['link']:>9} {r['codec']:>5} overlap {r['overlap']:>3} download {r['broadcast']:>5}: "
+        print(f"{r['link']:>9} {r['codec']:>5} overlap {r['overlap_mode']:>7} download {r['broadcast']:>5}: "
               f"up {r['upload_bytes'] / 1e6:8,.1f} MB down {r['download_bytes'] / 1e6:8,.1f} MB "
               f"utilisation {r['utilisation']:.3f} (round {r['round_wall_s']:.0f} s)")
     if args.plot:

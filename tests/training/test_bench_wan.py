@@ -37,6 +37,74 @@ def test_with_overlap_the_round_hides_what_fits_in_its_compute() -> None:
     assert slow["utilisation_per_round"][2:] == pytest.approx([10 / 14, 1.0] * 3, abs=0.003)
 
 
+def test_the_step_taken_ahead_of_the_update_runs_while_the_update_is_in_flight() -> None:
+    bench = load_script("bench_wan")
+    # The update is there 6 s after a round's training ends (3 s up, 1 s close, 2 s down). 9 s of step
+    # after it: 15 s > 10 s of compute, so every other round waits 5 s (rounds end at 10, 20, 35, 45, 60, 70).
+    after = bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", timing(bench, apply_s=9.0))
+    assert after["utilisation"] == pytest.approx(60 / 70, abs=0.003)
+    # The same 9 s with 7 of them taken ahead, from when the base is released (the next round's start),
+    # beside the transfers: max(6, 7) + 2 = 9 s < 10 s, hidden.
+    ahead = bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", timing(bench, apply_s=2.0, ahead_s=7.0))
+    assert ahead["utilisation"] == 1.0
+    # Taken ahead but longer than the transfers, it is what the next round waits for: 9 + 2 = 11 s from
+    # a round's start, so from round 3 on each starts 1 s late (rounds end at 10, 20, 31, 42, 53, 64).
+    long = bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", timing(bench, apply_s=2.0, ahead_s=9.0))
+    assert long["utilisation"] == pytest.approx(60 / 64, abs=0.003)
+
+
+def test_an_eager_round_waits_for_its_forecast_and_the_step_it_previews() -> None:
+    bench = load_script("bench_wan")
+    # The update is there 6 s after a round's training ends. Taken ahead (3 s, right after the model
+    # before, by the thread that computed it), finished in 1 s, the forecast written over it in 0.5 s on
+    # the training path (round 2: 2 s, nothing taken ahead yet): rounds start at 0, 12, 22.5, 33, 43.5,
+    # 54 and end 10 s later.
+    ahead = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", timing(
+        bench, ahead_s=3.0, apply_s=1.0, forecast_s=0.5, first_forecast_s=2.0))
+    assert ahead["utilisation"] == pytest.approx(60 / 64, abs=0.003)
+    assert ahead["utilisation_per_round"][2:] == pytest.approx([10 / 10.5] * 4, abs=0.003)
+    # The whole step after the update (3 s + 1 s of hash) and a forecast stepping a copy (3 s): the model
+    # after r − 2 is there in time, the forecast is not (rounds start at 0, 13, 26, 39, 52, 65).
+    whole = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", timing(bench, apply_s=4.0, forecast_s=3.0))
+    assert whole["utilisation"] == pytest.approx(60 / 75, abs=0.003)
+    # "delayed" has no forecast, and takes the step ahead beside its upload: the same work fits.
+    assert bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", timing(
+        bench, ahead_s=3.0, apply_s=1.0, forecast_s=0.5, first_forecast_s=2.0))["utilisation"] == 1.0
+    # Eager takes the next step right after the model before, and the next round waits for it: 5 s taken
+    # ahead, 3 s of finish: rounds start at 0, 12, 25.5, 36.5, 50, 61. "Delayed" takes it from the
+    # base's release beside the transfers: max(6, 5) + 3 = 9 s < 10 s, hidden.
+    slow = timing(bench, ahead_s=5.0, apply_s=3.0, forecast_s=0.5, first_forecast_s=2.0)
+    assert bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", slow)["utilisation"] == 1.0
+    assert bench.simulate("8/8", 3_000_000, 2_000_000, "eager", slow)["utilisation"] == pytest.approx(60 / 71, abs=0.003)
+
+
+def test_the_host_steps_ahead_only_with_overlap_and_a_sparse_broadcast() -> None:
+    bench = load_script("bench_wan")
+    topk, int8 = bench.CODECS["top-k"], bench.CODECS["int8"]
+    assert bench.speculates("delayed", "codec", topk) and bench.speculates("eager", "codec", topk)
+    assert not bench.speculates("eager", "codec", "mask")  # a quarter of the entries: about a whole step
+    assert not bench.speculates("delayed", "dense", topk)  # a dense update: every entry recomputed
+    assert not bench.speculates("eager", "codec", int8)
+    assert not bench.speculates("off", "codec", topk)
+    measured = {"step_s": 30.0, "ahead_s": 31.0, "finish_s": 3.0, "finish_after_forecast_s": 6.0,
+                "forecast_s": 5.0, "sha256_s": 4.0, "decode_s": {"int8": 2.0, "top-k": 1.0}}
+    t = timing(bench, ahead_s=5.0, forecast_s=7.0)
+
+    def placed(overlap: str, speculated: bool, codec: str = "top-k", broadcast: str = "codec"
+               ) -> tuple[float, float, float, float | None]:
+        got = bench.host_timing(t, measured, overlap, speculated, codec, broadcast)
+        return got.ahead_s, got.apply_s, got.forecast_s, got.first_forecast_s
+
+    assert placed("eager", True) == (31.0, 10.0, 5.0, 31.0)  # round 2's forecast: a decode and a whole step
+    assert placed("delayed", True) == (31.0, 7.0, 0.0, None)
+    assert placed("eager", False, "int8") == (0.0, 36.0, 32.0, None)
+    assert placed("eager", False, "top-k", "dense") == (0.0, 34.0, 31.0, None)  # the own payload is decoded
+    assert placed("off", False, "int8", "dense") == (0.0, 34.0, 0.0, None)
+    assert bench.host_timing(t, None, "delayed", False).ahead_s == 0.0
+    assert bench.host_timing(t, None, "delayed", True).forecast_s == 0.0
+    assert bench.host_timing(t, None, "eager", True) == t
+
+
 def test_the_reported_payloads_are_the_codecs_sizes_for_the_1b_shapes() -> None:
     bench = load_script("bench_wan")
     spec = bench.llama_1b_spec()
