@@ -84,6 +84,35 @@ class Load:
                       answered=answered)
 
 
+class HeldStream(threading.Thread):
+    """A stream whose first chunk is read, then no more until `release` is set: a request in flight for
+    as long as the test wants (the load's own streams may all end between two polls of a switch)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url, self.first, self.release = url, threading.Event(), threading.Event()
+        self.answer: Answer | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0)
+        try:
+            with client.completions.with_streaming_response.create(model="gonka-epoch-1", prompt="z",
+                                                                   max_tokens=120, seed=7, stream=True) as raw:
+                answered = time.monotonic()
+                chunks = iter(raw.parse())
+                rounds = [next(chunks).model_extra["gonka"]]
+                self.first.set()
+                self.release.wait(120)
+                rounds += [chunk.model_extra["gonka"] for chunk in chunks]
+                self.answer = Answer(answered, time.monotonic(), {c["round"] for c in rounds},
+                                     rounds[-1]["checkpoint_sha256"], raw.headers["x-gonka-checkpoint-sha256"],
+                                     answered=answered)
+        except Exception as exc:  # asserted on by the test
+            self.error = exc
+            self.first.set()
+
+
 def wait_for_round(handle, round_: int, timeout_s: float = 60.0) -> tuple[float, float]:
     """When round `round_` became the newest served: between the two times returned (the last poll that
     saw another, the first that saw it)."""
@@ -101,17 +130,24 @@ def test_a_new_round_is_served_under_load_without_a_failed_request(world: ServeW
     handle = serve(world, tmp_path, poll_s=0.1)
     try:
         assert [m.id for m in handle.served()] == ["gonka-epoch-1-round-2"]
+        held = HeldStream(handle.url)
         with Load(handle.url, clients=4) as load:
-            while len(load.answers) < 4 or not load.streaming:  # a stream is under way when round 3 comes
+            while len(load.answers) < 4 or not load.streaming:  # streams are under way when round 3 comes
                 time.sleep(0.01)
+            held.start()
+            assert held.first.wait(60) and held.error is None, held.error
             world.finalize(3)
             before, after = wait_for_round(handle, 3)
+            held.release.set()  # read on only once round 3 is served
+            held.join(60)
             count = len(load.answers)
             while len(load.answers) < count + 8:
                 time.sleep(0.01)
         assert [m.id for m in handle.served()] == ["gonka-epoch-1-round-3", "gonka-epoch-1-round-2"]
     finally:
         handle.stop()
+    assert held.error is None and held.answer is not None, held.error
+    load.answers.append(held.answer)
     assert [a.error for a in load.answers if a.error] == []
     for answer in load.answers:
         (round_,) = answer.rounds  # a stream never changes models midway
