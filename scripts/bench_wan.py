@@ -19,6 +19,10 @@ The timeline is the host daemon's (gonka_node/host/node.py), per round r:
   "codec"`) the host takes the dense part of the step ahead of the update (`training.diloco.
   SpeculativeStep`, `--ahead-s`), from when it holds the base (the start of round r + 1), so only the
   step's nonzero entries and the hash are left for when the update arrives.
+- `overlap = "eager"`: as "delayed", and before training r the daemon forecasts r's base from the model
+  after r − 2 and its own payload of r − 1 (`--forecast-s`, on the training path): with a sparse
+  broadcast written over round r − 1's step taken ahead, which the upload thread of r − 2 takes right
+  after computing the model after r − 2 (the daemon joins that thread first); else a whole step.
 
 Utilisation = inner-step seconds / wall seconds from the start of round 1 to the end of round R's
 training (the host's own `gonka_host_utilisation` figure over the epoch). The download is the dense

@@ -406,6 +406,8 @@ class SpeculativeStep:
 
     def run(self, cancelled: Callable[[], bool] = lambda: False) -> bool:
         """The step with an all +0 update, tensor by tensor; False when `cancelled()` stopped it first."""
+        if self.finished:
+            raise RuntimeError("SpeculativeStep.run: finished already (its optimizer is the model's now)")
         zero = torch.zeros((), dtype=torch.float32, device=self._device())
         for name in sorted(self._base):
             if cancelled():

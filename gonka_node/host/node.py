@@ -421,6 +421,7 @@ class HostNode(UploadRecovery):
                     pending = None
                     return progress
                 result, undo = self._train_overlapped(r, gm, progress, pending, undo, forecast)
+                forecast = None  # a model's worth, not needed past the training (the next thread's peak)
                 undo = self._keep(result, undo)  # before it is sent: an eager round r + 1's base is forecast with it
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
@@ -558,6 +559,8 @@ class HostNode(UploadRecovery):
             self._record_round(target, progress)
         else:
             how = self._catch_up(gm, target, hashes, progress)
+        for r in [r for r in self._prefetched if r <= target]:  # updates of rounds held now: needed no more
+            del self._prefetched[r]
         self._save(gm, progress)
         reward = progress.rewards.get(str(target), 0)
         self.events.round_applied(target, how, gm.sha256, reward, time.monotonic() - started)

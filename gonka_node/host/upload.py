@@ -182,7 +182,11 @@ class PendingUpload:
         if self._speculating is not None:
             self._speculating.join()
         speculated, self._speculation = self._speculation, None
-        return self._prepare(update, speculated, self._cancelled.is_set)
+        try:
+            return self._prepare(update, speculated, self._cancelled.is_set)
+        except Exception:  # the upload and its update stand; the daemon takes the step itself (follows)
+            log.exception("round %d: the next model could not be computed ahead from the update", self.round)
+            return None
 
     def _fetch_update(self, submitted: pb.RoundInfo | None) -> bytes | None:
         """The round's aggregated update, downloaded once the next round opens (this one has closed),

@@ -63,17 +63,21 @@ class Speculating(HostNode):
     finished: list[tuple[int, bool]]
     models: dict[int, weakref.ref[NextModel]]
     alive: dict[int, list[int]]
+    prefetched: dict[int, list[int]]  # per round stepped ahead: the rounds whose updates the daemon still holds
+    chained: dict[int, bool]  # per round: whether the next round's step was taken right after its model
 
     def _step_ahead(self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None,
                     cancelled: Callable[[], bool]) -> NextModel | None:
         if not hasattr(self, "finished"):
-            self.finished, self.models, self.alive = [], {}, {}
+            self.finished, self.models, self.alive, self.prefetched, self.chained = [], {}, {}, {}, {}
         self.finished.append((round_, speculated is not None))
         gc.collect()
         self.alive[round_] = sorted(r for r, ref in self.models.items() if ref() is not None)
+        self.prefetched[round_] = sorted(self._prefetched)
         ahead = super()._step_ahead(gm, round_, data, speculated, cancelled)
         if ahead is not None:
             self.models[round_] = weakref.ref(ahead)
+            self.chained[round_] = ahead.next_step is not None
         return ahead
 
 
@@ -106,12 +110,16 @@ def test_an_overlapped_top_k_epoch_takes_the_outer_step_ahead_of_the_compressed_
     for node, progress, seen in zip(nodes, progresses, events, strict=True):
         assert progress.model_sha256 == final and progress.outer_steps == 4
         assert all(progress.rewards[str(r)] > 0 for r in (1, 2, 3, 4))
-        # Round 1's step was speculated by the upload thread; round 2's was taken ahead right after round
-        # 1's model (its `next_step`) and handed to round 2's upload thread: finished, adopted, each.
+        # Each round's step was taken ahead, finished with the update and the result adopted: by the upload
+        # thread from the base's release, or (eager, from round 2) right after the model before it, by
+        # the thread that computed that model (its `next_step`), and handed to the next upload thread.
         assert node.finished[:2] == [(1, True), (2, True)]
-        # When round 3's model is computed, round 1's (adopted before round 3 trained) is gone.
-        assert 1 not in node.alive[3], node.alive
         assert [how for _, how in seen.seen[:2]] == ["ahead", "ahead"]
+        assert node.chained and all(chained == (overlap == "eager") for chained in node.chained.values())
+        # When round 3's model is computed, round 1's (adopted before round 3 trained) is gone, and so is
+        # the update it was computed from.
+        assert 1 not in node.alive[3], node.alive
+        assert 1 not in node.prefetched[3], node.prefetched
     # Eager: rounds 3 and 4 forecast over the adopted model's step taken ahead, once per host-round.
     assert len(forecasts) == (4 if overlap == "eager" else 0)
     assert len(reasons) == 8

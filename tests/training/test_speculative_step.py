@@ -66,6 +66,9 @@ def test_the_speculated_step_finished_with_the_update_is_the_step_bit_for_bit(
             assert _bits(base_buffers[name]) == _bits(b)
         with pytest.raises(RuntimeError, match="finished already"):
             spec.finish(update)  # a second finish would write over the model it returned
+        with pytest.raises(RuntimeError, match="finished already"):
+            spec.run()  # would reset the step count of the optimizer it returned
+        assert spec._base == {} and spec._base_outer.buffers == {}  # the base is let go of
 
 
 def test_the_entries_recomputed_are_exactly_the_update_s_that_are_not_plus_zero() -> None:

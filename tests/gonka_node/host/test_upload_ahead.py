@@ -44,8 +44,11 @@ def test_the_step_is_taken_ahead_from_the_release_and_handed_to_prepare() -> Non
         assert released.is_set()  # not before the daemon holds the base and says so
         return "taken ahead"
 
+    cancels: list[Callable[[], bool]] = []
+
     def prepare(data: bytes, speculated: Any, cancelled: Callable[[], bool]) -> None:
         seen.append((data, speculated))
+        cancels.append(cancelled)
 
     pending = upload(agg, prepare, speculate).start()
     agg.submitted.wait(5)
@@ -55,6 +58,23 @@ def test_the_step_is_taken_ahead_from_the_release_and_handed_to_prepare() -> Non
     assert result.accepted and result.update == b"update"
     assert seen == [(b"update", "taken ahead")] and order == ["speculate"]
     assert pending._speculation is None  # let go of once handed over (it holds the model it was taken from)
+    assert not cancels[0]()
+    pending.cancel()  # what `prepare` was given to stop the next round's step taken ahead
+    assert cancels[0]()
+
+
+def test_a_failed_prepare_keeps_the_upload_and_its_update(caplog: pytest.LogCaptureFixture) -> None:
+    agg = Aggregator()
+
+    def prepare(data: bytes, speculated: Any, cancelled: Callable[[], bool]) -> None:
+        raise ValueError("taken ahead from other tensors")
+
+    pending = upload(agg, prepare, None).start()
+    with caplog.at_level(logging.ERROR, logger="gonka_node.host.upload"):
+        pending.release_base(True)
+        result = pending.wait()
+    assert result.accepted and result.reason == "" and result.update == b"update" and result.ahead is None
+    assert "round 1: the next model could not be computed ahead from the update" in caplog.text
 
 
 def test_a_step_already_taken_ahead_is_used_and_none_is_taken_again() -> None:
