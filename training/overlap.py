@@ -56,6 +56,17 @@ def base_round(round_: int, mode: str, first_round: int = 1) -> int:
     return max(first_round - 1, round_ - lag)
 
 
+def next_overlapped_round(trained: int, latest: int, held: int) -> int:
+    """The next round an overlapping host trains: after the last it trained and the last the chain
+    closed, and one whose base (round − 2) is not behind the held model, which only moves forward (a
+    restarted host that caught up to the chain's latest model skips a round rather than pull an older
+    checkpoint)."""
+    r = max(trained, latest) + 1
+    while base_round(r, "delayed") < held:
+        r += 1
+    return r
+
+
 def eager_base(
     anchor: Mapping[str, Tensor], outer: OuterOptimizer, own: Mapping[str, Tensor] | None
 ) -> dict[str, Tensor]:

@@ -48,7 +48,7 @@ from training.checkpoint import canonical_sha256
 from training.codecs import Codec, get_codec, round_seed
 from training.diloco import OuterOptimizer, SpeculativeStep, Update
 from training.model import build_model
-from training.overlap import base_round, eager_base
+from training.overlap import base_round, eager_base, next_overlapped_round
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
 
@@ -596,13 +596,3 @@ class HostNode(UploadRecovery):
             self.keys.node_key.signing_key, self.store, self.rounds, self._spec, self.events, self.sleep,
             self._open_round, self._before_round, self.residual_roots,
         )
-
-def next_overlapped_round(trained: int, latest: int, held: int) -> int:
-    """The next round an overlapping host trains: after the last it trained and the last the chain
-    closed, and one whose base (round − 2) is not behind the held model, which only moves forward (a
-    restarted host that caught up to the chain's latest model skips a round rather than pull an older
-    checkpoint)."""
-    r = max(trained, latest) + 1
-    while base_round(r, "delayed") < held:
-        r += 1
-    return r

@@ -18,12 +18,11 @@ from torch import Tensor
 
 from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from gonka_node.host.events import HostEvents
-from gonka_node.host.node import next_overlapped_round
 from gonka_node.host.store import Progress
 from training.checkpoint import canonical_sha256, load_checkpoint
 from training.codecs import get_codec
 from training.model import ModelConfig, build_model
-from training.overlap import base_round
+from training.overlap import base_round, next_overlapped_round
 from training.worker import Assignment, DiLoCoWorker
 
 GNK = base.GNK
