@@ -75,6 +75,9 @@ class Timing:
     ahead_s: float = 0.0
     forecast_s: float = 0.0  # eager: the forecast of a round's base, on the training path (from round 3)
     first_forecast_s: float | None = None  # eager: round 2's (no step taken ahead yet); None: forecast_s
+    # the worker's end of each round, after its last inner step and before both its upload and the next
+    # round: pseudo-gradient, norm, compress, residual root, the round's durable save (`measure_seal`)
+    seal_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -112,6 +115,7 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
     spec = LinkSpec.parse(f"{link}@{t.latency_ms:g}")
     buckets = spec.buckets(clock=lambda: 0.0)
     ends: list[float] = [0.0]  # end of training of round r (index r); round 0 = the start
+    sealed: list[float] = [0.0]  # when round r's payload is compressed and the round saved
     closed: list[float] = [0.0]  # when round r closed at the aggregator
     fetched: list[float] = [0.0]  # when the host holds round r's update
     ready: dict[int, float] = {0: 0.0}  # overlap on: when the upload thread has computed the model after r
@@ -130,14 +134,15 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
                 ahead[r - 1] = ready[r - 2] + t.ahead_s
                 held = ahead[r - 1]
             forecast = 0.0 if not eager or r == 1 else first_forecast if r == 2 else t.forecast_s
-            start = max(ends[r - 1], held) + (t.save_s if r >= 3 else 0.0) + forecast
+            start = max(sealed[r - 1], held) + (t.save_s if r >= 3 else 0.0) + forecast
             if r >= 2 and (r == 2 or not eager):  # else taken by round r − 1's upload thread from the base's
                 ahead[r - 1] = start + t.ahead_s  # release, now, beside its upload (joined with it)
             if r >= 2:  # round r − 1's upload thread finishes the step with the update
                 ready[r - 1] = max(fetched[r - 1], ahead[r - 1], start) + t.apply_s
         ends.append(start + t.compute_s)
+        sealed.append(ends[r] + t.seal_s)
         opens = closed[r - 1] if overlap != "off" else 0.0
-        uploaded = send(buckets.up, up_bytes, max(ends[r], opens))
+        uploaded = send(buckets.up, up_bytes, max(sealed[r], opens))
         closed.append(uploaded + t.close_s)
         fetched.append(send(buckets.down, down_bytes, closed[r]))
     wall = ends[-1]
@@ -210,6 +215,70 @@ def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[st
             "top_k_density": round(nonzero / numel, 4), "where": "this machine's CPU (shared), scaled to the model"}
 
 
+def measure_seal(params: int, numel: int = 1 << 22, save_numel: int = 1 << 24, repeat: int = 5) -> dict[str, Any]:
+    """The worker's end of a round on this machine's CPU, per codec, scaled linearly to `params` (medians
+    of `repeat`, round robin): what a host does between its last inner step and both the round's upload
+    and its next round's first step (training/worker.py `train_round`, gonka_node/host/node.py `_keep`):
+    the pseudo-gradient, its norm, the compress with error feedback (a second round's: the residual is
+    added), the root over the residual the host signs, and the durable save of the round before its
+    upload (`HostStore.save_sent`: the payload and the worker state, both residuals, fsynced); and the
+    snapshot the host saves each time it adopts a new global model (`HostStore.save` from `_apply`:
+    the model, its outer momentum and the worker state, fsynced), on the training path before the next
+    round. Both saves are measured on `save_numel` elements, so that the disk sets their rate."""
+    import tempfile
+
+    from gonka_node.host.store import HostStore, Progress
+    from training.codecs import ErrorFeedback
+    from training.diloco import pseudo_gradient, sum_of_squares
+    from training.worker import commitment_root
+
+    gen = torch.Generator().manual_seed(1)
+    glob = {"w": torch.randn(numel, generator=gen)}
+    local = {"w": glob["w"] + torch.randn(numel, generator=gen) * 1e-3}
+    spec = {"w": (numel,)}
+    feedback = {label: ErrorFeedback(get_codec(name)) for label, name in CODECS.items()}
+    for ef in feedback.values():
+        ef.compress(pseudo_gradient(glob, local))  # the residual every later round adds
+    big = {"w": torch.randn(save_numel, generator=gen) * 1e-3}
+    save_state = {"feedback": {"residual": big, "previous": {"w": big["w"].clone()}}}
+    delta = pseudo_gradient(glob, local)
+    measures: dict[str, Any] = {
+        "pseudo_gradient_s": lambda: pseudo_gradient(glob, local),
+        "norm_s": lambda: sum_of_squares(delta["w"]),
+    } | {f"compress_{label}": (lambda ef=ef: ef.compress(delta)) for label, ef in feedback.items()} | {
+        f"root_{label}": (lambda ef=ef: commitment_root(ef.residual, spec, ef.codec)) for label, ef in feedback.items()
+    }
+    model, momentum = {"w": torch.randn(save_numel, generator=gen)}, {"w": torch.randn(save_numel, generator=gen)}
+    times: dict[str, list[float]] = {key: [] for key in [*measures, "save_s", "snapshot_s"]}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_WAN_DISK")) as tmp:
+        store = HostStore(Path(tmp), epoch=1)
+        for i in range(repeat):
+            for key, f in measures.items():
+                started = time.perf_counter()
+                f()
+                times[key].append((time.perf_counter() - started) * params / numel)
+            started = time.perf_counter()
+            store.save_sent(i + 1, b"p" * 1024, bytes(32), save_state)
+            times["save_s"].append((time.perf_counter() - started) * params / save_numel)
+            started = time.perf_counter()
+            store.save(Progress(1, 0, i + 1, "00" * 32), model, momentum, save_state)
+            times["snapshot_s"].append((time.perf_counter() - started) * params / save_numel)
+    median = {key: round(sorted(t)[len(t) // 2], 2) for key, t in times.items()}
+    common = median["pseudo_gradient_s"] + median["norm_s"] + median["save_s"]
+    return {"numel": numel, "save_numel": save_numel, "repeat": repeat, "threads": torch.get_num_threads(),
+            "load_average_1min": round(os.getloadavg()[0], 2),
+            "pseudo_gradient_s": median["pseudo_gradient_s"], "norm_s": median["norm_s"], "save_s": median["save_s"],
+            "snapshot_s": median["snapshot_s"],
+            # fp32 bytes a parameter written on the training path each round: the round's save (both
+            # residuals) and the snapshot (model, momentum, both residuals again)
+            "written_bytes_per_round": 24 * params,
+            "compress_s": {label: median[f"compress_{label}"] for label in CODECS},
+            "root_s": {label: median[f"root_{label}"] for label in CODECS},
+            "seal_s": {label: round(common + median[f"compress_{label}"] + median[f"root_{label}"], 1)
+                       for label in CODECS},
+            "where": "this machine's CPU and disk (shared), scaled to the model"}
+
+
 def speculates(overlap: str, broadcast: str, codec_name: str) -> bool:
     """Whether the host takes the step ahead of the update (gonka_node/host/node.py `_speculates`)."""
     return overlap != "off" and broadcast == "codec" and get_codec(codec_name).sparse
@@ -227,6 +296,9 @@ def host_timing(
     if measured is None:
         t = t if speculated else dataclasses.replace(t, ahead_s=0.0)
         return t if eager else dataclasses.replace(t, forecast_s=0.0, first_forecast_s=None)
+    seal = measured.get("seal")
+    if seal is not None:  # the round's end and the snapshot, on the training path wherever the host is
+        t = dataclasses.replace(t, seal_s=seal["seal_s"][codec], save_s=seal["snapshot_s"])
     step, sha, decode = measured["step_s"], measured["sha256_s"], measured["decode_s"][codec]
     if speculated:
         finish = measured["finish_after_forecast_s" if eager else "finish_s"]
@@ -236,6 +308,20 @@ def host_timing(
                                    first_forecast_s=step + decode if eager else None)
     return dataclasses.replace(t, ahead_s=0.0, apply_s=step + sha + (decode if broadcast == "codec" else 0.0),
                                forecast_s=step + decode if eager else 0.0, first_forecast_s=None)
+
+
+def scaled_host(measured: Mapping[str, Any], slower: float, disk: float | None = None) -> dict[str, Any]:
+    """`measured` with every time multiplied by `slower`; the saves' by `disk` instead when given (0: the
+    saves off the training path, a projection of what moving them there would give)."""
+    disk = slower if disk is None else disk
+    out = {k: v * slower for k, v in measured.items() if k.endswith("_s") and k != "decode_s"}
+    out["decode_s"] = {k: v * slower for k, v in measured["decode_s"].items()}
+    if "seal" in measured:
+        seal = measured["seal"]
+        cpu = {label: total - seal["save_s"] for label, total in seal["seal_s"].items()}
+        out["seal"] = {"seal_s": {label: c * slower + seal["save_s"] * disk for label, c in cpu.items()},
+                       "snapshot_s": seal["snapshot_s"] * disk}
+    return out
 
 
 def sensitivity(up: int, down: int, t: Timing, measured: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -248,10 +334,9 @@ def sensitivity(up: int, down: int, t: Timing, measured: Mapping[str, Any]) -> d
             key = f"{overlap}_{label}"
             rows[key] = []
             for slower in (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0):
-                scaled = {k: v * slower for k, v in measured.items() if k.endswith("_s") and k != "decode_s"}
-                scaled["decode_s"] = {k: v * slower for k, v in measured["decode_s"].items()}
-                timing = host_timing(t, scaled, overlap, speculated)
+                timing = host_timing(t, scaled_host(measured, slower), overlap, speculated)
                 rows[key].append({"slower": slower, "ahead_s": round(timing.ahead_s, 1),
+                                  "seal_s": round(timing.seal_s, 1), "snapshot_s": round(timing.save_s, 1),
                                   "apply_s": round(timing.apply_s, 1), "forecast_s": round(timing.forecast_s, 1),
                                   "utilisation": simulate("100/10", up, down, overlap, timing)["utilisation"]})
     return rows
@@ -262,7 +347,7 @@ def run(t: Timing, apply_measured: bool = False) -> dict[str, Any]:
     and scaled to the model, placed as the host places it; else `t`'s figures."""
     spec = llama_1b_spec()
     params = sum(int(torch.Size(s).numel()) for s in spec.values())
-    measured = measure_apply(params)
+    measured = measure_apply(params) | {"seal": measure_seal(params)}
     dense = get_codec("fp32").encoded_size(spec)
     runs = []
     for codec_label, codec_name in CODECS.items():
@@ -289,12 +374,20 @@ def run(t: Timing, apply_measured: bool = False) -> dict[str, Any]:
                            "sparse broadcast ahead_s before the update, finish_s (eager: finish_after_forecast_s) "
                            "+ sha256_s after it, an eager forecast forecast_s on the training path (round 2: "
                            "step_s + decode_s); else decode_s (a codec's broadcast) + step_s + sha256_s after "
-                           "the update, an eager forecast step_s + decode_s"
+                           "the update, an eager forecast step_s + decode_s; every mode: the round's seal "
+                           "(apply_measured.seal.seal_s for the codec) after its training, before its upload and "
+                           "the next round, and the snapshot (seal.snapshot_s) before each round from the third"
                            if apply_measured else "--apply-s, --ahead-s, --forecast-s"),
         "target": {"link": "100/10", "codec": "top-k", "overlap": "on (eager: the mode that meets the loss "
                    "target; delayed reported beside it)", "broadcast": "codec", "steps": t.steps,
                    "utilisation_goal": 0.98},
         "sensitivity_to_host_speed": sensitivity(topk, topk, t, measured),
+        # not what the host does today: both saves moved off the training path (the round's save before
+        # its upload in the upload thread, the snapshot behind the next round), the CPU work as measured
+        "projection_saves_off_training_path": {
+            overlap: simulate("100/10", topk, topk, overlap, host_timing(
+                t, scaled_host(measured, 1.0, disk=0.0), overlap, True))["utilisation"]
+            for overlap in ("delayed", "eager")},
         "compute": f"simulated: H x {t.step_s} s per inner step (H200, 16k tokens, measured), no GPU used",
         "clock": "simulated (the link limiter's own arithmetic on a simulated clock); time_scale 1.0",
         "time_scale": 1.0,

@@ -124,8 +124,15 @@ class ErrorFeedback:
             target = d.clone()
         else:
             target = (prev if self.decay == 1.0 else prev * torch.tensor(self.decay, dtype=torch.float32)) + d
-        part = codec.encode_tensor(name, target)
-        self.residual[name] = target - codec.decode_tensor(name, part, tuple(target.shape))
+        target = target.contiguous()  # its flat view is the encoded order
+        part, kept = codec.encode_kept(name, target)
+        if isinstance(kept, tuple):  # a sparse codec: the target less the kept values, where they are
+            positions, values = kept
+            flat = target.view(-1)  # `target` is this call's own tensor: the residual is made in it
+            flat[positions] = flat[positions] - values
+            self.residual[name] = target
+        else:
+            self.residual[name] = target - kept
         if prev is None:
             self.previous.pop(name, None)
         else:

@@ -70,24 +70,37 @@ class TopKCodec(Codec):
         )
 
     def _encode_flat(self, x: Tensor, name: str) -> bytes:
+        return self._encode_flat_kept(x, name)[0]
+
+    def _encode_flat_kept(self, x: Tensor, name: str) -> tuple[bytes, tuple[Tensor, Tensor]]:
+        """The section, and its kept entries' flat positions and decoded values: `_values` of the very
+        scales and codes written, so bit for bit what `_decode_flat_sparse` reads back (no decode pass)."""
         full = (x.numel() // self.chunk) * self.chunk
         rows = [x[:full].view(-1, self.chunk), x[full:].view(1, -1)]
-        scales, positions, codes = [], [], []
-        for r in (r for r in rows if r.numel()):
+        scales, positions, codes, owners = [], [], [], []
+        for first, r in ((0, rows[0]), (full // self.chunk, rows[1])):
+            if not r.numel():
+                continue
             idx, v = self._select(r, min(self.k, r.shape[1]))
             positions.append(idx.reshape(-1))
+            owners.append(torch.arange(first, first + r.shape[0]).repeat_interleave(idx.shape[1]))
             if self.bits == 1:
-                scales.append(v.abs().mean(dim=1))
+                mean = v.abs().mean(dim=1)
+                scales.append(torch.stack([mean, mean], dim=1))
                 codes.append((v < 0).to(torch.int64).reshape(-1))
                 continue
             lo, hi = v.abs().amin(dim=1), v.abs().amax(dim=1)
-            scales.append(torch.stack([lo, hi], dim=1).reshape(-1))
+            scales.append(torch.stack([lo, hi], dim=1))
             codes.append(self._quantize(v, lo, hi))
-        return (
-            _cat(scales, torch.float32).numpy().astype("<f4").tobytes()
-            + _pack_codes(_cat(positions, torch.int64).numpy().astype(np.uint32), self.index_bits)
-            + _pack_codes(_cat(codes, torch.int64).numpy().astype(np.uint8), self.bits)
+        pairs = torch.cat(scales) if scales else torch.zeros(0, 2)
+        idx, code, owner = _cat(positions, torch.int64), _cat(codes, torch.int64), _cat(owners, torch.int64)
+        section = (
+            pairs[:, : self.scales].contiguous().numpy().astype("<f4").tobytes()
+            + _pack_codes(idx.numpy().astype(np.uint32), self.index_bits)
+            + _pack_codes(code.numpy().astype(np.uint8), self.bits)
         )
+        kept = _Kept(pairs[:, 0].contiguous(), pairs[:, 1].contiguous(), owner, idx, code)
+        return section, (owner * self.chunk + idx, _finite(self._values(kept), self.name, name))
 
     @staticmethod
     def _select(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -20,17 +20,27 @@ the checkpoint hash posted on chain). Three rules make that hold on any CPU or G
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from training.cpu_pool import map_parts, workers_for
+
 _FMA_CHUNK = 1 << 20  # elements per fp64 temporary: bounds the outer step's extra memory to a few MiB
+
+
+def sum_of_squares(t: Tensor) -> float:
+    """Σ x² of `t`'s entries, for a pseudo-gradient's norm (a sanity figure in logs and reports): fp32
+    dot products of 64k-element slices, summed as Python floats, so the rounding error stays near fp32's
+    relative precision at any size without an fp64 copy of the tensor (which took 4.8 s for 1.2B
+    parameters here, on a host's training path: scripts/bench_wan.py's seal; this takes ~0.1 s)."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    return math.fsum(float(torch.dot(s, s)) for s in flat.split(1 << 16))
 
 
 def pseudo_gradient(
@@ -97,30 +107,15 @@ def _fma32_cpu(a: Tensor, b: Tensor | float, c: Tensor) -> Tensor:
     b_flat = b.float().reshape(-1) if isinstance(b, Tensor) else None
     b_scalar = float(torch.tensor(b, dtype=torch.float32)) if b_flat is None else 0.0
     n = c_flat.numel()
-    workers = max(1, min(torch.get_num_threads(), -(-n // _BLOCK)))
-    share = -(-n // (workers * _BLOCK)) * _BLOCK  # whole blocks per thread
+    share = -(-n // (workers_for(n, _BLOCK) * _BLOCK)) * _BLOCK  # whole blocks per thread
     parts = [(start, min(start + share, n)) for start in range(0, n, share)] if n else []
 
     def run(part: tuple[int, int]) -> None:
         with torch.no_grad():
             _fma32_blocks(a_flat, b_flat, b_scalar, c_flat, o_flat, *part)
 
-    if len(parts) <= 1:
-        for part in parts:
-            run(part)
-        return out
-    list(_pool().map(run, parts))  # torch releases the GIL inside each operation
+    map_parts(run, parts)
     return out
-
-
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="fma32")
-
-
-# A forked child (a bench's worker process, a rig's) has none of the parent's pool threads: a pool
-# inherited from the parent would take its work and never run it.
-os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def _fma32_blocks(

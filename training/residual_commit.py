@@ -38,11 +38,13 @@ from torch import Tensor
 
 from training.codec_base import HEADER_SIZE, HeaderError, PayloadSizeError, Spec
 from training.codecs_sparse import TopKCodec
+from training.cpu_pool import map_parts, workers_for
 
 LEAF_TAG = b"gonka-residual-leaf-v1"
 NODE_TAG = b"gonka-residual-node-v1"
 SAMPLE_TAG = b"gonka-residual-sample-v1"
 DEFAULT_CHUNK = 4096  # the top-k codec's default chunk: one commitment chunk per codec chunk
+_LEAVES_PER_THREAD = 256  # below this a thread costs more than its share of hashing
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,14 @@ def tensor_leaves(residual: Mapping[str, Tensor], layout: ChunkLayout, name: str
             raise ValueError(f"{name}: {len(data) // 4} elements, the layout has {numel}")
     else:
         data = memoryview(bytes(4 * numel))
-    step = 4 * layout.chunk
-    return [leaf_hash(first + j, data[j * step : (j + 1) * step]) for j in range(layout.firsts[t + 1] - first)]
+    step, n = 4 * layout.chunk, layout.firsts[t + 1] - first
+    share = -(-n // workers_for(n, _LEAVES_PER_THREAD))
+
+    def leaves(start: int) -> list[bytes]:
+        return [leaf_hash(first + j, data[j * step : (j + 1) * step]) for j in range(start, min(start + share, n))]
+
+    # hashlib lets go of the GIL while it hashes a chunk: a 1.2B residual's 300k leaves on every core
+    return [leaf for part in map_parts(leaves, range(0, n, share)) for leaf in part]
 
 
 def residual_leaves(residual: Mapping[str, Tensor], layout: ChunkLayout) -> list[bytes]:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from training.codecs import Codec
 from training.data import Windows
+from training.diloco import sum_of_squares
 from training.durable import durable_replace
 from training.inner import InnerConfig, InnerResult
 from training.model import Llama
@@ -242,7 +243,7 @@ class ShardedWorker(SlotWorker):
                 if whole is None:
                     continue
                 whole = whole.cpu()
-                squares[name] = float(whole.double().square().sum())  # as DiLoCoWorker's delta_norm
+                squares[name] = sum_of_squares(whole)  # as DiLoCoWorker's delta_norm
                 part = self.feedback.compress_tensor(name, whole, codec)
                 out.write(part)
                 index[name] = len(part)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from training.codecs import Codec, ErrorFeedback, Spec, get_codec, round_seed
 from training.data import Windows, window_seed
-from training.diloco import pseudo_gradient
+from training.diloco import pseudo_gradient, sum_of_squares
 from training.inner import Batch, GradSync, InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
 from training.residual_commit import commitment_layout, residual_root
@@ -135,7 +135,7 @@ class DiLoCoWorker(SlotWorker):
         """Start from `global_params`, train H steps on this slot's windows of `round_index`, and
         return the compressed pseudo-gradient θ_global − θ_local."""
         delta, result = self.local_delta(round_index, global_params, on_step)
-        norm = math.sqrt(sum(float(d.double().square().sum()) for d in delta.values()))
+        norm = math.sqrt(math.fsum(sum_of_squares(d) for d in delta.values()))
         payload = self.feedback.compress(delta, self.round_codec(round_index))
         root = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
                                self.feedback.codec)

@@ -78,6 +78,27 @@ def test_an_eager_round_waits_for_its_forecast_and_the_step_it_previews() -> Non
     assert bench.simulate("8/8", 3_000_000, 2_000_000, "eager", slow)["utilisation"] == pytest.approx(60 / 71, abs=0.003)
 
 
+def test_the_round_s_seal_delays_its_upload_and_the_next_round_in_every_mode() -> None:
+    bench = load_script("bench_wan")
+    # 3 s of seal after each round's 10 s of training: the upload (3 s) starts 3 s later and, with
+    # overlap, the next round too: 13 s a round, and the transfers (3 + 1 + 2 + 2 = 8 s) still fit behind.
+    delayed = bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", timing(bench, seal_s=3.0))
+    assert delayed["round_wall_s"] == pytest.approx(13.0, abs=0.01)
+    assert delayed["utilisation"] == pytest.approx(60 / (6 * 13 - 3), abs=0.002)  # the last seal is after
+    # Without overlap the seal comes before the upload: 10 + 3 + 3 + 1 + 2 + 2 = 21 s a round.
+    off = bench.simulate("8/8", 3_000_000, 2_000_000, "off", timing(bench, seal_s=3.0))
+    assert off["round_wall_s"] == pytest.approx(21.0, abs=0.03)
+    # The measured seal is the codec's, the snapshot's save the host's before each round; a projection
+    # with the saves off the path keeps the CPU part of the seal and drops the snapshot.
+    measured = {"step_s": 30.0, "ahead_s": 31.0, "finish_s": 3.0, "finish_after_forecast_s": 6.0,
+                "forecast_s": 5.0, "sha256_s": 4.0, "decode_s": {"int8": 2.0, "top-k": 1.0},
+                "seal": {"seal_s": {"int8": 20.0, "top-k": 12.0}, "save_s": 8.0, "snapshot_s": 9.0}}
+    got = bench.host_timing(timing(bench), measured, "eager", True, "int8")
+    assert (got.seal_s, got.save_s) == (20.0, 9.0)
+    projected = bench.host_timing(timing(bench), bench.scaled_host(measured, 0.5, disk=0.0), "delayed", True)
+    assert (projected.seal_s, projected.save_s, projected.apply_s) == (2.0, 0.0, 3.5)
+
+
 def test_the_host_steps_ahead_only_with_overlap_and_a_sparse_broadcast() -> None:
     bench = load_script("bench_wan")
     topk, int8 = bench.CODECS["top-k"], bench.CODECS["int8"]

@@ -342,3 +342,58 @@ def test_error_feedback_per_tensor_parts_equal_the_whole_payload_and_nan_changes
     with pytest.raises(ValueError, match="zeros contains NaN"):
         whole.compress(bad)
     assert all(torch.equal(whole.residual[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("name", [*CODEC_NAMES, "topk:chunk=64,k=5,bits=1", "topk:chunk=100,k=7,bits=4"])
+def test_encode_kept_is_the_part_and_exactly_what_decoding_it_gives(name: str) -> None:
+    # Error feedback's residual and an eager host's own forecast come from what the encoder kept, not
+    # from decoding the bytes it wrote: that must be the decode bit for bit (signed zeros included), as
+    # (positions, values) for a sparse codec.
+    codec = get_codec(name).for_round(5)
+    tensors = _tensors(6)
+    tensors["model.norm.weight"][3] = -0.0
+    tensors["tail"] = torch.randn(3, 4096 + 17, generator=torch.Generator().manual_seed(2))  # a short last chunk
+    for key, t in tensors.items():
+        part, kept = codec.encode_kept(key, t)
+        assert part == codec.encode_tensor(key, t)
+        if codec.sparse:
+            assert isinstance(kept, tuple)
+            positions, values = codec.decode_sparse(codec.header({key: tuple(t.shape)}) + part, {key: tuple(t.shape)})[key]
+            assert torch.equal(kept[0], positions), key
+            assert torch.equal(kept[1].view(torch.int32), values.view(torch.int32)), key
+        else:
+            assert isinstance(kept, torch.Tensor) and kept.shape == t.shape
+            decoded = codec.decode_tensor(key, part, tuple(t.shape))
+            assert torch.equal(kept.view(torch.int32), decoded.view(torch.int32)), key
+
+
+@pytest.mark.parametrize("name", ["topk:chunk=64,k=4,bits=2", "topk:chunk=64,k=4,bits=1", "int8"])
+def test_error_feedback_keeps_the_target_less_the_decoded_payload_bit_for_bit(name: str) -> None:
+    codec = get_codec(name)
+    ef, held = ErrorFeedback(codec), {}
+    g = torch.Generator().manual_seed(3)
+    for round_ in range(3):
+        delta = {"w": torch.randn(5, 70, generator=g), "b": torch.randn(9, generator=g)}
+        delta["b"][4] = -0.0  # round 0: −0 kept where nothing is sent (−0 − (+0) is −0)
+        payload = ef.compress(delta)
+        decoded = codec.decode(payload, spec_of(delta))
+        for n, d in delta.items():
+            target = held[n] + d if n in held else d.clone()
+            assert torch.equal(ef.residual[n].view(torch.int32), (target - decoded[n]).view(torch.int32)), n
+            held[n] = ef.residual[n]
+        if round_ == 0:
+            assert int(decoded["b"].view(torch.int32)[4]) == 0
+            assert int(ef.residual["b"].view(torch.int32)[4]) == -(1 << 31)  # −0's bits, not +0's
+
+
+def test_the_finite_check_finds_nan_and_either_infinity_anywhere() -> None:
+    from training.codec_base import all_finite
+
+    assert all_finite(torch.zeros(0)) and all_finite(torch.randn(1000)) and all_finite(torch.tensor([-0.0, 3e38]))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 517, 999):
+            t = torch.randn(1000)
+            t[at] = bad
+            assert not all_finite(t), (bad, at)
+            with pytest.raises(ValueError, match="w contains NaN or infinity"):
+                get_codec("topk").encode_tensor("w", t)

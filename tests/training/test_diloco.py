@@ -217,3 +217,16 @@ def test_average_order_is_fixed_whatever_the_dict_order() -> None:
     deltas = {f"0x{i:02x}": {"w": _ints_to_fp32(50, i) / 3.0} for i in range(6)}
     shuffled = {k: deltas[k] for k in reversed(list(deltas))}
     assert torch.equal(average(deltas)["w"], average(shuffled)["w"])
+
+
+def test_the_sum_of_squares_is_fp64_s_to_fp32_precision_without_an_fp64_copy() -> None:
+    from training.diloco import sum_of_squares
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3_000_017, generator=g) * 1e-3  # many 64k slices and a short last one
+    exact = float(x.double().square().sum())
+    assert abs(sum_of_squares(x) - exact) <= 1e-6 * exact
+    strided = x[:3_000_000].view(1500, 2000)[:, :1000]  # a view that no flat view of memory is
+    assert sum_of_squares(strided) == pytest.approx(float(strided.double().square().sum()), rel=1e-6)
+    assert sum_of_squares(torch.zeros(0)) == 0.0
+    assert sum_of_squares(torch.tensor([1.0, -2.0, 3.0], dtype=torch.bfloat16)) == 14.0

@@ -572,3 +572,16 @@ def test_a_sign_flip_within_the_margin_of_2_to_the_minus_20_of_the_largest_fits_
         why = _fit(2, target, residual)
         assert (why is None) == fits, (flipped_to, why)
         assert fits or "opposite sign" in (why or "")
+
+
+def test_a_tensor_s_leaves_hashed_on_several_threads_are_each_chunk_s_in_order() -> None:
+    # 2,001 chunks of 64 (the last short): more than one thread's share, so the pool splits them.
+    spec = {"big": (2000 * 64 + 5,), "small": (3,)}
+    layout = ChunkLayout.of(spec, 64)
+    g = torch.Generator().manual_seed(4)
+    residual = {n: torch.randn(s, generator=g) for n, s in spec.items()}
+    flat = residual["big"].numpy().astype("<f4").tobytes()
+    expected = [hashlib.sha256(b"gonka-residual-leaf-v1" + i.to_bytes(8, "big") + flat[i * 256 : (i + 1) * 256]).digest()
+                for i in range(2001)]
+    assert tensor_leaves(residual, layout, "big") == expected
+    assert residual_root(residual, layout) == root_of_leaves(expected + tensor_leaves(residual, layout, "small"))
