@@ -62,8 +62,9 @@ class RecordingFeedback(ErrorFeedback):
 
     last_payload = b""
 
-    def compress(self, delta: Mapping[str, Tensor], codec: Codec | None = None) -> bytes:
-        self.last_payload = super().compress(delta, codec)
+    def compress(self, delta: Mapping[str, Tensor], codec: Codec | None = None,
+                 kept: dict[str, tuple[Tensor, Tensor]] | None = None) -> bytes:
+        self.last_payload = super().compress(delta, codec, kept)
         return self.last_payload
 
 

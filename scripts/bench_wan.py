@@ -66,7 +66,7 @@ class Timing:
     close_s: float  # the aggregator's close after the last upload: decode, check, aggregate, step, finalize
     apply_s: float  # the host's outer step and sha256 of the new model once the update is there (overlap on:
     # in the upload thread)
-    save_s: float  # the host's snapshot of each new model (on the training path in both modes)
+    save_s: float  # the host's snapshot of each adopted model: written behind by the host's writer
     rounds: int
     latency_ms: float
     # overlap on, a sparse broadcast: the part of the step taken before its update (`SpeculativeStep.run`),
@@ -76,8 +76,12 @@ class Timing:
     forecast_s: float = 0.0  # eager: the forecast of a round's base, on the training path (from round 3)
     first_forecast_s: float | None = None  # eager: round 2's (no step taken ahead yet); None: forecast_s
     # the worker's end of each round, after its last inner step and before both its upload and the next
-    # round: pseudo-gradient, norm, compress, residual root, the round's durable save (`measure_seal`)
+    # round: pseudo-gradient, norm, compress, residual root (`measure_seal`)
     seal_s: float = 0.0
+    # the round's residual root and durable save before its upload: on the training path without overlap
+    # (`_keep`), written behind with it (`_keep_behind`: the writer's queue, before the snapshot asked
+    # for after it)
+    keep_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -115,15 +119,18 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
     spec = LinkSpec.parse(f"{link}@{t.latency_ms:g}")
     buckets = spec.buckets(clock=lambda: 0.0)
     ends: list[float] = [0.0]  # end of training of round r (index r); round 0 = the start
-    sealed: list[float] = [0.0]  # when round r's payload is compressed and the round saved
+    sealed: list[float] = [0.0]  # when round r's payload is compressed
+    writer = 0.0  # when the host's writer (one thread, saves in the order asked for) is free
     closed: list[float] = [0.0]  # when round r closed at the aggregator
     fetched: list[float] = [0.0]  # when the host holds round r's update
     ready: dict[int, float] = {0: 0.0}  # overlap on: when the upload thread has computed the model after r
     ahead: dict[int, float] = {}  # overlap on: when round k's step is taken ahead of its update
     first_forecast = t.forecast_s if t.first_forecast_s is None else t.first_forecast_s
     for r in range(1, t.rounds + 1):
-        if overlap == "off":  # download, apply and save on the training path
-            start = fetched[r - 1] + (t.apply_s + t.save_s if r > 1 else 0.0)
+        if overlap == "off":  # download and apply on the training path, the snapshot written behind
+            start = fetched[r - 1] + (t.apply_s if r > 1 else 0.0)
+            if r > 1:
+                writer = max(writer, start) + t.save_s
         else:
             # Adopt the model after r − 2 computed ahead, then save it (nothing to adopt for rounds 1, 2);
             # eager: forecast from it (previewing round r − 1's step taken ahead, from round 3 on).
@@ -134,15 +141,21 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
                 ahead[r - 1] = ready[r - 2] + t.ahead_s
                 held = ahead[r - 1]
             forecast = 0.0 if not eager or r == 1 else first_forecast if r == 2 else t.forecast_s
-            start = max(sealed[r - 1], held) + (t.save_s if r >= 3 else 0.0) + forecast
+            adopted = max(sealed[r - 1], held)
+            if r >= 3:  # the snapshot of the model adopted, asked of the writer then
+                writer = max(writer, adopted) + t.save_s
+            start = adopted + forecast
             if r >= 2 and (r == 2 or not eager):  # else taken by round r − 1's upload thread from the base's
                 ahead[r - 1] = start + t.ahead_s  # release, now, beside its upload (joined with it)
             if r >= 2:  # round r − 1's upload thread finishes the step with the update
                 ready[r - 1] = max(fetched[r - 1], ahead[r - 1], start) + t.apply_s
         ends.append(start + t.compute_s)
-        sealed.append(ends[r] + t.seal_s)
+        sealed.append(ends[r] + t.seal_s + (t.keep_s if overlap == "off" else 0.0))
+        kept = sealed[r]
+        if overlap != "off":  # the next round starts now; the upload waits for the round's save
+            writer = kept = max(writer, sealed[r]) + t.keep_s
         opens = closed[r - 1] if overlap != "off" else 0.0
-        uploaded = send(buckets.up, up_bytes, max(sealed[r], opens))
+        uploaded = send(buckets.up, up_bytes, max(kept, opens))
         closed.append(uploaded + t.close_s)
         fetched.append(send(buckets.down, down_bytes, closed[r]))
     wall = ends[-1]
@@ -156,8 +169,10 @@ def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[st
     `numel` elements scaled linearly to `params` (medians of `repeat`): the bit-exact outer step
     (`fma32`, training/diloco.py) on a copy, each codec's dense decode of an update, sha256 of the model,
     and the step taken ahead of a top-k update (`SpeculativeStep`): its dense part, its finish from the
-    update's bytes (`Codec.decode_sparse`), an eager forecast from the host's own payload's bytes, and
-    the finish after such a forecast (which copies the model the forecast wrote over)."""
+    update's bytes (`Codec.decode_sparse`), an eager forecast from the host's own payload's entries as
+    its encoder kept them (`Codec.encode_kept`; `forecast_decoded_s`: from the payload's bytes, as a rig
+    host or a restarted one forecasts), and the finish after such a forecast (which copies the model the
+    forecast wrote over)."""
     from training.checkpoint import canonical_sha256
     from training.diloco import OuterOptimizer, SpeculativeStep
 
@@ -168,6 +183,7 @@ def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[st
     payloads = {label: get_codec(name).encode(g) for label, name in CODECS.items()}
     topk = get_codec(CODECS["top-k"])
     own_payload = topk.encode(own)
+    own_kept = {"w": topk.encode_kept("w", own["w"])[1]}  # what a one-process eager host forecasts with
     outer = OuterOptimizer(0.7, 0.9)
     outer.step(p, g)  # the first step only copies the momentum: time later ones
 
@@ -194,7 +210,9 @@ def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[st
         "step_s": (lambda _: outer.copy().step({"w": p["w"].clone()}, g), None),  # on a copy, as the upload thread
         "ahead_s": (lambda _: speculated(), None),
         "finish_s": (lambda step: step.finish(topk.decode_sparse(payloads["top-k"], spec)), speculated),
-        "forecast_s": (lambda step: step.forecast(topk.decode_sparse(own_payload, spec)), speculated),
+        # the host's payload's entries as its encoder kept them (a one-process host: `Forecasts._own_entries`)
+        "forecast_s": (lambda step: step.forecast(own_kept), speculated),
+        "forecast_decoded_s": (lambda step: step.forecast(topk.decode_sparse(own_payload, spec)), speculated),
         "finish_after_forecast_s": (lambda step: step.finish(topk.decode_sparse(payloads["top-k"], spec)),
                                     forecasted),
         "sha256_s": (lambda _: canonical_sha256(p), None),
@@ -215,7 +233,7 @@ def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[st
             "top_k_density": round(nonzero / numel, 4), "where": "this machine's CPU (shared), scaled to the model"}
 
 
-def measure_seal(params: int, numel: int = 1 << 22, save_numel: int = 1 << 24, repeat: int = 5) -> dict[str, Any]:
+def measure_seal(params: int, numel: int = 1 << 22, save_numel: int = 1 << 25, repeat: int = 5) -> dict[str, Any]:
     """The worker's end of a round on this machine's CPU, per codec, scaled linearly to `params` (medians
     of `repeat`, round robin): what a host does between its last inner step and both the round's upload
     and its next round's first step (training/worker.py `train_round`, gonka_node/host/node.py `_keep`):
@@ -260,22 +278,22 @@ def measure_seal(params: int, numel: int = 1 << 22, save_numel: int = 1 << 24, r
             started = time.perf_counter()
             store.save_sent(i + 1, b"p" * 1024, bytes(32), save_state)
             times["save_s"].append((time.perf_counter() - started) * params / save_numel)
-            started = time.perf_counter()
-            store.save(Progress(1, 0, i + 1, "00" * 32), model, momentum, save_state)
+            started = time.perf_counter()  # the worker state linked from the round's save, as the host does
+            store.save(Progress(1, 0, i + 1, "00" * 32), model, momentum, save_state, store.sent_state_path(i + 1))
             times["snapshot_s"].append((time.perf_counter() - started) * params / save_numel)
     median = {key: round(sorted(t)[len(t) // 2], 2) for key, t in times.items()}
-    common = median["pseudo_gradient_s"] + median["norm_s"] + median["save_s"]
+    common = median["pseudo_gradient_s"] + median["norm_s"]
     return {"numel": numel, "save_numel": save_numel, "repeat": repeat, "threads": torch.get_num_threads(),
             "load_average_1min": round(os.getloadavg()[0], 2),
             "pseudo_gradient_s": median["pseudo_gradient_s"], "norm_s": median["norm_s"], "save_s": median["save_s"],
             "snapshot_s": median["snapshot_s"],
-            # fp32 bytes a parameter written on the training path each round: the round's save (both
-            # residuals) and the snapshot (model, momentum, both residuals again)
-            "written_bytes_per_round": 24 * params,
+            # fp32 bytes a parameter the host's writer writes each round, behind the training: the round's
+            # save (both residuals) and the snapshot (model and momentum; its worker state is a link)
+            "written_bytes_per_round": 16 * params,
             "compress_s": {label: median[f"compress_{label}"] for label in CODECS},
             "root_s": {label: median[f"root_{label}"] for label in CODECS},
-            "seal_s": {label: round(common + median[f"compress_{label}"] + median[f"root_{label}"], 1)
-                       for label in CODECS},
+            # on the training path: what the payload needs; the root is hashed where the round is saved
+            "seal_s": {label: round(common + median[f"compress_{label}"], 1) for label in CODECS},
             "where": "this machine's CPU and disk (shared), scaled to the model"}
 
 
@@ -297,8 +315,9 @@ def host_timing(
         t = t if speculated else dataclasses.replace(t, ahead_s=0.0)
         return t if eager else dataclasses.replace(t, forecast_s=0.0, first_forecast_s=None)
     seal = measured.get("seal")
-    if seal is not None:  # the round's end and the snapshot, on the training path wherever the host is
-        t = dataclasses.replace(t, seal_s=seal["seal_s"][codec], save_s=seal["snapshot_s"])
+    if seal is not None:  # the round's end, its save and the snapshot, placed by `simulate`
+        t = dataclasses.replace(t, seal_s=seal["seal_s"][codec], keep_s=seal["root_s"][codec] + seal["save_s"],
+                                save_s=seal["snapshot_s"])
     step, sha, decode = measured["step_s"], measured["sha256_s"], measured["decode_s"][codec]
     if speculated:
         finish = measured["finish_after_forecast_s" if eager else "finish_s"]
@@ -310,17 +329,16 @@ def host_timing(
                                forecast_s=step + decode if eager else 0.0, first_forecast_s=None)
 
 
-def scaled_host(measured: Mapping[str, Any], slower: float, disk: float | None = None) -> dict[str, Any]:
-    """`measured` with every time multiplied by `slower`; the saves' by `disk` instead when given (0: the
-    saves off the training path, a projection of what moving them there would give)."""
-    disk = slower if disk is None else disk
+def scaled_host(measured: Mapping[str, Any], slower: float) -> dict[str, Any]:
+    """`measured` with every time multiplied by `slower` (CPU and disk alike)."""
+    disk = slower
     out = {k: v * slower for k, v in measured.items() if k.endswith("_s") and k != "decode_s"}
     out["decode_s"] = {k: v * slower for k, v in measured["decode_s"].items()}
     if "seal" in measured:
         seal = measured["seal"]
-        cpu = {label: total - seal["save_s"] for label, total in seal["seal_s"].items()}
-        out["seal"] = {"seal_s": {label: c * slower + seal["save_s"] * disk for label, c in cpu.items()},
-                       "snapshot_s": seal["snapshot_s"] * disk}
+        out["seal"] = {"seal_s": {label: c * slower for label, c in seal["seal_s"].items()},
+                       "root_s": {label: c * slower for label, c in seal["root_s"].items()},
+                       "save_s": seal["save_s"] * disk, "snapshot_s": seal["snapshot_s"] * disk}
     return out
 
 
@@ -336,7 +354,8 @@ def sensitivity(up: int, down: int, t: Timing, measured: Mapping[str, Any]) -> d
             for slower in (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0):
                 timing = host_timing(t, scaled_host(measured, slower), overlap, speculated)
                 rows[key].append({"slower": slower, "ahead_s": round(timing.ahead_s, 1),
-                                  "seal_s": round(timing.seal_s, 1), "snapshot_s": round(timing.save_s, 1),
+                                  "seal_s": round(timing.seal_s, 1), "keep_s": round(timing.keep_s, 1),
+                                  "snapshot_s": round(timing.save_s, 1),
                                   "apply_s": round(timing.apply_s, 1), "forecast_s": round(timing.forecast_s, 1),
                                   "utilisation": simulate("100/10", up, down, overlap, timing)["utilisation"]})
     return rows
@@ -376,18 +395,14 @@ def run(t: Timing, apply_measured: bool = False) -> dict[str, Any]:
                            "step_s + decode_s); else decode_s (a codec's broadcast) + step_s + sha256_s after "
                            "the update, an eager forecast step_s + decode_s; every mode: the round's seal "
                            "(apply_measured.seal.seal_s for the codec) after its training, before its upload and "
-                           "the next round, and the snapshot (seal.snapshot_s) before each round from the third"
+                           "the next round; its save (seal.save_s) before its upload, on the training path "
+                           "without overlap, else on the host's writer; the snapshot (seal.snapshot_s) on the "
+                           "writer"
                            if apply_measured else "--apply-s, --ahead-s, --forecast-s"),
         "target": {"link": "100/10", "codec": "top-k", "overlap": "on (eager: the mode that meets the loss "
                    "target; delayed reported beside it)", "broadcast": "codec", "steps": t.steps,
                    "utilisation_goal": 0.98},
         "sensitivity_to_host_speed": sensitivity(topk, topk, t, measured),
-        # not what the host does today: both saves moved off the training path (the round's save before
-        # its upload in the upload thread, the snapshot behind the next round), the CPU work as measured
-        "projection_saves_off_training_path": {
-            overlap: simulate("100/10", topk, topk, overlap, host_timing(
-                t, scaled_host(measured, 1.0, disk=0.0), overlap, True))["utilisation"]
-            for overlap in ("delayed", "eager")},
         "compute": f"simulated: H x {t.step_s} s per inner step (H200, 16k tokens, measured), no GPU used",
         "clock": "simulated (the link limiter's own arithmetic on a simulated clock); time_scale 1.0",
         "time_scale": 1.0,

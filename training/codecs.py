@@ -100,20 +100,26 @@ class ErrorFeedback:
         self.residual: dict[str, Tensor] = {}
         self.previous: dict[str, Tensor] = {}
 
-    def compress(self, delta: Mapping[str, Tensor], codec: Codec | None = None) -> bytes:
-        """Encode Δ plus the residual; `codec` overrides this round's codec (see `Codec.for_round`)."""
+    def compress(
+        self, delta: Mapping[str, Tensor], codec: Codec | None = None,
+        kept: dict[str, tuple[Tensor, Tensor]] | None = None,
+    ) -> bytes:
+        """Encode Δ plus the residual; `codec` overrides this round's codec (see `Codec.for_round`).
+        `kept`, for a sparse codec: filled with the payload's `decode_sparse`, as the encoder kept it."""
         codec = codec or self.codec
         if self.residual and set(self.residual) != set(delta):
             raise ValueError("ErrorFeedback.compress: tensor names differ from the previous round's")
         before, previous = dict(self.residual), dict(self.previous)  # compress_tensor replaces, never mutates
         try:
-            parts = [self.compress_tensor(name, delta[name], codec) for name in sorted(delta)]
+            parts = [self.compress_tensor(name, delta[name], codec, kept) for name in sorted(delta)]
         except ValueError:
             self.residual, self.previous = before, previous  # a Δ with NaN or infinity changes nothing
             raise
         return codec.header(spec_of(delta)) + b"".join(parts)
 
-    def compress_tensor(self, name: str, delta: Tensor, codec: Codec | None = None) -> bytes:
+    def compress_tensor(
+        self, name: str, delta: Tensor, codec: Codec | None = None, kept_out: dict[str, tuple[Tensor, Tensor]] | None = None,
+    ) -> bytes:
         """One tensor's payload part (`Codec.encode_tensor`) of Δ plus its residual; updates that residual.
         Elementwise per tensor, so a rig whose processes each own some tensors (and their residuals)
         sends the bytes one process would (`training.sharded`)."""
@@ -131,6 +137,8 @@ class ErrorFeedback:
             flat = target.view(-1)  # `target` is this call's own tensor: the residual is made in it
             flat[positions] = flat[positions] - values
             self.residual[name] = target
+            if kept_out is not None:
+                kept_out[name] = kept
         else:
             self.residual[name] = target - kept
         if prev is None:

@@ -235,6 +235,7 @@ class ReplicatedWorker:
             result = self.worker.train_round(round_index, FileTensors(handle, self.rig.device), on_step)
         if self.rig.is_rank0:
             atomic_write(payload_path, lambda p: p.write_bytes(result.payload))
+        assert result.residual_root is not None  # asked for (train_round's default)
         return RoundFigures(result.round, result.delta_norm, result.mean_loss, result.last_loss, result.tokens,
                             result.seconds, result.residual_root)
 

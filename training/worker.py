@@ -52,7 +52,12 @@ class WorkerRound:
     last_loss: float
     tokens: int
     seconds: float
-    residual_root: bytes  # residual_root(e_r) after this round's compress: the host signs it (commitment_root)
+    # residual_root(e_r) after this round's compress: the host signs it (commitment_root); None when the
+    # caller asked for none and computes it itself, off its training path (gonka_node/host/saves.py)
+    residual_root: bytes | None
+    # a sparse codec's payload as `Codec.decode_sparse` reads it, when asked for (`sparse`): what an eager
+    # host forecasts the next round's base with, without decoding its own bytes (training/overlap.py)
+    sparse: dict[str, tuple[Tensor, Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -131,14 +136,19 @@ class DiLoCoWorker(SlotWorker):
         round_index: int,
         global_params: Mapping[str, Tensor],
         on_step: Callable[[int, float], None] | None = None,
+        root: bool = True,
+        sparse: bool = False,
     ) -> WorkerRound:
         """Start from `global_params`, train H steps on this slot's windows of `round_index`, and
-        return the compressed pseudo-gradient θ_global − θ_local."""
+        return the compressed pseudo-gradient θ_global − θ_local. `root`: also the root over the residual
+        it leaves (`commitment_root`; else None, for a caller that hashes the residual later)."""
         delta, result = self.local_delta(round_index, global_params, on_step)
         norm = math.sqrt(math.fsum(sum_of_squares(d) for d in delta.values()))
-        payload = self.feedback.compress(delta, self.round_codec(round_index))
-        root = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
-                               self.feedback.codec)
+        codec = self.round_codec(round_index)
+        kept: dict[str, tuple[Tensor, Tensor]] | None = {} if sparse and codec.sparse else None
+        payload = self.feedback.compress(delta, codec, kept)
+        signed = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
+                                 self.feedback.codec) if root else None
         return WorkerRound(
             round=round_index,
             payload=payload,
@@ -147,7 +157,8 @@ class DiLoCoWorker(SlotWorker):
             last_loss=result.last_loss,
             tokens=result.tokens,
             seconds=result.seconds,
-            residual_root=root,
+            residual_root=signed,
+            sparse=kept,
         )
 
     def local_delta(

@@ -151,25 +151,27 @@ class Challenges:
         self, r: int, earlier: PendingUpload | None, progress: Progress
     ) -> Callable[[pb.RoundInfo], bool] | None:
         """What round r's upload thread calls until round r's challenge is settled (None: the codec opens
-        nothing). It reads a copy of the signed roots taken here, on the daemon's thread, plus round r's
-        own and, once the aggregator took it, those of `earlier` (the upload still in flight, recorded
-        only after round r + 1 trains): e_{r−1}'s root is the one of the host's last accepted round."""
+        nothing). It reads a copy of the progress taken here, on the daemon's thread, plus round r's own
+        root and, once the aggregator took it, `earlier`'s (the upload still in flight, recorded only
+        after round r + 1 trains): e_{r−1}'s root is the one of the host's last accepted round. The roots
+        are read when the answer is asked for: an overlapped host hashes a round's root where it saves the
+        round, beside the next round (`HostSaves._keep_behind`), and the upload, after which the answer
+        is asked for, waits for that save (and `earlier`'s was asked for before it)."""
         if not self.challengeable:
             return None
         known = replace(progress, submitted=dict(progress.submitted), residual_roots=dict(progress.residual_roots))
-        if r in self.residual_roots:  # else recorded before a restart: the progress has it
-            known.residual_roots[str(r)] = self.residual_roots[r].hex()
         # What of `earlier` the answer needs, not `earlier` itself: an upload holds what it computed (the
         # next model, its step taken ahead) and its own answer, so holding it would keep every round's.
         before = None if earlier is None else (
-            earlier.round, hashlib.sha256(earlier.payload).hexdigest(), self.residual_roots[earlier.round],
-            earlier.outcome,
+            earlier.round, hashlib.sha256(earlier.payload).hexdigest(), earlier.outcome,
         )
 
         def answer(info: pb.RoundInfo) -> bool:
-            if before is not None and before[3].accepted():
+            if r in self.residual_roots:  # else recorded before a restart: the progress has it
+                known.residual_roots[str(r)] = self.residual_roots[r].hex()
+            if before is not None and before[2].accepted():
                 known.submitted.setdefault(str(before[0]), before[1])
-                known.residual_roots[str(before[0])] = before[2].hex()
+                known.residual_roots[str(before[0])] = self.residual_roots[before[0]].hex()
             return self.answer(info, known)
 
         return answer

@@ -1,7 +1,10 @@
 """The host daemon's loop: sign in, then for each round follow the global model, train, submit, wait.
 
 Crash safety: progress is saved after every applied round (`HostStore`), and a trained round (its
-payload, signed residual root and the worker state it left) before its upload starts. A restarted node
+payload, signed residual root and the worker state it left) before its upload starts. Both are written
+by the host's writer thread (host/writer.py) beside the next round's training: the upload waits for its
+round's save, and a snapshot not yet on disk at a crash leaves the one before it, which a restart
+follows the chain from (as it follows from any snapshot). A restarted node
 reloads the progress, adopts a kept round the aggregator holds (`_recover_upload`: the round is not
 trained again, and the residual it opens if challenged is the one whose root it signed), follows the
 chain to the current round and carries on. A round whose submission is refused (late, wrong round)
@@ -12,13 +15,12 @@ round, so nothing the aggregator never saw leaks into the next payload.
 from __future__ import annotations
 
 import functools
-import hashlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from safetensors.torch import save_file
 from torch import Tensor
 
 from chain.client import ChainClient
@@ -38,29 +40,23 @@ from gonka_node.host.follow import (
     speculate,
     step_ahead,
 )
-from gonka_node.host.recovery import UploadRecovery
+from gonka_node.host.forecast import Forecast, Forecasts, OwnPayload
 from gonka_node.host.rig_round import LocalRounds, RigError, RigRounds, Rounds, make_worker
 from gonka_node.host.settings import ChainHashes, HostError, HostSettings
 from gonka_node.host.store import HostStore, Progress, RollbackPoint
 from gonka_node.host.upload import PendingUpload
+from gonka_node.host.writer import StoreWriter, WriteError
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import canonical_sha256
-from training.codecs import Codec, get_codec, round_seed
 from training.diloco import OuterOptimizer, SpeculativeStep, Update
 from training.model import build_model
-from training.overlap import base_round, eager_base, next_overlapped_round
+from training.overlap import base_round, next_overlapped_round
 from training.worker import Assignment, DiLoCoWorker, WorkerRound
 
-
-class Forecast(NamedTuple):
-    """An eager host's base for a round: its payload of the round before (None: none the aggregator
-    holds) and the outer step with it as the average (training/overlap.py)."""
-
-    own: bytes | None
-    base: dict[str, Tensor]
+log = logging.getLogger(__name__)
 
 
-class HostNode(UploadRecovery):
+class HostNode(Forecasts):
     challenges_type: type[Challenges] = Challenges  # what answers the challenges (a test's may differ)
 
     def __init__(
@@ -79,6 +75,10 @@ class HostNode(UploadRecovery):
         self.events = events or LogEvents()
         self.sleep = sleep
         self.store = HostStore(settings.state_dir, settings.epoch)
+        # the snapshots and an overlapped host's kept rounds are written here, beside the next round's
+        # training (gonka_node/host/writer.py); the daemon waits for them before it steps the held model
+        # in place (`_follow`), before a rig reads the snapshot (`_global_file`) and before it returns
+        self.writer = StoreWriter()
         self.host_bytes = bytes.fromhex(keys.evm_address[2:])
         # round → the root of the residual its training left (`WorkerRound.residual_root`), signed with
         # its payload; a round trained again (a refusal, a restart) records its new root
@@ -95,6 +95,7 @@ class HostNode(UploadRecovery):
         # the adopted model's `next_step`, which an eager forecast writes over and the next upload thread
         # finishes (with a sparse broadcast: `_speculates`)
         self._next_step: tuple[int, SpeculativeStep] | None = None
+        self._own: OwnPayload | None = None  # an eager host's last payload's entries, until its forecast
 
     # ---- sign-in ----------------------------------------------------------------------------------
 
@@ -140,6 +141,8 @@ class HostNode(UploadRecovery):
         slot = self.ensure_joined()
         beacon = self._assignment_beacon()
         self.rounds = self._rounds(Assignment(self.recipe.epoch_seed, slot, spec.max_hosts, beacon))
+        if isinstance(self.rounds, LocalRounds):  # its forecast reads its payload's entries, not the bytes
+            self.rounds.sparse = self.recipe.overlap == "eager" and self._speculates
         snap = self.store.load()
         if snap is not None and snap.progress.epoch == self.settings.epoch:
             progress = snap.progress
@@ -191,20 +194,6 @@ class HostNode(UploadRecovery):
                     said = True
                 self.sleep(self.settings.poll_s)
 
-    def _save(self, gm: GlobalModel, progress: Progress) -> None:
-        progress.round_done, progress.model_sha256, progress.shards = gm.round_done, gm.sha256.hex(), gm.shards
-        progress.outer_steps = gm.outer.steps if gm.outer is not None else -1
-        buffers = gm.outer.buffers if gm.outer is not None else None
-        self.store.save(progress, gm.params, buffers, self.rounds.state_dict())
-
-    def _global_file(self, gm: GlobalModel, progress: Progress) -> Path:
-        """The held global model as a file (what a rig's processes read): the store's snapshot, saved
-        first if the model moved on since (a catch-up over several rounds saves only at the end)."""
-        path = self.store.global_path(gm.round_done)
-        if (progress.round_done, progress.model_sha256) != (gm.round_done, gm.sha256.hex()) or not path.exists():
-            self._save(gm, progress)
-        return path
-
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self) -> Progress:
@@ -213,11 +202,21 @@ class HostNode(UploadRecovery):
         self._busy_until = time.monotonic()  # when the host last finished training (utilisation)
         self._prefetched: dict[int, bytes] = {}  # round -> its aggregated update, fetched by the upload thread
         self._ahead: NextModel | None = None  # the next global model, computed by the upload thread
+        done = False
         try:
             if self.recipe.overlap in ("delayed", "eager"):
-                return self._loop_overlapped(gm, progress)
-            return self._loop(gm, progress)
+                progress = self._loop_overlapped(gm, progress)
+            else:
+                progress = self._loop(gm, progress)
+            self.writer.close()  # every save on disk before the host says it is done
+            done = True
+            return progress
         finally:
+            if not done:  # the error already on its way is the one to report
+                try:
+                    self.writer.close()
+                except WriteError:
+                    log.exception("a save written behind failed too")
             self.rounds.close()
 
     def _loop(self, gm: GlobalModel, progress: Progress) -> Progress:
@@ -265,6 +264,7 @@ class HostNode(UploadRecovery):
 
     def _follow(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress | None = None) -> str:
         epoch = self.settings.epoch
+        self.writer.flush()  # a snapshot written behind holds the model's tensors, which follow_to steps in place
 
         def fetch(what: str, round_: int, call: Callable[[], bytes]) -> bytes:
             data = self._patiently(what, call)
@@ -283,14 +283,6 @@ class HostNode(UploadRecovery):
             lambda r: fetch(f"round {r}'s checkpoint", r, lambda: self.aggregator.checkpoint(epoch, r).data),
             self._decode_update if self.recipe.broadcast == "codec" else dense_update,
         )
-
-    def _decode_update(self, round_: int, data: bytes) -> Mapping[str, Tensor]:
-        """A compressed broadcast, decoded as the aggregator decoded it to take the outer step (the global
-        model is defined by these tensors: gonka_node/aggregator/broadcast.py)."""
-        return self._round_codec(round_).decode(data, self._spec)
-
-    def _round_codec(self, round_: int) -> Codec:
-        return get_codec(self.recipe.codec).for_round(round_seed(self.recipe.epoch_seed, round_))
 
     def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> str:
         """Follow to `target`, recording the reward and upload of every round passed over on the way: a
@@ -333,15 +325,6 @@ class HostNode(UploadRecovery):
             self.rounds.load_state_dict(before)
             self._state_file = None
 
-    def _keep(self, result: WorkerRound, before: RollbackPoint | None = None) -> RollbackPoint | None:
-        """Save the trained round durably before its upload starts (`HostStore.save_sent`); an overlapped
-        top-k host keeps the previous round's state too, which that round's challenge opens, and `before`,
-        the state the round trained from (its rollback point, returned as now kept on disk)."""
-        self.store.save_sent(result.round, result.payload, result.residual_root, self.rounds.state_dict(),
-                             keep_previous=self._opens_kept_state, before=before)
-        self._state_file = self.store.sent_state_path(result.round)
-        return None if before is None else RollbackPoint(before.state, self.store.before_path(result.round))
-
     def _train(
         self, round_: int, gm: GlobalModel, progress: Progress, base: Mapping[str, Tensor] | None = None
     ) -> WorkerRound:
@@ -362,19 +345,13 @@ class HostNode(UploadRecovery):
         except RigError as exc:
             raise HostError(str(exc)) from exc
         self.events.round_trained(round_, result.last_loss, result.tokens, result.seconds, len(result.payload))
-        self.residual_roots[round_] = result.residual_root
+        if result.residual_root is not None:  # else hashed where the round is saved (`HostSaves._keep`)
+            self.residual_roots[round_] = result.residual_root
         now = time.monotonic()
         wall, self._busy_until = max(now - self._busy_until, result.seconds), now
         progress.utilisation[str(round_)] = [round(result.seconds, 4), round(wall, 4)]
         self.events.utilisation(round_, result.seconds, wall)
         return result
-
-    def _base_file(self, base: Mapping[str, Tensor]) -> Path:
-        """An eager forecast as a file (what a rig's processes read; rebuilt from public inputs after a
-        restart, so not kept durably)."""
-        path = self.settings.state_dir / "eager-base.safetensors"
-        save_file({n: t.detach().contiguous().cpu() for n, t in base.items()}, str(path))
-        return path
 
     # ---- overlapped rounds (recipe overlap = "delayed" or "eager", training/overlap.py) ------------
 
@@ -422,7 +399,8 @@ class HostNode(UploadRecovery):
                     return progress
                 result, undo = self._train_overlapped(r, gm, progress, pending, undo, forecast)
                 forecast = None  # a model's worth, not needed past the training (the next thread's peak)
-                undo = self._keep(result, undo)  # before it is sent: an eager round r + 1's base is forecast with it
+                kept, undo = self._keep_behind(result, undo)  # the upload waits for it, the next round does not
+                self._own = None if result.sparse is None else OwnPayload(r, result.payload, result.sparse)
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
@@ -432,7 +410,7 @@ class HostNode(UploadRecovery):
                     self.settings.poll_s,
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
                     self.challenges.answerer(r, pending, progress),
-                    functools.partial(speculate, gm, r) if self._speculates else None,
+                    functools.partial(speculate, gm, r) if self._speculates else None, kept,
                 ).start()
                 self._settle(pending, progress)
                 pending, trained = upload, r
@@ -480,59 +458,6 @@ class HostNode(UploadRecovery):
         again = RollbackPoint(self.rounds.snapshot(), back.file) if self._rolls_back else None
         return self._train(r, gm, progress, self._eager_base(r, gm, None if uploading else own) if eager
                            else None), again
-
-    def _forecast(self, r: int, gm: GlobalModel, pending: PendingUpload | None, progress: Progress) -> Forecast:
-        own = self._sent_payload(r - 1, pending, progress)
-        return Forecast(own, self._eager_base(r, gm, own))
-
-    def _eager_base(self, r: int, gm: GlobalModel, own: bytes | None) -> dict[str, Tensor]:
-        """`eager_base` of the held model (after r − 2), its outer momentum and `own` (round r − 1's
-        payload, decoded as the aggregator decodes it)."""
-        if gm.outer is None:
-            raise HostError(
-                f"round {r}: the eager base needs the outer momentum after round {gm.round_done}, which this "
-                "host lost when it pulled a checkpoint; start it again with an empty state_dir (its config) to "
-                "follow the epoch's updates from the initial model"
-            )
-        ready = self._next_step
-        if own is not None and ready is not None and ready[0] == gm.round_done and ready[1].steps_from(gm.params) \
-                and not ready[1].forecasted:
-            # The dense part of the step was taken ahead, off this path: only the payload's entries are left.
-            return ready[1].forecast(self._round_codec(r - 1).decode_sparse(own, self._spec))
-        decoded = None if own is None else {n: t.float() for n, t in self._decode_update(r - 1, own).items()}
-        return eager_base(gm.params, gm.outer, decoded)
-
-    def _take_next_step(self, gm: GlobalModel) -> SpeculativeStep | None:
-        """The held model's next step taken ahead of its update, for the upload thread to finish (once)."""
-        ready, self._next_step = self._next_step, None
-        return ready[1] if ready is not None and ready[0] == gm.round_done and ready[1].steps_from(gm.params) \
-            else None
-
-    def _sent_payload(self, round_: int, pending: PendingUpload | None, progress: Progress) -> bytes | None:
-        """This host's payload of `round_` that the aggregator holds (None: none): the one uploading now
-        (its answer is checked once the next round trained), else the one kept on disk, when the
-        aggregator took it (recorded, or listed in the round's result: a crash came before the record)."""
-        if pending is not None and pending.round == round_:
-            return pending.payload
-        if round_ < 1:
-            return None
-        kept = self.store.load_payload(round_)
-        recorded = progress.submitted.get(str(round_))
-        if recorded is not None:
-            if kept is None or hashlib.sha256(kept).hexdigest() != recorded:
-                raise HostError(
-                    f"round {round_ + 1}: the eager base needs round {round_}'s payload as submitted "
-                    f"(sha256 {recorded[:16]}…), which {self.store.root}/sent does not hold"
-                )
-            return kept
-        return kept if kept is not None and self._contribution(round_) is not None else None
-
-    @functools.cached_property
-    def _speculates(self) -> bool:
-        """Whether the upload thread takes the outer step ahead of the round's update: worth it when the
-        update is a sparse codec's broadcast (3 % of the entries for top-k), so that little is left to do
-        once it arrives; a dense update would be recomputed whole."""
-        return self.recipe.broadcast == "codec" and get_codec(self.recipe.codec).sparse
 
     def _step_ahead(
         self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None,

@@ -151,6 +151,7 @@ class LocalRounds:
 
     def __init__(self, worker: DiLoCoWorker) -> None:
         self.worker = worker
+        self.sparse = False  # whether a round also returns its sparse payload's entries (an eager host)
 
     def start(self) -> None:
         return None
@@ -159,7 +160,9 @@ class LocalRounds:
         self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
     ) -> WorkerRound:
         count = iter(range(1, sys.maxsize))
-        return self.worker.train_round(round_index, params, lambda _step, loss: on_step(next(count), loss))
+        # the residual's root is hashed where the round is saved (`HostSaves`), beside the next round
+        return self.worker.train_round(round_index, params, lambda _step, loss: on_step(next(count), loss),
+                                       root=False, sparse=self.sparse)
 
     def state_dict(self) -> dict[str, Any]:
         return self.worker.state_dict()

@@ -148,7 +148,10 @@ class HostStore:
         global_params: Mapping[str, Tensor],
         outer_buffers: Mapping[str, Tensor] | None,
         worker_state: Mapping[str, Any] | None,
+        state_file: Path | None = None,
     ) -> None:
+        """`state_file`: a file under `sent/` that already holds `worker_state` (a kept round's), linked
+        rather than written again (a residual is as large as the model)."""
         self.root.mkdir(parents=True, exist_ok=True)
         snap = self._snap(progress.round_done)
         tmp = snap.with_name(snap.name + ".tmp")
@@ -158,7 +161,7 @@ class HostStore:
         if outer_buffers:
             save_file({n: t.contiguous().cpu() for n, t in outer_buffers.items()}, str(tmp / "outer.safetensors"))
         if worker_state is not None:
-            torch.save(dict(worker_state), tmp / "worker.pt")
+            _keep_state(RollbackPoint(worker_state, state_file), tmp / "worker.pt")
         for f in tmp.iterdir():
             fsync_path(f)
         shutil.rmtree(snap, ignore_errors=True)

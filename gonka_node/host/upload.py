@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from gonka_node.host.follow import NextModel
+from gonka_node.host.writer import WriteError, Written
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.diloco import SpeculativeStep
 
@@ -81,11 +82,13 @@ class PendingUpload:
     def __init__(
         self, round_: int, base_sha256: bytes, payload: bytes, tokens: int, open_round: OpenRound,
         submit: Submit, poll_s: float, prefetch: Prefetch | None = None, prepare: Prepare | None = None,
-        answer: Answer | None = None, speculate: Speculate | None = None,
+        answer: Answer | None = None, speculate: Speculate | None = None, kept: Written | None = None,
     ) -> None:
+        """`kept`: the round's save before its upload (`HostStore.save_sent`, written behind by the
+        daemon's writer): nothing is sent before it is on disk, and nothing if it failed."""
         self.round, self.base_sha256, self.payload, self.tokens = round_, base_sha256, payload, tokens
         self._open_round, self._submit, self._poll_s, self._prefetch = open_round, submit, poll_s, prefetch
-        self._prepare, self._answer, self._speculate = prepare, answer, speculate
+        self._prepare, self._answer, self._speculate, self._kept = prepare, answer, speculate, kept
         self._speculation: SpeculativeStep | None = None
         self._speculating: threading.Thread | None = None
         self._cancelled = threading.Event()
@@ -149,6 +152,13 @@ class PendingUpload:
             self.outcome.settle()
 
     def _upload(self) -> UploadResult:
+        try:
+            while self._kept is not None and not self._kept.wait(self._poll_s):
+                if self._cancelled.is_set():
+                    return UploadResult(False, f"round {self.round}: cancelled before the round was saved", 0.0)
+        except WriteError as exc:  # a crash after the aggregator took it could not recover it: not sent
+            return UploadResult(False, f"round {self.round} was not sent: its save before the upload failed ({exc})",
+                                0.0)
         while not self._cancelled.is_set():
             info = self._open_round()
             if info is None or info.round < self.round:

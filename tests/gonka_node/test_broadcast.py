@@ -66,6 +66,14 @@ class Speculating(HostNode):
     prefetched: dict[int, list[int]]  # per round stepped ahead: the rounds whose updates the daemon still holds
     chained: dict[int, bool]  # per round: whether the next round's step was taken right after its model
 
+    own_entries: list[bool]  # per forecast: whether it took its payload's entries as the encoder kept them
+
+    def _own_entries(self, round_: int, own: bytes) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if not hasattr(self, "own_entries"):
+            self.own_entries = []
+        self.own_entries.append(self._own is not None and self._own.payload is own)
+        return super()._own_entries(round_, own)
+
     def _step_ahead(self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None,
                     cancelled: Callable[[], bool]) -> NextModel | None:
         if not hasattr(self, "finished"):
@@ -116,6 +124,10 @@ def test_an_overlapped_top_k_epoch_takes_the_outer_step_ahead_of_the_compressed_
         assert node.finished[:2] == [(1, True), (2, True)]
         assert [how for _, how in seen.seen[:2]] == ["ahead", "ahead"]
         assert node.chained and all(chained == (overlap == "eager") for chained in node.chained.values())
+        # An eager host forecasts with its payload's entries as its encoder kept them, not decoded again:
+        # every replay below recomputes that forecast from the payload's bytes and gets the same model.
+        assert node.rounds.sparse == (overlap == "eager") and getattr(node, "own_entries", []) == (
+            [True, True] if overlap == "eager" else [])
         # When round 3's model is computed, round 1's (adopted before round 3 trained) is gone, and so is
         # the update it was computed from.
         assert 1 not in node.alive[3], node.alive

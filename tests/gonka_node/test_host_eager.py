@@ -362,7 +362,7 @@ def test_a_delayed_top_k_host_whose_previous_upload_is_refused_trains_the_round_
 
     second, undo_2 = node._train_overlapped(2, gm, progress, refused(1, first.payload), undo)
     assert second.payload == round_from(initial, 2) != round_from(after_first, 2)
-    assert e_before() == zero_root(layout) != first.residual_root  # e_{r−1}: not e_1
+    assert e_before() == zero_root(layout) != residual_root(after_first["feedback"]["residual"], layout)  # not e_1
     assert any("training round 2 again from the residual before round 1" in n for n in notes.notes)
     assert undo_2 is not None
     third, undo_3 = node._train_overlapped(3, gm, progress, refused(2, second.payload), undo_2)
@@ -425,7 +425,7 @@ def test_a_delayed_top_k_host_killed_before_its_previous_round_was_final_resumes
         assert store.before_path(2).stat().st_ino == store.sent_state_path(1).stat().st_ino
         assert store.sent_rounds() == [1, 2]
     else:
-        node._save(gm, progress)
+        node._save(gm, progress).wait()
         assert store.sent_rounds() == [1] and store.before_path(1).exists()
     node.rounds.close()
 

@@ -99,6 +99,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     gm, progress = node._prepare()
     node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
     first = node._train(1, gm, progress)
+    node._keep(first)  # where the root it is signed with is hashed
     node._record_accepted(1, first.payload, progress)
     worker = node._local_worker()
     assert worker is not None
@@ -106,6 +107,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     twin.load_state_dict(copy.deepcopy(worker.state_dict()))
     delta = twin.local_delta(2, gm.params)[0]
     second = node._train(2, gm, progress)
+    node._keep(second)  # where the root it is signed with is hashed
     node._record_accepted(2, second.payload, progress)
     assert twin.feedback.compress(delta, twin.round_codec(2)) == second.payload  # Δ is the host's, bit for bit
     layout = ChunkLayout.of(node._spec)
@@ -390,6 +392,7 @@ def test_a_failed_round_is_undone_and_the_next_challenge_opens_against_the_round
     info = {r: replace_round(t.info, r) for r in (3, 4)}
     before = node.rounds.snapshot()
     third = node._train(3, t.gm, progress)
+    node._keep(third)  # where the root it is signed with is hashed
     node.aggregator = node.challenges.aggregator = Duplicate()  # type: ignore[assignment]
     assert node._submit(info[3], third.payload, 1) == (False, "DUPLICATE of a payload that failed its checks: "
                                                               "norm too large")
@@ -399,16 +402,18 @@ def test_a_failed_round_is_undone_and_the_next_challenge_opens_against_the_round
     assert "3" not in progress.submitted and "3" not in progress.residual_roots
     assert residual_root(node.rounds.residuals()[1], t.layout).hex() == progress.residual_roots["2"]
     fourth = node._train(4, t.gm, progress)
+    node._keep(fourth)  # where the root it is signed with is hashed
     node._record_accepted(4, fourth.payload, progress)
     sample = challenge(SEED, 4, node.host_bytes, t.layout, *sample_settings(node.recipe))
     agg = Challenger(challenged(sample))
     node.challenges.aggregator = agg  # type: ignore[assignment]
     assert node.challenges.answer(info[4], progress)
     [(header, body, _)] = agg.opened
-    assert header.previous_root.hex() == progress.residual_roots["2"] != third.residual_root.hex()
+    roots = node.residual_roots  # hashed where each round was saved (`_keep`)
+    assert header.previous_root.hex() == progress.residual_roots["2"] != roots[3].hex()
     previous, current = decode_body(body, sample)
     assert verify_opening(header.previous_root, previous, t.layout, sample)
-    assert verify_opening(fourth.residual_root, current, t.layout, sample)
+    assert verify_opening(roots[4], current, t.layout, sample)
 
 
 def replace_round(info: pb.RoundInfo, round_: int) -> pb.RoundInfo:

@@ -88,15 +88,33 @@ def test_the_round_s_seal_delays_its_upload_and_the_next_round_in_every_mode() -
     # Without overlap the seal comes before the upload: 10 + 3 + 3 + 1 + 2 + 2 = 21 s a round.
     off = bench.simulate("8/8", 3_000_000, 2_000_000, "off", timing(bench, seal_s=3.0))
     assert off["round_wall_s"] == pytest.approx(21.0, abs=0.03)
-    # The measured seal is the codec's, the snapshot's save the host's before each round; a projection
-    # with the saves off the path keeps the CPU part of the seal and drops the snapshot.
+    # The measured seal is the codec's; the round's save and the snapshot are the host's.
     measured = {"step_s": 30.0, "ahead_s": 31.0, "finish_s": 3.0, "finish_after_forecast_s": 6.0,
                 "forecast_s": 5.0, "sha256_s": 4.0, "decode_s": {"int8": 2.0, "top-k": 1.0},
-                "seal": {"seal_s": {"int8": 20.0, "top-k": 12.0}, "save_s": 8.0, "snapshot_s": 9.0}}
+                "seal": {"seal_s": {"int8": 20.0, "top-k": 12.0}, "root_s": {"int8": 3.0, "top-k": 2.0},
+                         "save_s": 8.0, "snapshot_s": 9.0}}
     got = bench.host_timing(timing(bench), measured, "eager", True, "int8")
-    assert (got.seal_s, got.save_s) == (20.0, 9.0)
-    projected = bench.host_timing(timing(bench), bench.scaled_host(measured, 0.5, disk=0.0), "delayed", True)
-    assert (projected.seal_s, projected.save_s, projected.apply_s) == (2.0, 0.0, 3.5)
+    assert (got.seal_s, got.keep_s, got.save_s) == (20.0, 11.0, 9.0)  # the root is hashed with the save
+    halved = bench.host_timing(timing(bench), bench.scaled_host(measured, 0.5), "delayed", True)
+    assert (halved.seal_s, halved.keep_s, halved.save_s, halved.apply_s) == (6.0, 5.0, 4.5, 3.5)
+
+
+def test_the_saves_are_written_behind_on_one_writer_and_the_upload_waits_for_its_round_s() -> None:
+    bench = load_script("bench_wan")
+    # Without overlap the round's save (2 s) is on the path before the upload: 10 + 1 + 2 + 3 + 1 + 2 + 2
+    # = 21 s a round; the snapshot (4 s) is written behind and costs nothing.
+    off = bench.simulate("8/8", 3_000_000, 2_000_000, "off", timing(bench, seal_s=1.0, keep_s=2.0, save_s=4.0))
+    assert off["round_wall_s"] == pytest.approx(21.0, abs=0.03)
+    # With overlap only the seal (1 s) is on the path: 11 s a round; the save (2 s) and the snapshot
+    # (4 s) share the writer, 6 s of every 11, and the upload (3 s) starts after the save: 2 + 3 + 1 + 2
+    # + 2 = 10 s after the seal, behind the next round's 11.
+    fits = bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", timing(bench, seal_s=1.0, keep_s=2.0, save_s=4.0))
+    assert fits["round_wall_s"] == pytest.approx(11.0, abs=0.01)
+    # A writer slower than the round (keep 5 s + snapshot 7 s = 12 s of every 11): the saves queue, the
+    # uploads wait longer every round and the rounds end up waiting for their bases.
+    slow = bench.simulate("8/8", 3_000_000, 2_000_000, "delayed",
+                          timing(bench, seal_s=1.0, keep_s=5.0, save_s=7.0, rounds=12))
+    assert slow["utilisation"] < fits["utilisation"] - 0.02
 
 
 def test_the_host_steps_ahead_only_with_overlap_and_a_sparse_broadcast() -> None:
