@@ -202,21 +202,21 @@ class HostNode(Forecasts):
         self._busy_until = time.monotonic()  # when the host last finished training (utilisation)
         self._prefetched: dict[int, bytes] = {}  # round -> its aggregated update, fetched by the upload thread
         self._ahead: NextModel | None = None  # the next global model, computed by the upload thread
-        done = False
         try:
             if self.recipe.overlap in ("delayed", "eager"):
                 progress = self._loop_overlapped(gm, progress)
             else:
                 progress = self._loop(gm, progress)
             self.writer.close()  # every save on disk before the host says it is done
-            done = True
             return progress
-        finally:
-            if not done:  # the error already on its way is the one to report
-                try:
-                    self.writer.close()
-                except WriteError:
+        except BaseException as exc:  # the error already on its way is the one to report
+            try:
+                self.writer.close()
+            except WriteError:
+                if not isinstance(exc, WriteError):
                     log.exception("a save written behind failed too")
+            raise
+        finally:
             self.rounds.close()
 
     def _loop(self, gm: GlobalModel, progress: Progress) -> Progress:
@@ -231,7 +231,8 @@ class HostNode(Forecasts):
                 return progress
             info = self._open_round()
             if info is None:
-                self.challenges.await_closing(latest + 1, progress)
+                self._undone_forgets_state_file(functools.partial(self.challenges.await_closing, latest + 1, progress),
+                                                progress)
             if info is None or info.round <= gm.round_done:
                 self.sleep(self.settings.poll_s)
                 continue
@@ -250,7 +251,7 @@ class HostNode(Forecasts):
                 self._train_and_submit(self._local_worker(), gm, info, progress)
                 submitted_at = time.monotonic()
             if str(info.round) in progress.submitted:
-                self.challenges.await_verdict(info, progress)
+                self._undone_forgets_state_file(functools.partial(self.challenges.await_verdict, info, progress), progress)
             else:
                 self._wait_finalized(info.round)
             how = self._follow(gm, info.round, hashes, progress)
@@ -492,12 +493,15 @@ class HostNode(Forecasts):
 
     def _settle(self, pending: PendingUpload | None, progress: Progress, closed: bool = False) -> None:
         """Wait for an upload in flight and record its outcome (from the daemon's thread). `closed`: its
-        round is over (the epoch ended, the node leaves): stop waiting for what it would fetch next."""
+        round is over (the epoch ended, the node leaves): stop waiting for what it would fetch next. A
+        save written behind that failed stops the daemon here (its upload was not sent), before a round
+        is trained again as if the upload had been refused."""
         if pending is None:
             return
         if closed:
             pending.cancel()
         outcome = pending.wait()
+        self.writer.check()
         if outcome.update is not None:
             self._prefetched[pending.round] = outcome.update
             progress.bytes_received += len(outcome.update)
@@ -506,6 +510,15 @@ class HostNode(Forecasts):
         self.events.submitted(pending.round, outcome.accepted, outcome.reason, outcome.seconds)
         if outcome.accepted:
             self._record_accepted(pending.round, pending.payload, progress)
+
+    def _undone_forgets_state_file(self, verdict: Callable[[], None], progress: Progress) -> None:
+        """Run a challenge's wait for a round's verdict: a round that failed its checks is undone there
+        (`Challenges._forget_failed` takes the worker back to the state before it), and the kept round's
+        file then no longer holds the worker's state, so no snapshot may link it (`HostSaves._save`)."""
+        submitted = set(progress.submitted)
+        verdict()
+        if not submitted <= set(progress.submitted):
+            self._state_file = None
 
     def _wait_finalized(self, round_: int) -> None:
         while self.chain.latest_round(self.settings.epoch) < round_:

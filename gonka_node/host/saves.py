@@ -102,6 +102,9 @@ class HostSaves(UploadRecovery):
     def _base_file(self, base: Mapping[str, Tensor]) -> Path:
         """An eager forecast as a file (what a rig's processes read; rebuilt from public inputs after a
         restart, so not kept durably)."""
+        # A rig's next order drops the versions it no longer needs: the snapshot naming the one it keeps
+        # must be on disk first, as `_global_file` waits for it (a crash would find no state to resume).
+        self.writer.flush()
         path = self.settings.state_dir / "eager-base.safetensors"
         save_file({n: t.detach().contiguous().cpu() for n, t in base.items()}, str(path))
         return path

@@ -96,6 +96,10 @@ class StoreWriter:
             if thread is not None:
                 thread.join()
 
+    def check(self) -> None:
+        """Raise the first failed save's WriteError, if one failed so far (no wait)."""
+        self._raise_failed()
+
     def _raise_failed(self) -> None:
         if self._failed is not None:
             raise self._failed

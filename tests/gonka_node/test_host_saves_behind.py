@@ -6,11 +6,13 @@ chain's model held. The snapshot's worker state is a link to the kept round's fi
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import test_host_node as base
+import torch
 
 from gonka_node.host.events import HostEvents
 from gonka_node.host.store import HostStore
@@ -71,3 +73,33 @@ def test_the_next_round_trains_while_the_round_is_saved_and_its_upload_waits_for
     store = nodes[0].store
     snap = tmp_path / "host1" / f"snap-{progresses[0].round_done:06d}" / "worker.pt"
     assert snap.stat().st_ino == store.sent_state_path(3).stat().st_ino
+
+
+def test_a_round_undone_by_its_verdict_is_not_linked_into_the_snapshot(tmp_path: Path) -> None:
+    # Overlap "off", top-k: round 1 is kept (its file holds the state after it) and accepted, then fails its
+    # checks: the worker goes back to the state before it. The snapshot saved next must hold that state,
+    # not a link to round 1's file (a restart would resume with the failed round's residual).
+    world = base.build_world(tmp_path, inner_steps=4, n_rounds=3, codec="topk:chunk=4096,k=128,bits=2")
+    node = base.make_node(world, 1, "127.0.0.1:9", tmp_path / "host1")
+    gm, progress = node._prepare()
+    node._spec, node._busy_until = {n: tuple(t.shape) for n, t in gm.params.items()}, time.monotonic()
+    before = node.rounds.snapshot()
+    first = node._train(1, gm, progress)
+    node._keep(first)
+    node._record_accepted(1, first.payload, progress)
+    kept = node.store.sent_state_path(1)
+    node._save(gm, progress).wait()
+    snap = tmp_path / "host1" / "snap-000000" / "worker.pt"
+    assert snap.stat().st_ino == kept.stat().st_ino  # the state after round 1: linked
+
+    def failed() -> None:  # what `Challenges._forget_failed` does with a FAILED verdict
+        node.rounds.load_state_dict(before)
+        progress.submitted.pop("1")
+
+    node._undone_forgets_state_file(failed, progress)
+    node._save(gm, progress).wait()
+    assert snap.stat().st_ino != kept.stat().st_ino
+    saved = torch.load(snap)["feedback"]["residual"]
+    assert saved == {} or all(not bool(t.any()) for t in saved.values())  # before round 1: no residual yet
+    node.writer.close()
+    node.rounds.close()

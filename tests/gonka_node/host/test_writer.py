@@ -22,6 +22,7 @@ BASE = b"\x02" * 32
 
 def test_saves_run_in_the_order_asked_for_beside_the_caller() -> None:
     writer, order, gate = StoreWriter(), [], threading.Event()
+    writer.check()  # nothing failed: nothing raised
     first = writer.submit("first", lambda: (gate.wait(5), order.append(1)))
     second = writer.submit("second", lambda: order.append(2))
     assert not first.done and not second.done and order == []  # the caller did not wait for them
@@ -46,6 +47,8 @@ def test_a_failed_save_fails_every_later_one_and_is_raised_on_the_caller_s_threa
     with pytest.raises(WriteError, match="round 3's save"):
         later.wait(5)
     assert ran == []  # it might have linked a file the failed save did not write
+    with pytest.raises(WriteError, match="No space left on device"):
+        writer.check()  # what the daemon asks once an upload is settled, without waiting
     with pytest.raises(WriteError, match="No space left on device"):
         writer.flush()
     with pytest.raises(WriteError, match="No space left on device"):
