@@ -159,7 +159,8 @@ def test_a_rig_slower_to_start_and_to_restart_than_its_stall_limit_trains_its_ro
 import os, subprocess
 time.sleep(2.0); announce(); step(1)
 dead = subprocess.Popen(["true"]); dead.wait()
-(root / "rank-1.json").write_text(json.dumps({"pid": dead.pid, "restart": 0}))
+(root / "rank-1.tmp").write_text(json.dumps({"pid": dead.pid, "restart": 0}))  # atomic, as announce() is
+(root / "rank-1.tmp").rename(root / "rank-1.json")
 time.sleep(2.0); announce(); step(2)
 os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"; Mailbox(root).announce(0)
 time.sleep(2.0); Mailbox(root).announce(1); step(3); time.sleep(0.2); step(4); report(4); time.sleep(120)
