@@ -1,6 +1,7 @@
 """`gonka-node devnet`: the whole network on one machine, with one command.
 
-This process is the chain node: the embedded EVM served over JSON-RPC on 127.0.0.1. It deploys the
+This process is the chain node: the embedded EVM served over JSON-RPC on 127.0.0.1 (with
+`kernel_link`: on the links' bridge). It deploys the
 contracts with the Governor holding governance, schedules and funds an epoch by a GNK-weighted vote
 (the voting period passes by moving the devnet chain's clock), then starts an aggregator and N hosts as
 separate `gonka-node` processes that reach the chain and each other over loopback only (or, with
@@ -12,12 +13,15 @@ With `serve` the chain and the aggregator keep running after the report, beside 
 (`devnet_serve.py`), until Ctrl-C or SIGTERM. With `shards` S > 1 the epoch names S aggregators (quorum
 S), the recipe has `shards = S`, and S aggregator processes exchange signed messages over gRPC; each round's
 checkpoint hash is then the Merkle root over fragments (`core/fragments.py`); shard 0 scores and replays
-the sampled hosts from their fragments (docs/PROTOCOL.md "Sharded aggregators").
+the sampled hosts from their fragments (docs/PROTOCOL.md "Sharded aggregators"). With `link` each host
+paces its own transfers like that link on loopback; with `kernel_link` too, the kernel shapes them
+instead, each host in a network namespace of its own (`devnet_links.py`).
 
 This module holds the devnet's options, its recipe, its configs (rendered from the typed configs) and
 the run itself; the steps live beside it, one job each: `devnet_chain.py` (the chain, the vote, the
 sign-in window), `devnet_procs.py` (child processes, the aggregator's certificate and client),
-`devnet_report.py` (claims, then the report that only reads) and `devnet_serve.py` (`--serve`).
+`devnet_report.py` (claims, then the report that only reads), `devnet_serve.py` (`--serve`) and
+`devnet_links.py` (`--kernel-link`).
 Every child process is stopped on the way out, whatever happened.
 """
 
@@ -42,6 +46,7 @@ from gonka_node.core.config import (
 )
 from gonka_node.core.config_file import write_config
 from gonka_node.core.keys import init_keys
+from gonka_node.core.link import LinkSpec
 from gonka_node.core.recipe import Recipe, recipe_default
 from gonka_node.core.storage import StoreError, open_store
 from gonka_node.devnet_chain import (
@@ -55,6 +60,7 @@ from gonka_node.devnet_chain import (
     schedule_by_vote,
     start_chain,
 )
+from gonka_node.devnet_links import KernelLinks
 from gonka_node.devnet_procs import (
     AGGREGATOR_DIR,
     Children,
@@ -101,6 +107,7 @@ class DevnetOptions:
     dataset: str | None = None  # a prepared dataset (folder or s3://…); None: the stdlib corpus, bytes
     tokenizer: Path | None = None  # the dataset's tokenizer.json, checked against it (optional)
     shards: int = 1  # aggregator processes, each owning a fragment of the model (recipe `shards`)
+    kernel_link: bool = False  # shape `link` in the kernel: a network namespace per host (devnet_links.py)
 
 
 def _data_fields(opts: DevnetOptions) -> dict[str, Any]:
@@ -151,19 +158,39 @@ def check_shards(opts: DevnetOptions) -> None:
                           "bases; use --overlap delayed or one aggregator")
 
 
+def kernel_links(opts: DevnetOptions) -> KernelLinks | None:
+    """With `kernel_link`, the hosts' namespaces and shaped pairs (made here: DevnetError in one line,
+    nothing made, where they cannot be); else None (loopback, paced by each host when `link` is set)."""
+    if not opts.kernel_link:
+        return None
+    if opts.link is None:
+        raise DevnetError("--kernel-link shapes the hosts' links in the kernel: give the rates with --link DOWN/UP")
+    if opts.chain_url is not None:
+        raise DevnetError("--kernel-link with --rpc-url: hosts in their own network namespaces cannot reach a "
+                          "development node on this machine's loopback; leave --rpc-url out (the embedded chain "
+                          "listens on the links' bridge)")
+    if opts.dataset is not None and "://" in opts.dataset:
+        raise DevnetError("--kernel-link with an object-store --dataset: hosts in their own network namespaces "
+                          "reach only the links' bridge, not the store; give a prepared dataset folder")
+    return KernelLinks.create(opts.hosts, LinkSpec.parse(opts.link))
+
+
 def aggregator_account(shard: int) -> int:
     """Shard `shard`'s dev account: 9, 8, ... downwards (hosts are 1..N from below)."""
     return AGGREGATOR - shard
 
 
-def aggregator_config(opts: DevnetOptions, rpc_url: str, epoch: int, shard: int = 0) -> AggregatorConfig:
-    """The config of the devnet's aggregator (shard `shard` of `opts.shards`): listening on a free
-    loopback port, a quorum of every host; shards reach each other over the Shard gRPC service on their
-    own ports (signed messages, peers as announced on chain), as shards on separate machines would."""
+def aggregator_config(
+    opts: DevnetOptions, rpc_url: str, epoch: int, shard: int = 0, hub: str = "127.0.0.1"
+) -> AggregatorConfig:
+    """The config of the devnet's aggregator (shard `shard` of `opts.shards`): listening on a free port
+    of `hub` (loopback, or the kernel links' bridge), a quorum of every host; shards reach each other
+    over the Shard gRPC service on their own ports (signed messages, peers as announced on chain), as
+    shards on separate machines would."""
     out, name = opts.out, aggregator_name(shard)
     keys = out / "keys" / name
     return AggregatorConfig(
-        data_dir=out / name, listen="127.0.0.1:0", node_key=keys / "node_key.json",
+        data_dir=out / name, listen=f"{hub}:0", node_key=keys / "node_key.json",
         evm_key=keys / "evm_key.json", recipe=out / "recipe.json", deployment=out / "deployment.json", epoch=epoch,
         chain=ChainSettings(backend="rpc", rpc_url=rpc_url), round=RoundSettings(quorum=opts.hosts),
         aggregation=AggregationSettings(heldout_windows=opts.heldout_windows),
@@ -181,17 +208,18 @@ def host_config(opts: DevnetOptions, i: int, rpc_url: str, epoch: int, stake_gnk
     )
 
 
-def write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int) -> None:
+def write_configs(opts: DevnetOptions, rpc_url: str, epoch: int, stake_gnk: int, hub: str = "127.0.0.1") -> None:
     """out/aggregator.toml (and out/aggregator-shard<i>.toml) and out/host<i>.toml, rendered from the
     typed configs."""
     for shard in range(opts.shards):
-        write_config(aggregator_config(opts, rpc_url, epoch, shard), opts.out / f"{aggregator_name(shard)}.toml")
+        write_config(aggregator_config(opts, rpc_url, epoch, shard, hub),
+                     opts.out / f"{aggregator_name(shard)}.toml")
     for i in range(1, opts.hosts + 1):
         write_config(host_config(opts, i, rpc_url, epoch, stake_gnk), opts.out / f"host{i}.toml")
 
 
 def deploy_and_schedule(
-    opts: DevnetOptions, chain: DevnetChain, say: Callable[[str], None] = print
+    opts: DevnetOptions, chain: DevnetChain, say: Callable[[str], None] = print, hub: str = "127.0.0.1"
 ) -> ScheduledEpoch:
     """Deploy (Governor as governance), write recipe/deployment/keys/configs under `opts.out`, and
     schedule + fund the epoch by a vote. Hosts still have to sign in (their processes do)."""
@@ -238,7 +266,7 @@ def deploy_and_schedule(
         init_keys(out / "keys" / name, None, insecure_plaintext=True, force=True,
                   evm_private_key=bytes(accounts[index].key))
     # a host stakes at least 1 GNK: its config refuses 0, which is the minimum of an unpaid (p = 0) epoch
-    write_configs(opts, chain.url, epoch, max(1, -(-terms.min_stake // GNK)))
+    write_configs(opts, chain.url, epoch, max(1, -(-terms.min_stake // GNK)), hub)
     return ScheduledEpoch(deployment, recipe, epoch, init_sha)
 
 
@@ -259,16 +287,25 @@ def run_devnet(
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    chain = start_chain(opts.chain_url)
+    links = kernel_links(opts)
+    hub = "127.0.0.1" if links is None else links.hub
     children = Children() if children is None else children
     started = time.monotonic()
+    chain: DevnetChain | None = None
     try:
-        sched = deploy_and_schedule(opts, chain, say)
+        chain = start_chain(opts.chain_url, hub)
+        sched = deploy_and_schedule(opts, chain, say, hub)
         epoch = sched.epoch
         targets = [start_aggregator(out, children, shard=s) for s in range(opts.shards)]
         target = targets[0]
         for i in range(1, opts.hosts + 1):
-            start_host(out, i, target, children, ("--link", opts.link) if opts.link else ())
+            if links is None:
+                start_host(out, i, target, children, ("--link", opts.link) if opts.link else ())
+            else:  # the kernel shapes the link: the host's own pacing stays off
+                start_host(out, i, target, children, prefix=links.command(i))
+        if links is not None:
+            say(f"links: {opts.link} Mbit/s shaped by the kernel (tc tbf), each host in network namespace "
+                f"{links.namespace(1)}..{opts.hosts} on {links.subnet}, the chain and the aggregators on {hub}")
         say(f"aggregator{'s' if opts.shards > 1 else ''} on {', '.join(targets)} (TLS, certificate "
             f"{aggregator_cert(out)}{' and beside it in each shard' if opts.shards > 1 else ''}); {opts.hosts} "
             f"hosts started (logs in {logs})")
@@ -298,5 +335,10 @@ def run_devnet(
             keep_serving(ctx, chain, children, SERVICES if opts.services is None else opts.services, say, stop)
         return report
     finally:
-        children.stop()
-        chain.stop()
+        try:
+            children.stop()
+            if chain is not None:
+                chain.stop()
+        finally:
+            if links is not None:
+                links.close()

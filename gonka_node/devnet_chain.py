@@ -1,4 +1,5 @@
-"""The devnet's chain: the embedded EVM served over JSON-RPC on 127.0.0.1 from this process, or an
+"""The devnet's chain: the embedded EVM served over JSON-RPC on 127.0.0.1 (or the kernel links' bridge)
+from this process, or an
 external development node (anvil) whose funded dev accounts play the same roles; the epoch scheduled
 and funded by a Governor vote (the voting period passes by moving the chain's clock), and the sign-in
 window closed the same way once every host has signed in.
@@ -35,11 +36,12 @@ class DevnetChain:
             self.server.stop()
 
 
-def start_chain(chain_url: str | None = None) -> DevnetChain:
-    """The embedded EVM served on 127.0.0.1, or an external development node at `chain_url`."""
+def start_chain(chain_url: str | None = None, hub: str = "127.0.0.1") -> DevnetChain:
+    """The embedded EVM served on `hub` (loopback, or the kernel links' bridge: devnet_links.py), or an
+    external development node at `chain_url`."""
     if chain_url is None:
         backend = EmbeddedBackend()
-        server = ChainServer(backend, "127.0.0.1", 0).start()
+        server = ChainServer(backend, hub, 0).start()
         return DevnetChain(backend, server.url, server)
     rpc = RpcBackend(chain_url)
     if len(rpc.dev_accounts()) <= AGGREGATOR:

@@ -44,10 +44,11 @@ class Children:
     # devnet's watch never sees the child between the two (re-entrant: a restart waits with `check`)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
-    def start(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
+    def start(self, name: str, args: list[str], log: Path, env: dict[str, str], prefix: tuple[str, ...] = ()) -> None:
+        """`gonka-node ARGS` as child `name`; `prefix`: what runs it (`ip netns exec NS`: devnet_links.py)."""
         with self.lock, open(log, "ab") as sink:  # append: a restarted child keeps its earlier log
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "gonka_node", *args], stdout=sink, stderr=subprocess.STDOUT, env=env
+                [*prefix, sys.executable, "-m", "gonka_node", *args], stdout=sink, stderr=subprocess.STDOUT, env=env
             )
 
     def check(self, logs: Path) -> None:
@@ -98,14 +99,15 @@ def aggregator_client(out: Path, target: str, timeout_s: float = 120.0) -> Aggre
 
 def start_aggregator(out: Path, children: Children, timeout_s: float = 120.0, shard: int = 0) -> str:
     """Start `gonka-node aggregator` on out/NAME.toml (NAME: `aggregator_name(shard)`); returns its
-    HOST:PORT once it listens."""
+    HOST:PORT once it listens (HOST: its config's listen address)."""
     logs, name = out / "logs", aggregator_name(shard)
-    port_file = out / f"{name}.port"
+    port_file, cfg_file = out / f"{name}.port", out / f"{name}.toml"
     port_file.unlink(missing_ok=True)
-    children.start(name, ["aggregator", "--config", str(out / f"{name}.toml"), "--port-file", str(port_file)],
+    children.start(name, ["aggregator", "--config", str(cfg_file), "--port-file", str(port_file)],
                    logs / f"{name}.log", child_env())
     wait_for(f"{name} to listen", port_file.exists, timeout_s, children, logs)
-    return f"127.0.0.1:{port_file.read_text().strip()}"
+    host = load_aggregator_config(cfg_file, environ={}).listen.rpartition(":")[0]
+    return f"{host}:{port_file.read_text().strip()}"
 
 
 def restart_aggregator(out: Path, children: Children, shard: int, timeout_s: float = 120.0) -> str:
@@ -114,8 +116,8 @@ def restart_aggregator(out: Path, children: Children, shard: int, timeout_s: flo
     name = aggregator_name(shard)
     port = (out / f"{name}.port").read_text().strip()
     cfg_file = out / f"{name}.toml"
-    write_config(dataclasses.replace(load_aggregator_config(cfg_file, environ={}), listen=f"127.0.0.1:{port}"),
-                 cfg_file)
+    cfg = load_aggregator_config(cfg_file, environ={})
+    write_config(dataclasses.replace(cfg, listen=f"{cfg.listen.rpartition(':')[0]}:{port}"), cfg_file)
     return start_aggregator(out, children, timeout_s, shard)
 
 
@@ -126,8 +128,11 @@ def point_host_at(out: Path, i: int, target: str) -> Path:
     return cfg
 
 
-def start_host(out: Path, i: int, target: str, children: Children, extra: tuple[str, ...] = ()) -> None:
-    """Start (or restart: same config, same state dir) host i as `gonka-node run`; log appended."""
+def start_host(
+    out: Path, i: int, target: str, children: Children, extra: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+) -> None:
+    """Start (or restart: same config, same state dir) host i as `gonka-node run`; log appended.
+    `prefix`: what runs it (`ip netns exec NS` with kernel-shaped links)."""
     cfg = point_host_at(out, i, target)
     children.start(f"host{i}", ["run", "--config", str(cfg), "--quiet", *extra], out / "logs" / f"host{i}.log",
-                   child_env())
+                   child_env(), prefix)

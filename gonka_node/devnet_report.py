@@ -123,6 +123,8 @@ def make_report(
         "codec": opts.codec,
         "losses": losses,
         "link": opts.link or "loopback",
+        # who paces it: each host's gRPC client on loopback, or the kernel (tc tbf, devnet_links.py)
+        "link_shaping": "none" if opts.link is None else "kernel" if opts.kernel_link else "host",
         "overlap": opts.overlap,
         "broadcast": opts.broadcast,
         "shards": recipe.shards,  # > 1: checkpoint_hashes are Merkle roots over that many fragments

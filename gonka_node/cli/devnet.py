@@ -55,6 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "downloads are paced like it on loopback (default: loopback as it is)",
     )
     p.add_argument(
+        "--kernel-link", action="store_true",
+        help="shape --link in the kernel instead of in each host: every host runs in a network namespace of its "
+        "own, joined by a veth pair whose two ends the tc token-bucket filter paces at the upload and download "
+        "rates; the chain and the aggregators listen on the pairs' bridge (needs root with CAP_NET_ADMIN and "
+        "iproute2; rates only, no @MS)",
+    )
+    p.add_argument(
         "--overlap", choices=("off", "delayed", "eager"), default="off",
         help="the recipe's overlap rule: hosts train round r while round r-1 uploads, from round r-2's model "
         "(delayed) or from their forecast of round r-1's: its outer step with their own round r-1 payload "
@@ -89,7 +96,7 @@ def _devnet(args: argparse.Namespace) -> int:
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, preset=args.preset, timeout_s=args.timeout, chain_url=args.rpc_url,
         replay_fraction=args.replay_fraction, serve=args.serve, dataset=args.dataset, tokenizer=args.tokenizer,
-        link=args.link, overlap=args.overlap, broadcast=args.broadcast, shards=args.shards,
+        link=args.link, kernel_link=args.kernel_link, overlap=args.overlap, broadcast=args.broadcast, shards=args.shards,
         **{k: v for k, v in recipe.items() if v is not None},
     )
     if args.link is not None:

@@ -10,14 +10,18 @@ host processes must reproduce it exactly to be paid.
 from __future__ import annotations
 
 import json
+import re
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from gonka_node.aggregator.store import Store
 from gonka_node.cli import main
+from gonka_node.core.link import MBIT
 from gonka_node.core.tls import load_identity
+from gonka_node.devnet_links import unavailable
 
 
 @pytest.mark.slow
@@ -83,6 +87,50 @@ def test_devnet_with_shaped_links_eager_overlap_and_compressed_download_reports_
     store = Store(out / "aggregator").open()
     try:
         for round_ in (1, 2, 3):
+            reasons = [c.reasons[0] for c in store.contributions(report["epoch"], round_)]
+            assert len(reasons) == 2 and all(why.startswith("replay: cosine") for why in reasons), reasons
+    finally:
+        store.close()
+
+
+WHY_NO_KERNEL_LINKS = unavailable()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.skipif(WHY_NO_KERNEL_LINKS is not None, reason=f"kernel links cannot be made here: {WHY_NO_KERNEL_LINKS}")
+def test_devnet_over_kernel_shaped_links_replays_pays_and_uploads_no_faster_than_the_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each host in a network namespace of its own, its veth pair shaped by tc tbf at 8/1 Mbit/s (the host's
+    own pacing off), the chain and the aggregator on the pairs' bridge: every round replayed and paid, and each upload took at least payload bytes / 1 Mbit/s
+    (on loopback it takes milliseconds)."""
+    out = tmp_path / "devnet"
+    rc = main(["devnet", "--out", str(out), "--hosts", "2", "--rounds", "2", "--inner-steps", "8",
+               "--preset", "tiny", "--timeout", "400", "--replay-fraction", "1", "--link", "8/1", "--kernel-link"])
+    assert rc == 0
+    said = " ".join(capsys.readouterr().out.split())  # rich folds long lines
+    tag = re.search(r"network namespace gonka-(\w+)-1\.\.2", said)
+    assert tag is not None, said
+    left = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout + \
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"gonka-{tag[1]}-" not in left and f"gk{tag[1]}" not in left  # removed when the devnet ended
+    report = json.loads((out / "report.json").read_text())
+    assert report["link"] == "8/1" and report["link_shaping"] == "kernel"
+    assert len(set(report["checkpoint_hashes"])) == 3  # pulled and checked against the chain
+    for i, (host, r) in enumerate(report["rewards"].items(), start=1):
+        assert r["claimed_ngonka"] == r["earned_ngonka"] > 0
+        log = (out / "logs" / f"host{i}.log").read_text()
+        uploads = [float(line.split("(")[1].split(" s upload")[0]) for line in log.splitlines()
+                   if "submission accepted (" in line]
+        assert len(uploads) == 2
+        per_round = report["bytes_per_host"][host] / 2
+        assert all(s >= 0.9 * per_round / (1 * MBIT) for s in uploads), (uploads, per_round)
+    agg_log = (out / "logs" / "aggregator.log").read_text()
+    assert "announced 10.213." in agg_log  # on the links' bridge, which the hosts reach through their pairs
+    store = Store(out / "aggregator").open()
+    try:
+        for round_ in (1, 2):
             reasons = [c.reasons[0] for c in store.contributions(report["epoch"], round_)]
             assert len(reasons) == 2 and all(why.startswith("replay: cosine") for why in reasons), reasons
     finally:
