@@ -253,6 +253,17 @@ def _pack_codes(codes: np.ndarray, width: int) -> bytes:
         for j in range(per):
             out |= groups[:, j] << (j * width)
         return out.tobytes()
+    span = math.lcm(width, 8)
+    if span <= 64:  # e.g. 12 bits: every 2 codes fill 3 bytes exactly; one 64-bit word per group
+        per, size = span // width, span // 8
+        groups = _ceil_div(len(codes), per)
+        padded = np.zeros(groups * per, dtype="<u8")
+        padded[: len(codes)] = codes
+        lanes = padded.reshape(groups, per)
+        words = np.zeros(groups, dtype="<u8")
+        for j in range(per):
+            words |= lanes[:, j] << np.uint64(j * width)
+        return words.view(np.uint8).reshape(groups, 8)[:, :size].tobytes()[: _ceil_div(len(codes) * width, 8)]
     shifts = np.arange(width, dtype=np.uint32)
     bits = ((codes.astype(np.uint32)[:, None] >> shifts) & 1).astype(np.uint8)
     return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
@@ -263,9 +274,20 @@ def _unpack_codes(buf: memoryview, count: int, width: int, codec: str, name: str
     raw = np.frombuffer(buf, dtype=np.uint8)
     if width == 8:
         return raw.copy()
+    span = math.lcm(width, 8)
     if 8 % width == 0:
         shifts = np.arange(0, 8, width, dtype=np.uint8)
         codes = ((raw[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)
+    elif span <= 64:  # `_pack_codes`' groups: each read as one 64-bit word
+        per, size = span // width, span // 8
+        groups = _ceil_div(len(raw), size)
+        whole = np.zeros(groups * size, dtype=np.uint8)
+        whole[: len(raw)] = raw
+        padded = np.zeros((groups, 8), dtype=np.uint8)
+        padded[:, :size] = whole.reshape(groups, size)
+        words = padded.view("<u8").reshape(groups)
+        shifts = np.arange(per, dtype=np.uint64) * np.uint64(width)
+        codes = ((words[:, None] >> shifts) & np.uint64((1 << width) - 1)).reshape(-1).astype(np.uint32)
     else:
         bits = np.unpackbits(raw, bitorder="little")
         if bits[count * width :].any():

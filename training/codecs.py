@@ -102,16 +102,18 @@ class ErrorFeedback:
 
     def compress(
         self, delta: Mapping[str, Tensor], codec: Codec | None = None,
-        kept: dict[str, tuple[Tensor, Tensor]] | None = None,
+        kept: dict[str, tuple[Tensor, Tensor]] | None = None, consume: bool = False,
     ) -> bytes:
         """Encode Δ plus the residual; `codec` overrides this round's codec (see `Codec.for_round`).
-        `kept`, for a sparse codec: filled with the payload's `decode_sparse`, as the encoder kept it."""
+        `kept`, for a sparse codec: filled with the payload's `decode_sparse`, as the encoder kept it.
+        `consume`: Δ's tensors are the caller's to give up (it reads them no more): each residual is made
+        in its Δ tensor instead of in new memory (the same bits: Δ + e is e + Δ)."""
         codec = codec or self.codec
         if self.residual and set(self.residual) != set(delta):
             raise ValueError("ErrorFeedback.compress: tensor names differ from the previous round's")
         before, previous = dict(self.residual), dict(self.previous)  # compress_tensor replaces, never mutates
         try:
-            parts = [self.compress_tensor(name, delta[name], codec, kept) for name in sorted(delta)]
+            parts = [self.compress_tensor(name, delta[name], codec, kept, consume) for name in sorted(delta)]
         except ValueError:
             self.residual, self.previous = before, previous  # a Δ with NaN or infinity changes nothing
             raise
@@ -119,17 +121,21 @@ class ErrorFeedback:
 
     def compress_tensor(
         self, name: str, delta: Tensor, codec: Codec | None = None, kept_out: dict[str, tuple[Tensor, Tensor]] | None = None,
+        consume: bool = False,
     ) -> bytes:
         """One tensor's payload part (`Codec.encode_tensor`) of Δ plus its residual; updates that residual.
         Elementwise per tensor, so a rig whose processes each own some tensors (and their residuals)
-        sends the bytes one process would (`training.sharded`)."""
+        sends the bytes one process would (`training.sharded`). `consume`: as in `compress`."""
         codec = codec or self.codec
         d = delta.detach().to(device="cpu", dtype=torch.float32)
+        # The residual is made in `d` when it is ours: given up by the caller, or a converted copy.
+        owned = (consume or d.data_ptr() != delta.data_ptr()) and d.is_contiguous()
         prev = self.residual.get(name)
         if prev is None:
-            target = d.clone()
+            target = d if owned else d.clone()
         else:
-            target = (prev if self.decay == 1.0 else prev * torch.tensor(self.decay, dtype=torch.float32)) + d
+            scaled = prev if self.decay == 1.0 else prev * torch.tensor(self.decay, dtype=torch.float32)
+            target = d.add_(scaled) if owned else scaled + d
         target = target.contiguous()  # its flat view is the encoded order
         part, kept = codec.encode_kept(name, target)
         if isinstance(kept, tuple):  # a sparse codec: the target less the kept values, where they are
@@ -140,7 +146,7 @@ class ErrorFeedback:
             if kept_out is not None:
                 kept_out[name] = kept
         else:
-            self.residual[name] = target - kept
+            self.residual[name] = target.sub_(kept)  # this call's own tensor: the residual is made in it
         if prev is None:
             self.previous.pop(name, None)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
@@ -24,6 +25,18 @@ from training.codec_base import (
     _pack_codes,
     _unpack_codes,
 )
+
+
+_SELECT_BLOCK = 1 << 22  # elements of rows per block of `TopKCodec._select`: a 16 MB scratch per thread
+_scratches = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> Tensor:
+    """This thread's scratch buffer of at least `numel` elements of `dtype` (kept: reused, not refaulted)."""
+    have: Tensor | None = getattr(_scratches, "buffer", None)
+    if have is None or have.dtype != dtype or have.numel() < numel:
+        have = _scratches.buffer = torch.empty(numel, dtype=dtype)
+    return have
 
 
 class TopKCodec(Codec):
@@ -104,7 +117,22 @@ class TopKCodec(Codec):
 
     @staticmethod
     def _select(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        idx = rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        """Each row's k largest magnitudes: (their positions, ascending; their values). Rows are taken a
+        block at a time, their magnitudes written into one scratch buffer of this thread's: a magnitude
+        tensor as large as the model's (1 GB for a 1B model's embedding) was fresh memory each time,
+        and its page faults cost as much as the magnitudes themselves. Each row's selection is its own,
+        so the blocks change nothing in the result."""
+        per = max(1, _SELECT_BLOCK // max(1, rows.shape[1]))
+        if rows.shape[0] <= per or rows.device.type != "cpu":
+            idx = rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+            return idx, rows.gather(1, idx)
+        scratch = _scratch(per * rows.shape[1], rows.dtype)
+        parts = []
+        for first in range(0, rows.shape[0], per):
+            block = rows[first : first + per]
+            magnitudes = torch.abs(block, out=scratch[: block.numel()].view(block.shape))
+            parts.append(magnitudes.topk(k, dim=1, sorted=False).indices.sort(dim=1).values)
+        idx = torch.cat(parts)
         return idx, rows.gather(1, idx)
 
     def _quantize(self, v: Tensor, lo: Tensor, hi: Tensor) -> Tensor:

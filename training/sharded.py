@@ -244,7 +244,7 @@ class ShardedWorker(SlotWorker):
                     continue
                 whole = whole.cpu()
                 squares[name] = sum_of_squares(whole)  # as DiLoCoWorker's delta_norm
-                part = self.feedback.compress_tensor(name, whole, codec)
+                part = self.feedback.compress_tensor(name, whole, codec, consume=True)  # whole: read no more
                 out.write(part)
                 index[name] = len(part)
                 leaves[name] = tensor_leaves(self.feedback.residual, commit, name)

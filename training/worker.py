@@ -146,7 +146,7 @@ class DiLoCoWorker(SlotWorker):
         norm = math.sqrt(math.fsum(sum_of_squares(d) for d in delta.values()))
         codec = self.round_codec(round_index)
         kept: dict[str, tuple[Tensor, Tensor]] | None = {} if sparse and codec.sparse else None
-        payload = self.feedback.compress(delta, codec, kept)
+        payload = self.feedback.compress(delta, codec, kept, consume=True)  # Δ is read no more: e_r is made in it
         signed = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
                                  self.feedback.codec) if root else None
         return WorkerRound(

@@ -397,3 +397,62 @@ def test_the_finite_check_finds_nan_and_either_infinity_anywhere() -> None:
             assert not all_finite(t), (bad, at)
             with pytest.raises(ValueError, match="w contains NaN or infinity"):
                 get_codec("topk").encode_tensor("w", t)
+
+
+@pytest.mark.parametrize("width", range(1, 17))
+def test_packed_codes_are_bit_for_bit_the_little_endian_bit_stream_and_read_back(width: int) -> None:
+    """Whatever path packs a width (whole bytes, 64-bit groups, single bits), the bytes are the codes'
+    bits in little-endian order, zero-padded: the reference below, numpy's packbits of every bit."""
+    import numpy as np
+
+    from training.codec_base import _pack_codes, _unpack_codes
+
+    rng = np.random.default_rng(width)
+    for count in (0, 1, 2, 3, 7, 8, 9, 63, 1001):
+        codes = rng.integers(0, 1 << width, count).astype(np.uint32)
+        bits = (codes[:, None] >> np.arange(width, dtype=np.uint32)) & 1
+        reference = np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+        packed = _pack_codes(codes, width)
+        assert packed == reference
+        assert np.array_equal(_unpack_codes(memoryview(packed), count, width, "c", "t").astype(np.int64), codes)
+        if (count * width) % 8:  # a set padding bit is refused, whichever path reads it
+            spoiled = packed[:-1] + bytes([packed[-1] | 0x80])
+            with pytest.raises(CodecError, match="non-zero padding bits"):
+                _unpack_codes(memoryview(spoiled), count, width, "c", "t")
+
+
+@pytest.mark.parametrize("name", ["topk:chunk=64,k=4,bits=2", "int8"])
+@pytest.mark.parametrize("decay", [1.0, 0.9])
+def test_error_feedback_that_consumes_its_delta_sends_and_keeps_the_same_bits(name: str, decay: float) -> None:
+    """`consume=True` (the worker's Δ, read no more) makes each residual in Δ's own memory instead of a new
+    tensor: the payload and the residual are the same bits as without, and Δ is left alone without it."""
+    codec = get_codec(name)
+    plain, consuming = ErrorFeedback(codec, decay), ErrorFeedback(codec, decay)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        delta = {"w": torch.randn(5, 70, generator=g), "b": torch.randn(9, generator=g)}
+        delta["b"][4] = -0.0
+        kept = {n: t.clone() for n, t in delta.items()}
+        given = {n: t.clone() for n, t in delta.items()}
+        assert consuming.compress(given, consume=True) == plain.compress(delta)
+        for n in delta:
+            assert torch.equal(consuming.residual[n].view(torch.int32), plain.residual[n].view(torch.int32)), n
+            assert consuming.residual[n].data_ptr() == given[n].data_ptr()  # made in Δ's memory
+            assert plain.residual[n].data_ptr() != delta[n].data_ptr()
+            assert torch.equal(delta[n].view(torch.int32), kept[n].view(torch.int32))  # not consumed: untouched
+
+
+def test_topk_selects_the_same_entries_a_block_of_rows_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_select` takes rows a block at a time through a reused scratch buffer: the same part, ties
+    (a chunk of zeros, one of repeated magnitudes) and a short last chunk included."""
+    import training.codecs_sparse as sparse
+
+    codec = TopKCodec(chunk=64, k=5, bits=2)
+    t = torch.randn(37 * 64 + 9, generator=torch.Generator().manual_seed(5))
+    t[:64] = 0.0
+    t[64:128] = torch.round(t[64:128] * 2) / 2
+    whole_part, (whole_at, whole_values) = codec.encode_kept("w", t)
+    monkeypatch.setattr(sparse, "_SELECT_BLOCK", 3 * 64)  # 3 rows a block: 12 blocks, the last one short
+    part, (at, values) = codec.encode_kept("w", t)
+    assert part == whole_part and torch.equal(at, whole_at) and torch.equal(values, whole_values)
+    assert sparse._scratches.buffer.numel() >= 3 * 64  # the blocks went through the scratch
