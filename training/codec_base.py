@@ -256,14 +256,14 @@ def _pack_codes(codes: np.ndarray, width: int) -> bytes:
     span = math.lcm(width, 8)
     if span <= 64:  # e.g. 12 bits: every 2 codes fill 3 bytes exactly; one 64-bit word per group
         per, size = span // width, span // 8
-        groups = _ceil_div(len(codes), per)
-        padded = np.zeros(groups * per, dtype="<u8")
+        n_groups = _ceil_div(len(codes), per)
+        padded = np.zeros(n_groups * per, dtype="<u8")
         padded[: len(codes)] = codes
-        lanes = padded.reshape(groups, per)
-        words = np.zeros(groups, dtype="<u8")
+        lanes = padded.reshape(n_groups, per)
+        words = np.zeros(n_groups, dtype="<u8")
         for j in range(per):
             words |= lanes[:, j] << np.uint64(j * width)
-        return words.view(np.uint8).reshape(groups, 8)[:, :size].tobytes()[: _ceil_div(len(codes) * width, 8)]
+        return words.view(np.uint8).reshape(n_groups, 8)[:, :size].tobytes()[: _ceil_div(len(codes) * width, 8)]
     shifts = np.arange(width, dtype=np.uint32)
     bits = ((codes.astype(np.uint32)[:, None] >> shifts) & 1).astype(np.uint8)
     return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
@@ -278,14 +278,14 @@ def _unpack_codes(buf: memoryview, count: int, width: int, codec: str, name: str
     if 8 % width == 0:
         shifts = np.arange(0, 8, width, dtype=np.uint8)
         codes = ((raw[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)
-    elif span <= 64:  # `_pack_codes`' groups: each read as one 64-bit word
+    elif span <= 64:  # `_pack_codes`' n_groups: each read as one 64-bit word
         per, size = span // width, span // 8
-        groups = _ceil_div(len(raw), size)
-        whole = np.zeros(groups * size, dtype=np.uint8)
+        n_groups = _ceil_div(len(raw), size)
+        whole = np.zeros(n_groups * size, dtype=np.uint8)
         whole[: len(raw)] = raw
-        padded = np.zeros((groups, 8), dtype=np.uint8)
-        padded[:, :size] = whole.reshape(groups, size)
-        words = padded.view("<u8").reshape(groups)
+        padded = np.zeros((n_groups, 8), dtype=np.uint8)
+        padded[:, :size] = whole.reshape(n_groups, size)
+        words = padded.view("<u8").reshape(n_groups)
         shifts = np.arange(per, dtype=np.uint64) * np.uint64(width)
         codes = ((words[:, None] >> shifts) & np.uint64((1 << width) - 1)).reshape(-1).astype(np.uint32)
     else:

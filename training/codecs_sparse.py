@@ -26,7 +26,6 @@ from training.codec_base import (
     _unpack_codes,
 )
 
-
 _SELECT_BLOCK = 1 << 22  # elements of rows per block of `TopKCodec._select`: a 16 MB scratch per thread
 _scratches = threading.local()
 
