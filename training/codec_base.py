@@ -299,13 +299,14 @@ def _unpack_codes(buf: memoryview, count: int, width: int, codec: str, name: str
     return codes[:count]
 
 
-def _scale_blocks(q: Tensor, scale: Tensor, block: int) -> Tensor:
+def _scale_blocks(q: Tensor, scale: Tensor, block: int, out: Tensor | None = None) -> Tensor:
     """q · scale[i // block] in fp32 without materialising a per-element scale: whole blocks as one
     broadcast multiply, the short last block apart. Each element is the one fp32 product q·scale, as
-    an element-wise multiply by a repeated scale computes it (bit for bit the same values)."""
+    an element-wise multiply by a repeated scale computes it (bit for bit the same values). `out`: where
+    to write it (fp32, q's numel), else a new tensor."""
     numel = q.numel()
     full = numel // block * block
-    out = torch.empty(numel, dtype=torch.float32)
+    out = torch.empty(numel, dtype=torch.float32) if out is None else out
     torch.mul(q[:full].view(-1, block), scale[: full // block, None], out=out[:full].view(-1, block))
     if full < numel:
         torch.mul(q[full:], scale[-1], out=out[full:])

@@ -55,6 +55,9 @@ class Bf16Codec(Codec):
         return _finite(torch.from_numpy(bits.view(np.float32).copy()), self.name, name)
 
 
+_SLAB = 1 << 22  # elements `BlockQuantCodec` encodes at a time (rounded down to whole blocks)
+
+
 class BlockQuantCodec(Codec):
     """Signed integers of `bits` bits per element with one fp32 scale (absmax / qmax) per block.
 
@@ -79,15 +82,38 @@ class BlockQuantCodec(Codec):
         return 4 * _ceil_div(numel, self.block) + _ceil_div(numel * self.bits, 8)
 
     def _encode_flat(self, x: Tensor, name: str) -> bytes:
-        n = x.numel()
-        blocks = torch.nn.functional.pad(x, (0, _ceil_div(n, self.block) * self.block - n)).view(
-            -1, self.block
-        )
-        scale = blocks.abs().amax(dim=1) / self.qmax
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(blocks / safe[:, None]).clamp_(-self.qmax, self.qmax).reshape(-1)[:n]
-        codes = (q.to(torch.int64) + self.qmax + 1).numpy().astype(np.uint8)
-        return scale.numpy().astype("<f4").tobytes() + _pack_codes(codes, self.bits)
+        return self._encode_slabs(x, None)
+
+    def _encode_flat_kept(self, x: Tensor, name: str) -> tuple[bytes, Tensor]:
+        kept = torch.empty(x.numel(), dtype=torch.float32)
+        section = self._encode_slabs(x, kept)
+        return section, _finite(kept, self.name, name)  # as decoding it checks: q·scale may round past fp32's max
+
+    def _encode_slabs(self, x: Tensor, kept: Tensor | None) -> bytes:
+        """The section, a slab of whole blocks at a time (its temporaries a few MB, reused from the heap,
+        not model-sized fresh memory); `kept`, when given, filled with what decoding the section gives:
+        each block's q·scale computed from the very codes written (`_signed`, `_scale_blocks`), bit for
+        bit the decode. Per element: scale = absmax(block) / qmax, q = round(x / scale) clamped to
+        ±qmax (a block of zeros has scale 0 and q 0), code = q + 2^(bits−1)."""
+        n, block = x.numel(), self.block
+        scales = torch.empty(_ceil_div(n, block), dtype=torch.float32)
+        codes = np.empty(n, dtype=np.uint8)
+        step = max(1, _SLAB // block) * block
+        for start in range(0, n, step):
+            part = x[start : start + step]
+            m = part.numel()
+            pad = _ceil_div(m, block) * block - m  # only a tensor's last slab may end in a short block
+            blocks = (torch.nn.functional.pad(part, (0, pad)) if pad else part).view(-1, block)
+            scale = blocks.abs().amax(dim=1) / self.qmax
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.round(blocks / safe[:, None]).clamp_(-self.qmax, self.qmax).reshape(-1)[:m].to(torch.int8)
+            slab_codes = (q.to(torch.int16) + (self.qmax + 1)).to(torch.uint8)
+            first = start // block
+            scales[first : first + scale.numel()] = scale
+            codes[start : start + m] = slab_codes.numpy()
+            if kept is not None:
+                _scale_blocks(self._signed(slab_codes.numpy()), scale, block, out=kept[start : start + m])
+        return scales.numpy().astype("<f4").tobytes() + _pack_codes(codes, self.bits)
 
     def _decode_flat(self, buf: memoryview, numel: int, name: str) -> Tensor:
         n_blocks = _ceil_div(numel, self.block)

@@ -456,3 +456,39 @@ def test_topk_selects_the_same_entries_a_block_of_rows_at_a_time(monkeypatch: py
     part, (at, values) = codec.encode_kept("w", t)
     assert part == whole_part and torch.equal(at, whole_at) and torch.equal(values, whole_values)
     assert sparse._scratches.buffer.numel() >= 3 * 64  # the blocks went through the scratch
+
+
+def _block_quant_reference(codec: BlockQuantCodec, x: torch.Tensor) -> bytes:
+    """The section as BlockQuantCodec wrote it in one piece, before it encoded a slab at a time."""
+    import numpy as np
+
+    from training.codec_base import _ceil_div, _pack_codes
+
+    n = x.numel()
+    blocks = torch.nn.functional.pad(x, (0, _ceil_div(n, codec.block) * codec.block - n)).view(-1, codec.block)
+    scale = blocks.abs().amax(dim=1) / codec.qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[:, None]).clamp_(-codec.qmax, codec.qmax).reshape(-1)[:n]
+    codes = (q.to(torch.int64) + codec.qmax + 1).numpy().astype(np.uint8)
+    return scale.numpy().astype("<f4").tobytes() + _pack_codes(codes, codec.bits)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_block_quant_writes_the_same_section_a_slab_at_a_time_and_keeps_its_decode(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import training.codecs_dense as dense
+
+    codec = get_codec(name)
+    assert isinstance(codec, BlockQuantCodec)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5 * codec.block + 37, generator=g) * 1e-3  # a short last block
+    x[: codec.block] = 0.0  # a block of zeros: scale 0
+    x[codec.block : 2 * codec.block] = -0.0  # of negative zeros: kept as +0, as decoded
+    x[3 * codec.block] = 3e38  # a large value among small ones
+    for slab in (1 << 22, codec.block, 2 * codec.block, 3):  # one slab, a block each, two, below a block
+        monkeypatch.setattr(dense, "_SLAB", slab)
+        section, kept = codec._encode_flat_kept(x, "w")
+        assert section == _block_quant_reference(codec, x) == codec._encode_flat(x, "w"), slab
+        decoded = codec._decode_flat(memoryview(section), x.numel(), "w")
+        assert torch.equal(kept.view(torch.int32), decoded.view(torch.int32)), slab
