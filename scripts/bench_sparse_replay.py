@@ -63,8 +63,9 @@ class RecordingFeedback(ErrorFeedback):
     last_payload = b""
 
     def compress(self, delta: Mapping[str, Tensor], codec: Codec | None = None,
-                 kept: dict[str, tuple[Tensor, Tensor]] | None = None, consume: bool = False) -> bytes:
-        self.last_payload = super().compress(delta, codec, kept, consume)
+                 kept: dict[str, tuple[Tensor, Tensor]] | None = None, consume: bool = False,
+                 squares: dict[str, float] | None = None) -> bytes:
+        self.last_payload = super().compress(delta, codec, kept, consume, squares)
         return self.last_payload
 
 

@@ -37,10 +37,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,15 +166,43 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
             "round_wall_s": round(ends[-1] - ends[-2], 2)}
 
 
-def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[str, Any]:
-    """The host's work on the global model on this machine's CPU with torch's threads, for one tensor of
-    `numel` elements scaled linearly to `params` (medians of `repeat`): the bit-exact outer step
-    (`fma32`, training/diloco.py) on a copy, each codec's dense decode of an update, sha256 of the model,
-    and the step taken ahead of a top-k update (`SpeculativeStep`): its dense part, its finish from the
-    update's bytes (`Codec.decode_sparse`), an eager forecast from the host's own payload's entries as
-    its encoder kept them (`Codec.encode_kept`; `forecast_decoded_s`: from the payload's bytes, as a rig
-    host or a restarted one forecasts), and the finish after such a forecast (which copies the model the
-    forecast wrote over)."""
+Measures = dict[str, tuple[Callable[[Any], Any], Callable[[], Any] | None]]  # key: (f(prepare()), prepare)
+
+
+def shape_classes(spec: Mapping[str, tuple[int, ...]]) -> list[tuple[int, int]]:
+    """(elements, how many tensors) for each tensor size of `spec`, largest first (Llama-3.2-1B: the
+    262M-element embedding once, 48 MLP projections of 16.8M, ...)."""
+    counts = Counter(math.prod(shape) for shape in spec.values())
+    return sorted(counts.items(), reverse=True)
+
+
+def measure_classes(classes: Sequence[tuple[int, int]], build: Callable[[int], Measures], repeat: int,
+                    clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Each measure `build(numel)` gives, timed on one tensor of each class's real size and counted as
+    many times as the class has tensors, summed over the classes: the median over `repeat` rounds, round
+    robin (a shared machine's slow spells fall on every figure alike). Real sizes, not one small tensor
+    scaled: a tensor of 16M elements and one of 262M each cost more per element than one of 4M (fresh
+    pages to fault in, caches), ~2x for the top-k compress here. A measure's `prepare()` is not timed,
+    and its result is freed before the next (as a host's tensors are)."""
+    built = [(count, build(numel)) for numel, count in classes]
+    keys = list(built[0][1]) if built else []
+    totals: dict[str, list[float]] = {key: [] for key in keys}
+    for _ in range(repeat):
+        for key in keys:
+            total = 0.0
+            for count, measures in built:
+                f, prepare = measures[key]
+                arg = prepare() if prepare is not None else None
+                started = clock()
+                f(arg)
+                total += (clock() - started) * count
+                del arg
+            totals[key].append(total)
+    return {key: sorted(t)[len(t) // 2] for key, t in totals.items()}
+
+
+def apply_measures(numel: int) -> Measures:
+    """The host's work on the global model for one tensor of `numel` elements (see `measure_apply`)."""
     from training.checkpoint import canonical_sha256
     from training.diloco import OuterOptimizer, SpeculativeStep
 
@@ -187,15 +217,6 @@ def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[st
     outer = OuterOptimizer(0.7, 0.9)
     outer.step(p, g)  # the first step only copies the momentum: time later ones
 
-    def timed(f: Any, prepare: Any = lambda: None) -> float:
-        """Seconds of `f(prepare())`; its tensors are freed before the next call (as a host's are)."""
-        arg = prepare()
-        started = time.perf_counter()
-        f(arg)
-        elapsed = time.perf_counter() - started
-        del arg
-        return elapsed
-
     def speculated() -> SpeculativeStep:
         step = SpeculativeStep(outer, p)
         step.run()
@@ -206,7 +227,7 @@ def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[st
         step.forecast(topk.decode_sparse(own_payload, spec))
         return step
 
-    measures: dict[str, tuple[Any, Any]] = {
+    measures: Measures = {
         "step_s": (lambda _: outer.copy().step({"w": p["w"].clone()}, g), None),  # on a copy, as the upload thread
         "ahead_s": (lambda _: speculated(), None),
         "finish_s": (lambda step: step.finish(topk.decode_sparse(payloads["top-k"], spec)), speculated),
@@ -218,36 +239,38 @@ def measure_apply(params: int, numel: int = 1 << 22, repeat: int = 7) -> dict[st
         "sha256_s": (lambda _: canonical_sha256(p), None),
     } | {f"decode_{label}": (lambda _, name=name, data=data: get_codec(name).decode(data, spec), None)
          for (label, name), data in zip(CODECS.items(), payloads.values(), strict=True)}
-    # Round robin, so that a shared machine's slow spells fall on every figure alike; medians.
-    times: dict[str, list[float]] = {key: [] for key in measures}
-    for _ in range(repeat):
-        for key, (f, prepare) in measures.items():
-            times[key].append(timed(f, prepare or (lambda: None)))
-    scale = params / numel
-    median = {key: round(sorted(t)[len(t) // 2] * scale, 1) for key, t in times.items()}
-    nonzero = int((topk.decode(payloads["top-k"], spec)["w"] != 0).sum())
-    return {"threads": torch.get_num_threads(), "numel": numel, "repeat": repeat,
+    return measures
+
+
+def measure_apply(spec: Mapping[str, tuple[int, ...]], repeat: int = 5) -> dict[str, Any]:
+    """The host's work on the global model on this machine's CPU with torch's threads, on tensors of the
+    model's real sizes (`measure_classes`): the bit-exact outer step (`fma32`, training/diloco.py) on a
+    copy, each codec's dense decode of an update, sha256 of the model, and the step taken ahead of a
+    top-k update (`SpeculativeStep`): its dense part, its finish from the update's bytes
+    (`Codec.decode_sparse`), an eager forecast from the host's own payload's entries as its encoder kept
+    them (`Codec.encode_kept`; `forecast_decoded_s`: from the payload's bytes, as a rig host or a
+    restarted one forecasts), and the finish after such a forecast (which copies the model the forecast
+    wrote over)."""
+    classes = shape_classes(spec)
+    median = {key: round(t, 1) for key, t in measure_classes(classes, apply_measures, repeat).items()}
+    numel = classes[0][0]
+    update = {"w": torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3}
+    nonzero = int((get_codec(CODECS["top-k"]).decode(get_codec(CODECS["top-k"]).encode(update),
+                                                    {"w": (numel,)})["w"] != 0).sum())
+    return {"threads": torch.get_num_threads(), "sizes": classes, "repeat": repeat,
             "load_average_1min": round(os.getloadavg()[0], 2),
             **{k: v for k, v in median.items() if not k.startswith("decode_")},
             "decode_s": {label: median[f"decode_{label}"] for label in CODECS},
-            "top_k_density": round(nonzero / numel, 4), "where": "this machine's CPU (shared), scaled to the model"}
+            "top_k_density": round(nonzero / numel, 4),
+            "where": "this machine's CPU (shared), on tensors of the model's sizes"}
 
 
-def measure_seal(params: int, numel: int = 1 << 22, save_numel: int = 1 << 25, repeat: int = 5) -> dict[str, Any]:
-    """The worker's end of a round on this machine's CPU, per codec, scaled linearly to `params` (medians
-    of `repeat`, round robin): what a host does between its last inner step and both the round's upload
-    and its next round's first step (training/worker.py `train_round`, gonka_node/host/node.py `_keep`):
-    the pseudo-gradient, its norm, the compress with error feedback (a second round's: the residual is
-    added), the root over the residual the host signs, and the durable save of the round before its
-    upload (`HostStore.save_sent`: the payload and the worker state, both residuals, fsynced); and the
-    snapshot the host saves each time it adopts a new global model (`HostStore.save` from `_apply`:
-    the model, its outer momentum and the worker state, fsynced), on the training path before the next
-    round. Both saves are measured on `save_numel` elements, so that the disk sets their rate."""
-    import tempfile
-
-    from gonka_node.host.store import HostStore, Progress
+def seal_measures(numel: int) -> Measures:
+    """The worker's end of a round for one tensor of `numel` elements (see `measure_seal`): each codec's
+    compress is a second round's (the residual is added), of a fresh pseudo-gradient it consumes, its
+    squares (Δ's norm) taken on the way, as `DiLoCoWorker.train_round` does."""
     from training.codecs import ErrorFeedback
-    from training.diloco import pseudo_gradient, sum_of_squares
+    from training.diloco import pseudo_gradient
     from training.worker import commitment_root
 
     gen = torch.Generator().manual_seed(1)
@@ -256,36 +279,56 @@ def measure_seal(params: int, numel: int = 1 << 22, save_numel: int = 1 << 25, r
     spec = {"w": (numel,)}
     feedback = {label: ErrorFeedback(get_codec(name)) for label, name in CODECS.items()}
     for ef in feedback.values():
-        ef.compress(pseudo_gradient(glob, local))  # the residual every later round adds
+        ef.compress(pseudo_gradient(glob, local), consume=True)  # the residual every later round adds
+    measures: Measures = {"pseudo_gradient_s": (lambda _: pseudo_gradient(glob, local), None)}
+
+    def compress(ef: ErrorFeedback) -> Callable[[Any], Any]:
+        return lambda d: ef.compress(d, consume=True, squares={})
+
+    def root(ef: ErrorFeedback) -> Callable[[Any], Any]:
+        return lambda _: commitment_root(ef.residual, spec, ef.codec)
+
+    for label, ef in feedback.items():
+        measures[f"compress_{label}"] = (compress(ef), lambda: pseudo_gradient(glob, local))
+        measures[f"root_{label}"] = (root(ef), None)
+    return measures
+
+
+def measure_seal(spec: Mapping[str, tuple[int, ...]], save_numel: int = 1 << 25, repeat: int = 5) -> dict[str, Any]:
+    """The worker's end of a round on this machine's CPU, per codec, on tensors of the model's real sizes
+    (`measure_classes`): what a host does between its last inner step and both the round's upload and
+    its next round's first step (training/worker.py `train_round`, gonka_node/host/node.py `_keep`): the
+    pseudo-gradient, the compress with error feedback (Δ's norm taken within it), the root over the
+    residual the host signs; and, on `save_numel` elements scaled linearly to the model (the disk sets their rate), the
+    durable save of the round before its upload (`HostStore.save_sent`: the payload and the worker state,
+    both residuals, fsynced) and the snapshot the host saves each time it adopts a new global model
+    (`HostStore.save`: the model, its outer momentum, the worker state linked; fsynced)."""
+    import tempfile
+
+    from gonka_node.host.store import HostStore, Progress
+
+    classes = shape_classes(spec)
+    params = sum(numel * count for numel, count in classes)
+    median = {key: round(t, 2) for key, t in measure_classes(classes, seal_measures, repeat).items()}
+    gen = torch.Generator().manual_seed(1)
     big = {"w": torch.randn(save_numel, generator=gen) * 1e-3}
     save_state = {"feedback": {"residual": big, "previous": {"w": big["w"].clone()}}}
-    delta = pseudo_gradient(glob, local)
-    measures: dict[str, Any] = {
-        "pseudo_gradient_s": lambda: pseudo_gradient(glob, local),
-        "norm_s": lambda: sum_of_squares(delta["w"]),
-    } | {f"compress_{label}": (lambda ef=ef: ef.compress(delta)) for label, ef in feedback.items()} | {
-        f"root_{label}": (lambda ef=ef: commitment_root(ef.residual, spec, ef.codec)) for label, ef in feedback.items()
-    }
     model, momentum = {"w": torch.randn(save_numel, generator=gen)}, {"w": torch.randn(save_numel, generator=gen)}
-    times: dict[str, list[float]] = {key: [] for key in [*measures, "save_s", "snapshot_s"]}
+    saves: dict[str, list[float]] = {"save_s": [], "snapshot_s": []}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_WAN_DISK")) as tmp:
         store = HostStore(Path(tmp), epoch=1)
         for i in range(repeat):
-            for key, f in measures.items():
-                started = time.perf_counter()
-                f()
-                times[key].append((time.perf_counter() - started) * params / numel)
             started = time.perf_counter()
             store.save_sent(i + 1, b"p" * 1024, bytes(32), save_state)
-            times["save_s"].append((time.perf_counter() - started) * params / save_numel)
+            saves["save_s"].append((time.perf_counter() - started) * params / save_numel)
             started = time.perf_counter()  # the worker state linked from the round's save, as the host does
             store.save(Progress(1, 0, i + 1, "00" * 32), model, momentum, save_state, store.sent_state_path(i + 1))
-            times["snapshot_s"].append((time.perf_counter() - started) * params / save_numel)
-    median = {key: round(sorted(t)[len(t) // 2], 2) for key, t in times.items()}
-    common = median["pseudo_gradient_s"] + median["norm_s"]
-    return {"numel": numel, "save_numel": save_numel, "repeat": repeat, "threads": torch.get_num_threads(),
+            saves["snapshot_s"].append((time.perf_counter() - started) * params / save_numel)
+    median |= {key: round(sorted(t)[len(t) // 2], 2) for key, t in saves.items()}
+    common = median["pseudo_gradient_s"]
+    return {"sizes": classes, "save_numel": save_numel, "repeat": repeat, "threads": torch.get_num_threads(),
             "load_average_1min": round(os.getloadavg()[0], 2),
-            "pseudo_gradient_s": median["pseudo_gradient_s"], "norm_s": median["norm_s"], "save_s": median["save_s"],
+            "pseudo_gradient_s": median["pseudo_gradient_s"], "save_s": median["save_s"],
             "snapshot_s": median["snapshot_s"],
             # fp32 bytes a parameter the host's writer writes each round, behind the training: the round's
             # save (both residuals) and the snapshot (model and momentum; its worker state is a link)
@@ -294,7 +337,7 @@ def measure_seal(params: int, numel: int = 1 << 22, save_numel: int = 1 << 25, r
             "root_s": {label: median[f"root_{label}"] for label in CODECS},
             # on the training path: what the payload needs; the root is hashed where the round is saved
             "seal_s": {label: round(common + median[f"compress_{label}"], 1) for label in CODECS},
-            "where": "this machine's CPU and disk (shared), scaled to the model"}
+            "where": "this machine's CPU (shared), on tensors of the model's sizes; the saves on its disk, scaled"}
 
 
 def speculates(overlap: str, broadcast: str, codec_name: str) -> bool:
@@ -366,7 +409,7 @@ def run(t: Timing, apply_measured: bool = False) -> dict[str, Any]:
     and scaled to the model, placed as the host places it; else `t`'s figures."""
     spec = llama_1b_spec()
     params = sum(int(torch.Size(s).numel()) for s in spec.values())
-    measured = measure_apply(params) | {"seal": measure_seal(params)}
+    measured = measure_apply(spec) | {"seal": measure_seal(spec)}
     dense = get_codec("fp32").encoded_size(spec)
     runs = []
     for codec_label, codec_name in CODECS.items():

@@ -49,6 +49,7 @@ from training.codec_base import (
 )
 from training.codecs_dense import Bf16Codec, BlockQuantCodec, Fp32Codec
 from training.codecs_sparse import SharedMaskCodec, TopKCodec
+from training.diloco import add_measuring, sum_of_squares
 
 __all__ = [  # the codecs' one public face: what was defined here before the format and the codecs moved out
     "CODECS",
@@ -103,17 +104,19 @@ class ErrorFeedback:
     def compress(
         self, delta: Mapping[str, Tensor], codec: Codec | None = None,
         kept: dict[str, tuple[Tensor, Tensor]] | None = None, consume: bool = False,
+        squares: dict[str, float] | None = None,
     ) -> bytes:
         """Encode Δ plus the residual; `codec` overrides this round's codec (see `Codec.for_round`).
         `kept`, for a sparse codec: filled with the payload's `decode_sparse`, as the encoder kept it.
         `consume`: Δ's tensors are the caller's to give up (it reads them no more): each residual is made
-        in its Δ tensor instead of in new memory (the same bits: Δ + e is e + Δ)."""
+        in its Δ tensor instead of in new memory (the same bits: Δ + e is e + Δ). `squares`: filled with
+        each tensor's Σ Δ² (`sum_of_squares`, for Δ's norm), taken while Δ is read anyway."""
         codec = codec or self.codec
         if self.residual and set(self.residual) != set(delta):
             raise ValueError("ErrorFeedback.compress: tensor names differ from the previous round's")
         before, previous = dict(self.residual), dict(self.previous)  # compress_tensor replaces, never mutates
         try:
-            parts = [self.compress_tensor(name, delta[name], codec, kept, consume) for name in sorted(delta)]
+            parts = [self.compress_tensor(name, delta[name], codec, kept, consume, squares) for name in sorted(delta)]
         except ValueError:
             self.residual, self.previous = before, previous  # a Δ with NaN or infinity changes nothing
             raise
@@ -121,21 +124,28 @@ class ErrorFeedback:
 
     def compress_tensor(
         self, name: str, delta: Tensor, codec: Codec | None = None, kept_out: dict[str, tuple[Tensor, Tensor]] | None = None,
-        consume: bool = False,
+        consume: bool = False, squares: dict[str, float] | None = None,
     ) -> bytes:
         """One tensor's payload part (`Codec.encode_tensor`) of Δ plus its residual; updates that residual.
         Elementwise per tensor, so a rig whose processes each own some tensors (and their residuals)
-        sends the bytes one process would (`training.sharded`). `consume`: as in `compress`."""
+        sends the bytes one process would (`training.sharded`). `consume`, `squares`: as in `compress`."""
         codec = codec or self.codec
         d = delta.detach().to(device="cpu", dtype=torch.float32)
         # The residual is made in `d` when it is ours: given up by the caller, or a converted copy.
         owned = (consume or d.data_ptr() != delta.data_ptr()) and d.is_contiguous()
         prev = self.residual.get(name)
-        if prev is None:
-            target = d if owned else d.clone()
+        if owned and prev is not None and prev.is_contiguous() and prev.shape == d.shape:
+            measured = add_measuring(d, prev, self.decay)  # Δ's squares summed while Δ is read for the add
+            target = d
         else:
-            scaled = prev if self.decay == 1.0 else prev * torch.tensor(self.decay, dtype=torch.float32)
-            target = d.add_(scaled) if owned else scaled + d
+            measured = sum_of_squares(d) if squares is not None else math.nan
+            if prev is None:
+                target = d if owned else d.clone()
+            else:
+                scaled = prev if self.decay == 1.0 else prev * torch.tensor(self.decay, dtype=torch.float32)
+                target = d.add_(scaled) if owned else scaled + d
+        if squares is not None:
+            squares[name] = measured
         target = target.contiguous()  # its flat view is the encoded order
         part, kept = codec.encode_kept(name, target)
         if isinstance(kept, tuple):  # a sparse codec: the target less the kept values, where they are

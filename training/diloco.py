@@ -32,15 +32,35 @@ from training.cpu_pool import map_parts, workers_for
 _FMA_CHUNK = 1 << 20  # elements per fp64 temporary: bounds the outer step's extra memory to a few MiB
 
 
+SQUARES_SLICE = 1 << 16  # elements per fp32 dot product of `sum_of_squares`
+
+
 def sum_of_squares(t: Tensor) -> float:
-    """Σ x² of `t`'s entries, for a pseudo-gradient's norm (a sanity figure in logs and reports): fp32
-    dot products of 64k-element slices, summed as Python floats, so the rounding error stays near fp32's
-    relative precision at any size without an fp64 copy of the tensor (which took 4.8 s for 1.2B
-    parameters here, on a host's training path: scripts/bench_wan.py's seal; this takes ~0.1 s)."""
+    """Σ x² of `t`'s entries, for a pseudo-gradient's norm (a sanity figure in reports): fp32 dot products
+    of 64k-element slices, summed as Python floats, so the rounding error stays near fp32's relative
+    precision at any size without an fp64 copy of the tensor (which took 4.8 s for 1.2B parameters here,
+    on a host's training path; this reads the tensor once: ~1.4 s at 1.2B on 2 cores, scripts/bench_wan.py's
+    seal, unless `add_measuring` does it while the tensor is read anyway)."""
     flat = t.detach().reshape(-1)
     if flat.dtype != torch.float32:
         flat = flat.float()
-    return math.fsum(float(torch.dot(s, s)) for s in flat.split(1 << 16))
+    return math.fsum(float(torch.dot(s, s)) for s in flat.split(SQUARES_SLICE))
+
+
+def add_measuring(t: Tensor, other: Tensor, scale: float = 1.0) -> float:
+    """t += scale·other in place, slice by slice, returning `sum_of_squares(t)` of `t` as it was: each
+    slice's dot product taken while the slice is in cache for its add, so Δ's norm costs no pass of its
+    own over memory (error feedback adds the residual to the pseudo-gradient it consumes). Each element is
+    the same fp32 operation as one `t += other` (`scale` ≠ 1: `other * scale` first, as one would), and
+    the sum is `sum_of_squares`' to the bit (the same slices, the same order). Both fp32, contiguous."""
+    if t.dtype != torch.float32 or other.dtype != torch.float32 or t.shape != other.shape or \
+            not (t.is_contiguous() and other.is_contiguous()):
+        raise ValueError("add_measuring: two contiguous fp32 tensors of one shape")
+    dots = []
+    for part, add in zip(t.view(-1).split(SQUARES_SLICE), other.view(-1).split(SQUARES_SLICE), strict=True):
+        dots.append(float(torch.dot(part, part)))
+        part.add_(add if scale == 1.0 else add * torch.tensor(scale, dtype=torch.float32))
+    return math.fsum(dots)
 
 
 def pseudo_gradient(

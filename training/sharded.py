@@ -36,7 +36,6 @@ from torch.distributed.tensor import DTensor
 
 from training.codecs import Codec
 from training.data import Windows
-from training.diloco import sum_of_squares
 from training.durable import durable_replace
 from training.inner import InnerConfig, InnerResult
 from training.model import Llama
@@ -235,16 +234,17 @@ class ShardedWorker(SlotWorker):
         travel, not the residual, and each owner hashes only its own tensors)."""
         params = dict(self.model.named_parameters())
         commit = commitment_layout(self.layout.spec(), codec)
-        index, squares, leaves = {}, {}, {}
+        index: dict[str, int] = {}
+        squares: dict[str, float] = {}
+        leaves: dict[str, list[bytes]] = {}
         with path.open("wb") as out:
             for name in sorted(params):  # every process takes part in every gather, in one order
                 delta = rows[name].float() - _local(params[name]).detach().float()
                 whole = self.layout.gather_to_owner(name, delta)
                 if whole is None:
                     continue
-                whole = whole.cpu()
-                squares[name] = sum_of_squares(whole)  # as DiLoCoWorker's delta_norm
-                part = self.feedback.compress_tensor(name, whole, codec, consume=True)  # whole: read no more
+                # whole: read no more (the residual is made in it); its squares as DiLoCoWorker's delta_norm
+                part = self.feedback.compress_tensor(name, whole.cpu(), codec, consume=True, squares=squares)
                 out.write(part)
                 index[name] = len(part)
                 leaves[name] = tensor_leaves(self.feedback.residual, commit, name)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from training.codecs import Codec, ErrorFeedback, Spec, get_codec, round_seed
 from training.data import Windows, window_seed
-from training.diloco import pseudo_gradient, sum_of_squares
+from training.diloco import pseudo_gradient
 from training.inner import Batch, GradSync, InnerConfig, InnerResult, InnerTrainer
 from training.model import Llama
 from training.residual_commit import commitment_layout, residual_root
@@ -143,10 +143,12 @@ class DiLoCoWorker(SlotWorker):
         return the compressed pseudo-gradient θ_global − θ_local. `root`: also the root over the residual
         it leaves (`commitment_root`; else None, for a caller that hashes the residual later)."""
         delta, result = self.local_delta(round_index, global_params, on_step)
-        norm = math.sqrt(math.fsum(sum_of_squares(d) for d in delta.values()))
         codec = self.round_codec(round_index)
         kept: dict[str, tuple[Tensor, Tensor]] | None = {} if sparse and codec.sparse else None
-        payload = self.feedback.compress(delta, codec, kept, consume=True)  # Δ is read no more: e_r is made in it
+        squares: dict[str, float] = {}
+        # Δ is read no more: e_r is made in it, and its norm taken on the way
+        payload = self.feedback.compress(delta, codec, kept, consume=True, squares=squares)
+        norm = math.sqrt(math.fsum(squares[name] for name in delta))
         signed = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
                                  self.feedback.codec) if root else None
         return WorkerRound(

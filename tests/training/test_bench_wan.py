@@ -151,3 +151,27 @@ def test_the_reported_payloads_are_the_codecs_sizes_for_the_1b_shapes() -> None:
     assert 1.23e9 < params < 1.24e9  # Llama-3.2-1B: 1,235,814,400
     topk = get_codec(bench.CODECS["top-k"])
     assert bench.checked_size(topk, spec) == topk.encoded_size(spec) < params * 4 / 50
+
+
+def test_the_host_s_work_is_timed_on_each_tensor_size_of_the_model_and_counted_per_tensor() -> None:
+    """Not one small tensor scaled: each size class of the 1B shapes once, at its real size, times how many
+    tensors have it; `prepare` untimed; the median over the rounds."""
+    bench = load_script("bench_wan")
+    classes = bench.shape_classes(bench.llama_1b_spec())
+    assert classes[:2] == [(128_256 * 2048, 1), (2048 * 8192, 48)]  # the tied embedding, the MLP projections
+    assert sum(n * c for n, c in classes) == 1_235_814_400
+    now = [0.0]
+    slow = iter([3, 3, 1, 1, 2, 2])  # per round, per class: the median round is the one of factor 2
+
+    def build(numel: int):  # type: ignore[no-untyped-def]
+        def work(arg: int) -> None:
+            now[0] += numel * next(slow) + arg
+
+        def prepare() -> int:
+            now[0] += 10**9  # not timed
+            return 0
+
+        return {"work": (work, prepare)}
+
+    got = bench.measure_classes([(100, 3), (7, 2)], build, repeat=3, clock=lambda: now[0])
+    assert got == {"work": 2 * (100 * 3 + 7 * 2)}

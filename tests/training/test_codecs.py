@@ -492,3 +492,25 @@ def test_block_quant_writes_the_same_section_a_slab_at_a_time_and_keeps_its_deco
         assert section == _block_quant_reference(codec, x) == codec._encode_flat(x, "w"), slab
         decoded = codec._decode_flat(memoryview(section), x.numel(), "w")
         assert torch.equal(kept.view(torch.int32), decoded.view(torch.int32)), slab
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.9])
+def test_the_squares_of_delta_come_out_of_compress_as_sum_of_squares_gives_them_in_every_path(decay: float) -> None:
+    """Δ's Σ x² for its norm is taken while compress reads Δ (consumed, with a residual to add) or on its
+    own (first round, or Δ not given up): `sum_of_squares`' value to the bit either way."""
+    from training.diloco import add_measuring, sum_of_squares
+
+    g = torch.Generator().manual_seed(7)
+    ef = ErrorFeedback(get_codec("topk:chunk=64,k=4,bits=2"), decay)
+    for round_, consume in enumerate((True, True, False)):
+        delta = {"w": torch.randn(3 * 65536 + 5, generator=g), "b": torch.randn(9, generator=g)}  # several slices
+        want = {n: sum_of_squares(t) for n, t in delta.items()}
+        squares: dict[str, float] = {}
+        ef.compress(delta, consume=consume, squares=squares)
+        assert squares == want, round_
+    t, other = torch.randn(70000, generator=g), torch.randn(70000, generator=g)
+    before, expected = t.clone(), t + other * torch.tensor(decay)
+    assert add_measuring(t, other, decay) == sum_of_squares(before)  # of t as it was
+    assert torch.equal(t.view(torch.int32), expected.view(torch.int32))
+    with pytest.raises(ValueError, match="two contiguous fp32 tensors of one shape"):
+        add_measuring(torch.zeros(4, 3).t(), torch.zeros(3, 4))
