@@ -109,8 +109,9 @@ class ErrorFeedback:
         """Encode Δ plus the residual; `codec` overrides this round's codec (see `Codec.for_round`).
         `kept`, for a sparse codec: filled with the payload's `decode_sparse`, as the encoder kept it.
         `consume`: Δ's tensors are the caller's to give up (it reads them no more): each residual is made
-        in its Δ tensor instead of in new memory (the same bits: Δ + e is e + Δ). `squares`: filled with
-        each tensor's Σ Δ² (`sum_of_squares`, for Δ's norm), taken while Δ is read anyway."""
+        in its Δ tensor instead of in new memory (the same bits: Δ + e is e + Δ); after a ValueError (a NaN
+        or infinity: the residuals are as they were) what Δ's tensors hold is unspecified. `squares`: filled
+        with each tensor's Σ Δ² (`sum_of_squares`, for Δ's norm), taken while Δ is read anyway."""
         codec = codec or self.codec
         if self.residual and set(self.residual) != set(delta):
             raise ValueError("ErrorFeedback.compress: tensor names differ from the previous round's")
@@ -131,10 +132,14 @@ class ErrorFeedback:
         sends the bytes one process would (`training.sharded`). `consume`, `squares`: as in `compress`."""
         codec = codec or self.codec
         d = delta.detach().to(device="cpu", dtype=torch.float32)
-        # The residual is made in `d` when it is ours: given up by the caller, or a converted copy.
-        owned = (consume or d.data_ptr() != delta.data_ptr()) and d.is_contiguous()
+        # The residual is made in `d` when it is ours (given up by the caller, or a converted copy) and
+        # all of its storage (a view into a larger tensor would be saved whole with the worker state).
+        owned = (consume or d.data_ptr() != delta.data_ptr()) and d.is_contiguous() and \
+            d.untyped_storage().nbytes() == d.numel() * d.element_size()
         prev = self.residual.get(name)
-        if owned and prev is not None and prev.is_contiguous() and prev.shape == d.shape:
+        if owned and prev is not None and d.numel() and d.data_ptr() == prev.data_ptr():
+            raise ValueError(f"ErrorFeedback.compress: {name}'s Δ is its own residual")
+        if owned and prev is not None and squares is not None and prev.is_contiguous() and prev.shape == d.shape:
             measured = add_measuring(d, prev, self.decay)  # Δ's squares summed while Δ is read for the add
             target = d
         else:

@@ -514,3 +514,18 @@ def test_the_squares_of_delta_come_out_of_compress_as_sum_of_squares_gives_them_
     assert torch.equal(t.view(torch.int32), expected.view(torch.int32))
     with pytest.raises(ValueError, match="two contiguous fp32 tensors of one shape"):
         add_measuring(torch.zeros(4, 3).t(), torch.zeros(3, 4))
+
+
+def test_a_consumed_delta_is_used_only_when_it_is_all_of_its_storage_and_not_the_residual() -> None:
+    """A view into a larger tensor (a rig's gathered rows) would be saved whole with the residual made in
+    it: such a Δ gets a fresh residual. A Δ that is the residual itself is refused, the state unchanged."""
+    ef = ErrorFeedback(get_codec("int8"))
+    ef.compress({"w": torch.randn(300), "e": torch.zeros(0)})
+    rows = torch.randn(400)
+    view = rows[:300]
+    ef.compress({"w": view, "e": torch.zeros(0)}, consume=True)
+    assert ef.residual["w"].untyped_storage().nbytes() == 300 * 4
+    before = ef.residual["w"].clone()
+    with pytest.raises(ValueError, match="w's Δ is its own residual"):
+        ef.compress({"w": ef.residual["w"], "e": torch.zeros(0)}, consume=True)
+    assert torch.equal(ef.residual["w"], before)
