@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="shape --link in the kernel instead of in each host: every host runs in a network namespace of its "
         "own, joined by a veth pair whose two ends the tc token-bucket filter paces at the upload and download "
         "rates; the chain and the aggregators listen on the pairs' bridge (needs root with CAP_NET_ADMIN and "
-        "iproute2; rates only, no @MS)",
+        "CAP_SYS_ADMIN, and iproute2; rates only, no @MS)",
     )
     p.add_argument(
         "--overlap", choices=("off", "delayed", "eager"), default="off",
