@@ -163,6 +163,8 @@ def aggregator_context(
         replay_probability=spec.replay_probability if scoring else 0.0,
         recipe_json=recipe.canonical_json(),
         overlap=recipe.overlap,
+        forecast_step=recipe.forecast_step,
+        merge_step=recipe.merge_step,
         broadcast=recipe.broadcast,
         ef_decay=recipe.ef_decay,
         residual_sample=recipe.residual_sample,

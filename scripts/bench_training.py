@@ -62,6 +62,8 @@ class Method:
     ef_decay: float = 1.0
     inner_lr: float | None = None  # peak AdamW lr; None: --lr (DDP) or --diloco-lr (DiLoCo)
     overlap: str = "off"  # the recipe's overlap rule (training/overlap.py): "delayed"/"eager" train while uploading
+    forecast_step: int = 0  # eager: the step a round moves onto its forecast (training/overlap.py); 0: from the start
+    merge_step: int = 0  # eager: the step a round moves onto the model after r − 1; 0: never
 
 
 METHODS: dict[str, Method] = {
@@ -86,6 +88,12 @@ METHODS: dict[str, Method] = {
         # outer step lands on (training/overlap.py).
         Method("diloco-int8-eager", "int8:block=256", 30, 0.9, 0.5, overlap="eager"),
         Method("diloco-topk-eager", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, overlap="eager"),
+        # Eager rounds that move onto another base a quarter in (step 7 of 30): onto the forecast (its
+        # first steps from the step's momentum part, so the seal and the forecast hide behind them), or
+        # onto the model after r − 1 once it has arrived (Streaming DiLoCo's merge).
+        Method("diloco-topk-eager-late", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, overlap="eager",
+               forecast_step=7),
+        Method("diloco-int8-eager-merge", "int8:block=256", 30, 0.9, 0.5, overlap="eager", merge_step=7),
     ]
 }
 
@@ -176,6 +184,8 @@ def _config(args: argparse.Namespace, seed: int, method: Method, steps: int, h: 
             outer_momentum=method.outer_momentum,
             seed=seed,
             overlap=method.overlap,
+            forecast_step=method.forecast_step,
+            merge_step=method.merge_step,
         ),
         workers=args.workers,
         eval_windows=args.eval_windows,

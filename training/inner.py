@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -130,6 +130,21 @@ class InnerResult:
     losses: list[float]  # one per step: the mean over that step's micro-batches on the whole rig
     tokens: int  # input tokens trained on, whole rig
     seconds: float
+
+    @classmethod
+    def joined(cls, parts: Sequence[InnerResult]) -> InnerResult:
+        """One result for consecutive runs of a round's steps (a round cut by a rebase: training/worker.py);
+        a single part is returned as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        losses = [loss for part in parts for loss in part.losses]
+        return cls(
+            mean_loss=sum(losses) / len(losses) if losses else math.nan,
+            last_loss=losses[-1] if losses else math.nan,
+            losses=losses,
+            tokens=sum(part.tokens for part in parts),
+            seconds=sum(part.seconds for part in parts),
+        )
 
 
 def _autocast_context(

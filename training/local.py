@@ -26,8 +26,8 @@ from training.data import Windows
 from training.diloco import OuterOptimizer, StreamingAverager
 from training.inner import InnerConfig, evaluate
 from training.model import ModelConfig, build_model
-from training.overlap import eager_base
-from training.worker import Assignment, DiLoCoWorker
+from training.overlap import eager_base, eager_rebases
+from training.worker import Assignment, DiLoCoWorker, Rebase
 
 
 class LocalRecipe(Protocol):
@@ -49,6 +49,10 @@ class LocalRecipe(Protocol):
     def outer_momentum(self) -> float: ...
     @property
     def overlap(self) -> str: ...
+    @property
+    def forecast_step(self) -> int: ...
+    @property
+    def merge_step(self) -> int: ...
     def inner_config(self) -> InnerConfig: ...
 
 
@@ -150,12 +154,19 @@ class LocalDiLoCo:
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
 
-    def _base(self, slot: int) -> Mapping[str, torch.Tensor]:
-        """The model host `slot` trains this round from (the recipe's overlap rule)."""
-        mode = self.config.recipe.overlap
-        if mode == "eager":
-            return eager_base(self.lagged, self.lagged_outer, self.sent[slot])
-        return self.lagged if mode == "delayed" else self.params
+    def _base(self, slot: int) -> tuple[Mapping[str, torch.Tensor], list[Rebase]]:
+        """The model host `slot` trains this round from (the recipe's overlap rule), and where the round
+        moves onto another base on the way (an eager recipe's `forecast_step`, `merge_step`)."""
+        recipe = self.config.recipe
+        if recipe.overlap == "eager":
+            own, outer = self.sent[slot], self.lagged_outer
+            return eager_rebases(
+                lambda: eager_base(self.lagged, outer, own),
+                lambda: eager_base(self.lagged, outer, None if own is None else _zeros(own)),
+                lambda: self.params,  # the model after r − 1: this simulation holds it while round r trains
+                recipe.forecast_step if own is not None else 0, recipe.merge_step,
+            )
+        return (self.lagged if recipe.overlap == "delayed" else self.params), []
 
     def run_round(self, on_step: StepHook | None = None) -> RoundReport:
         started = time.perf_counter()
@@ -164,7 +175,8 @@ class LocalDiLoCo:
         sizes, last_losses = [], []
         for slot, host in enumerate(self.hosts):
             hook = (lambda step, loss, s=slot: on_step(s, step, loss)) if on_step else None
-            result = host.train_round(self.round, self._base(slot), hook)
+            base, rebases = self._base(slot)
+            result = host.train_round(self.round, base, hook, rebases=rebases)
             sizes.append(len(result.payload))
             last_losses.append(result.last_loss)
             decoded = self.sent[slot] = codec.decode(result.payload, self.spec)
@@ -181,6 +193,10 @@ class LocalDiLoCo:
             bytes_per_worker=max(sizes),
             seconds=time.perf_counter() - started,
         )
+
+
+def _zeros(like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros_like(t) for name, t in like.items()}
 
 
 def _load_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:

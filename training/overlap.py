@@ -27,6 +27,23 @@ chain of outer steps over the public aggregates, bit for bit. The forecast is a 
 inputs (round r − 2's checkpoint and outer momentum, which the aggregator holds, and the host's own
 decoded payload of round r − 1, which it received), so the replay check recomputes it exactly.
 
+**Late forecast and merge** (eager only; the recipe's `forecast_step` s_f and `merge_step` s_m, 0 = off).
+A round may move onto another base partway through (`training.worker.Rebase`: after step s,
+θ ← θ + (new base − old base), AdamW's state going on unchanged):
+
+- with s_f, the round starts from the outer step on G(r−2) with an all-zero update, the step's momentum
+  part, which the host computes ahead of everything (`SpeculativeStep.run`), and moves onto its forecast
+  after s_f steps: the host need not have sealed round r − 1, nor taken the forecast, before it trains;
+  both are hidden behind the round's first s_f steps. (Round 1, and any round with no payload of the
+  host's the round before, starts from its forecast: the two bases are the same model.)
+- with s_m, the round moves onto G(r−1), the model the outer step actually landed on, after s_m steps,
+  and its pseudo-gradient is measured from G(r−1): Streaming DiLoCo's merge, applied as the forecast's
+  error. The host must hold G(r−1) by step s_m (round r − 1 uploaded, closed and its update downloaded),
+  else it waits there.
+
+Both bases are public (G(r−2), its momentum, the host's own payload of r − 1, G(r−1)), so the round is
+still a pure function of public inputs, and the replay makes the same moves at the same steps.
+
 In every mode the base of a round is fixed by the round number and public data alone, so a round stays
 a pure function of public inputs (that base, the host's windows, the round) and the replay check
 recomputes it exactly.
@@ -34,11 +51,14 @@ recomputes it exactly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from torch import Tensor
 
 from training.diloco import OuterOptimizer
+from training.worker import Rebase
+
+Params = Mapping[str, Tensor]
 
 OVERLAP_MODES = ("off", "delayed", "eager")
 
@@ -80,3 +100,17 @@ def eager_base(
     forecast.restore(outer.steps, outer.buffers)
     forecast.step(params, own)
     return params
+
+
+def eager_rebases(
+    forecast: Callable[[], Params], speculation: Callable[[], Params], previous: Callable[[], Params],
+    forecast_step: int, merge_step: int,
+) -> tuple[Params, list[Rebase]]:
+    """An eager round's start and the moves it makes on the way (the recipe's `forecast_step` and
+    `merge_step`, 0 = none): `forecast()` is the host's forecast (`eager_base`), `speculation()` the
+    outer step on the same model with an all-zero update, `previous()` the model after round r − 1. Each
+    is called only when needed: the start now, a move's target when the round gets there."""
+    rebases = [Rebase(forecast_step, forecast)] if forecast_step else []
+    if merge_step:
+        rebases.append(Rebase(merge_step, previous))
+    return (speculation() if forecast_step else forecast()), rebases

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,18 @@ class Assignment:
     def window_seed(self) -> int:
         """The seed windows are assigned by; codecs keep using `epoch_seed` (their state is public)."""
         return window_seed(self.epoch_seed, self.beacon)
+
+
+@dataclass(frozen=True)
+class Rebase:
+    """Partway through a round the local model moves onto another base (training/overlap.py: an eager
+    host's late forecast, its merge of the model after r − 1): after `step` of the round's inner steps
+    (0 < step < H), θ ← θ + (target − base), and the round's pseudo-gradient is measured from `target`.
+    AdamW's state goes on unchanged. `target` is called when the round gets there, so a host may still be
+    computing it (or waiting for it) while the first `step` steps train."""
+
+    step: int
+    target: Callable[[], Mapping[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -138,11 +150,13 @@ class DiLoCoWorker(SlotWorker):
         on_step: Callable[[int, float], None] | None = None,
         root: bool = True,
         sparse: bool = False,
+        rebases: Sequence[Rebase] = (),
     ) -> WorkerRound:
         """Start from `global_params`, train H steps on this slot's windows of `round_index`, and
         return the compressed pseudo-gradient θ_global − θ_local. `root`: also the root over the residual
-        it leaves (`commitment_root`; else None, for a caller that hashes the residual later)."""
-        delta, result = self.local_delta(round_index, global_params, on_step)
+        it leaves (`commitment_root`; else None, for a caller that hashes the residual later).
+        `rebases`: where the round moves onto other bases on the way (`Rebase`)."""
+        delta, result = self.local_delta(round_index, global_params, on_step, rebases)
         codec = self.round_codec(round_index)
         kept: dict[str, tuple[Tensor, Tensor]] | None = {} if sparse and codec.sparse else None
         squares: dict[str, float] = {}
@@ -168,16 +182,23 @@ class DiLoCoWorker(SlotWorker):
         round_index: int,
         global_params: Mapping[str, Tensor],
         on_step: Callable[[int, float], None] | None = None,
+        rebases: Sequence[Rebase] = (),
     ) -> tuple[dict[str, Tensor], InnerResult]:
-        """The round's training, uncompressed: the pseudo-gradient θ_global − θ_local and the loop's result."""
+        """The round's training, uncompressed: the pseudo-gradient θ_base − θ_local and the loop's result,
+        θ_base being `global_params`, or the last `Rebase`'s target when the round moved on the way."""
+        steps = check_rebases(rebases, self.trainer.config.steps)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(global_params[name])
-        batches = self.start_round(round_index, self.micro_batch)
+        batches = iter(self.start_round(round_index, self.micro_batch))
         if self.rig is not None:
-            batches = self.rig.shard(batches)
-        result = self.trainer.run(batches, on_step=on_step)
-        return pseudo_gradient(global_params, dict(self.model.named_parameters())), result
+            batches = iter(self.rig.shard(batches))
+        base, parts = global_params, []
+        for rebase, segment in zip((None, *rebases), steps, strict=True):
+            if rebase is not None:
+                base = shift_onto(self.model, base, rebase.target())
+            parts.append(self.trainer.run(batches, steps=segment, on_step=on_step))
+        return pseudo_gradient(base, dict(self.model.named_parameters())), InnerResult.joined(parts)
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self._inner_state(), "feedback": self.feedback.state_dict()}
@@ -200,6 +221,26 @@ class DiLoCoWorker(SlotWorker):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.load_state_dict(dict(state["inner"]))
         self.feedback.load_state_dict(state["feedback"])
+
+
+def check_rebases(rebases: Sequence[Rebase], steps: int) -> list[int]:
+    """The round's H steps cut at each rebase's step (ValueError unless each lies strictly inside the
+    round, after the one before)."""
+    cuts = [r.step for r in rebases]
+    if any(not 0 < c < steps for c in cuts) or cuts != sorted(set(cuts)):
+        raise ValueError(f"rebase steps {cuts} must be increasing and strictly between 0 and the round's {steps} steps")
+    return [b - a for a, b in zip([0, *cuts], [*cuts, steps], strict=True)]
+
+
+def shift_onto(model: Llama, base: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """θ ← θ + (target − base) for every parameter of `model` (the difference taken in fp32, then added
+    in place: one rounding each, the same on a host and in its replay); returns `target`."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if tuple(target[name].shape) != tuple(p.shape):
+                raise ValueError(f"rebase: {name} has shape {tuple(target[name].shape)}, the model's is {tuple(p.shape)}")
+            p.add_(target[name].to(p.device, torch.float32) - base[name].to(p.device, torch.float32))
+    return target
 
 
 def commitment_root(residual: Mapping[str, Tensor], spec: Spec, codec: Codec) -> bytes:
@@ -240,6 +281,7 @@ def replay_round(
     global_params: Mapping[str, Tensor],
     micro_batch: int | None = None,
     first_round: int = 1,
+    rebases: Sequence[Rebase] = (),
 ) -> dict[str, Tensor]:
     """The uncompressed pseudo-gradient an honest host of `assignment` computes in `round_index` when
     rounds start fresh (`inner.round_state == "fresh"`): the very code path of `DiLoCoWorker`, so on the
@@ -251,4 +293,4 @@ def replay_round(
         )
     worker = DiLoCoWorker(model, inner, get_codec("fp32"), windows, assignment, micro_batch=micro_batch,
                           first_round=first_round)
-    return worker.local_delta(round_index, global_params)[0]
+    return worker.local_delta(round_index, global_params, rebases=rebases)[0]

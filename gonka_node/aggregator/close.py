@@ -143,15 +143,16 @@ def replays(c: Closing) -> Mapping[bytes, str]:
         if s.host not in chosen_for_replay(p, c.seed, row.round, [s.host]):
             continue
         slot = c.slots[s.host]
-        base = c.base if c.eager is None else c.eager.base_for(c.base, s.host)  # built for picked hosts only
+        # built for picked hosts only; an eager round's late forecast or merge moves it on the way (`rebases`)
+        base, rebases = (c.base, []) if c.eager is None else c.eager.base_for(c.base, s.host)
         if layout is not None:
             opened = c.opened.get(s.host, Opened((), 0, None, None))
-            judged = Judged(row.round, slot, Path(s.path), c.decode(s), base)
+            judged = Judged(row.round, slot, Path(s.path), c.decode(s), base, rebases)
             passed, why = opened_verdict(c.ctx, layout, c.aggregation, judged, opened)
-            del base, judged
+            del base, rebases, judged
         else:
-            cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, base, c.decode(s))
-            del base
+            cos, ratio = replay_comparison(c.ctx.replay, row.round, slot, base, c.decode(s), rebases)
+            del base, rebases
             passed, why = verdict(
                 row.round, slot, cos, ratio, c.aggregation.replay_min_cosine, c.aggregation.replay_norm_tolerance
             )

@@ -12,20 +12,27 @@ round r − 2 until round r has closed (the store keeps every round's files for 
 of a close: the momentum (one model) once any host is picked, and one forecast (one model) at a time,
 built only for the hosts the replay picked (`EagerBases.base_for`), so a sampled replay (p < 1) pays
 for its sampled hosts only.
+
+With the recipe's `forecast_step` the round starts from the same outer step with an all-zero update and
+moves onto the forecast after that step; with `merge_step` it moves onto G(r−1), the checkpoint the
+close's outer step applies to, after that one (`training.overlap.eager_rebases`). Each target is built
+when the replay reaches its step, so a replay holds at most the start, one target and the momentum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from gonka_node.aggregator.outer_state import read_outer_state
 from gonka_node.aggregator.validate import Codec, decode_update
 from training.diloco import OuterOptimizer
-from training.overlap import eager_base
+from training.overlap import eager_base, eager_rebases
+from training.worker import Rebase
 
 
 @dataclass
@@ -38,16 +45,31 @@ class EagerBases:
     outer_momentum: float
     outer_state: Path | None  # the momentum after the last finalized round up to r − 2 (None: fresh)
     previous: Mapping[bytes, Path]  # host -> its accepted payload file of round r − 1
+    forecast_step: int = 0  # the recipe's (0: from the forecast throughout)
+    merge_step: int = 0  # the recipe's (0: never)
+    after_previous: Callable[[], Mapping[str, Tensor]] | None = None  # G(r−1), loaded when a merge needs it
     _outer: OuterOptimizer | None = field(default=None, init=False, repr=False)
 
-    def base_for(self, anchor: Mapping[str, Tensor], host: bytes) -> dict[str, Tensor]:
+    def base_for(self, anchor: Mapping[str, Tensor], host: bytes) -> tuple[Mapping[str, Tensor], list[Rebase]]:
         """Host `host`'s base: the outer step on a copy of `anchor` (the round's base checkpoint) with its
-        own decoded payload of round r − 1 (none stored: `anchor`, copied)."""
+        own decoded payload of round r − 1 (none stored: `anchor`, copied), and the moves the round makes
+        on the way (the recipe's `forecast_step`, `merge_step`)."""
         path = self.previous.get(host)
         own = None
         if path is not None:
             own = {n: t.float() for n, t in decode_update(self.codec, path.read_bytes(), self.spec).items()}
-        return eager_base(anchor, self.momentum(), own)
+        if not self.forecast_step and not self.merge_step:
+            return eager_base(anchor, self.momentum(), own), []
+        zeros = None if own is None else {n: torch.zeros_like(t) for n, t in own.items()}
+
+        def previous() -> Mapping[str, Tensor]:
+            if self.after_previous is None:
+                raise ValueError("merge_step: the replay was given no model after round r − 1 to merge")
+            return self.after_previous()
+
+        return eager_rebases(lambda: eager_base(anchor, self.momentum(), own),
+                             lambda: eager_base(anchor, self.momentum(), zeros), previous,
+                             self.forecast_step if own is not None else 0, self.merge_step)
 
     def momentum(self) -> OuterOptimizer:
         """The outer optimizer after round r − 2, read once per close (`eager_base` leaves it alone)."""

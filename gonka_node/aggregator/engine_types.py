@@ -59,6 +59,8 @@ class EpochContext:
     replay_probability: float = 0.0  # the epoch's p (chain): each host's round is replayed with it
     recipe_json: bytes | None = None  # the recipe's canonical JSON (sha256 = the epoch's model_spec_hash)
     overlap: str = "off"  # the recipe's overlap rule: which global model a round trains from (training/overlap.py)
+    forecast_step: int = 0  # "eager": the step a round moves onto its forecast (training/overlap.py); 0: from the start
+    merge_step: int = 0  # "eager": the step a round moves onto the model after r − 1; 0: never
     broadcast: str = "dense"  # the recipe's: the aggregated update served dense or encoded (aggregator/broadcast.py)
     shard: ShardRole | None = None  # one of several aggregators: `spec` is then its fragment's (aggregator/shard.py)
     # The recipe's error-feedback decay and top-k challenge sample (aggregator/challenges.py): what a

@@ -17,7 +17,7 @@ outage looks the same.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from training.residual_commit import (
     payload_misfit,
     verify_opening,
 )
+from training.worker import Rebase
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Judged:
     payload: Path
     decoded: Mapping[str, Tensor]
     base: Mapping[str, Tensor]
+    rebases: Sequence[Rebase] = ()  # where an eager round moved on the way (training/overlap.py)
 
 
 class OpeningFailed(Exception):
@@ -78,7 +80,7 @@ def opened_verdict(ctx: EpochContext, layout: ChunkLayout, aggregation: Aggregat
     except OpeningFailed as exc:
         return False, f"{MISMATCH}: {exc} (opening sha256 {digest})"
     assert ctx.replay is not None  # a challenged round replays (challenges.challenges_round)
-    replay = replay_update(ctx.replay, judged.round, judged.slot, judged.base)
+    replay = replay_update(ctx.replay, judged.round, judged.slot, judged.base, judged.rebases)
     claimed = claimed_delta(gather_chunks(judged.decoded, layout, opened.chunks), previous.values(),
                             current.values(), ctx.ef_decay)
     cos, ratio = compare(claimed, gather_chunks(replay, layout, opened.chunks))

@@ -20,7 +20,7 @@ cheating a losing bet (docs/SECURITY.md). The cost: one host-round of compute pe
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor, cat
@@ -29,7 +29,7 @@ from gonka_node.aggregator.validate import cosine
 from training.data import Windows
 from training.inner import InnerConfig
 from training.model import Llama
-from training.worker import Assignment, replay_round
+from training.worker import Assignment, Rebase, replay_round
 
 MISMATCH = "replay mismatch"  # reason prefix; gonka_node.slashing turns it into evidence
 PASSED = "replay:"  # reason prefix of a host whose round the replay reproduced
@@ -68,11 +68,13 @@ def chosen_for_replay(fraction: float, seed: bytes, round_: int, hosts: Iterable
 
 
 def replay_comparison(
-    data: ReplayData, round_: int, slot: int, base: Mapping[str, Tensor], update: Mapping[str, Tensor]
+    data: ReplayData, round_: int, slot: int, base: Mapping[str, Tensor], update: Mapping[str, Tensor],
+    rebases: Sequence[Rebase] = (),
 ) -> tuple[float, float]:
     """(cosine, norm ratio |update| / |replay|) between `update` (decoded) and the replay of `slot`'s
-    round from `base`, over all tensors in fp64."""
-    replay = replay_update(data, round_, slot, base)
+    round from `base` (moving on the way as `rebases` say: an eager round's late forecast or merge),
+    over all tensors in fp64."""
+    replay = replay_update(data, round_, slot, base, rebases)
     names = sorted(replay)
     u = cat([update[n].double().flatten() for n in names])
     r = cat([replay[n].double().flatten() for n in names])
@@ -80,8 +82,10 @@ def replay_comparison(
     return cosine(u, r), float(u.norm()) / r_norm if r_norm > 0 else float("inf")
 
 
-def replay_update(data: ReplayData, round_: int, slot: int, base: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The pseudo-gradient an honest host of `slot` computes in `round_` from `base`."""
+def replay_update(
+    data: ReplayData, round_: int, slot: int, base: Mapping[str, Tensor], rebases: Sequence[Rebase] = ()
+) -> dict[str, Tensor]:
+    """The pseudo-gradient an honest host of `slot` computes in `round_` from `base` (and `rebases`)."""
     return replay_round(
         data.model_factory(),
         data.inner,
@@ -89,6 +93,7 @@ def replay_update(data: ReplayData, round_: int, slot: int, base: Mapping[str, T
         Assignment(data.epoch_seed, slot, data.max_slots, data.beacon() if data.beacon else b""),
         round_,
         base,
+        rebases=rebases,
     )
 
 

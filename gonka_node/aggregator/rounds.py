@@ -173,12 +173,10 @@ class RoundEngine(Acceptance):
         return self.global_path(base_round(round_, self.ctx.overlap))
 
     def global_path(self, after: int) -> Path:
-        """The global model after round `after`: the last finalized round's checkpoint up to it (a
-        skipped round leaves the model as it was), or the epoch's initial one."""
-        for row in reversed(self.store.rounds(self.ctx.epoch)):
-            if row.round <= after and row.state == "finalized":
-                return self.store.checkpoint_path(self.ctx.epoch, row.round)
-        return self.ctx.initial_checkpoint
+        """The global model after round `after`: the last finalized round's checkpoint up to it, or the epoch's
+        initial one."""
+        last = self._last_finalized(after + 1)
+        return self.ctx.initial_checkpoint if last is None else self.store.checkpoint_path(self.ctx.epoch, last)
 
     def global_sha256(self, after: int) -> bytes:
         """The hash of the global model after round `after` (closed; 0: the initial model). A skipped
@@ -484,26 +482,28 @@ class RoundEngine(Acceptance):
         assert self.ctx.shard is not None and self.exchange is not None  # a shard's engine has both
         return close_fragment(inputs, self.ctx.shard, self.exchange, decision, self.settings.max_update_norm)
 
+    def _last_finalized(self, before: int) -> int | None:
+        """The last finalized round before `before` (None: none; a skipped round leaves the model as it was)."""
+        return next((row.round for row in reversed(self.store.rounds(self.ctx.epoch))
+                     if row.round < before and row.state == "finalized"), None)
+
     def _prev_residual(self, round_: int) -> Path | None:
         """The compressed broadcast's residual after the last finalized round before `round_`."""
-        for row in reversed(self.store.rounds(self.ctx.epoch)):
-            if row.round < round_ and row.state == "finalized":
-                return residual_path(self.store.update_path(self.ctx.epoch, row.round))
-        return None
+        last = self._last_finalized(round_)
+        return None if last is None else residual_path(self.store.update_path(self.ctx.epoch, last))
 
     def _eager_bases(self, round_: int) -> EagerBases:
-        """What the replay rebuilds each host's eager base of `round_` from (aggregator/eager.py): the outer
-        momentum after round − 2 and the hosts' accepted payloads of round − 1."""
-        ctx, prev = self.ctx, round_ - 1
+        """What the replay rebuilds each host's eager base of `round_` from (aggregator/eager.py): the outer momentum
+        after round − 2, the hosts' accepted payloads of round − 1, the model after round − 1 (a merge's)."""
+        ctx, prev, load = self.ctx, round_ - 1, self.checkpoints.load
         previous = {s.host: Path(s.path) for s in self.store.submissions(ctx.epoch, prev)} if prev >= 1 else {}
-        return EagerBases(ctx.codec_for(prev), ctx.spec, ctx.outer_lr, ctx.outer_momentum,
-                          self._prev_outer_state(prev), previous)
+        return EagerBases(ctx.codec_for(prev), ctx.spec, ctx.outer_lr, ctx.outer_momentum, self._prev_outer_state(prev),
+                          previous, ctx.forecast_step, ctx.merge_step,
+                          lambda: load(self.global_path(prev), self.global_sha256(prev)))
 
     def _prev_outer_state(self, round_: int) -> Path | None:
-        for row in reversed(self.store.rounds(self.ctx.epoch)):
-            if row.round < round_ and row.state == "finalized":
-                return self.store.outer_state_path(self.ctx.epoch, row.round)
-        return None
+        last = self._last_finalized(round_)
+        return None if last is None else self.store.outer_state_path(self.ctx.epoch, last)
 
     def _finish(self, row: RoundRow) -> RoundRow:
         """Put the recorded intent on chain unless the chain already has it; then mark it done."""

@@ -90,6 +90,17 @@ class Recipe:
         'the next round while this one uploads; "eager", the host\'s forecast of round r - 1\'s from round r - 2\'s '
         "(training/overlap.py; omitted from the canonical JSON when off)"
     )
+    # Rebases of an eager round (training/overlap.py "Late forecast and merge"; both omitted from the
+    # canonical JSON when 0, so earlier recipes keep their hash).
+    forecast_step: int = _field(
+        0, 'overlap = "eager": the inner step of each round at which a host moves onto its forecast; before it '
+        "the round trains from the outer step on round r - 2's model with no update, so the host need not have "
+        "sealed round r - 1 to start (0: from the forecast throughout)"
+    )
+    merge_step: int = _field(
+        0, 'overlap = "eager": the inner step of each round at which a host moves onto round r - 1\'s model, '
+        "which it must hold by then, and measures its pseudo-gradient from it (0: never)"
+    )
     broadcast: str = _field(
         "dense", 'what hosts download each round: "dense" fp32, or "codec": the epoch\'s codec plus the '
         "aggregator's error feedback, the model defined by the decoded update (gonka_node/aggregator/broadcast.py)"
@@ -119,6 +130,7 @@ class Recipe:
             raise RecipeError("data_manifest_sha256: must be 64 hex digits")
         if self.overlap not in ("off", "delayed", "eager"):  # training/overlap.py's OVERLAP_MODES (no torch here)
             raise RecipeError(f"overlap: must be one of off, delayed, eager, got {self.overlap!r}")
+        self._check_rebases()
         if self.broadcast not in ("dense", "codec"):
             raise RecipeError(f"broadcast: must be one of dense, codec, got {self.broadcast!r}")
         if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards <= 0:
@@ -243,6 +255,19 @@ class Recipe:
             self, data_manifest_sha256=self.load_corpus(cache_dir).manifest_sha256
         )
 
+    def _check_rebases(self) -> None:
+        for name in ("forecast_step", "merge_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise RecipeError(f"{name}: must be a non-negative integer (0: none), got {value!r}")
+            if value and self.overlap != "eager":
+                raise RecipeError(f'{name}: {value} needs overlap = "eager" (this recipe\'s is {self.overlap!r})')
+            if value >= self.inner_steps:
+                raise RecipeError(f"{name}: {value} must be below inner_steps ({self.inner_steps}): a step inside the round")
+        if self.forecast_step and self.merge_step and self.forecast_step >= self.merge_step:
+            raise RecipeError(f"forecast_step ({self.forecast_step}) must come before merge_step ({self.merge_step}): "
+                              "a round moves onto its forecast, then onto round r - 1's model")
+
     # ---- canonical form --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,7 +278,7 @@ class Recipe:
             del out["tokenizer"]
         if self.assignment_seed == "epoch":
             del out["assignment_seed"]
-        for name, default in (("overlap", "off"), ("broadcast", "dense"), ("shards", 1), ("residual_sample", 0.01),
+        for name, default in (("overlap", "off"), ("forecast_step", 0), ("merge_step", 0), ("broadcast", "dense"), ("shards", 1), ("residual_sample", 0.01),
                               ("residual_sample_min", 1_048_576)):
             if out[name] == default:
                 del out[name]
@@ -360,7 +385,13 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 def check_network_overlap(recipe: Recipe) -> None:
     """An epoch's recipe must name an overlap rule the host daemon and the aggregator's replay implement:
     all three run in the network, "eager" unsharded only (a shard's replay holds one fragment and cannot
-    take the whole-model outer step that makes a host's eager base)."""
+    take the whole-model outer step that makes a host's eager base), and no eager round's late forecast or
+    merge (`forecast_step`, `merge_step`) until the host daemon makes those moves."""
+    for name in ("forecast_step", "merge_step"):
+        if getattr(recipe, name):
+            raise RecipeError(f"{name}: {getattr(recipe, name)}: not served in the network yet (the aggregator's replay "
+                              "makes the move, the host daemon does not: it trains an eager round from its forecast "
+                              "throughout); it runs in the local simulation (training/local.py, scripts/bench_training.py); set it to 0")
     if recipe.overlap == "eager" and recipe.shards > 1:
         raise RecipeError(f"overlap: 'eager' with shards = {recipe.shards}: the sharded replay does not compute "
                           "the hosts' eager bases; use shards = 1 or overlap = \"delayed\"")

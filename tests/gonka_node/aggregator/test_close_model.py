@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from micro_model import INNER, SEED, SEQ, SLOTS, micro_windows, model
+from safetensors.torch import save_file
 
 from gonka_node.aggregator.checkpoints import TrainingCheckpoints
 from gonka_node.aggregator.close import (
@@ -155,7 +156,9 @@ def test_under_eager_overlap_each_host_is_replayed_from_its_own_eager_base(
         previous[addr(i)].write_bytes(fp32.encode({n: 0.05 * i * torch.ones_like(t) for n, t in base.items()}))
     eager = EagerBases(fp32, {n: tuple(t.shape) for n, t in base.items()}, 0.5, 0.5, None, previous)
     for i in (1, 2):
-        own = replay_round(model(), INNER, windows, Assignment(SEED, i, SLOTS), 1, eager.base_for(base, addr(i)))
+        start, rebases = eager.base_for(base, addr(i))
+        assert rebases == []
+        own = replay_round(model(), INNER, windows, Assignment(SEED, i, SLOTS), 1, start)
         rd.add(addr(i), own, started=i)
     out = compute_outcome(ClosingInputs(
         ctx=rd.context(1.0), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
@@ -166,6 +169,48 @@ def test_under_eager_overlap_each_host_is_replayed_from_its_own_eager_base(
     assert [(rows[addr(i)].reasons[0], rows[addr(i)].aggregated) for i in (1, 2)] == [
         (f"replay: cosine +1.0000, norm ratio 1.0000 with the replay of slot {i}'s round 1", True) for i in (1, 2)
     ]
+
+
+@pytest.mark.parametrize("moves", [{"forecast_step": 1}, {"merge_step": 1}])
+def test_an_eager_round_that_moves_late_onto_its_forecast_or_merges_is_replayed_with_the_same_moves(
+    tmp_path: Path, windows: Windows, base: dict[str, torch.Tensor], moves: dict[str, int]
+) -> None:
+    """With the recipe's `forecast_step` a host trains its first steps from the outer step with an all-zero
+    update, then moves onto its forecast; with `merge_step` it moves onto the model after r − 1 and
+    measures from it. The replay makes the same moves: the honest host passes, one that trained from its
+    forecast throughout (the plain eager rule) fails."""
+    rd = ModelRound(tmp_path, windows, base)
+    fp32, spec = get_codec("fp32"), {n: tuple(t.shape) for n, t in base.items()}
+    previous = {addr(i): tmp_path / f"previous-{i}.bin" for i in (1, 2)}
+    for i, path in enumerate(previous.values(), start=1):
+        path.write_bytes(fp32.encode({n: 0.05 * i * torch.ones_like(t) for n, t in base.items()}))
+    outer = tmp_path / "outer.safetensors"  # momentum after round r − 2: the zero-update step moves the model
+    momentum = OuterOptimizer(0.5, 0.5)
+    momentum.step({n: t.clone() for n, t in base.items()}, {n: 0.02 * torch.ones_like(t) for n, t in base.items()})
+    save_file(dict(momentum.buffers), str(outer), metadata={"steps": str(momentum.steps)})
+    after = {n: t + 0.03 for n, t in base.items()}  # the model after r − 1, which a merge moves onto
+    eager = EagerBases(fp32, spec, 0.5, 0.5, outer, previous, after_previous=lambda: after, **moves)
+    plain = EagerBases(fp32, spec, 0.5, 0.5, outer, previous)
+    for i in (1, 2):
+        start, rebases = (eager if i == 1 else plain).base_for(base, addr(i))
+        rd.add(addr(i), replay_round(model(), INNER, windows, Assignment(SEED, i, SLOTS), 1, start, rebases=rebases),
+               started=i)
+    start, rebases = eager.base_for(base, addr(1))
+    assert [r.step for r in rebases] == [1]
+    forecast = plain.base_for(base, addr(1))[0]
+    if "forecast_step" in moves:  # from the momentum part of the step: not the forecast in any tensor
+        assert not any(torch.equal(start[n], forecast[n]) for n in base)
+    else:  # from the forecast itself, merged later
+        assert all(torch.equal(start[n], forecast[n]) for n in base)
+    out = compute_outcome(ClosingInputs(
+        ctx=rd.context(1.0), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
+        slots={addr(1): 1, addr(2): 2}, base_path=rd.init_path, prev_outer_state=None, store=rd.store,
+        checkpoints=TrainingCheckpoints(), aggregation=AggregationSettings(rule="mean"), eager=eager,
+    ))
+    rows = {c.host: c for c in out.contributions}
+    assert (rows[addr(1)].reasons[0], rows[addr(1)].aggregated) == (
+        "replay: cosine +1.0000, norm ratio 1.0000 with the replay of slot 1's round 1", True)
+    assert rows[addr(2)].reasons[0].startswith("replay mismatch: ") and not rows[addr(2)].aggregated
 
 
 def test_only_the_picked_hosts_are_replayed_and_none_without_replay_data(
