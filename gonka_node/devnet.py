@@ -47,7 +47,7 @@ from gonka_node.core.config import (
 from gonka_node.core.config_file import write_config
 from gonka_node.core.keys import init_keys
 from gonka_node.core.link import LinkSpec
-from gonka_node.core.recipe import Recipe, recipe_default
+from gonka_node.core.recipe import Recipe, RecipeError, recipe_default
 from gonka_node.core.storage import StoreError, open_store
 from gonka_node.devnet_chain import (
     AGGREGATOR,
@@ -102,6 +102,7 @@ class DevnetOptions:
     serve: bool = False  # keep the chain, the aggregator and the extra services running until stopped
     link: str | None = None  # every host's link, "DOWN/UP" Mbit/s (gonka_node/core/link.py); None: loopback as is
     overlap: str = "off"  # the recipe's overlap rule (training/overlap.py)
+    merge_step: int = 0  # "eager": the inner step each round moves onto the model after r − 1 (0: never)
     broadcast: str = "dense"  # the recipe's download: "dense" fp32 or "codec" (gonka_node/aggregator/broadcast.py)
     services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)
     dataset: str | None = None  # a prepared dataset (folder or s3://…); None: the stdlib corpus, bytes
@@ -143,6 +144,7 @@ def make_recipe(opts: DevnetOptions) -> Recipe:
         codec=opts.codec,
         round_state="fresh" if opts.replay_fraction > 0 else "carry",
         overlap=opts.overlap,
+        merge_step=opts.merge_step,
         broadcast=opts.broadcast,
         shards=opts.shards,
     ).with_data_manifest()
@@ -156,6 +158,11 @@ def check_shards(opts: DevnetOptions) -> None:
     if opts.shards > 1 and opts.overlap == "eager":
         raise DevnetError("--shards with --overlap eager: the sharded replay does not compute the hosts' eager "
                           "bases; use --overlap delayed or one aggregator")
+    try:  # the recipe's own refusal of the merge step, before anything starts
+        Recipe(model=ModelConfig.preset(opts.preset), inner_steps=opts.inner_steps, overlap=opts.overlap,
+               merge_step=opts.merge_step)
+    except RecipeError as exc:
+        raise DevnetError(f"--merge-step: {exc}") from exc
 
 
 def kernel_links(opts: DevnetOptions) -> KernelLinks | None:

@@ -235,10 +235,15 @@ def check_rebases(rebases: Sequence[Rebase], steps: int) -> list[int]:
 def shift_onto(model: Llama, base: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     """θ ← θ + (target − base) for every parameter of `model` (the difference taken in fp32, then added
     in place: one rounding each, the same on a host and in its replay); returns `target`."""
+    params = dict(model.named_parameters())  # checked whole before any parameter moves
+    if set(target) != set(params):
+        missing, unexpected = sorted(set(params) - set(target))[:3], sorted(set(target) - set(params))[:3]
+        raise ValueError(f"rebase: the target's tensors are not the model's (missing {missing}, unexpected {unexpected})")
+    for name, p in params.items():
+        if tuple(target[name].shape) != tuple(p.shape):
+            raise ValueError(f"rebase: {name} has shape {tuple(target[name].shape)}, the model's is {tuple(p.shape)}")
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if tuple(target[name].shape) != tuple(p.shape):
-                raise ValueError(f"rebase: {name} has shape {tuple(target[name].shape)}, the model's is {tuple(p.shape)}")
+        for name, p in params.items():
             p.add_(target[name].to(p.device, torch.float32) - base[name].to(p.device, torch.float32))
     return target
 

@@ -16,7 +16,8 @@ for its sampled hosts only.
 With the recipe's `forecast_step` the round starts from the same outer step with an all-zero update and
 moves onto the forecast after that step; with `merge_step` it moves onto G(r−1), the checkpoint the
 close's outer step applies to, after that one (`training.overlap.eager_rebases`). Each target is built
-when the replay reaches its step, so a replay holds at most the start, one target and the momentum.
+when the replay reaches its step; the start stays held through the replay, so at a move a replay holds
+the momentum, the start, the target and the replay's own model (G(r−1) is loaded once per close).
 """
 
 from __future__ import annotations
@@ -49,27 +50,31 @@ class EagerBases:
     merge_step: int = 0  # the recipe's (0: never)
     after_previous: Callable[[], Mapping[str, Tensor]] | None = None  # G(r−1), loaded when a merge needs it
     _outer: OuterOptimizer | None = field(default=None, init=False, repr=False)
+    _previous: Mapping[str, Tensor] | None = field(default=None, init=False, repr=False)
 
     def base_for(self, anchor: Mapping[str, Tensor], host: bytes) -> tuple[Mapping[str, Tensor], list[Rebase]]:
         """Host `host`'s base: the outer step on a copy of `anchor` (the round's base checkpoint) with its
         own decoded payload of round r − 1 (none stored: `anchor`, copied), and the moves the round makes
         on the way (the recipe's `forecast_step`, `merge_step`)."""
         path = self.previous.get(host)
-        own = None
-        if path is not None:
-            own = {n: t.float() for n, t in decode_update(self.codec, path.read_bytes(), self.spec).items()}
-        if not self.forecast_step and not self.merge_step:
-            return eager_base(anchor, self.momentum(), own), []
-        zeros = None if own is None else {n: torch.zeros_like(t) for n, t in own.items()}
+
+        def forecast() -> dict[str, Tensor]:  # the own payload decoded only here: not held past the forecast
+            own = None if path is None else {
+                n: t.float() for n, t in decode_update(self.codec, path.read_bytes(), self.spec).items()}
+            return eager_base(anchor, self.momentum(), own)
+
+        def momentum_part() -> dict[str, Tensor]:
+            return eager_base(anchor, self.momentum(), {n: torch.zeros(s) for n, s in self.spec.items()})
 
         def previous() -> Mapping[str, Tensor]:
             if self.after_previous is None:
                 raise ValueError("merge_step: the replay was given no model after round r − 1 to merge")
-            return self.after_previous()
+            if self._previous is None:  # once per close, however many hosts the replay picked
+                self._previous = self.after_previous()
+            return self._previous
 
-        return eager_rebases(lambda: eager_base(anchor, self.momentum(), own),
-                             lambda: eager_base(anchor, self.momentum(), zeros), previous,
-                             self.forecast_step if own is not None else 0, self.merge_step)
+        return eager_rebases(forecast, momentum_part, previous, self.forecast_step if path is not None else 0,
+                             self.merge_step)
 
     def momentum(self) -> OuterOptimizer:
         """The outer optimizer after round r − 2, read once per close (`eager_base` leaves it alone)."""

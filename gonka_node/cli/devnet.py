@@ -68,6 +68,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(eager; unsharded only) (default off)",
     )
     p.add_argument(
+        "--merge-step", type=int, default=0, metavar="STEP",
+        help="with --overlap eager: the inner step of each round at which a host moves onto round r-1's model, "
+        "which it waits for there, and measures its pseudo-gradient from it (the recipe's merge_step; 0: never)",
+    )
+    p.add_argument(
         "--broadcast", choices=("dense", "codec"), default="dense",
         help="what hosts download each round: the aggregated update as fp32 (dense) or encoded with the epoch's "
         "codec plus the aggregator's error feedback (codec; the model is defined by the decoded update)",
@@ -96,7 +101,8 @@ def _devnet(args: argparse.Namespace) -> int:
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, preset=args.preset, timeout_s=args.timeout, chain_url=args.rpc_url,
         replay_fraction=args.replay_fraction, serve=args.serve, dataset=args.dataset, tokenizer=args.tokenizer,
-        link=args.link, kernel_link=args.kernel_link, overlap=args.overlap, broadcast=args.broadcast, shards=args.shards,
+        link=args.link, kernel_link=args.kernel_link, overlap=args.overlap, merge_step=args.merge_step,
+        broadcast=args.broadcast, shards=args.shards,
         **{k: v for k, v in recipe.items() if v is not None},
     )
     if args.link is not None:

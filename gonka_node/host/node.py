@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,14 @@ from training.checkpoint import canonical_sha256
 from training.diloco import OuterOptimizer, SpeculativeStep, Update
 from training.model import build_model
 from training.overlap import base_round, next_overlapped_round
-from training.worker import Assignment, DiLoCoWorker, WorkerRound
+from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
 
 log = logging.getLogger(__name__)
+
+
+class _TrainAgain(Exception):
+    """An eager round's merge found the upload before it refused: the round is trained again from the
+    held model as it was (`HostNode._train_overlapped`)."""
 
 
 class HostNode(Forecasts):
@@ -96,6 +101,7 @@ class HostNode(Forecasts):
         # finishes (with a sparse broadcast: `_speculates`)
         self._next_step: tuple[int, SpeculativeStep] | None = None
         self._own: OwnPayload | None = None  # an eager host's last payload's entries, until its forecast
+        self._applied = 0  # rounds adopted by the overlapped loop, a merge's in the middle of a round included
 
     # ---- sign-in ----------------------------------------------------------------------------------
 
@@ -123,6 +129,9 @@ class HostNode(Forecasts):
         """A rig (`RigRounds`, started last in `_prepare`) or the daemon's own process (`LocalRounds`)."""
         if not self.settings.uses_rig():
             return LocalRounds(make_worker(self.recipe, assignment, self.settings.cache_dir))
+        if self.recipe.merge_step:
+            raise HostError(f"merge_step = {self.recipe.merge_step}: a rig does not move a round onto the model after "
+                            "r - 1 partway yet; run this epoch's host without --gpus (one process)")
         try:
             return RigRounds(self.settings.rig_options(), self.recipe, assignment, self.settings.cache_dir,
                              self.settings.state_dir / "rig", keep_previous=self._rolls_back)
@@ -327,7 +336,8 @@ class HostNode(Forecasts):
             self._state_file = None
 
     def _train(
-        self, round_: int, gm: GlobalModel, progress: Progress, base: Mapping[str, Tensor] | None = None
+        self, round_: int, gm: GlobalModel, progress: Progress, base: Mapping[str, Tensor] | None = None,
+        rebases: Sequence[Rebase] = (),
     ) -> WorkerRound:
         """Train `round_` from the held global model (or `base`: an eager host's forecast); records the
         round's share of wall time in inner steps (since the previous round's training ended: waiting,
@@ -342,7 +352,7 @@ class HostNode(Forecasts):
 
         self._state_file = None  # the state trained on is no file's any more
         try:
-            result = self.rounds.train_round(round_, gm.params if base is None else base, params_file, on_step)
+            result = self.rounds.train_round(round_, gm.params if base is None else base, params_file, on_step, rebases)
         except RigError as exc:
             raise HostError(str(exc)) from exc
         self.events.round_trained(round_, result.last_loss, result.tokens, result.seconds, len(result.payload))
@@ -364,7 +374,7 @@ class HostNode(Forecasts):
         trained = max((int(r) for r in progress.submitted), default=0)
         pending: PendingUpload | None = None
         eager = self.recipe.overlap == "eager"
-        applied = 0
+        self._applied = 0
         # No round is undone from the challenge's thread when its checks fail (`Challenges._forget_failed`):
         # the next round has compressed on top of it by then; `_train_overlapped` undoes it instead.
         self._before_round.clear()
@@ -387,8 +397,8 @@ class HostNode(Forecasts):
                     continue
                 if gm.round_done < base:
                     self._apply(gm, base, hashes, progress)
-                    applied += 1
-                stopping = self.settings.stop_after_rounds is not None and applied >= self.settings.stop_after_rounds
+                    self._applied += 1
+                stopping = self.settings.stop_after_rounds is not None and self._applied >= self.settings.stop_after_rounds
                 # An eager forecast writes over the step that the upload thread, once released, finishes: first.
                 forecast = self._forecast(r, gm, pending, progress) if eager and not stopping else None
                 if pending is not None:  # the held model stays as it is until that upload is joined
@@ -398,14 +408,15 @@ class HostNode(Forecasts):
                     self._settle(pending, progress)
                     pending = None
                     return progress
-                result, undo = self._train_overlapped(r, gm, progress, pending, undo, forecast)
+                trained_from = gm.sha256  # the round's base: a merge moves the held model on during the training
+                result, undo = self._train_overlapped(r, gm, progress, pending, undo, forecast, hashes)
                 forecast = None  # a model's worth, not needed past the training (the next thread's peak)
                 kept, undo = self._keep_behind(result, undo)  # the upload waits for it, the next round does not
                 self._own = None if result.sparse is None else OwnPayload(r, result.payload, result.sparse)
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
                 upload = PendingUpload(
-                    r, gm.sha256, result.payload, result.tokens, self._open_round,
+                    r, trained_from, result.payload, result.tokens, self._open_round,
                     self._submit_checked if eager or self._challengeable
                     else lambda info, payload, tokens, _cancelled: self._submit(info, payload, tokens),
                     self.settings.poll_s,
@@ -424,7 +435,7 @@ class HostNode(Forecasts):
 
     def _train_overlapped(
         self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, undo: RollbackPoint | None,
-        forecast: Forecast | None = None,
+        forecast: Forecast | None = None, hashes: ChainHashes | None = None,
     ) -> tuple[WorkerRound, RollbackPoint | None]:
         """Train round r while round r − 1 (`pending`) uploads, the held model being the one after r − 2;
         an eager host trains from its forecast with round r − 1's payload (training/overlap.py; `forecast`:
@@ -444,11 +455,21 @@ class HostNode(Forecasts):
         if eager and forecast is None:
             forecast = self._forecast(r, gm, pending, progress)
         own = None if forecast is None else forecast.own
-        result = self._train(r, gm, progress, None if forecast is None else forecast.base)
         keep = before if self._rolls_back else None  # the next round's `undo`
         back = undo if undo is not None else before if eager and uploading else None  # None: nothing to undo
-        if pending is None or back is None or pending.accepted():
+
+        def again_needed() -> bool:
+            return pending is not None and back is not None and not pending.accepted()
+
+        merge = self._merge(r, gm, progress, pending, hashes) if self.recipe.merge_step else None
+        try:
+            result = self._train(r, gm, progress, None if forecast is None else forecast.base,
+                                 [] if merge is None else [merge(again_needed)])
+        except _TrainAgain:  # the merge found the round to be trained again before it moved the held model on
+            result = None
+        if result is not None and not again_needed():
             return result, keep
+        assert pending is not None and back is not None
         self.events.note(f"round {r}: round {pending.round}'s upload was refused; training round {r} again "
                          + (f"from round {gm.round_done}'s model (no payload of ours to forecast with)" if eager
                             and uploading else f"from the residual before round {pending.round} (the one the "
@@ -458,7 +479,30 @@ class HostNode(Forecasts):
         # Snapshot afresh: the retraining updates in place what `load_state_dict` took from `back`.
         again = RollbackPoint(self.rounds.snapshot(), back.file) if self._rolls_back else None
         return self._train(r, gm, progress, self._eager_base(r, gm, None if uploading else own) if eager
-                           else None), again
+                           else None, [] if merge is None else [merge(lambda: False)]), again
+
+    def _merge(
+        self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, hashes: ChainHashes | None,
+    ) -> Callable[[Callable[[], bool]], Rebase]:
+        """The recipe's merge of an eager round r (training/overlap.py): at `merge_step` the round moves onto
+        the model after r − 1, which the daemon adopts there: it settles round r − 1's upload (the update
+        and the model computed ahead from it come with it), waits for the chain to finalize r − 1, and
+        adopts it as between rounds. A round that must be trained again (`again()`: the upload before it
+        refused) is given up there, before the held model moves, which its second training starts from."""
+        assert hashes is not None
+
+        def target(again: Callable[[], bool]) -> Mapping[str, Tensor]:
+            if pending is not None and pending.round == r - 1:
+                self._settle(pending, progress)
+            if again():
+                raise _TrainAgain()
+            if gm.round_done < r - 1:
+                self._wait_finalized(r - 1)
+                self._apply(gm, r - 1, hashes, progress)
+                self._applied += 1
+            return gm.params
+
+        return lambda again: Rebase(self.recipe.merge_step, lambda: target(again))
 
     def _step_ahead(
         self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None,
@@ -496,8 +540,9 @@ class HostNode(Forecasts):
         round is over (the epoch ended, the node leaves): stop waiting for what it would fetch next. A
         save written behind that failed stops the daemon here (its upload was not sent), before a round
         is trained again as if the upload had been refused."""
-        if pending is None:
+        if pending is None or pending.recorded:  # once: a merge may have settled it during the next round
             return
+        pending.recorded = True
         if closed:
             pending.cancel()
         outcome = pending.wait()

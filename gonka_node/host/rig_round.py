@@ -52,7 +52,7 @@ from training.rig_service import (
     RoundWorker,
     StateVersions,
 )
-from training.worker import Assignment, DiLoCoWorker, WorkerRound
+from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
 
 SHARDINGS = ("auto", "replicated", "sharded")
 StepHook = Callable[[int, float], None]  # (step within the round, from 1; loss)
@@ -119,10 +119,12 @@ class Rounds(Protocol):
     def start(self) -> None: ...
 
     def train_round(
-        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
+        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook,
+        rebases: Sequence[Rebase] = (),
     ) -> WorkerRound:
         """Train `round_index` from the global model (`params`, or the same in the file `params_file()`
-        returns); the state moves on to after this round (`load_state_dict` takes it back)."""
+        returns), moving onto other bases on the way as `rebases` say (one process only); the state
+        moves on to after this round (`load_state_dict` takes it back)."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -157,12 +159,13 @@ class LocalRounds:
         return None
 
     def train_round(
-        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
+        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook,
+        rebases: Sequence[Rebase] = (),
     ) -> WorkerRound:
         count = iter(range(1, sys.maxsize))
         # the residual's root is hashed where the round is saved (`HostSaves`), beside the next round
         return self.worker.train_round(round_index, params, lambda _step, loss: on_step(next(count), loss),
-                                       root=False, sparse=self.sparse)
+                                       root=False, sparse=self.sparse, rebases=rebases)
 
     def state_dict(self) -> dict[str, Any]:
         return self.worker.state_dict()
@@ -285,8 +288,11 @@ class RigRounds:
                 or not all(process_alive(pid) for pid, _restart in up))
 
     def train_round(
-        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook
+        self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook,
+        rebases: Sequence[Rebase] = (),
     ) -> WorkerRound:
+        if rebases:  # refused before any round (`HostNode._prepare`); never silently trained without them
+            raise RigError("a rig does not move a round onto another base partway (the recipe's merge_step)")
         if self.proc is None or self.mailbox is None:
             raise RigError("the rig is not started")
         self.seq += 1

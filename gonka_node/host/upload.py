@@ -95,6 +95,7 @@ class PendingUpload:
         self._base_ready = threading.Event()
         self._base_held = False
         self.outcome = SubmitOutcome()
+        self.recorded = False  # the daemon recorded the outcome (`HostNode._settle`, once)
         self._result = UploadResult(False, "the upload did not run", 0.0)
         self._thread = threading.Thread(target=self._run, name=f"upload-round-{round_}", daemon=True)
 

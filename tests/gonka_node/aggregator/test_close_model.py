@@ -198,10 +198,21 @@ def test_an_eager_round_that_moves_late_onto_its_forecast_or_merges_is_replayed_
     start, rebases = eager.base_for(base, addr(1))
     assert [r.step for r in rebases] == [1]
     forecast = plain.base_for(base, addr(1))[0]
-    if "forecast_step" in moves:  # from the momentum part of the step: not the forecast in any tensor
-        assert not any(torch.equal(start[n], forecast[n]) for n in base)
-    else:  # from the forecast itself, merged later
+    own = {n: 0.05 * torch.ones_like(t) for n, t in base.items()}  # host 1's payload of round r − 1
+    outer = OuterOptimizer(0.5, 0.5)
+    outer.restore(momentum.steps, momentum.buffers)
+    expected = {n: t.clone() for n, t in base.items()}
+    outer.step(expected, own)
+    assert all(torch.equal(forecast[n], expected[n]) for n in base)
+    if "forecast_step" in moves:  # from the momentum part of the step, moved onto the forecast
+        zero_step = {n: t.clone() for n, t in base.items()}
+        outer.restore(momentum.steps, momentum.buffers)
+        outer.step(zero_step, {n: torch.zeros_like(t) for n, t in base.items()})
+        assert all(torch.equal(start[n], zero_step[n]) and not torch.equal(start[n], forecast[n]) for n in base)
+        assert all(torch.equal(rebases[0].target()[n], forecast[n]) for n in base)
+    else:  # from the forecast itself, moved onto the model after r − 1
         assert all(torch.equal(start[n], forecast[n]) for n in base)
+        assert rebases[0].target() is after
     out = compute_outcome(ClosingInputs(
         ctx=rd.context(1.0), round_row=rd.row, seed=b"\x03" * 32, submissions=rd.store.submissions(1, 1),
         slots={addr(1): 1, addr(2): 2}, base_path=rd.init_path, prev_outer_state=None, store=rd.store,
