@@ -57,6 +57,10 @@ from training.model import Llama, ModelConfig
 
 LINKS = ("1000/1000", "100/10", "20/5")
 OVERLAPS = ("off", "delayed", "eager")  # training/overlap.py
+# each overlap mode, and eager with the recipe's merge_step at H/4 (the step its loss was measured at,
+# docs/benchmarks.md): (mode, merge step for H)
+MODES: tuple[tuple[str, Callable[[int], int]], ...] = (
+    *((o, lambda h: 0) for o in OVERLAPS), ("eager", lambda h: h // 4))
 CODECS = {"int8": "int8", "top-k": "topk:chunk=4096,k=128,bits=2"}  # top-k: the benchmarked 1,798× codec
 CHUNK = 1 << 20  # the gRPC client's chunk (the round's max_chunk_bytes)
 
@@ -84,6 +88,9 @@ class Timing:
     # (`_keep`), written behind with it (`_keep_behind`: the writer's queue, before the snapshot asked
     # for after it)
     keep_s: float = 0.0
+    # eager with the recipe's merge_step: after this many of its steps round r moves onto the model after
+    # r − 1, which it waits for there (the upload thread's, as the daemon adopts it: HostNode._merge); 0: none
+    merge_step: int = 0
 
     @property
     def compute_s(self) -> float:
@@ -151,7 +158,11 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
                 ahead[r - 1] = start + t.ahead_s  # release, now, beside its upload (joined with it)
             if r >= 2:  # round r − 1's upload thread finishes the step with the update
                 ready[r - 1] = max(fetched[r - 1], ahead[r - 1], start) + t.apply_s
-        ends.append(start + t.compute_s)
+        if overlap == "eager" and t.merge_step and r >= 2:  # the merge waits for the model after r − 1
+            merged = max(start + t.merge_step * t.step_s, ready[r - 1])
+            ends.append(merged + (t.steps - t.merge_step) * t.step_s)
+        else:
+            ends.append(start + t.compute_s)
         sealed.append(ends[r] + t.seal_s + (t.keep_s if overlap == "off" else 0.0))
         kept = sealed[r]
         if overlap != "off":  # the next round starts now; the upload waits for the round's save
@@ -415,14 +426,16 @@ def run(t: Timing, apply_measured: bool = False) -> dict[str, Any]:
     for codec_label, codec_name in CODECS.items():
         size = checked_size(get_codec(codec_name), spec)
         for link in LINKS:
-            for overlap in OVERLAPS:
+            for overlap, merge_step in MODES:
                 for broadcast, down in (("dense", dense), ("codec", size)):
                     speculated = speculates(overlap, broadcast, codec_name)
                     timing = host_timing(t, measured if apply_measured else None, overlap, speculated, codec_label,
                                          broadcast)
+                    timing = dataclasses.replace(timing, merge_step=merge_step(t.steps))
                     result = simulate(link, size, down, overlap, timing)
                     runs.append({"params": params, "link": link, "codec": codec_label, "codec_spec": codec_name,
                                  "overlap": "on" if overlap != "off" else "off", "overlap_mode": overlap,
+                                 "merge_step": timing.merge_step,
                                  "broadcast": broadcast, "upload_bytes": size, "download_bytes": down,
                                  "step_ahead": speculated, "ahead_s": round(timing.ahead_s, 1),
                                  "apply_s": round(timing.apply_s, 1), "forecast_s": round(timing.forecast_s, 1),
@@ -463,13 +476,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     for ax, codec in zip(axes, CODECS, strict=True):
         rows = [r for r in report["runs"] if r["codec"] == codec]
-        labels = [f"{o}/{b}" for o in OVERLAPS for b in ("dense", "codec")]
+        modes = [(o, merge(report["timing"]["steps"])) for o, merge in MODES]
+        labels = [(o, m, b) for o, m in modes for b in ("dense", "codec")]
         width = 0.8 / len(labels)
-        for i, label in enumerate(labels):
-            o, b = label.split("/")
+        for i, (o, m, b) in enumerate(labels):
             values = [next(r["utilisation"] for r in rows if r["link"] == link and r["overlap_mode"] == o
-                           and r["broadcast"] == b) for link in LINKS]
-            ax.bar([x + i * width for x in range(len(LINKS))], values, width, label=f"overlap {o}, download {b}")
+                           and r["merge_step"] == m and r["broadcast"] == b) for link in LINKS]
+            name = f"{o}, merge at step {m}" if m else o
+            ax.bar([x + i * width for x in range(len(LINKS))], values, width, label=f"overlap {name}, download {b}")
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(LINKS))], [f"{link} Mbit/s" for link in LINKS])
         ax.axhline(0.98, color="gray", linestyle="--", linewidth=1)
         ax.set_title(f"{codec}: upload {rows[0]['upload_bytes'] / 1e6:,.0f} MB per round")
@@ -509,7 +523,8 @@ def main() -> None:
     report = run(timing, args.apply_measured)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for r in report["runs"]:
-        print(f"{r['link']:>9} {r['codec']:>5} overlap {r['overlap_mode']:>7} download {r['broadcast']:>5}: "
+        mode = r["overlap_mode"] + (f"+merge@{r['merge_step']}" if r["merge_step"] else "")
+        print(f"{r['link']:>9} {r['codec']:>5} overlap {mode:>17} download {r['broadcast']:>5}: "
               f"up {r['upload_bytes'] / 1e6:8,.1f} MB down {r['download_bytes'] / 1e6:8,.1f} MB "
               f"utilisation {r['utilisation']:.3f} (round {r['round_wall_s']:.0f} s)")
     if args.plot:

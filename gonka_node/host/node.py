@@ -412,6 +412,8 @@ class HostNode(Forecasts):
                 result, undo = self._train_overlapped(r, gm, progress, pending, undo, forecast, hashes)
                 forecast = None  # a model's worth, not needed past the training (the next thread's peak)
                 kept, undo = self._keep_behind(result, undo)  # the upload waits for it, the next round does not
+                if progress.round_done != gm.round_done:  # a merge adopted the model after r − 1: saved with round r
+                    self._save(gm, progress)
                 self._own = None if result.sparse is None else OwnPayload(r, result.payload, result.sparse)
                 # Round r's upload starts now; the previous one had a whole round of compute to finish
                 # (its round closed before round r opens, so the two never stream at once).
@@ -498,7 +500,9 @@ class HostNode(Forecasts):
                 raise _TrainAgain()
             if gm.round_done < r - 1:
                 self._wait_finalized(r - 1)
-                self._apply(gm, r - 1, hashes, progress)
+                # No snapshot yet: one now would say the model after r − 1 is held with the state of half
+                # a round (a restart would then skip round r); it is saved with round r kept (the loop).
+                self._apply(gm, r - 1, hashes, progress, save=False)
                 self._applied += 1
             return gm.params
 
@@ -518,9 +522,10 @@ class HostNode(Forecasts):
         chain = self._speculates and self.recipe.overlap == "eager"
         return step_ahead(gm, round_, update, speculated, speculate_next=chain, cancelled=cancelled)
 
-    def _apply(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> None:
+    def _apply(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress, save: bool = True) -> None:
         """Bring the held model to `target`: the model the upload thread computed ahead when it is the
-        chain's (the outer step and the hash then cost the training path nothing), else follow."""
+        chain's (the outer step and the hash then cost the training path nothing), else follow. `save`:
+        the snapshot now (a merge's, in the middle of a round, is saved once the round is kept instead)."""
         started = time.monotonic()
         ahead, self._ahead, self._next_step = self._ahead, None, None
         if ahead is not None and ahead.round == target and adopt(gm, ahead, hashes):
@@ -531,7 +536,8 @@ class HostNode(Forecasts):
             how = self._catch_up(gm, target, hashes, progress)
         for r in [r for r in self._prefetched if r <= target]:  # updates of rounds held now: needed no more
             del self._prefetched[r]
-        self._save(gm, progress)
+        if save:
+            self._save(gm, progress)
         reward = progress.rewards.get(str(target), 0)
         self.events.round_applied(target, how, gm.sha256, reward, time.monotonic() - started)
 

@@ -25,6 +25,7 @@ from test_host_eager import MEAN, ROUNDS, Run, address, collect, local_models
 from torch import Tensor
 
 from gonka_node.core.client import AggregatorClient
+from gonka_node.host.events import HostEvents
 from gonka_node.host.follow import GlobalModel
 from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.rig_round import make_worker
@@ -45,10 +46,20 @@ class Unmerged(HostNode):
         return super()._train(round_, gm, progress, base_)
 
 
-class Merges(HostNode):
-    """Records the held model's round each time a round's merge asks for its target."""
+class Applied(HostEvents):
+    def __init__(self) -> None:
+        self.how: dict[int, str] = {}
 
-    seen: list[tuple[int, int]]
+    def round_applied(self, round_: int, how: str, *args: object) -> None:
+        self.how[round_] = how
+
+
+class Merges(HostNode):
+    """Records, each time a round's merge has its target: the held model's round, and the round of the
+    last snapshot on disk (the merge saves none: a snapshot then would pair the model after r − 1 with
+    half a round's state)."""
+
+    seen: list[tuple[int, int, int | None]]
 
     def _merge(self, r: int, gm: GlobalModel, *args: object) -> Callable[[Callable[[], bool]], Rebase]:
         make = super()._merge(r, gm, *args)  # type: ignore[arg-type]
@@ -58,7 +69,9 @@ class Merges(HostNode):
 
             def target() -> object:
                 out = rebase.target()
-                self.seen.append((r, gm.round_done))
+                self.writer.flush()
+                snapshot = self.store.load()
+                self.seen.append((r, gm.round_done, None if snapshot is None else snapshot.progress.round_done))
                 return out
 
             return Rebase(rebase.step, target)  # type: ignore[arg-type]
@@ -80,6 +93,7 @@ def _epoch(tmp_path: Path, classes: tuple[type[HostNode], type[HostNode]], **rec
         nodes = [_node(cls, world, i, target, tmp_path) for i, cls in zip((1, 2), classes, strict=True)]
         for node in nodes:
             node.seen = []  # type: ignore[attr-defined]
+            node.events = Applied()
         with ThreadPoolExecutor(2) as pool:
             progresses = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
         return collect(world, agg, progresses, tmp_path), nodes
@@ -95,9 +109,12 @@ def test_a_merging_eager_epoch_passes_the_replay_and_its_model_is_local_diloco_s
     for progress, node in zip(run.progresses, nodes, strict=True):
         assert progress.round_done == 3 and progress.model_sha256 == final
         assert all(progress.rewards[str(r)] > 0 for r in ROUNDS)
-        # Each round's merge found the held model at round r − 2 (round 1: the initial model) and moved
-        # it to round r − 1 there, in the middle of round r's training.
-        assert node.seen == [(1, 0), (2, 1), (3, 2)]  # type: ignore[attr-defined]
+        # Each round's merge moved the held model to round r − 1 in the middle of round r's training (round
+        # 1: the initial model, held already), the one the upload thread computed ahead from the update;
+        # no snapshot was on disk but the one saved once round r − 1 was kept (none before round 3: the
+        # initial model is not saved).
+        assert node.seen == [(1, 0, None), (2, 1, None), (3, 2, 1)]  # type: ignore[attr-defined]
+        assert [node.events.how[r] for r in (1, 2)] == ["ahead", "ahead"]  # type: ignore[attr-defined]
     for key, why in run.reasons.items():  # replayed (p = 1) with the merge, every round of both hosts
         assert any(line.startswith("replay:") for line in why), (key, why)
     for r, model in zip(ROUNDS, local_models(run), strict=True):
@@ -143,7 +160,7 @@ class Adopts(HostNode):
     def _wait_finalized(self, round_: int) -> None:
         return None
 
-    def _apply(self, gm: GlobalModel, target: int, hashes: object, progress: Progress) -> None:
+    def _apply(self, gm: GlobalModel, target: int, hashes: object, progress: Progress, save: bool = True) -> None:
         self.adopted.append(target)
         gm.params, gm.round_done = self.after_1, target
 

@@ -175,3 +175,19 @@ def test_the_host_s_work_is_timed_on_each_tensor_size_of_the_model_and_counted_p
 
     got = bench.measure_classes([(100, 3), (7, 2)], build, repeat=3, clock=lambda: now[0])
     assert got == {"work": 2 * (100 * 3 + 7 * 2)}
+
+
+def test_an_eager_round_with_a_merge_waits_there_for_the_model_after_the_round_before() -> None:
+    bench = load_script("bench_wan")
+    eager = timing(bench, ahead_s=3.0, apply_s=1.0, forecast_s=0.5, first_forecast_s=2.0)
+    plain = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", eager)
+    # Round 1 ends at 10 s; its upload takes 3 s, the close 1 s, the download 2 s: the update is there at
+    # 16 s, and the step taken ahead (from 12 s, 3 s) is finished 1 s later: the model after round 1 is
+    # ready at 17 s. Round 2 starts at 12 s (2 s of first forecast); merging at step 25 (12 + 2.5 s) it
+    # waits until 17 s and ends 7.5 s later, at 24.5 s; round 1 never waits (it merges onto the model held).
+    early = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", bench.dataclasses.replace(eager, merge_step=25))
+    assert early["utilisation_per_round"][:2] == pytest.approx([1.0, 10 / 14.5], abs=0.003)
+    assert early["utilisation"] < plain["utilisation"]
+    # Merging at step 80 (12 + 8 s = 20 s > 17 s) the model is there: no round waits more than without.
+    late = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", bench.dataclasses.replace(eager, merge_step=80))
+    assert late["utilisation_per_round"] == plain["utilisation_per_round"]
