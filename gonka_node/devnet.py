@@ -102,6 +102,7 @@ class DevnetOptions:
     serve: bool = False  # keep the chain, the aggregator and the extra services running until stopped
     link: str | None = None  # every host's link, "DOWN/UP" Mbit/s (gonka_node/core/link.py); None: loopback as is
     overlap: str = "off"  # the recipe's overlap rule (training/overlap.py)
+    forecast_step: int = 0  # "eager": the inner step each round moves onto its forecast (0: from the start)
     merge_step: int = 0  # "eager": the inner step each round moves onto the model after r − 1 (0: never)
     broadcast: str = "dense"  # the recipe's download: "dense" fp32 or "codec" (gonka_node/aggregator/broadcast.py)
     services: tuple[ExtraService, ...] | None = None  # None: SERVICES (below)
@@ -144,6 +145,7 @@ def make_recipe(opts: DevnetOptions) -> Recipe:
         codec=opts.codec,
         round_state="fresh" if opts.replay_fraction > 0 else "carry",
         overlap=opts.overlap,
+        forecast_step=opts.forecast_step,
         merge_step=opts.merge_step,
         broadcast=opts.broadcast,
         shards=opts.shards,
@@ -158,11 +160,12 @@ def check_shards(opts: DevnetOptions) -> None:
     if opts.shards > 1 and opts.overlap == "eager":
         raise DevnetError("--shards with --overlap eager: the sharded replay does not compute the hosts' eager "
                           "bases; use --overlap delayed or one aggregator")
-    try:  # the recipe's own refusal of the merge step, before anything starts
+    try:  # the recipe's own refusal of the forecast and merge steps, before anything starts
         Recipe(model=ModelConfig.preset(opts.preset), inner_steps=opts.inner_steps, overlap=opts.overlap,
-               merge_step=opts.merge_step)
+               forecast_step=opts.forecast_step, merge_step=opts.merge_step)
     except RecipeError as exc:
-        raise DevnetError(f"--merge-step: {exc}") from exc
+        flag = "--forecast-step" if str(exc).startswith("forecast_step") else "--merge-step"
+        raise DevnetError(f"{flag}: {exc}") from exc
 
 
 def kernel_links(opts: DevnetOptions) -> KernelLinks | None:

@@ -126,6 +126,7 @@ def make_report(
         # who paces it: each host's gRPC client on loopback, or the kernel (tc tbf, devnet_links.py)
         "link_shaping": "none" if opts.link is None else "kernel" if opts.kernel_link else "host",
         "overlap": opts.overlap,
+        "forecast_step": opts.forecast_step,
         "merge_step": opts.merge_step,
         "broadcast": opts.broadcast,
         "shards": recipe.shards,  # > 1: checkpoint_hashes are Merkle roots over that many fragments

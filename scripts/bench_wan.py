@@ -57,10 +57,11 @@ from training.model import Llama, ModelConfig
 
 LINKS = ("1000/1000", "100/10", "20/5")
 OVERLAPS = ("off", "delayed", "eager")  # training/overlap.py
-# each overlap mode, and eager with the recipe's merge_step at H/4 (the step its loss was measured at,
-# docs/benchmarks.md): (mode, merge step for H)
-MODES: tuple[tuple[str, Callable[[int], int]], ...] = (
-    *((o, lambda h: 0) for o in OVERLAPS), ("eager", lambda h: h // 4))
+# each overlap mode, and eager with the recipe's merge_step, then its forecast_step, at H/4 (the step
+# their loss was measured at, docs/benchmarks.md): (mode, merge step for H, forecast step for H)
+MODES: tuple[tuple[str, Callable[[int], int], Callable[[int], int]], ...] = (
+    *((o, lambda h: 0, lambda h: 0) for o in OVERLAPS), ("eager", lambda h: h // 4, lambda h: 0),
+    ("eager", lambda h: 0, lambda h: h // 4))
 CODECS = {"int8": "int8", "top-k": "topk:chunk=4096,k=128,bits=2"}  # top-k: the benchmarked 1,798× codec
 CHUNK = 1 << 20  # the gRPC client's chunk (the round's max_chunk_bytes)
 
@@ -91,6 +92,18 @@ class Timing:
     # eager with the recipe's merge_step: after this many of its steps round r moves onto the model after
     # r − 1, which it waits for there (the upload thread's, as the daemon adopts it: HostNode._merge); 0: none
     merge_step: int = 0
+    # eager with the recipe's forecast_step (a `fresh` epoch: a `carry` one seals on the path): round r
+    # starts from the +0 step (taken ahead by the upload thread with a sparse broadcast, else here,
+    # `zero_s`, on the path; round 2's always here) once round r − 1's pseudo-gradient is formed
+    # (`pseudo_s`, on the path); its seal runs beside round r's first steps, and from the first step on
+    # (host/sealing.py `Beside`) the forecast once the seal is done (`forecast_s`, then `shift_s`: the
+    # shift formed, with a sparse broadcast); after this many steps the round makes the move (`move_s`,
+    # on the path: the shift added, or the difference taken and added); 0: none
+    forecast_step: int = 0
+    pseudo_s: float = 0.0
+    zero_s: float = 0.0
+    shift_s: float = 0.0
+    move_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -144,23 +157,34 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
             # Adopt the model after r − 2 computed ahead, then save it (nothing to adopt for rounds 1, 2);
             # eager: forecast from it (previewing round r − 1's step taken ahead, from round 3 on).
             eager = overlap == "eager"
+            late = eager and t.forecast_step > 0 and r >= 2
             held = ready[r - 2] if r >= 3 else 0.0
-            if eager and r >= 3:  # round r − 1's step, taken ahead by round r − 2's upload thread right
-                # after the model after r − 2 (the daemon joins that thread, then forecasts from it)
+            if eager and r >= 3 and t.ahead_s:  # round r − 1's step, taken ahead by round r − 2's upload
+                # thread right after the model after r − 2 (the daemon joins that thread, then forecasts)
                 ahead[r - 1] = ready[r - 2] + t.ahead_s
                 held = ahead[r - 1]
             forecast = 0.0 if not eager or r == 1 else first_forecast if r == 2 else t.forecast_s
-            adopted = max(sealed[r - 1], held)
+            # a late forecast's round waits for the pseudo-gradient only, the seal runs beside it
+            adopted = max(ends[r - 1] + t.pseudo_s if late else sealed[r - 1], held)
             if r >= 3:  # the snapshot of the model adopted, asked of the writer then
                 writer = max(writer, adopted) + t.save_s
-            start = adopted + forecast
-            if r >= 2 and (r == 2 or not eager):  # else taken by round r − 1's upload thread from the base's
-                ahead[r - 1] = start + t.ahead_s  # release, now, beside its upload (joined with it)
+            if late:  # from the +0 step (here when none was taken ahead); the forecast beside the first steps,
+                # written over that step with a sparse broadcast (round 2's too)
+                start = adopted + (t.zero_s if r == 2 or not t.ahead_s else 0.0)
+                forecast_done = max(start + t.step_s, sealed[r - 1]) + t.forecast_s + t.shift_s
+                released = max(start + t.forecast_step * t.step_s, forecast_done) + t.move_s
+            else:
+                released = start = adopted + forecast
+            if r >= 2 and (r == 2 or not eager or not t.ahead_s):  # else taken by round r − 1's upload
+                ahead[r - 1] = released + t.ahead_s  # thread from the base's release, beside its upload
             if r >= 2:  # round r − 1's upload thread finishes the step with the update
-                ready[r - 1] = max(fetched[r - 1], ahead[r - 1], start) + t.apply_s
-        if overlap == "eager" and t.merge_step and r >= 2:  # the merge waits for the model after r − 1
-            merged = max(start + t.merge_step * t.step_s, ready[r - 1])
-            ends.append(merged + (t.steps - t.merge_step) * t.step_s)
+                ready[r - 1] = max(fetched[r - 1], ahead[r - 1], released) + t.apply_s
+        if overlap == "eager" and (t.merge_step or t.forecast_step) and r >= 2:
+            moved = released if t.forecast_step else start  # the forecast's move (`forecast_step`) first
+            done = t.forecast_step
+            if t.merge_step:  # the merge waits for the model after r − 1
+                moved, done = max(moved + (t.merge_step - done) * t.step_s, ready[r - 1]), t.merge_step
+            ends.append(moved + (t.steps - done) * t.step_s)
         else:
             ends.append(start + t.compute_s)
         sealed.append(ends[r] + t.seal_s + (t.keep_s if overlap == "off" else 0.0))
@@ -248,6 +272,11 @@ def apply_measures(numel: int) -> Measures:
         "finish_after_forecast_s": (lambda step: step.finish(topk.decode_sparse(payloads["top-k"], spec)),
                                     forecasted),
         "sha256_s": (lambda _: canonical_sha256(p), None),
+        # a late forecast's move on the training path (`training.worker.shift_by` / `shift_onto`): the shift
+        # added (taken beside the first steps, over the step ahead), or the difference taken and added
+        "move_add_s": (lambda x: x.add_(own["w"]), lambda: p["w"].clone()),
+        "forecast_shift_s": (lambda step: step.forecast_shift(), lambda: forecasted()),
+        "move_onto_s": (lambda x: x.add_(own["w"] - g["w"]), lambda: p["w"].clone()),
     } | {f"decode_{label}": (lambda _, name=name, data=data: get_codec(name).decode(data, spec), None)
          for (label, name), data in zip(CODECS.items(), payloads.values(), strict=True)}
     return measures
@@ -365,13 +394,17 @@ def host_timing(
     the update and an eager forecast written over it from the payload's bytes; else the update decoded
     (a codec's broadcast), the whole step after it and an eager forecast stepping a copy of the model."""
     eager = overlap == "eager"
-    if measured is None:
+    if measured is None:  # a late forecast's +0 step, where taken on the path, costs about a step
+        t = dataclasses.replace(t, zero_s=t.zero_s or t.apply_s)
         t = t if speculated else dataclasses.replace(t, ahead_s=0.0)
         return t if eager else dataclasses.replace(t, forecast_s=0.0, first_forecast_s=None)
     seal = measured.get("seal")
     if seal is not None:  # the round's end, its save and the snapshot, placed by `simulate`
         t = dataclasses.replace(t, seal_s=seal["seal_s"][codec], keep_s=seal["root_s"][codec] + seal["save_s"],
-                                save_s=seal["snapshot_s"])
+                                save_s=seal["snapshot_s"], pseudo_s=seal["pseudo_gradient_s"])
+    # a late forecast's +0 step where none was taken ahead, and its move (added over the step ahead)
+    t = dataclasses.replace(t, zero_s=measured["ahead_s"], shift_s=measured["forecast_shift_s"] if speculated else 0.0,
+                            move_s=measured["move_add_s" if speculated else "move_onto_s"])
     step, sha, decode = measured["step_s"], measured["sha256_s"], measured["decode_s"][codec]
     if speculated:
         finish = measured["finish_after_forecast_s" if eager else "finish_s"]
@@ -391,6 +424,7 @@ def scaled_host(measured: Mapping[str, Any], slower: float) -> dict[str, Any]:
     if "seal" in measured:
         seal = measured["seal"]
         out["seal"] = {"seal_s": {label: c * slower for label, c in seal["seal_s"].items()},
+                       "pseudo_gradient_s": seal["pseudo_gradient_s"] * slower,
                        "root_s": {label: c * slower for label, c in seal["root_s"].items()},
                        "save_s": seal["save_s"] * disk, "snapshot_s": seal["snapshot_s"] * disk}
     return out
@@ -401,17 +435,20 @@ def sensitivity(up: int, down: int, t: Timing, measured: Mapping[str, Any]) -> d
     host: every time measured here multiplied by `slower`, for each overlap mode, the step taken ahead of
     the update as the host takes it, and not (the whole step after it, as with a dense download)."""
     rows: dict[str, list[dict[str, Any]]] = {}
-    for overlap in ("delayed", "eager"):
-        for label, speculated in (("ahead", True), ("whole_step_after_update", False)):
-            key = f"{overlap}_{label}"
-            rows[key] = []
-            for slower in (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0):
-                timing = host_timing(t, scaled_host(measured, slower), overlap, speculated)
-                rows[key].append({"slower": slower, "ahead_s": round(timing.ahead_s, 1),
-                                  "seal_s": round(timing.seal_s, 1), "keep_s": round(timing.keep_s, 1),
-                                  "snapshot_s": round(timing.save_s, 1),
-                                  "apply_s": round(timing.apply_s, 1), "forecast_s": round(timing.forecast_s, 1),
-                                  "utilisation": simulate("100/10", up, down, overlap, timing)["utilisation"]})
+    for key, overlap, speculated, forecast_step in (
+        ("delayed_ahead", "delayed", True, 0), ("delayed_whole_step_after_update", "delayed", False, 0),
+        ("eager_ahead", "eager", True, 0), ("eager_whole_step_after_update", "eager", False, 0),
+        ("eager_forecast_step_ahead", "eager", True, t.steps // 4),  # the seal and forecast beside the steps
+    ):
+        rows[key] = []
+        for slower in (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0):
+            timing = dataclasses.replace(host_timing(t, scaled_host(measured, slower), overlap, speculated),
+                                         forecast_step=forecast_step)
+            rows[key].append({"slower": slower, "ahead_s": round(timing.ahead_s, 1),
+                              "seal_s": round(timing.seal_s, 1), "keep_s": round(timing.keep_s, 1),
+                              "snapshot_s": round(timing.save_s, 1),
+                              "apply_s": round(timing.apply_s, 1), "forecast_s": round(timing.forecast_s, 1),
+                              "utilisation": simulate("100/10", up, down, overlap, timing)["utilisation"]})
     return rows
 
 
@@ -426,16 +463,17 @@ def run(t: Timing, apply_measured: bool = False) -> dict[str, Any]:
     for codec_label, codec_name in CODECS.items():
         size = checked_size(get_codec(codec_name), spec)
         for link in LINKS:
-            for overlap, merge_step in MODES:
+            for overlap, merge_step, forecast_step in MODES:
                 for broadcast, down in (("dense", dense), ("codec", size)):
                     speculated = speculates(overlap, broadcast, codec_name)
                     timing = host_timing(t, measured if apply_measured else None, overlap, speculated, codec_label,
                                          broadcast)
-                    timing = dataclasses.replace(timing, merge_step=merge_step(t.steps))
+                    timing = dataclasses.replace(timing, merge_step=merge_step(t.steps),
+                                                 forecast_step=forecast_step(t.steps))
                     result = simulate(link, size, down, overlap, timing)
                     runs.append({"params": params, "link": link, "codec": codec_label, "codec_spec": codec_name,
                                  "overlap": "on" if overlap != "off" else "off", "overlap_mode": overlap,
-                                 "merge_step": timing.merge_step,
+                                 "merge_step": timing.merge_step, "forecast_step": timing.forecast_step,
                                  "broadcast": broadcast, "upload_bytes": size, "download_bytes": down,
                                  "step_ahead": speculated, "ahead_s": round(timing.ahead_s, 1),
                                  "apply_s": round(timing.apply_s, 1), "forecast_s": round(timing.forecast_s, 1),
@@ -476,13 +514,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     for ax, codec in zip(axes, CODECS, strict=True):
         rows = [r for r in report["runs"] if r["codec"] == codec]
-        modes = [(o, merge(report["timing"]["steps"])) for o, merge in MODES]
-        labels = [(o, m, b) for o, m in modes for b in ("dense", "codec")]
+        h = report["timing"]["steps"]
+        modes = [(o, merge(h), forecast(h)) for o, merge, forecast in MODES]
+        labels = [(o, m, f, b) for o, m, f in modes for b in ("dense", "codec")]
         width = 0.8 / len(labels)
-        for i, (o, m, b) in enumerate(labels):
+        for i, (o, m, f, b) in enumerate(labels):
             values = [next(r["utilisation"] for r in rows if r["link"] == link and r["overlap_mode"] == o
-                           and r["merge_step"] == m and r["broadcast"] == b) for link in LINKS]
-            name = f"{o}, merge at step {m}" if m else o
+                           and r["merge_step"] == m and r["forecast_step"] == f and r["broadcast"] == b)
+                      for link in LINKS]
+            name = f"{o}, merge at step {m}" if m else f"{o}, forecast at step {f}" if f else o
             ax.bar([x + i * width for x in range(len(LINKS))], values, width, label=f"overlap {name}, download {b}")
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(LINKS))], [f"{link} Mbit/s" for link in LINKS])
         ax.axhline(0.98, color="gray", linestyle="--", linewidth=1)
@@ -523,7 +563,8 @@ def main() -> None:
     report = run(timing, args.apply_measured)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for r in report["runs"]:
-        mode = r["overlap_mode"] + (f"+merge@{r['merge_step']}" if r["merge_step"] else "")
+        mode = r["overlap_mode"] + (f"+merge@{r['merge_step']}" if r["merge_step"] else "") + (
+            f"+forecast@{r['forecast_step']}" if r["forecast_step"] else "")
         print(f"{r['link']:>9} {r['codec']:>5} overlap {mode:>17} download {r['broadcast']:>5}: "
               f"up {r['upload_bytes'] / 1e6:8,.1f} MB down {r['download_bytes'] / 1e6:8,.1f} MB "
               f"utilisation {r['utilisation']:.3f} (round {r['round_wall_s']:.0f} s)")

@@ -471,6 +471,21 @@ class SpeculativeStep:
         self._forecast = undo
         return dict(self.params)
 
+    def forecast_shift(self) -> dict[str, Tensor]:
+        """After `forecast`: the forecast less the step's all +0 model it was written over, as
+        `training.worker.shift_onto` takes that difference (fp32, one rounding): the entries' differences
+        at the forecast's positions, +0 everywhere else (x − x of the finite model). A round that started
+        from the +0 model moves onto the forecast by adding it (`training.worker.Shifted`)."""
+        if self._forecast is None:
+            raise RuntimeError("SpeculativeStep.forecast_shift: no forecast was taken")
+        shift: dict[str, Tensor] = {}
+        for name, p in self.params.items():
+            out = shift[name] = torch.zeros_like(p)
+            if name in self._forecast:
+                idx, before = self._forecast[name]
+                out.view(-1)[idx] = p.view(-1)[idx] - before
+        return shift
+
     @property
     def forecasted(self) -> bool:
         """Whether `forecast` was taken (and `finish` not yet)."""

@@ -11,7 +11,7 @@ import copy
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,7 +50,16 @@ class Rebase:
     computing it (or waiting for it) while the first `step` steps train."""
 
     step: int
-    target: Callable[[], Mapping[str, Tensor]]
+    target: Callable[[], Mapping[str, Tensor] | Shifted]
+
+
+class Shifted(NamedTuple):
+    """A `Rebase` target given with its shift, `target − base` in fp32 as `shift_onto` would take it, bit for
+    bit: computed off the training path by a caller that writes the old base over in place to make the new
+    one (an eager host's forecast, `SpeculativeStep.forecast_shift`), so the round only adds it."""
+
+    target: Mapping[str, Tensor]
+    shift: Mapping[str, Tensor]
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,14 @@ class DiLoCoWorker(SlotWorker):
         it leaves (`commitment_root`; else None, for a caller that hashes the residual later).
         `rebases`: where the round moves onto other bases on the way (`Rebase`)."""
         delta, result = self.local_delta(round_index, global_params, on_step, rebases)
+        return self.seal(round_index, delta, result, root, sparse)
+
+    def seal(self, round_index: int, delta: dict[str, Tensor], result: InnerResult, root: bool = True,
+             sparse: bool = False) -> WorkerRound:
+        """The round's payload from its pseudo-gradient `delta` (`local_delta`, read no more: the residual is
+        made in it): compressed with error feedback, the residual's root when `root`, and the payload's
+        kept entries when `sparse` (a sparse codec). A host may run it beside the next round's first
+        steps, which do not touch the residual (gonka_node/host/sealing.py), never beside another seal."""
         codec = self.round_codec(round_index)
         kept: dict[str, tuple[Tensor, Tensor]] | None = {} if sparse and codec.sparse else None
         squares: dict[str, float] = {}
@@ -196,7 +213,7 @@ class DiLoCoWorker(SlotWorker):
         base, parts = global_params, []
         for rebase, segment in zip((None, *rebases), steps, strict=True):
             if rebase is not None:
-                base = shift_onto(self.model, base, rebase.target())
+                base = move_onto(self.model, base, rebase.target())  # a shift given is not held past it
             parts.append(self.trainer.run(batches, steps=segment, on_step=on_step))
         return pseudo_gradient(base, dict(self.model.named_parameters())), InnerResult.joined(parts)
 
@@ -216,7 +233,11 @@ class DiLoCoWorker(SlotWorker):
         the optimizer's tensors, which its steps update in place, copied; the residuals, which a compress
         replaces and never updates, shared. One copy of the AdamW state (none in a `fresh` epoch), none
         of the residuals."""
-        return {"inner": copy.deepcopy(self._inner_state()), "feedback": self.feedback.state_dict()}
+        return {"inner": self.inner_snapshot(), "feedback": self.feedback.state_dict()}
+
+    def inner_snapshot(self) -> dict[str, Any]:
+        """The inner trainer's part of `snapshot()`: a copy, unchanged by the steps trained after it."""
+        return copy.deepcopy(self._inner_state())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.load_state_dict(dict(state["inner"]))
@@ -235,17 +256,37 @@ def check_rebases(rebases: Sequence[Rebase], steps: int) -> list[int]:
 def shift_onto(model: Llama, base: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
     """θ ← θ + (target − base) for every parameter of `model` (the difference taken in fp32, then added
     in place: one rounding each, the same on a host and in its replay); returns `target`."""
-    params = dict(model.named_parameters())  # checked whole before any parameter moves
+    params = dict(model.named_parameters())
+    _check_target(params, target)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.add_(target[name].to(p.device, torch.float32) - base[name].to(p.device, torch.float32))
+    return target
+
+
+def _check_target(params: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> None:
+    """A rebase's tensors checked whole against the model's before any parameter moves."""
     if set(target) != set(params):
         missing, unexpected = sorted(set(params) - set(target))[:3], sorted(set(target) - set(params))[:3]
         raise ValueError(f"rebase: the target's tensors are not the model's (missing {missing}, unexpected {unexpected})")
     for name, p in params.items():
         if tuple(target[name].shape) != tuple(p.shape):
             raise ValueError(f"rebase: {name} has shape {tuple(target[name].shape)}, the model's is {tuple(p.shape)}")
+
+
+def move_onto(model: Llama, base: Mapping[str, Tensor], moved: Mapping[str, Tensor] | Shifted) -> Mapping[str, Tensor]:
+    """A `Rebase`'s move: `shift_by` when its target came with its shift, else `shift_onto`."""
+    return shift_by(model, moved) if isinstance(moved, Shifted) else shift_onto(model, base, moved)
+
+
+def shift_by(model: Llama, moved: Shifted) -> Mapping[str, Tensor]:
+    """θ ← θ + `moved.shift` (`shift_onto`'s move with its difference taken already); returns the target."""
+    params = dict(model.named_parameters())
+    _check_target(params, moved.shift)
     with torch.no_grad():
         for name, p in params.items():
-            p.add_(target[name].to(p.device, torch.float32) - base[name].to(p.device, torch.float32))
-    return target
+            p.add_(moved.shift[name].to(p.device, torch.float32))
+    return moved.target
 
 
 def commitment_root(residual: Mapping[str, Tensor], spec: Spec, codec: Codec) -> bytes:

@@ -68,6 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(eager; unsharded only) (default off)",
     )
     p.add_argument(
+        "--forecast-step", type=int, default=0, metavar="STEP",
+        help="with --overlap eager: each round starts from the outer step's momentum part and moves onto the "
+        "host's forecast at this inner step, so the host seals the round before it meanwhile (the recipe's "
+        "forecast_step; 0: from the forecast throughout)",
+    )
+    p.add_argument(
         "--merge-step", type=int, default=0, metavar="STEP",
         help="with --overlap eager: the inner step of each round at which a host moves onto round r-1's model, "
         "which it waits for there, and measures its pseudo-gradient from it (the recipe's merge_step; 0: never)",
@@ -101,7 +107,8 @@ def _devnet(args: argparse.Namespace) -> int:
     opts = DevnetOptions(
         out=args.out, hosts=args.hosts, preset=args.preset, timeout_s=args.timeout, chain_url=args.rpc_url,
         replay_fraction=args.replay_fraction, serve=args.serve, dataset=args.dataset, tokenizer=args.tokenizer,
-        link=args.link, kernel_link=args.kernel_link, overlap=args.overlap, merge_step=args.merge_step,
+        link=args.link, kernel_link=args.kernel_link, overlap=args.overlap,
+        forecast_step=args.forecast_step, merge_step=args.merge_step,
         broadcast=args.broadcast, shards=args.shards,
         **{k: v for k, v in recipe.items() if v is not None},
     )

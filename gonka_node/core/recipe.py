@@ -385,13 +385,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 def check_network_overlap(recipe: Recipe) -> None:
     """An epoch's recipe must name an overlap rule the host daemon and the aggregator's replay implement:
     all three run in the network, "eager" unsharded only (a shard's replay holds one fragment and cannot
-    take the whole-model outer step that makes a host's eager base), and no eager round's late forecast
-    (`forecast_step`) until the host daemon makes that move (it makes `merge_step`'s)."""
-    if recipe.forecast_step:
-        raise RecipeError(f"forecast_step: {recipe.forecast_step}: not served in the network yet (the aggregator's replay "
-                          "makes the move, the host daemon does not: it trains an eager round from its forecast "
-                          "throughout); it runs in the local simulation (training/local.py, scripts/bench_training.py); "
-                          "set it to 0")
+    take the whole-model outer step that makes a host's eager base)."""
     if recipe.overlap == "eager" and recipe.shards > 1:
         raise RecipeError(f"overlap: 'eager' with shards = {recipe.shards}: the sharded replay does not compute "
                           "the hosts' eager bases; use shards = 1 or overlap = \"delayed\"")

@@ -70,7 +70,7 @@ class Challenges:
     events: HostEvents
     sleep: Callable[[float], None]
     open_round: Callable[[], pb.RoundInfo | None]  # the daemon's GetOpenRound (None: none open now)
-    before_round: dict[int, dict[str, Any]]
+    before_round: dict[int, Mapping[str, Any]]
     residual_roots: dict[int, bytes]
 
     def __post_init__(self) -> None:

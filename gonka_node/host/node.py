@@ -38,17 +38,17 @@ from gonka_node.host.follow import (
     dense_update,
     follow_to,
     speculate,
-    step_ahead,
 )
-from gonka_node.host.forecast import Forecast, Forecasts, OwnPayload
+from gonka_node.host.forecast import Forecast, Forecasts, LatePlan
 from gonka_node.host.rig_round import LocalRounds, RigError, RigRounds, Rounds, make_worker
+from gonka_node.host.sealing import SealedRound
 from gonka_node.host.settings import ChainHashes, HostError, HostSettings
 from gonka_node.host.store import HostStore, Progress, RollbackPoint
 from gonka_node.host.upload import PendingUpload
 from gonka_node.host.writer import StoreWriter, WriteError
 from proto.gonka.v1 import aggregator_pb2 as pb
 from training.checkpoint import canonical_sha256
-from training.diloco import OuterOptimizer, SpeculativeStep, Update
+from training.diloco import OuterOptimizer, SpeculativeStep
 from training.model import build_model
 from training.overlap import base_round, next_overlapped_round
 from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
@@ -91,7 +91,7 @@ class HostNode(Forecasts):
         # round -> the worker state before it (a rollback point), kept in a top-k epoch until the round's
         # checks are known: a payload that FAILED them is no submission, and its residual is undone
         # (docs/PROTOCOL.md "Challenge and opening", e_{r−1})
-        self._before_round: dict[int, dict[str, Any]] = {}
+        self._before_round: dict[int, Mapping[str, Any]] = {}
         # the file under the store's sent/ that holds the worker's current state (None: none does, e.g.
         # once a round trained): what an overlapped round's rollback point is linked to instead of
         # written again
@@ -100,7 +100,7 @@ class HostNode(Forecasts):
         # the adopted model's `next_step`, which an eager forecast writes over and the next upload thread
         # finishes (with a sparse broadcast: `_speculates`)
         self._next_step: tuple[int, SpeculativeStep] | None = None
-        self._own: OwnPayload | None = None  # an eager host's last payload's entries, until its forecast
+        self._own: WorkerRound | SealedRound | None = None  # an eager host's last round, until its forecast
         self._applied = 0  # rounds adopted by the overlapped loop, a merge's in the middle of a round included
 
     # ---- sign-in ----------------------------------------------------------------------------------
@@ -129,9 +129,10 @@ class HostNode(Forecasts):
         """A rig (`RigRounds`, started last in `_prepare`) or the daemon's own process (`LocalRounds`)."""
         if not self.settings.uses_rig():
             return LocalRounds(make_worker(self.recipe, assignment, self.settings.cache_dir))
-        if self.recipe.merge_step:
-            raise HostError(f"merge_step = {self.recipe.merge_step}: a rig does not move a round onto the model after "
-                            "r - 1 partway yet; run this epoch's host without --gpus (one process)")
+        for name, what in (("forecast_step", "its forecast"), ("merge_step", "the model after r - 1")):
+            if getattr(self.recipe, name):
+                raise HostError(f"{name} = {getattr(self.recipe, name)}: a rig does not move a round onto {what} "
+                                "partway yet; run this epoch's host without --gpus (one process)")
         try:
             return RigRounds(self.settings.rig_options(), self.recipe, assignment, self.settings.cache_dir,
                              self.settings.state_dir / "rig", keep_previous=self._rolls_back)
@@ -152,6 +153,11 @@ class HostNode(Forecasts):
         self.rounds = self._rounds(Assignment(self.recipe.epoch_seed, slot, spec.max_hosts, beacon))
         if isinstance(self.rounds, LocalRounds):  # its forecast reads its payload's entries, not the bytes
             self.rounds.sparse = self.recipe.overlap == "eager" and self._speculates
+            # the next round starts from the step's +0 part: each seal runs beside its first steps (a `carry`
+            # epoch's save reads the AdamW state the next round updates in place: sealed on the path)
+            self.rounds.seal_behind = self.recipe.overlap == "eager" and self.recipe.forecast_step > 0 \
+                and self.recipe.round_state == "fresh"
+            self.rounds.on_sealed = self._round_sealed
         snap = self.store.load()
         if snap is not None and snap.progress.epoch == self.settings.epoch:
             progress = snap.progress
@@ -337,14 +343,16 @@ class HostNode(Forecasts):
 
     def _train(
         self, round_: int, gm: GlobalModel, progress: Progress, base: Mapping[str, Tensor] | None = None,
-        rebases: Sequence[Rebase] = (),
-    ) -> WorkerRound:
+        rebases: Sequence[Rebase] = (), begin: Callable[[], None] = lambda: None,
+    ) -> WorkerRound | SealedRound:
         """Train `round_` from the held global model (or `base`: an eager host's forecast); records the
         round's share of wall time in inner steps (since the previous round's training ended: waiting,
         uploading and following count)."""
         total = self.recipe.inner_steps
 
         def on_step(step: int, loss: float) -> None:
+            if step == 1:
+                begin()  # what the round's first steps hide may start (the round holds its start now)
             self.events.inner_step(round_, step, total, loss)
 
         def params_file() -> Path:
@@ -355,7 +363,8 @@ class HostNode(Forecasts):
             result = self.rounds.train_round(round_, gm.params if base is None else base, params_file, on_step, rebases)
         except RigError as exc:
             raise HostError(str(exc)) from exc
-        self.events.round_trained(round_, result.last_loss, result.tokens, result.seconds, len(result.payload))
+        if isinstance(result, WorkerRound):  # else told once sealed (`_round_sealed`)
+            self._round_sealed(result)
         if result.residual_root is not None:  # else hashed where the round is saved (`HostSaves._keep`)
             self.residual_roots[round_] = result.residual_root
         now = time.monotonic()
@@ -363,6 +372,9 @@ class HostNode(Forecasts):
         progress.utilisation[str(round_)] = [round(result.seconds, 4), round(wall, 4)]
         self.events.utilisation(round_, result.seconds, wall)
         return result
+
+    def _round_sealed(self, r: WorkerRound) -> None:
+        self.events.round_trained(r.round, r.last_loss, r.tokens, r.seconds, len(r.payload))
 
     # ---- overlapped rounds (recipe overlap = "delayed" or "eager", training/overlap.py) ------------
 
@@ -399,26 +411,31 @@ class HostNode(Forecasts):
                     self._apply(gm, base, hashes, progress)
                     self._applied += 1
                 stopping = self.settings.stop_after_rounds is not None and self._applied >= self.settings.stop_after_rounds
-                # An eager forecast writes over the step that the upload thread, once released, finishes: first.
-                forecast = self._forecast(r, gm, pending, progress) if eager and not stopping else None
-                if pending is not None:  # the held model stays as it is until that upload is joined
-                    held = gm.round_done == pending.round - 1
-                    pending.release_base(held, self._take_next_step(gm) if held else None)
+                # An eager forecast writes over the step that the upload thread, once released, finishes: first
+                # (a late one, the recipe's forecast_step, releases it when it is taken, partway).
+                late = eager and self.recipe.forecast_step > 0 and not stopping
+                forecast = self._forecast(r, gm, pending, progress) if eager and not late and not stopping else None
+                release = self._releaser(gm, pending)
+                if not late:
+                    release()
                 if stopping:
                     self._settle(pending, progress)
                     pending = None
                     return progress
                 trained_from = gm.sha256  # the round's base: a merge moves the held model on during the training
-                result, undo = self._train_overlapped(r, gm, progress, pending, undo, forecast, hashes)
+                result, undo = self._train_overlapped(r, gm, progress, pending, undo, forecast, hashes, release)
+                release()  # once per upload: a round that never reached its forecast's step did not
                 forecast = None  # a model's worth, not needed past the training (the next thread's peak)
                 kept, undo = self._keep_behind(result, undo)  # the upload waits for it, the next round does not
                 if progress.round_done != gm.round_done:  # a merge adopted the model after r − 1: saved with round r
                     self._save(gm, progress)
-                self._own = None if result.sparse is None else OwnPayload(r, result.payload, result.sparse)
-                # Round r's upload starts now; the previous one had a whole round of compute to finish
-                # (its round closed before round r opens, so the two never stream at once).
+                self._own = result if eager and self._speculates else None  # the next forecast reads its entries
+                # Round r's upload starts now (a round sealed behind: once its seal and save are done); the
+                # previous one had a whole round of compute to finish (its round closed before round r opens,
+                # so the two never stream at once).
                 upload = PendingUpload(
-                    r, trained_from, result.payload, result.tokens, self._open_round,
+                    r, trained_from, result.payload if isinstance(result, WorkerRound) else result.read_payload,
+                    result.tokens, self._open_round,
                     self._submit_checked if eager or self._challengeable
                     else lambda info, payload, tokens, _cancelled: self._submit(info, payload, tokens),
                     self.settings.poll_s,
@@ -437,8 +454,8 @@ class HostNode(Forecasts):
 
     def _train_overlapped(
         self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, undo: RollbackPoint | None,
-        forecast: Forecast | None = None, hashes: ChainHashes | None = None,
-    ) -> tuple[WorkerRound, RollbackPoint | None]:
+        forecast: Forecast | None = None, hashes: ChainHashes | None = None, release: Callable[[], None] = lambda: None,
+    ) -> tuple[WorkerRound | SealedRound, RollbackPoint | None]:
         """Train round r while round r − 1 (`pending`) uploads, the held model being the one after r − 2;
         an eager host trains from its forecast with round r − 1's payload (training/overlap.py; `forecast`:
         taken already, by `_forecast`). If the aggregator then
@@ -454,9 +471,11 @@ class HostNode(Forecasts):
         # A fresh top-k epoch's snapshot shares the residuals and copies no AdamW state (each round restarts it).
         before = RollbackPoint(self.rounds.snapshot(), self._state_file) if self._rolls_back or (eager and uploading) \
             else None
-        if eager and forecast is None:
+        late = eager and forecast is None and self.recipe.forecast_step > 0
+        if eager and forecast is None and not late:
             forecast = self._forecast(r, gm, pending, progress)
-        own = None if forecast is None else forecast.own
+        plan = self._late_forecast(r, gm, self._own_payload(r, pending, progress), release) if late else \
+            LatePlan(None if forecast is None else forecast.base, [], [None if forecast is None else forecast.own])
         keep = before if self._rolls_back else None  # the next round's `undo`
         back = undo if undo is not None else before if eager and uploading else None  # None: nothing to undo
 
@@ -465,10 +484,12 @@ class HostNode(Forecasts):
 
         merge = self._merge(r, gm, progress, pending, hashes) if self.recipe.merge_step else None
         try:
-            result = self._train(r, gm, progress, None if forecast is None else forecast.base,
-                                 [] if merge is None else [merge(again_needed)])
+            result = self._train(r, gm, progress, plan.start, [*plan.moves, *([] if merge is None else
+                                 [merge(again_needed)])], plan.begin)
         except _TrainAgain:  # the merge found the round to be trained again before it moved the held model on
             result = None
+        finally:
+            plan.cancel()  # a forecast the round never reached is not taken
         if result is not None and not again_needed():
             return result, keep
         assert pending is not None and back is not None
@@ -480,8 +501,14 @@ class HostNode(Forecasts):
         self._state_file = back.file
         # Snapshot afresh: the retraining updates in place what `load_state_dict` took from `back`.
         again = RollbackPoint(self.rounds.snapshot(), back.file) if self._rolls_back else None
-        return self._train(r, gm, progress, self._eager_base(r, gm, None if uploading else own) if eager
-                           else None, [] if merge is None else [merge(lambda: False)]), again
+        own = None if uploading or not plan.forecast_with else plan.forecast_with[0]  # what the aggregator holds
+        plan = self._late_forecast(r, gm, None if own is None else lambda: own, release) if late else \
+            LatePlan(self._eager_base(r, gm, own) if eager else None, [], [])
+        try:
+            return self._train(r, gm, progress, plan.start, [*plan.moves, *([] if merge is None else
+                               [merge(lambda: False)])], plan.begin), again
+        finally:
+            plan.cancel()
 
     def _merge(
         self, r: int, gm: GlobalModel, progress: Progress, pending: PendingUpload | None, hashes: ChainHashes | None,
@@ -507,20 +534,6 @@ class HostNode(Forecasts):
             return gm.params
 
         return lambda again: Rebase(self.recipe.merge_step, lambda: target(again))
-
-    def _step_ahead(
-        self, gm: GlobalModel, round_: int, data: bytes, speculated: SpeculativeStep | None,
-        cancelled: Callable[[], bool],
-    ) -> NextModel | None:
-        if speculated is not None:  # a sparse codec's broadcast (`_speculates`): its entries, no dense tensor
-            update: Update = self._round_codec(round_).decode_sparse(data, self._spec)
-        else:
-            update = (self._decode_update if self.recipe.broadcast == "codec" else dense_update)(round_, data)
-        # An eager host forecasts the next round's base from the next step, right when the round after
-        # this one starts: taken here, it is ready then (the daemon joins this thread before that round).
-        # A delayed host's next upload thread takes it while it uploads, holding one model less meanwhile.
-        chain = self._speculates and self.recipe.overlap == "eager"
-        return step_ahead(gm, round_, update, speculated, speculate_next=chain, cancelled=cancelled)
 
     def _apply(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress, save: bool = True) -> None:
         """Bring the held model to `target`: the model the upload thread computed ahead when it is the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ class UploadRecovery(AggregatorCalls):
     rounds: Rounds
     recipe: Recipe
     _state_file: Path | None
-    _before_round: dict[int, dict[str, Any]]
+    _before_round: dict[int, Mapping[str, Any]]
 
     def _record_accepted(self, round_: int, payload: bytes, progress: Progress) -> None:
         progress.submitted[str(round_)] = hashlib.sha256(payload).hexdigest()

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from gonka_node.core.recipe import Recipe
+from gonka_node.host.sealing import SealedRound, StateAfterSeal
 from training.codecs import get_codec
 from training.model import Llama, build_model
 from training.plan import choose_sharding
@@ -121,7 +122,7 @@ class Rounds(Protocol):
     def train_round(
         self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook,
         rebases: Sequence[Rebase] = (),
-    ) -> WorkerRound:
+    ) -> WorkerRound | SealedRound:
         """Train `round_index` from the global model (`params`, or the same in the file `params_file()`
         returns), moving onto other bases on the way as `rebases` say (one process only); the state
         moves on to after this round (`load_state_dict` takes it back)."""
@@ -129,7 +130,7 @@ class Rounds(Protocol):
 
     def state_dict(self) -> dict[str, Any]: ...
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Mapping[str, Any]:
         """`state_dict()` as of now, unchanged by the rounds trained after it (a rollback point)."""
         ...
 
@@ -154,6 +155,11 @@ class LocalRounds:
     def __init__(self, worker: DiLoCoWorker) -> None:
         self.worker = worker
         self.sparse = False  # whether a round also returns its sparse payload's entries (an eager host)
+        # an eager recipe's forecast_step: each round's seal runs beside the next round's first steps
+        # (host/sealing.py); `on_sealed` is told of each round so sealed, from the seal's thread
+        self.seal_behind = False
+        self.on_sealed: Callable[[WorkerRound], None] = lambda _round: None
+        self._sealing: SealedRound | None = None  # the last round sealed behind (its thread may run yet)
 
     def start(self) -> None:
         return None
@@ -161,25 +167,44 @@ class LocalRounds:
     def train_round(
         self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook,
         rebases: Sequence[Rebase] = (),
-    ) -> WorkerRound:
+    ) -> WorkerRound | SealedRound:
         count = iter(range(1, sys.maxsize))
-        # the residual's root is hashed where the round is saved (`HostSaves`), beside the next round
-        return self.worker.train_round(round_index, params, lambda _step, loss: on_step(next(count), loss),
-                                       root=False, sparse=self.sparse, rebases=rebases)
+
+        def step(_step: int, loss: float) -> None:
+            on_step(next(count), loss)
+
+        if not self.seal_behind:
+            # the residual's root is hashed where the round is saved (`HostSaves`), beside the next round
+            return self.worker.train_round(round_index, params, step, root=False, sparse=self.sparse, rebases=rebases)
+        delta, result = self.worker.local_delta(round_index, params, step, rebases)
+        self._sealed()  # one seal at a time (the round before's: its forecast waited for it already)
+        self._sealing = SealedRound(self.worker, round_index, delta, result, self.sparse, self.on_sealed)
+        return self._sealing
+
+    def _sealed(self) -> None:
+        """No seal runs once this returns (a seal that failed raises its error here)."""
+        if self._sealing is not None:
+            self._sealing.wait()
 
     def state_dict(self) -> dict[str, Any]:
+        self._sealed()
         return self.worker.state_dict()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Mapping[str, Any]:
+        """As of now; while a round seals behind, its residuals as that seal leaves them (read, they wait)."""
+        if self._sealing is not None and not self._sealing.done:
+            return StateAfterSeal(self.worker.inner_snapshot(), self._sealing)
         return self.worker.snapshot()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "rig" in state:
             raise RigError(f"this host's saved state belongs to a rig of {state['rig']['procs']} processes; "
                            f"run with --gpus {state['rig']['procs']}")
+        self._sealed()  # a round trained again: the seal of its first training is over before its state goes
         self.worker.load_state_dict(state)
 
     def residuals(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        self._sealed()
         return dict(self.worker.feedback.previous), dict(self.worker.feedback.residual)
 
     def residuals_of(self, state: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -189,7 +214,8 @@ class LocalRounds:
         return dict(feedback.get("previous", {})), dict(feedback["residual"])
 
     def close(self) -> None:
-        return None
+        if self._sealing is not None:
+            self._sealing.join()
 
 
 @dataclass(frozen=True)

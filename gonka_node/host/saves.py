@@ -17,11 +17,12 @@ from torch import Tensor
 from gonka_node.host.follow import GlobalModel
 from gonka_node.host.recovery import UploadRecovery
 from gonka_node.host.rig_round import RigRounds
+from gonka_node.host.sealing import Trained
 from gonka_node.host.settings import HostSettings
 from gonka_node.host.store import Progress, RollbackPoint
 from gonka_node.host.writer import StoreWriter, Written
 from training.codecs import Spec, get_codec
-from training.worker import WorkerRound, commitment_root
+from training.worker import commitment_root
 
 
 class HostSaves(UploadRecovery):
@@ -62,7 +63,7 @@ class HostSaves(UploadRecovery):
             self._save(gm, progress).wait()
         return path
 
-    def _keep(self, result: WorkerRound, before: RollbackPoint | None = None) -> RollbackPoint | None:
+    def _keep(self, result: Trained, before: RollbackPoint | None = None) -> RollbackPoint | None:
         """Save the trained round durably before its upload starts (`HostStore.save_sent`); an overlapped
         top-k host keeps the previous round's state too, which that round's challenge opens, and `before`,
         the state the round trained from (its rollback point, returned as now kept on disk)."""
@@ -73,7 +74,7 @@ class HostSaves(UploadRecovery):
         self._state_file = self.store.sent_state_path(result.round)
         return None if before is None else RollbackPoint(before.state, self.store.before_path(result.round))
 
-    def _keep_behind(self, result: WorkerRound, before: RollbackPoint | None) -> tuple[Written, RollbackPoint | None]:
+    def _keep_behind(self, result: Trained, before: RollbackPoint | None) -> tuple[Written, RollbackPoint | None]:
         """`_keep` on the writer's thread, beside the next round's training (an overlapped host): the
         round's upload waits for it (`PendingUpload`'s `kept`). The state is taken as of now; the files
         it links (`before`'s, the previous round's) are written by saves asked for before it."""
@@ -92,7 +93,7 @@ class HostSaves(UploadRecovery):
         self._state_file = self.store.sent_state_path(result.round)
         return written, None if before is None else RollbackPoint(before.state, self.store.before_path(result.round))
 
-    def _signed_root(self, result: WorkerRound, state: Mapping[str, Any]) -> bytes:
+    def _signed_root(self, result: Trained, state: Mapping[str, Any]) -> bytes:
         """The root the round's payload is signed with: the worker's (a rig's), or hashed here over the
         residual in the state kept with it (a one-process host's worker leaves it to the save: `LocalRounds`)."""
         if result.residual_root is not None:

@@ -80,13 +80,16 @@ class SubmitOutcome:
 
 class PendingUpload:
     def __init__(
-        self, round_: int, base_sha256: bytes, payload: bytes, tokens: int, open_round: OpenRound,
-        submit: Submit, poll_s: float, prefetch: Prefetch | None = None, prepare: Prepare | None = None,
-        answer: Answer | None = None, speculate: Speculate | None = None, kept: Written | None = None,
+        self, round_: int, base_sha256: bytes, payload: bytes | Callable[[], bytes], tokens: int,
+        open_round: OpenRound, submit: Submit, poll_s: float, prefetch: Prefetch | None = None,
+        prepare: Prepare | None = None, answer: Answer | None = None, speculate: Speculate | None = None,
+        kept: Written | None = None,
     ) -> None:
         """`kept`: the round's save before its upload (`HostStore.save_sent`, written behind by the
-        daemon's writer): nothing is sent before it is on disk, and nothing if it failed."""
-        self.round, self.base_sha256, self.payload, self.tokens = round_, base_sha256, payload, tokens
+        daemon's writer): nothing is sent before it is on disk, and nothing if it failed. `payload`: the
+        bytes, or what gives them once the round is sealed (host/sealing.py; read only after `kept`)."""
+        self.round, self.base_sha256, self.tokens = round_, base_sha256, tokens
+        self._payload = payload
         self._open_round, self._submit, self._poll_s, self._prefetch = open_round, submit, poll_s, prefetch
         self._prepare, self._answer, self._speculate, self._kept = prepare, answer, speculate, kept
         self._speculation: SpeculativeStep | None = None
@@ -98,6 +101,13 @@ class PendingUpload:
         self.recorded = False  # the daemon recorded the outcome (`HostNode._settle`, once)
         self._result = UploadResult(False, "the upload did not run", 0.0)
         self._thread = threading.Thread(target=self._run, name=f"upload-round-{round_}", daemon=True)
+
+    @property
+    def payload(self) -> bytes:
+        """The round's payload (a round sealed behind: once its seal is done, which this waits for)."""
+        if callable(self._payload):
+            self._payload = self._payload()
+        return self._payload
 
     def start(self) -> PendingUpload:
         self._thread.start()
