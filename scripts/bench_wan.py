@@ -511,7 +511,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), sharey=True)
     for ax, codec in zip(axes, CODECS, strict=True):
         rows = [r for r in report["runs"] if r["codec"] == codec]
         h = report["timing"]["steps"]
@@ -532,7 +532,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel(f"utilisation (H = {report['timing']['steps']})")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=3)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import test_host_node as base
@@ -190,3 +191,45 @@ def test_a_merging_host_whose_previous_upload_is_refused_gives_the_round_up_at_t
     assert second.payload == round_2(node._eager_base(2, gm_before, None)) != round_2(
         node._eager_base(2, gm_before, first.payload))
     node.rounds.close()
+
+
+class Counts(HostNode):
+    """Records the rounds it trains (class-wide: the test's two processes of host 1 are two nodes)."""
+
+    trained: ClassVar[list[tuple[int, int]]] = []  # (which process of host 1, round)
+    process = 0
+
+    def _train(self, round_: int, *args: object) -> WorkerRound | SealedRound:
+        Counts.trained.append((self.process, round_))
+        return super()._train(round_, *args)  # type: ignore[arg-type]
+
+
+def test_a_host_stopped_right_after_a_merge_resumes_with_the_model_it_merged_onto(tmp_path: Path) -> None:
+    """Host 1 stops once it has adopted one model, which is its merge in the middle of round 2: round 2
+    is kept and uploaded, and the snapshot (saved once round 2 was kept) holds the model after round 1.
+    A new process resumes from it: it does not train round 2 again, trains round 3 from its forecast
+    with round 2's kept payload and merges onto the model after round 2; every round passes the replay
+    and the model is `LocalDiLoCo`'s bit for bit."""
+    world = base.build_world(tmp_path, inner_steps=8, n_rounds=3, overlap="eager", merge_step=MERGE)
+    agg = base.AggregatorThread(world, tmp_path / "agg", MEAN)
+    Counts.trained = []
+    with agg as target:
+        def host1() -> Progress:
+            first = base.make_node(world, 1, target, tmp_path / "host1", stop_after=1, cls=Counts)
+            progress = first.run()
+            assert progress.round_done == 1 and sorted(progress.submitted) == ["1", "2"]  # stopped after the merge
+            second = base.make_node(world, 1, target, tmp_path / "host1", cls=Counts)
+            second.process = 1  # type: ignore[attr-defined]
+            return second.run()
+
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(host1), pool.submit(base.make_node(world, 2, target, tmp_path / "host2").run)]
+            progresses = [f.result(timeout=300) for f in futures]
+        run = collect(world, agg, progresses, tmp_path)
+    assert Counts.trained == [(0, 1), (0, 2), (1, 3)]  # round 2 was not trained again
+    assert all(p.round_done == 3 and all(p.rewards[str(r)] > 0 for r in ROUNDS) for p in progresses)
+    for key, why in run.reasons.items():
+        assert any(line.startswith("replay:") for line in why), (key, why)
+    for r, model in zip(ROUNDS, local_models(run), strict=True):
+        for name, tensor in model.items():
+            assert torch.equal(run.models[r][name], tensor), (r, name)
