@@ -104,6 +104,11 @@ class Timing:
     zero_s: float = 0.0
     shift_s: float = 0.0
     move_s: float = 0.0
+    # eager with the step taken ahead: an upload thread handed round r's step (the daemon's, written
+    # over by the forecast) takes the next step's +0 part on its +0 model while the upload is in flight
+    # (`ahead_s` from the release, `SpeculativeStep.take_after`), and once the update is there fixes it at
+    # the entries the update and the forecast changed (`fix_s`, after the finish): the next round's start
+    fix_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -147,6 +152,7 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
     fetched: list[float] = [0.0]  # when the host holds round r's update
     ready: dict[int, float] = {0: 0.0}  # overlap on: when the upload thread has computed the model after r
     ahead: dict[int, float] = {}  # overlap on: when round k's step is taken ahead of its update
+    handed: dict[int, bool] = {}  # eager: round k's upload thread was handed round k's step (`fix_s`)
     first_forecast = t.forecast_s if t.first_forecast_s is None else t.first_forecast_s
     for r in range(1, t.rounds + 1):
         if overlap == "off":  # download and apply on the training path, the snapshot written behind
@@ -159,26 +165,33 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
             eager = overlap == "eager"
             late = eager and t.forecast_step > 0 and r >= 2
             held = ready[r - 2] if r >= 3 else 0.0
-            if eager and r >= 3 and t.ahead_s:  # round r − 1's step, taken ahead by round r − 2's upload
-                # thread right after the model after r − 2 (the daemon joins that thread, then forecasts)
-                ahead[r - 1] = ready[r - 2] + t.ahead_s
+            if eager and r >= 3 and t.ahead_s:  # round r − 1's step: fixed after round r − 2's update from
+                # the one taken ahead of it (`fix_s`), or taken then by that upload thread (`ahead_s`)
+                ahead[r - 1] = ready[r - 2] + (t.fix_s if handed[r - 2] else t.ahead_s)
                 held = ahead[r - 1]
             forecast = 0.0 if not eager or r == 1 else first_forecast if r == 2 else t.forecast_s
             # a late forecast's round waits for the pseudo-gradient only, the seal runs beside it
             adopted = max(ends[r - 1] + t.pseudo_s if late else sealed[r - 1], held)
             if r >= 3:  # the snapshot of the model adopted, asked of the writer then
                 writer = max(writer, adopted) + t.save_s
+            if late and r == 2 and t.ahead_s:  # the +0 step of the initial model, taken beside round 1
+                ahead[1] = t.step_s + t.ahead_s
             if late:  # from the +0 step (here when none was taken ahead); the forecast beside the first steps,
-                # written over that step with a sparse broadcast (round 2's too)
-                start = adopted + (t.zero_s if r == 2 or not t.ahead_s else 0.0)
+                # written over that step with a sparse broadcast
+                start = max(adopted, ahead[1]) if r == 2 and t.ahead_s else \
+                    adopted + (0.0 if t.ahead_s else t.zero_s)
                 forecast_done = max(start + t.step_s, sealed[r - 1]) + t.forecast_s + t.shift_s
                 released = max(start + t.forecast_step * t.step_s, forecast_done) + t.move_s
             else:
                 released = start = adopted + forecast
-            if r >= 2 and (r == 2 or not eager or not t.ahead_s):  # else taken by round r − 1's upload
-                ahead[r - 1] = released + t.ahead_s  # thread from the base's release, beside its upload
-            if r >= 2:  # round r − 1's upload thread finishes the step with the update
-                ready[r - 1] = max(fetched[r - 1], ahead[r - 1], released) + t.apply_s
+            if r >= 2:  # round r − 1's upload thread: handed round r − 1's step with the base's release (eager,
+                # from round 3, or round 2 of a late forecast), it takes the next one's +0 part beside the
+                # upload; else it takes round r − 1's step itself then; it finishes with the update
+                handed[r - 1] = bool(eager and t.ahead_s and (r >= 3 or late))
+                if not handed[r - 1] and (r == 2 or not eager or not t.ahead_s):
+                    ahead[r - 1] = released + t.ahead_s
+                taken = released + t.ahead_s if handed[r - 1] else released
+                ready[r - 1] = max(fetched[r - 1], ahead[r - 1], taken) + t.apply_s
         if overlap == "eager" and (t.merge_step or t.forecast_step) and r >= 2:
             moved = released if t.forecast_step else start  # the forecast's move (`forecast_step`) first
             done = t.forecast_step
@@ -262,6 +275,12 @@ def apply_measures(numel: int) -> Measures:
         step.forecast(topk.decode_sparse(own_payload, spec))
         return step
 
+    def finished_after() -> SpeculativeStep:
+        step = forecasted()
+        step.take_after()
+        step.finish(topk.decode_sparse(payloads["top-k"], spec))
+        return step
+
     measures: Measures = {
         "step_s": (lambda _: outer.copy().step({"w": p["w"].clone()}, g), None),  # on a copy, as the upload thread
         "ahead_s": (lambda _: speculated(), None),
@@ -276,6 +295,8 @@ def apply_measures(numel: int) -> Measures:
         # added (taken beside the first steps, over the step ahead), or the difference taken and added
         "move_add_s": (lambda x: x.add_(own["w"]), lambda: p["w"].clone()),
         "forecast_shift_s": (lambda step: step.forecast_shift(), lambda: forecasted()),
+        # the next step taken ahead of the update on the forecast's +0 model, fixed once it is finished
+        "fix_s": (lambda step: step.after_finish(), lambda: finished_after()),
         "move_onto_s": (lambda x: x.add_(own["w"] - g["w"]), lambda: p["w"].clone()),
     } | {f"decode_{label}": (lambda _, name=name, data=data: get_codec(name).decode(data, spec), None)
          for (label, name), data in zip(CODECS.items(), payloads.values(), strict=True)}
@@ -404,7 +425,8 @@ def host_timing(
                                 save_s=seal["snapshot_s"], pseudo_s=seal["pseudo_gradient_s"])
     # a late forecast's +0 step where none was taken ahead, and its move (added over the step ahead)
     t = dataclasses.replace(t, zero_s=measured["ahead_s"], shift_s=measured["forecast_shift_s"] if speculated else 0.0,
-                            move_s=measured["move_add_s" if speculated else "move_onto_s"])
+                            move_s=measured["move_add_s" if speculated else "move_onto_s"],
+                            fix_s=measured["fix_s"] if speculated and eager else 0.0)
     step, sha, decode = measured["step_s"], measured["sha256_s"], measured["decode_s"][codec]
     if speculated:
         finish = measured["finish_after_forecast_s" if eager else "finish_s"]

@@ -418,6 +418,10 @@ class SpeculativeStep:
         self.done = False
         self._forecast: dict[str, tuple[Tensor, Tensor]] | None = None  # positions a forecast wrote, what was there
         self.finished = False  # once finished, the base is let go of (the result no longer needs it)
+        # the next step's +0 part taken on this one's +0 model (`take_after`), and the positions `finish`
+        # and a forecast wrote, where it is fixed (`after_finish`)
+        self._after: tuple[dict[str, Tensor], OuterOptimizer] | None = None
+        self._changed: dict[str, list[Tensor]] = {}
 
     def run(self, cancelled: Callable[[], bool] = lambda: False) -> bool:
         """The step with an all +0 update, tensor by tensor; False when `cancelled()` stopped it first."""
@@ -444,11 +448,13 @@ class SpeculativeStep:
         if self.finished:
             raise RuntimeError("SpeculativeStep.finish: finished already (its tensors are the model's now)")
         where, params, buffers = self._entries(update)
+        self._changed = {name: [idx] for name, idx in where.items()}
         if self._forecast is not None:
             undo, self._forecast = self._forecast, None
             self.params = {name: t.clone() for name, t in self.params.items()}
             for name, (idx, before) in undo.items():
                 self.params[name].view(-1)[idx] = before
+                self._changed.setdefault(name, []).append(idx)
         for name, idx in where.items():
             self.params[name].view(-1)[idx] = params[name]
             if name in buffers:  # `run` made every buffer anew: written here, they are this step's alone
@@ -456,6 +462,58 @@ class SpeculativeStep:
         self.finished = True
         self._base, self._base_outer = {}, OuterOptimizer(self.outer.lr, self.outer.momentum, self.outer.nesterov)
         return self.params, self.outer
+
+    def take_after(self, cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """The next outer step's +0 part taken before this step's update is known: the +0 step of this
+        step's +0 model and momentum (`run`'s; read where a `forecast` wrote over the model too, both fixed
+        later), which `after_finish` fixes at the few entries the update and the forecast changed. A host
+        takes it while its upload is in flight, so the next round's start is there soon after the update
+        (an eager host's late forecast: gonka_node/host/forecast.py). False when `cancelled()` stopped it.
+        Before `finish`; this step's tensors are only read."""
+        if self.finished:
+            raise RuntimeError("SpeculativeStep.take_after: finished already")
+        if not self.done:
+            self.run()
+        after = self.outer.copy()  # shares the buffers, which its steps replace and never write
+        zero = torch.zeros((), dtype=torch.float32, device=self._device())
+        params: dict[str, Tensor] = {}
+        for name in sorted(self.params):
+            if cancelled():
+                return False
+            p = self.params[name].detach().clone(memory_format=torch.contiguous_format)
+            after._step_tensor(name, p, zero.expand(p.shape))
+            params[name] = p
+        after.steps = self.outer.steps + 1
+        self._after = (params, after)
+        return True
+
+    def after_finish(self) -> SpeculativeStep | None:
+        """Once finished: the next step's +0 part on the finished model, bit for bit
+        `SpeculativeStep(outer, model).run()` of this step's result, from `take_after`'s, each entry
+        `finish` or a forecast wrote taken again from the finished model and momentum (element by element,
+        as `finish` takes the update's). None without `take_after`. Once: its tensors are the new step's."""
+        if not self.finished:
+            raise RuntimeError("SpeculativeStep.after_finish: the step is not finished")
+        if self._after is None:
+            return None
+        (params, after), self._after = self._after, None
+        for name, parts in self._changed.items():
+            idx = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if not idx.numel():
+                continue
+            sub = OuterOptimizer(after.lr, after.momentum, after.nesterov)
+            sub.steps = self.outer.steps
+            if name in self.outer.buffers:
+                sub.buffers[name] = self.outer.buffers[name].reshape(-1)[idx]
+            values = self.params[name].reshape(-1)[idx]
+            sub._step_tensor(name, values, torch.zeros_like(values))
+            params[name].view(-1)[idx] = values
+            if name in sub.buffers:  # `take_after`'s steps made its buffers anew: this step's alone
+                after.buffers[name].view(-1)[idx] = sub.buffers[name]
+        self._changed = {}
+        step = SpeculativeStep(self.outer, self.params)
+        step.params, step.outer, step.done = params, after, True
+        return step
 
     def forecast(self, update: Update) -> dict[str, Tensor]:
         """The model `finish(update)` would give, written over this speculation's own model tensors (what

@@ -96,8 +96,10 @@ def step_ahead(
         outer.step(params, update)
     ahead = NextModel(round_, params, outer, model.hash_of(params))
     if speculate_next:
-        try:
-            ahead.next_step = speculate(GlobalModel(params, ahead.sha256, round_, outer), round_ + 1, cancelled)
+        try:  # taken ahead of the update already (`SpeculativeStep.take_after`): fixed at its entries only
+            after = speculated.after_finish() if speculated is not None else None
+            ahead.next_step = after if after is not None else \
+                speculate(GlobalModel(params, ahead.sha256, round_, outer), round_ + 1, cancelled)
         except Exception:  # the model computed is good all the same
             log.exception("round %d: the next round's outer step ahead of its update failed", round_ + 1)
     return ahead

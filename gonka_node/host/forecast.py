@@ -46,6 +46,8 @@ class LatePlan(NamedTuple):
 
 class Forecasts(HostSaves):
     _next_step: tuple[int, SpeculativeStep] | None
+    # the epoch's first round: round 2's +0 step of the initial model, taken beside it (`_late_forecast`)
+    _zero_ahead: Beside[bool] | None = None
     # an eager host's last round trained (a sparse codec: with its payload's entries as the encoder kept
     # them), until the next round's forecast reads those instead of decoding the payload again
     _own: WorkerRound | SealedRound | None
@@ -94,6 +96,11 @@ class Forecasts(HostSaves):
         if own is None:
             base = self._eager_base(r, gm, None)
             release()
+            if self._speculates and gm.round_done == r - 1 and gm.outer is not None:  # the epoch's first round:
+                # the next one starts from the held model's +0 step too, taken beside this one, not on its path
+                ahead = SpeculativeStep(gm.outer, gm.params)
+                self._next_step, self._zero_ahead = (gm.round_done, ahead), Beside(f"zero-step-{r + 1}", ahead.run)
+                self._zero_ahead.begin()
             return LatePlan(base, [], [])
         zero = self._zero_step(r, gm)
 
@@ -118,6 +125,9 @@ class Forecasts(HostSaves):
         """The held model's outer step with an all +0 update (`SpeculativeStep.run`): the one taken ahead
         by the upload thread when there is one (the forecast is then written over it), else taken now (and,
         with a sparse broadcast, handed on as if taken ahead: the upload thread finishes it, not again)."""
+        if self._zero_ahead is not None:  # the one taken beside the round before: done first
+            zero_ahead, self._zero_ahead = self._zero_ahead, None
+            zero_ahead.result()
         ready = self._next_step
         if ready is not None and ready[0] == gm.round_done and ready[1].steps_from(gm.params) \
                 and not ready[1].forecasted:
@@ -171,8 +181,10 @@ class Forecasts(HostSaves):
         else:
             update = (self._decode_update if self.recipe.broadcast == "codec" else dense_update)(round_, data)
         # An eager host forecasts the next round's base from the next step, right when the round after
-        # this one starts: taken here, it is ready then (the daemon joins this thread before that round).
-        # A delayed host's next upload thread takes it while it uploads, holding one model less meanwhile.
+        # this one starts: taken here, it is ready then (the daemon joins this thread before that round);
+        # its dense part was taken on `speculated`'s +0 model while the upload was in flight (`take_after`),
+        # only the entries this update and the forecast changed are left. A delayed host's next upload
+        # thread takes it while it uploads, holding one model less meanwhile.
         chain = self._speculates and self.recipe.overlap == "eager"
         return step_ahead(gm, round_, update, speculated, speculate_next=chain, cancelled=cancelled)
 

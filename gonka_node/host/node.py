@@ -411,8 +411,7 @@ class HostNode(Forecasts):
                     self._apply(gm, base, hashes, progress)
                     self._applied += 1
                 stopping = self.settings.stop_after_rounds is not None and self._applied >= self.settings.stop_after_rounds
-                # An eager forecast writes over the step that the upload thread, once released, finishes: first
-                # (a late one, the recipe's forecast_step, releases it when it is taken, partway).
+                # A forecast writes over the step the released upload thread finishes: first (late: partway)
                 late = eager and self.recipe.forecast_step > 0 and not stopping
                 forecast = self._forecast(r, gm, pending, progress) if eager and not late and not stopping else None
                 release = self._releaser(gm, pending)
@@ -442,6 +441,7 @@ class HostNode(Forecasts):
                     functools.partial(self._update_bytes, r), functools.partial(self._step_ahead, gm, r),
                     self.challenges.answerer(r, pending, progress),
                     functools.partial(speculate, gm, r) if self._speculates else None, kept,
+                    take_after=eager and self._speculates,  # the next round's +0 step, before the update
                 ).start()
                 self._settle(pending, progress)
                 pending, trained = upload, r

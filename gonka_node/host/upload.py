@@ -83,15 +83,19 @@ class PendingUpload:
         self, round_: int, base_sha256: bytes, payload: bytes | Callable[[], bytes], tokens: int,
         open_round: OpenRound, submit: Submit, poll_s: float, prefetch: Prefetch | None = None,
         prepare: Prepare | None = None, answer: Answer | None = None, speculate: Speculate | None = None,
-        kept: Written | None = None,
+        kept: Written | None = None, take_after: bool = False,
     ) -> None:
         """`kept`: the round's save before its upload (`HostStore.save_sent`, written behind by the
         daemon's writer): nothing is sent before it is on disk, and nothing if it failed. `payload`: the
-        bytes, or what gives them once the round is sealed (host/sealing.py; read only after `kept`)."""
+        bytes, or what gives them once the round is sealed (host/sealing.py; read only after `kept`).
+        `take_after`: with a step taken ahead handed over (`release_base`), also take the next step's +0
+        part on its +0 model while the upload is in flight (`SpeculativeStep.take_after`: an eager host's
+        next round starts from it, fixed once this round's update is there)."""
         self.round, self.base_sha256, self.tokens = round_, base_sha256, tokens
         self._payload = payload
         self._open_round, self._submit, self._poll_s, self._prefetch = open_round, submit, poll_s, prefetch
         self._prepare, self._answer, self._speculate, self._kept = prepare, answer, speculate, kept
+        self._take_after = take_after
         self._speculation: SpeculativeStep | None = None
         self._speculating: threading.Thread | None = None
         self._cancelled = threading.Event()
@@ -121,6 +125,11 @@ class PendingUpload:
         self._base_held = held
         if held and speculated is not None:
             self._speculation = speculated
+            if self._take_after and self._prepare is not None:
+                self._speculating = threading.Thread(
+                    target=self._run_after, args=(speculated,), name=f"after-round-{self.round}", daemon=True
+                )
+                self._speculating.start()
         elif held and self._speculate is not None and self._prepare is not None:
             self._speculating = threading.Thread(
                 target=self._run_speculation, name=f"speculate-round-{self.round}", daemon=True
@@ -152,6 +161,12 @@ class PendingUpload:
             self._speculation = self._speculate(self._cancelled.is_set)
         except Exception:  # the step is then taken whole from the update, as without speculation
             log.exception("round %d: the outer step ahead of the update failed", self.round)
+
+    def _run_after(self, speculated: SpeculativeStep) -> None:
+        try:
+            speculated.take_after(self._cancelled.is_set)
+        except Exception:  # the next step is then taken whole once the model after this round exists
+            log.exception("round %d: the next round's step ahead of this round's update failed", self.round)
 
     def _run(self) -> None:
         try:

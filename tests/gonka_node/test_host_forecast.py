@@ -112,8 +112,16 @@ def test_a_late_forecast_epoch_seals_beside_the_next_round_and_passes_the_replay
     """Every round of both hosts replayed (p = 1) and paid; the global model `LocalDiLoCo`'s bit for bit
     (which has no compressed broadcast: there, the replay and the chain's hash are the check)."""
     shifts: list[int] = []
-    forecast_shift = SpeculativeStep.forecast_shift
+    forecast_shift, after_finish = SpeculativeStep.forecast_shift, SpeculativeStep.after_finish
     monkeypatch.setattr(SpeculativeStep, "forecast_shift", lambda self: shifts.append(1) or forecast_shift(self))
+    fixed: list[int] = []  # the next step taken ahead of an update, fixed after it
+
+    def fix(self: SpeculativeStep) -> SpeculativeStep | None:
+        after = after_finish(self)
+        fixed.extend([1] if after is not None else [])
+        return after
+
+    monkeypatch.setattr(SpeculativeStep, "after_finish", fix)
     run, nodes = _epoch(tmp_path, SealsLate, **recipe)
     final = run.world.client(0).round_result(run.world.epoch, 3).checkpoint_sha256.hex()
     for progress, node in zip(run.progresses, nodes, strict=True):
@@ -128,6 +136,11 @@ def test_a_late_forecast_epoch_seals_beside_the_next_round_and_passes_the_replay
     # round 3's taken ahead by the upload thread, round 2's at its start, none being ahead of the initial
     # model, and handed to round 1's upload thread, which finished it with the update).
     assert len(shifts) == (4 if recipe.get("broadcast") == "codec" else 0)
+    # Rounds 1 and 2's upload threads, handed that step, took the next one's +0 part beside the upload and
+    # fixed it after the update (`take_after`): round 3 started from the first; the second (from the model
+    # after round 2) would start a round 4, which this epoch does not have. Every model adopted ahead
+    # hashed to the chain's, so each was the step bit for bit.
+    assert len(fixed) == (4 if recipe.get("broadcast") == "codec" else 0)
     if recipe.get("broadcast") != "codec":
         for r, model in zip(ROUNDS, local_models(run), strict=True):
             for name, tensor in model.items():

@@ -70,12 +70,18 @@ def test_an_eager_round_waits_for_its_forecast_and_the_step_it_previews() -> Non
     # "delayed" has no forecast, and takes the step ahead beside its upload: the same work fits.
     assert bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", timing(
         bench, ahead_s=3.0, apply_s=1.0, forecast_s=0.5, first_forecast_s=2.0))["utilisation"] == 1.0
-    # Eager takes the next step right after the model before, and the next round waits for it: 5 s taken
-    # ahead, 3 s of finish: rounds start at 0, 12, 25.5, 36.5, 50, 61. "Delayed" takes it from the
-    # base's release beside the transfers: max(6, 5) + 3 = 9 s < 10 s, hidden.
+    # Eager takes round 3's step right after the model before it (5 s), and round 3 waits for it; from round
+    # 4 on that step was taken ahead of the update beside the upload (5 s from the base's release, handed
+    # with it) and is only fixed at its entries after the finish (0 s here): rounds start at 0, 12, 25.5,
+    # 36, 46.5, 57 (before the step was taken ahead of the update: ..., 36.5, 50, 61). "Delayed" takes it
+    # from the base's release beside the transfers: max(6, 5) + 3 = 9 s < 10 s, hidden.
     slow = timing(bench, ahead_s=5.0, apply_s=3.0, forecast_s=0.5, first_forecast_s=2.0)
     assert bench.simulate("8/8", 3_000_000, 2_000_000, "delayed", slow)["utilisation"] == 1.0
-    assert bench.simulate("8/8", 3_000_000, 2_000_000, "eager", slow)["utilisation"] == pytest.approx(60 / 71, abs=0.003)
+    assert bench.simulate("8/8", 3_000_000, 2_000_000, "eager", slow)["utilisation"] == pytest.approx(60 / 67, abs=0.003)
+    # A fix of 2 s: each step is there 2 s after the model before it, from round 4 on (rounds start at
+    # ..., 36, 47, 57.5: round 5 waits for the model after round 3, ready at 44.5 s, and the fix).
+    fixed = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", bench.dataclasses.replace(slow, fix_s=2.0))
+    assert fixed["utilisation"] == pytest.approx(60 / 67.5, abs=0.003)
 
 
 def test_the_round_s_seal_delays_its_upload_and_the_next_round_in_every_mode() -> None:
@@ -91,15 +97,15 @@ def test_the_round_s_seal_delays_its_upload_and_the_next_round_in_every_mode() -
     # The measured seal is the codec's; the round's save and the snapshot are the host's.
     measured = {"step_s": 30.0, "ahead_s": 31.0, "finish_s": 3.0, "finish_after_forecast_s": 6.0,
                 "forecast_s": 5.0, "sha256_s": 4.0, "decode_s": {"int8": 2.0, "top-k": 1.0},
-                "move_add_s": 0.8, "move_onto_s": 1.6, "forecast_shift_s": 0.6,
+                "move_add_s": 0.8, "move_onto_s": 1.6, "forecast_shift_s": 0.6, "fix_s": 0.7,
                 "seal": {"seal_s": {"int8": 20.0, "top-k": 12.0}, "root_s": {"int8": 3.0, "top-k": 2.0},
                          "save_s": 8.0, "snapshot_s": 9.0, "pseudo_gradient_s": 1.5}}
     got = bench.host_timing(timing(bench), measured, "eager", True, "int8")
     assert (got.seal_s, got.keep_s, got.save_s) == (20.0, 11.0, 9.0)  # the root is hashed with the save
     # a late forecast's: the pseudo-gradient, the +0 step where none was taken ahead, the move (added)
-    assert (got.pseudo_s, got.zero_s, got.shift_s, got.move_s) == (1.5, 31.0, 0.6, 0.8)
+    assert (got.pseudo_s, got.zero_s, got.shift_s, got.move_s, got.fix_s) == (1.5, 31.0, 0.6, 0.8, 0.7)
     whole = bench.host_timing(timing(bench), measured, "eager", False, "int8")  # no step ahead to write over
-    assert (whole.shift_s, whole.move_s) == (0.0, 1.6)  # the difference taken and added at the step
+    assert (whole.shift_s, whole.move_s, whole.fix_s) == (0.0, 1.6, 0.0)  # the difference taken and added
     halved = bench.host_timing(timing(bench), bench.scaled_host(measured, 0.5), "delayed", True)
     assert (halved.seal_s, halved.keep_s, halved.save_s, halved.apply_s) == (6.0, 5.0, 4.5, 3.5)
     assert (halved.pseudo_s, halved.zero_s, halved.shift_s, halved.move_s) == (0.75, 15.5, 0.3, 0.4)
@@ -133,7 +139,7 @@ def test_the_host_steps_ahead_only_with_overlap_and_a_sparse_broadcast() -> None
     assert not bench.speculates("off", "codec", topk)
     measured = {"step_s": 30.0, "ahead_s": 31.0, "finish_s": 3.0, "finish_after_forecast_s": 6.0,
                 "forecast_s": 5.0, "sha256_s": 4.0, "decode_s": {"int8": 2.0, "top-k": 1.0},
-                "move_add_s": 0.8, "move_onto_s": 1.6, "forecast_shift_s": 0.6}
+                "move_add_s": 0.8, "move_onto_s": 1.6, "forecast_shift_s": 0.6, "fix_s": 0.7}
     t = timing(bench, ahead_s=5.0, forecast_s=7.0)
 
     def placed(overlap: str, speculated: bool, codec: str = "top-k", broadcast: str = "codec"
@@ -208,16 +214,16 @@ def test_a_late_forecast_s_round_waits_for_the_pseudo_gradient_and_its_seal_only
     # Plain eager: round 2 waits for round 1's seal (10 + 3 s) and its first forecast (2 s): 15 s a round.
     assert plain["utilisation_per_round"][1] == pytest.approx(10 / 15, abs=0.003)
     late = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", timing(bench, **host, forecast_step=25))
-    # Round 2 starts after round 1's pseudo-gradient (10.5 s) and its +0 step taken here (3 s: none ahead
-    # of the initial model), at 13.5 s; the seal (done at 13 s) and, from the first step (13.6 s), the
-    # forecast written over that +0 step (0.5 s) ran beside; at step 25 (16 s) the move (0.2 s): round 2
-    # ends at 23.7 s, 13.7 s after round 1.
-    # Round 3 starts at 24.2 s (its +0 step was taken ahead, ready at 23.2 s); round 2's seal is done at
-    # 26.7 s, the forecast at 27.2 s, after step 25 (26.7 s): the move at 27.2 s, the end at 34.9 s (11.2 s).
-    assert late["utilisation_per_round"][:3] == pytest.approx([1.0, 10 / 13.7, 10 / 11.2], abs=0.003)
+    # Round 2 starts after round 1's pseudo-gradient, at 10.5 s (its +0 step of the initial model was taken
+    # beside round 1, from its first step: ready at 3.1 s); round 1's seal is done at 13 s, the forecast
+    # written over the +0 step at 13.5 s, after step 25 (13 s): the move (0.2 s) at 13.5 s, the end at
+    # 21.2 s, 11.2 s after round 1's. Every round after it alike: its +0 step was taken beside the upload
+    # before it (`take_after`), ready soon after the model before (at 20 s for round 3, which starts at
+    # 21.7 s); what the round waits for is its seal, 0.5 s longer than the first 25 steps.
+    assert late["utilisation_per_round"] == pytest.approx([1.0] + [10 / 11.2] * 5, abs=0.003)
     # A seal that fits in the first 25 steps (2 s): only the pseudo-gradient and the move stay on the path
     # (10.7 s a round), as long as the model it starts from is there (the upload and the step ahead).
     quick = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", timing(bench, **(host | {"seal_s": 2.0}),
                                                                             forecast_step=25, rounds=8))
-    assert max(quick["utilisation_per_round"][2:]) == pytest.approx(10 / 10.7, abs=0.003)
+    assert quick["utilisation_per_round"][1:] == pytest.approx([10 / 10.7] * 7, abs=0.003)
     assert quick["utilisation"] > late["utilisation"] > plain["utilisation"]

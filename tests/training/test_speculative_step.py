@@ -211,3 +211,47 @@ def test_a_speculation_knows_the_tensors_it_steps_from() -> None:
     assert spec.steps_from(dict(model))  # another mapping of the same tensors
     assert not spec.steps_from({name: t.clone() for name, t in model.items()})  # equal values, other tensors
     assert not spec.steps_from({"a.weight": model["a.weight"]})
+
+
+@pytest.mark.parametrize(("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (1.0, 0.5, False), (0.3, 0.0, False)])
+@pytest.mark.parametrize("forecast", [False, True])
+def test_the_next_step_taken_before_the_update_and_fixed_after_it_is_the_next_step_bit_for_bit(
+    lr: float, momentum: float, nesterov: bool, forecast: bool,
+) -> None:
+    """`take_after` steps the +0 model ahead of the update (a forecast written over it or not, as an eager
+    host's late round does); `after_finish` fixes it at the entries the update and the forecast changed:
+    the model and momentum are `SpeculativeStep(outer, finished).run()`'s, every bit, and the finished
+    model is the step's base. Three rounds chained so, the first from a model with no momentum yet."""
+    model, outer = _model(3), OuterOptimizer(lr, momentum, nesterov)
+    spec = SpeculativeStep(outer, model)
+    spec.run()
+    for r in range(3):
+        if forecast:
+            spec.forecast(_sparse_update(model, 30 + r, 0.05))
+        assert spec.take_after()
+        update = _sparse_update(model, 20 + r, 0.05)
+        model, outer = spec.finish(update)
+        expected = SpeculativeStep(outer, model)
+        expected.run()
+        after = spec.after_finish()
+        assert after is not None and after.done and after.steps_from(model)
+        assert after.outer.steps == expected.outer.steps == r + 2
+        for name in model:
+            assert _bits(after.params[name]) == _bits(expected.params[name]), (r, name)
+        assert sorted(after.outer.buffers) == sorted(expected.outer.buffers)
+        for name, buf in expected.outer.buffers.items():
+            assert _bits(after.outer.buffers[name]) == _bits(buf), (r, name)
+        assert spec.after_finish() is None  # once
+        spec = after
+
+
+def test_without_the_next_step_taken_ahead_there_is_none_to_fix_and_a_cancelled_one_is_not_kept() -> None:
+    model, outer = _model(4), OuterOptimizer(0.7, 0.9)
+    spec = SpeculativeStep(outer, model)
+    with pytest.raises(RuntimeError, match="the step is not finished"):
+        spec.after_finish()
+    assert not spec.take_after(cancelled=lambda: True)
+    spec.finish(_sparse_update(model, 1, 0.05))
+    assert spec.after_finish() is None
+    with pytest.raises(RuntimeError, match="take_after: finished already"):
+        spec.take_after()
