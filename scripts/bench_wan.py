@@ -175,7 +175,7 @@ def simulate(link: str, up_bytes: int, down_bytes: int, overlap: str, t: Timing)
             if r >= 3:  # the snapshot of the model adopted, asked of the writer then
                 writer = max(writer, adopted) + t.save_s
             if late and r == 2 and t.ahead_s:  # the +0 step of the initial model, taken beside round 1
-                ahead[1] = t.step_s + t.ahead_s
+                ahead[1] = t.ahead_s
             if late:  # from the +0 step (here when none was taken ahead); the forecast beside the first steps,
                 # written over that step with a sparse broadcast
                 start = max(adopted, ahead[1]) if r == 2 and t.ahead_s else \

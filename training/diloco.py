@@ -448,13 +448,15 @@ class SpeculativeStep:
         if self.finished:
             raise RuntimeError("SpeculativeStep.finish: finished already (its tensors are the model's now)")
         where, params, buffers = self._entries(update)
-        self._changed = {name: [idx] for name, idx in where.items()}
+        after = self._after is not None  # the positions written are kept for `after_finish` only
+        self._changed = {name: [idx] for name, idx in where.items()} if after else {}
         if self._forecast is not None:
             undo, self._forecast = self._forecast, None
             self.params = {name: t.clone() for name, t in self.params.items()}
             for name, (idx, before) in undo.items():
                 self.params[name].view(-1)[idx] = before
-                self._changed.setdefault(name, []).append(idx)
+                if after:
+                    self._changed.setdefault(name, []).append(idx)
         for name, idx in where.items():
             self.params[name].view(-1)[idx] = params[name]
             if name in buffers:  # `run` made every buffer anew: written here, they are this step's alone

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -23,6 +24,8 @@ from training.codecs import Codec, get_codec, round_seed
 from training.diloco import OuterOptimizer, SpeculativeStep, Update
 from training.overlap import eager_base
 from training.worker import Rebase, Shifted, WorkerRound
+
+log = logging.getLogger(__name__)
 
 
 class Forecast(NamedTuple):
@@ -45,6 +48,7 @@ class LatePlan(NamedTuple):
 
 
 class Forecasts(HostSaves):
+    n_rounds: int
     _next_step: tuple[int, SpeculativeStep] | None
     # the epoch's first round: round 2's +0 step of the initial model, taken beside it (`_late_forecast`)
     _zero_ahead: Beside[bool] | None = None
@@ -96,8 +100,9 @@ class Forecasts(HostSaves):
         if own is None:
             base = self._eager_base(r, gm, None)
             release()
-            if self._speculates and gm.round_done == r - 1 and gm.outer is not None:  # the epoch's first round:
-                # the next one starts from the held model's +0 step too, taken beside this one, not on its path
+            if self._speculates and gm.round_done == r - 1 and gm.outer is not None and r < self.n_rounds:
+                # the epoch's first round: the next one starts from the held model's +0 step too, taken beside
+                # this one, not on its path
                 ahead = SpeculativeStep(gm.outer, gm.params)
                 self._next_step, self._zero_ahead = (gm.round_done, ahead), Beside(f"zero-step-{r + 1}", ahead.run)
                 self._zero_ahead.begin()
@@ -127,7 +132,11 @@ class Forecasts(HostSaves):
         with a sparse broadcast, handed on as if taken ahead: the upload thread finishes it, not again)."""
         if self._zero_ahead is not None:  # the one taken beside the round before: done first
             zero_ahead, self._zero_ahead = self._zero_ahead, None
-            zero_ahead.result()
+            try:
+                zero_ahead.result()
+            except Exception:  # taken here instead (a half-run step cannot be run again: its buffers moved)
+                log.exception("round %d: the +0 step taken beside the round before failed", r)
+                self._next_step = None
         ready = self._next_step
         if ready is not None and ready[0] == gm.round_done and ready[1].steps_from(gm.params) \
                 and not ready[1].forecasted:

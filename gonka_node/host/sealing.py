@@ -117,10 +117,12 @@ class Beside(Generic[T]):
         self._began.set()
 
     def cancel(self) -> None:
-        """The round ended before it read the result (it failed, or was given up): the work is not done,
-        or not waited for (it writes nothing the daemon reads once the round is over)."""
+        """The round ended before it read the result (it failed, or was given up): work not started is
+        not done, and work under way is waited for (it may be writing over tensors that what follows,
+        the step's finish, reads)."""
         self._cancelled = True
         self._began.set()
+        self._thread.join()
 
     def _run(self) -> None:
         self._began.wait()

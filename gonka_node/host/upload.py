@@ -99,6 +99,7 @@ class PendingUpload:
         self._speculation: SpeculativeStep | None = None
         self._speculating: threading.Thread | None = None
         self._cancelled = threading.Event()
+        self._over = threading.Event()  # the upload is over: a next step taken ahead has no use any more
         self._base_ready = threading.Event()
         self._base_held = False
         self.outcome = SubmitOutcome()
@@ -164,7 +165,7 @@ class PendingUpload:
 
     def _run_after(self, speculated: SpeculativeStep) -> None:
         try:
-            speculated.take_after(self._cancelled.is_set)
+            speculated.take_after(lambda: self._cancelled.is_set() or self._over.is_set())
         except Exception:  # the next step is then taken whole once the model after this round exists
             log.exception("round %d: the next round's step ahead of this round's update failed", self.round)
 
@@ -175,6 +176,7 @@ class PendingUpload:
             # aggregator took stays accepted when what follows (the challenge, the download) failed
             self._result = UploadResult(self.outcome.taken, f"upload failed: {type(exc).__name__}: {exc}", 0.0)
         finally:
+            self._over.set()  # the model after the round was computed (or will not be): stop what it needed
             self.outcome.settle()
 
     def _upload(self) -> UploadResult:

@@ -60,6 +60,7 @@ class SealsLate(HostNode):
 
     sealed_after_next_step: dict[int, bool]
     trained: list[str]
+    zero_steps: list[tuple[int, bool, bool]]
 
     def _prepare(self) -> tuple[GlobalModel, Progress]:
         out = super()._prepare()
@@ -75,6 +76,20 @@ class SealsLate(HostNode):
 
         worker.seal = waits  # type: ignore[method-assign]
         return out
+
+    def _zero_step(self, r: int, gm: GlobalModel) -> SpeculativeStep:
+        """Records, per round, whether its +0 step was one taken ahead (beside round 1, or before the update
+        by the upload thread) and whether it is, bit for bit, the one taken from the held model now."""
+        ready = self._next_step
+        step = super()._zero_step(r, gm)
+        assert gm.outer is not None
+        fresh = SpeculativeStep(gm.outer, gm.params)
+        fresh.run()
+        same = all(torch.equal(step.params[n].view(torch.int32), t.view(torch.int32)) for n, t in fresh.params.items()) \
+            and all(torch.equal(step.outer.buffers[n].view(torch.int32), t.view(torch.int32))
+                    for n, t in fresh.outer.buffers.items()) and step.outer.steps == fresh.outer.steps
+        self.zero_steps.append((r, ready is not None and step is ready[1], same))
+        return step
 
     def _train(self, round_: int, gm: GlobalModel, progress: Progress, base_: Mapping[str, Tensor] | None = None,
                *args: Any) -> WorkerRound | SealedRound:
@@ -92,7 +107,7 @@ def _epoch(tmp_path: Path, cls: type[HostNode], **recipe: object) -> tuple[Run, 
             settings = HostSettings(epoch=world.epoch, stake=5 * base.GNK, state_dir=tmp_path / f"host{i}", poll_s=0.05)
             node = cls(settings, world.recipe, world.client(i), AggregatorClient(target, base.TLS.cert_pem, 60.0),
                        base.host_keys(i, world), Steps())
-            node.sealed_after_next_step, node.trained = {}, []  # type: ignore[attr-defined]
+            node.sealed_after_next_step, node.trained, node.zero_steps = {}, [], []  # type: ignore[attr-defined]
             nodes.append(node)
         with ThreadPoolExecutor(2) as pool:
             progresses = [f.result(timeout=300) for f in [pool.submit(n.run) for n in nodes]]
@@ -130,11 +145,14 @@ def test_a_late_forecast_epoch_seals_beside_the_next_round_and_passes_the_replay
         # Rounds 1 and 2 were sealed after the next round had taken its first step: beside it.
         assert node.sealed_after_next_step == {1: True, 2: True}  # type: ignore[attr-defined]
         assert node.trained == ["SealedRound"] * 3  # type: ignore[attr-defined]
+        # Rounds 2 and 3 started from the +0 step, bit for bit the one taken from the held model then: with a
+        # sparse broadcast taken ahead (round 2's beside round 1, round 3's before round 1's update, fixed).
+        ahead = recipe.get("broadcast") == "codec"
+        assert node.zero_steps == [(2, ahead, True), (3, ahead, True)]  # type: ignore[attr-defined]
     for key, why in run.reasons.items():  # replayed (p = 1) with the same moves, every round of both hosts
         assert any(line.startswith("replay:") for line in why), (key, why)
-    # Rounds 2 and 3 of each host moved onto a forecast written over the +0 step (a sparse broadcast only:
-    # round 3's taken ahead by the upload thread, round 2's at its start, none being ahead of the initial
-    # model, and handed to round 1's upload thread, which finished it with the update).
+    # Rounds 2 and 3 of each host moved onto a forecast written over the +0 step taken ahead (a sparse
+    # broadcast only), which the upload thread of the round before then finished with the update.
     assert len(shifts) == (4 if recipe.get("broadcast") == "codec" else 0)
     # Rounds 1 and 2's upload threads, handed that step, took the next one's +0 part beside the upload and
     # fixed it after the update (`take_after`): round 3 started from the first; the second (from the model

@@ -215,7 +215,7 @@ def test_a_late_forecast_s_round_waits_for_the_pseudo_gradient_and_its_seal_only
     assert plain["utilisation_per_round"][1] == pytest.approx(10 / 15, abs=0.003)
     late = bench.simulate("8/8", 3_000_000, 2_000_000, "eager", timing(bench, **host, forecast_step=25))
     # Round 2 starts after round 1's pseudo-gradient, at 10.5 s (its +0 step of the initial model was taken
-    # beside round 1, from its first step: ready at 3.1 s); round 1's seal is done at 13 s, the forecast
+    # beside round 1, from its start: ready at 3 s); round 1's seal is done at 13 s, the forecast
     # written over the +0 step at 13.5 s, after step 25 (13 s): the move (0.2 s) at 13.5 s, the end at
     # 21.2 s, 11.2 s after round 1's. Every round after it alike: its +0 step was taken beside the upload
     # before it (`take_after`), ready soon after the model before (at 20 s for round 3, which starts at
