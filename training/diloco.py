@@ -418,8 +418,7 @@ class SpeculativeStep:
         self.done = False
         self._forecast: dict[str, tuple[Tensor, Tensor]] | None = None  # positions a forecast wrote, what was there
         self.finished = False  # once finished, the base is let go of (the result no longer needs it)
-        # the next step's +0 part taken on this one's +0 model (`take_after`), and the positions `finish`
-        # and a forecast wrote, where it is fixed (`after_finish`)
+        # the next step's +0 part (`take_after`), and the positions `finish` and a forecast wrote (`after_finish`)
         self._after: tuple[dict[str, Tensor], OuterOptimizer] | None = None
         self._changed: dict[str, list[Tensor]] = {}
 
@@ -467,11 +466,10 @@ class SpeculativeStep:
 
     def take_after(self, cancelled: Callable[[], bool] = lambda: False) -> bool:
         """The next outer step's +0 part taken before this step's update is known: the +0 step of this
-        step's +0 model and momentum (`run`'s; read where a `forecast` wrote over the model too, both fixed
-        later), which `after_finish` fixes at the few entries the update and the forecast changed. A host
-        takes it while its upload is in flight, so the next round's start is there soon after the update
-        (an eager host's late forecast: gonka_node/host/forecast.py). False when `cancelled()` stopped it.
-        Before `finish`; this step's tensors are only read."""
+        step's +0 model and momentum (read where a `forecast` wrote over the model too), which
+        `after_finish` fixes at the few entries the update and the forecast changed: a host takes it while
+        its upload is in flight (docs/PROTOCOL.md). False when `cancelled()` stopped it. Before `finish`;
+        this step's tensors are only read."""
         if self.finished:
             raise RuntimeError("SpeculativeStep.take_after: finished already")
         if not self.done:
@@ -490,10 +488,9 @@ class SpeculativeStep:
         return True
 
     def after_finish(self) -> SpeculativeStep | None:
-        """Once finished: the next step's +0 part on the finished model, bit for bit
-        `SpeculativeStep(outer, model).run()` of this step's result, from `take_after`'s, each entry
-        `finish` or a forecast wrote taken again from the finished model and momentum (element by element,
-        as `finish` takes the update's). None without `take_after`. Once: its tensors are the new step's."""
+        """Once finished: `SpeculativeStep(outer, model).run()` of this step's result, bit for bit, from
+        `take_after`'s, each entry `finish` or a forecast wrote taken again from the finished model and
+        momentum (element by element). None without `take_after`. Once: its tensors are the new step's."""
         if not self.finished:
             raise RuntimeError("SpeculativeStep.after_finish: the step is not finished")
         if self._after is None:
@@ -532,10 +529,9 @@ class SpeculativeStep:
         return dict(self.params)
 
     def forecast_shift(self) -> dict[str, Tensor]:
-        """After `forecast`: the forecast less the step's all +0 model it was written over, as
-        `training.worker.shift_onto` takes that difference (fp32, one rounding): the entries' differences
-        at the forecast's positions, +0 everywhere else (x − x of the finite model). A round that started
-        from the +0 model moves onto the forecast by adding it (`training.worker.Shifted`)."""
+        """After `forecast`: the forecast less the +0 model it was written over, as `shift_onto` takes it
+        (fp32, one rounding): the differences at the forecast's positions, +0 elsewhere (x − x, x finite),
+        which a round started from the +0 model adds to move onto the forecast (`worker.Shifted`)."""
         if self._forecast is None:
             raise RuntimeError("SpeculativeStep.forecast_shift: no forecast was taken")
         shift: dict[str, Tensor] = {}
