@@ -64,6 +64,13 @@ class Method:
     overlap: str = "off"  # the recipe's overlap rule (training/overlap.py): "delayed"/"eager" train while uploading
     forecast_step: int = 0  # eager: the step a round moves onto its forecast (training/overlap.py); 0: from the start
     merge_step: int = 0  # eager: the step a round moves onto the model after r − 1; 0: never
+    fragments: int = 1  # streamed (training/streaming.py): P fragments, one synced a round of H / P steps
+    stream_mix: float = 0.0  # streamed: the share of its own fragment a host keeps when the synced one lands
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps a round: H, or H / P when streamed (each fragment still syncs every H steps)."""
+        return self.sync_every // self.fragments
 
 
 METHODS: dict[str, Method] = {
@@ -94,6 +101,14 @@ METHODS: dict[str, Method] = {
         Method("diloco-topk-eager-late", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, overlap="eager",
                forecast_step=7),
         Method("diloco-int8-eager-merge", "int8:block=256", 30, 0.9, 0.5, overlap="eager", merge_step=7),
+        # Streaming DiLoCo: 3 fragments, one synced every 10 steps, so each syncs every 30 as above; the
+        # sync in place ("off"), or landing one round late ("delayed") with half the host's own kept.
+        Method("diloco-int8-stream3", "int8:block=256", 30, 0.9, 0.5, fragments=3),
+        Method("diloco-int8-stream3-delayed", "int8:block=256", 30, 0.9, 0.5, overlap="delayed", fragments=3,
+               stream_mix=0.5),
+        Method("diloco-topk-stream3", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, fragments=3),
+        Method("diloco-topk-stream3-delayed", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, overlap="delayed",
+               fragments=3, stream_mix=0.5),
     ]
 }
 
@@ -186,6 +201,8 @@ def _config(args: argparse.Namespace, seed: int, method: Method, steps: int, h: 
             overlap=method.overlap,
             forecast_step=method.forecast_step,
             merge_step=method.merge_step,
+            stream_fragments=method.fragments,
+            stream_mix=method.stream_mix,
         ),
         workers=args.workers,
         eval_windows=args.eval_windows,
@@ -206,9 +223,11 @@ def pretrain(args: argparse.Namespace, windows: Windows, seed: int) -> StateDict
 
 
 def check_schedule(method: Method, args: argparse.Namespace) -> int:
-    """The method's round length (H, or DDP's evaluation interval), which --steps and --warm-start must
-    both be multiples of: rounds are the unit of the data stream."""
-    h = method.sync_every if method.codec else args.ddp_eval_every
+    """The method's round length (H, H / P when streamed, or DDP's evaluation interval), which --steps and
+    --warm-start must both be multiples of: rounds are the unit of the data stream."""
+    if method.sync_every % method.fragments:
+        raise SystemExit(f"{method.name}: H = {method.sync_every} is not a multiple of its {method.fragments} fragments")
+    h = method.round_steps if method.codec else args.ddp_eval_every
     for what, n in (("--steps", args.steps), ("--warm-start", args.warm_start)):
         if n % h:
             raise SystemExit(f"{what} {n} must be a multiple of {method.name}'s H = {h}")
@@ -228,24 +247,28 @@ def run_method(
     if method.codec is None:
         ddp = run_ddp(base, windows, initial, first_round)
         start, sent = ddp.start_loss, ddp_bytes
+        peak = 4 * params  # a gradient a step
         points = [(step * 4 * params, loss) for step, loss in ddp.curve]
     else:
-        run = LocalDiLoCo(base, windows, initial, first_round)
+        run, peak = LocalDiLoCo(base, windows, initial, first_round), 0
         start, sent, points = run.heldout_loss(), 0, []
         for _ in range(base.recipe.n_rounds):
             report = run.run_round()
             sent += report.bytes_per_worker
+            peak = max(peak, report.bytes_per_worker)
             points.append((sent, report.heldout_loss))
     return {
         "name": method.name,
         "codec": method.codec,
-        "sync_every": h if method.codec else 1,
+        "sync_every": method.sync_every if method.codec else 1,
+        "fragments": method.fragments,
         "inner_lr": inner_lr(method, args),
         "seed": seed,
         "start_loss": start,
         "final_loss": points[-1][1],
         "bytes_per_worker": sent,
         "reduction_vs_ddp": ddp_bytes / sent,
+        "peak_round_bytes": peak,  # the largest single upload: a streamed round's is a fragment's
         "wall_s": time.perf_counter() - started,
         "curve": points,  # (bytes sent so far, held-out loss)
     }

@@ -104,16 +104,18 @@ class ErrorFeedback:
     def compress(
         self, delta: Mapping[str, Tensor], codec: Codec | None = None,
         kept: dict[str, tuple[Tensor, Tensor]] | None = None, consume: bool = False,
-        squares: dict[str, float] | None = None,
+        squares: dict[str, float] | None = None, part: bool = False,
     ) -> bytes:
         """Encode Δ plus the residual; `codec` overrides this round's codec (see `Codec.for_round`).
+        `part`: Δ holds some of the model's tensors (a streamed round's fragment): the others' residuals
+        stay as they are, and the payload is the fragment's (its header names its tensors alone).
         `kept`, for a sparse codec: filled with the payload's `decode_sparse`, as the encoder kept it.
         `consume`: Δ's tensors are the caller's to give up (it reads them no more): each residual is made
         in its Δ tensor instead of in new memory (the same bits: Δ + e is e + Δ); after a ValueError (a NaN
         or infinity: the residuals are as they were) what Δ's tensors hold is unspecified. `squares`: filled
         with each tensor's Σ Δ² (`sum_of_squares`, for Δ's norm), taken while Δ is read anyway."""
         codec = codec or self.codec
-        if self.residual and set(self.residual) != set(delta):
+        if self.residual and not part and set(self.residual) != set(delta):
             raise ValueError("ErrorFeedback.compress: tensor names differ from the previous round's")
         before, previous = dict(self.residual), dict(self.previous)  # compress_tensor replaces, never mutates
         try:

@@ -24,10 +24,12 @@ import torch
 from training.codecs import Codec, get_codec, round_seed, spec_of
 from training.data import Windows
 from training.diloco import OuterOptimizer, StreamingAverager
+from training.fragments import Fragment
 from training.inner import InnerConfig, evaluate
 from training.model import ModelConfig, build_model
 from training.overlap import eager_base, eager_rebases
-from training.worker import Assignment, DiLoCoWorker, Rebase
+from training.streaming import StreamSchedule, merge_fragment
+from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
 
 
 class LocalRecipe(Protocol):
@@ -53,6 +55,10 @@ class LocalRecipe(Protocol):
     def forecast_step(self) -> int: ...
     @property
     def merge_step(self) -> int: ...
+    @property
+    def stream_fragments(self) -> int: ...
+    @property
+    def stream_mix(self) -> float: ...
     def inner_config(self) -> InnerConfig: ...
 
 
@@ -150,6 +156,11 @@ class LocalDiLoCo:
         # host's decoded payload of round r − 1 (None before its first).
         self.lagged_outer = OuterOptimizer(self.outer.lr, self.outer.momentum, self.outer.nesterov)
         self.sent: list[Mapping[str, torch.Tensor] | None] = [None] * len(self.hosts)
+        # A streamed epoch syncs one fragment a round (training/streaming.py); with overlap "delayed" the
+        # fragment synced in round r lands on the hosts after round r + 1 trained (`landing`).
+        self.stream = StreamSchedule.plan(self.spec, recipe.stream_fragments, recipe.stream_mix, first_round) \
+            if recipe.stream_fragments > 1 else None
+        self.landing: Fragment | None = None
 
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
@@ -170,21 +181,27 @@ class LocalDiLoCo:
 
     def run_round(self, on_step: StepHook | None = None) -> RoundReport:
         started = time.perf_counter()
-        averager = StreamingAverager(self.spec)
+        fragment = self.stream.fragment_of(self.round) if self.stream is not None else None
+        spec = fragment.spec(self.spec) if fragment is not None else self.spec
+        averager = StreamingAverager(spec)
         codec = self.codec.for_round(round_seed(self.config.seed, self.round))
         sizes, last_losses = [], []
         for slot, host in enumerate(self.hosts):
             hook = (lambda step, loss, s=slot: on_step(s, step, loss)) if on_step else None
-            base, rebases = self._base(slot)
-            result = host.train_round(self.round, base, hook, rebases=rebases)
+            result = self._train_host(slot, host, hook, fragment)
             sizes.append(len(result.payload))
             last_losses.append(result.last_loss)
-            decoded = self.sent[slot] = codec.decode(result.payload, self.spec)
+            decoded = codec.decode(result.payload, spec)
+            if fragment is None:
+                self.sent[slot] = decoded
             averager.add(f"host-{slot:05d}", decoded)
-        if self.config.recipe.overlap != "off":
-            self.lagged = {name: p.detach().clone() for name, p in self.params.items()}
-            self.lagged_outer.restore(self.outer.steps, self.outer.buffers)
-        self.outer.step(self.params, averager.result())
+        if fragment is not None:
+            self._step_fragment(fragment, averager.result())
+        else:
+            if self.config.recipe.overlap != "off":
+                self.lagged = {name: p.detach().clone() for name, p in self.params.items()}
+                self.lagged_outer.restore(self.outer.steps, self.outer.buffers)
+            self.outer.step(self.params, averager.result())
         self.round += 1
         return RoundReport(
             round=self.round,
@@ -193,6 +210,27 @@ class LocalDiLoCo:
             bytes_per_worker=max(sizes),
             seconds=time.perf_counter() - started,
         )
+
+    def _train_host(self, slot: int, host: DiLoCoWorker, hook: Callable[[int, float], None] | None,
+                    fragment: Fragment | None) -> WorkerRound:
+        """Host `slot`'s round: from the recipe's base, or (streamed) on from its own model, sending
+        `fragment`'s pseudo-gradient alone."""
+        if fragment is None:
+            base, rebases = self._base(slot)
+            return host.train_round(self.round, base, hook, rebases=rebases)
+        start = self.params if self.round == self.first_round else None  # the epoch's model, once
+        return host.stream_round(self.round, self.params, fragment.names, hook, start=start)
+
+    def _step_fragment(self, fragment: Fragment, average: Mapping[str, torch.Tensor]) -> None:
+        """A streamed round's outer step, on its fragment alone, and the synced fragment landing on the
+        hosts: this round's, or with "delayed" the one synced the round before, which this round trained
+        without. Its global values are as its sync left them either way (this step moved another one)."""
+        self.outer.step({name: self.params[name] for name in fragment.names}, average)
+        landing = fragment if self.config.recipe.overlap == "off" else self.landing
+        self.landing = fragment
+        if landing is not None:
+            for host in self.hosts:
+                merge_fragment(host.model, self.params, landing.names, self.config.recipe.stream_mix)
 
 
 def _zeros(like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

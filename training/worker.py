@@ -168,17 +168,46 @@ class DiLoCoWorker(SlotWorker):
         delta, result = self.local_delta(round_index, global_params, on_step, rebases)
         return self.seal(round_index, delta, result, root, sparse)
 
+    def stream_round(
+        self,
+        round_index: int,
+        anchor: Mapping[str, Tensor],
+        names: Sequence[str],
+        on_step: Callable[[int, float], None] | None = None,
+        start: Mapping[str, Tensor] | None = None,
+    ) -> WorkerRound:
+        """A streamed round (training/streaming.py): H steps on from the model as it stands (`start`: load
+        it first, a host's first round), then the pseudo-gradient of the fragment `names` alone, measured
+        from `anchor`'s values of it (the global model, whose fragment is as its last sync left it),
+        compressed with error feedback on those tensors' residuals. No residual root: a streamed epoch
+        carries AdamW state, and no round of it is replayed or challenged."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(names) - set(params))
+        if unknown or not names:
+            raise ValueError(f"stream_round: the fragment's tensors {unknown[:3] or '(none)'} are not the model's")
+        if start is not None:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(start[name])
+        batches = iter(self.start_round(round_index, self.micro_batch))
+        if self.rig is not None:
+            batches = iter(self.rig.shard(batches))
+        result = self.trainer.run(batches, on_step=on_step)
+        delta = pseudo_gradient({n: anchor[n] for n in names}, {n: params[n] for n in names})
+        return self.seal(round_index, delta, result, root=False, part=True)
+
     def seal(self, round_index: int, delta: dict[str, Tensor], result: InnerResult, root: bool = True,
-             sparse: bool = False) -> WorkerRound:
+             sparse: bool = False, part: bool = False) -> WorkerRound:
         """The round's payload from its pseudo-gradient `delta` (`local_delta`, read no more: the residual is
         made in it): compressed with error feedback, the residual's root when `root`, and the payload's
         kept entries when `sparse` (a sparse codec). A host may run it beside the next round's first
-        steps, which do not touch the residual (gonka_node/host/sealing.py), never beside another seal."""
+        steps, which do not touch the residual (gonka_node/host/sealing.py), never beside another seal.
+        `part`: `delta` is one fragment of the model (`stream_round`)."""
         codec = self.round_codec(round_index)
         kept: dict[str, tuple[Tensor, Tensor]] | None = {} if sparse and codec.sparse else None
         squares: dict[str, float] = {}
         # Δ is read no more: e_r is made in it, and its norm taken on the way
-        payload = self.feedback.compress(delta, codec, kept, consume=True, squares=squares)
+        payload = self.feedback.compress(delta, codec, kept, consume=True, squares=squares, part=part)
         norm = math.sqrt(math.fsum(squares[name] for name in delta))
         signed = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
                                  self.feedback.codec) if root else None

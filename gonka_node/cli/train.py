@@ -25,6 +25,7 @@ from training.data import TokenCorpus, Windows
 from training.hf_export import MODEL_CONFIG_KEY
 from training.local import LocalDiLoCo, LocalRunConfig, RoundReport, ddp_bytes_per_worker
 from training.model import ModelConfig
+from training.overlap import OVERLAP_MODES
 
 # A local run's schedule, where it differs from an epoch recipe's defaults (a few minutes on a CPU);
 # every other field, and every help text, is the recipe's.
@@ -32,8 +33,10 @@ LOCAL_RUN: dict[str, Any] = {"n_rounds": 6, "inner_steps": 40, "warmup_steps": 5
 # The flags of `gonka-node train` that set a recipe field (default and help from LOCAL_RUN and Recipe).
 RECIPE_FLAGS = {
     "--rounds": "n_rounds", "--inner-steps": "inner_steps", "--micro-batch": "micro_batch", "--seq-len": "seq_len",
-    "--lr": "inner_lr", "--outer-lr": "outer_lr", "--round-state": "round_state",
+    "--lr": "inner_lr", "--outer-lr": "outer_lr", "--round-state": "round_state", "--overlap": "overlap",
+    "--stream-fragments": "stream_fragments", "--stream-mix": "stream_mix",
 }
+FLAG_CHOICES: dict[str, tuple[str, ...]] = {"round_state": ROUND_STATES, "overlap": OVERLAP_MODES}
 
 
 def local_default(name: str) -> Any:
@@ -96,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--workers", type=int, default=2, help="simulated hosts (default: 2)")
     for flag, name in RECIPE_FLAGS.items():
         default = local_default(name)
-        choices = ROUND_STATES if name == "round_state" else None
+        choices = FLAG_CHOICES.get(name)
         parser.add_argument(flag, dest=name, type=type(default), default=default, help=recipe_help(name, default),
                             choices=choices, metavar=None if choices else flag[2:].upper().replace("-", "_"))
     add_codec_flag(parser, local_default("codec"))
@@ -149,7 +152,7 @@ def _train(args: argparse.Namespace) -> int:
             raise CliError(f"--first-round must be >= 0, got {args.first_round}")
         run = LocalDiLoCo(config, windows, initial, args.first_round)
     except ValueError as exc:
-        raise CliError(f"--init {args.init}: {exc} (preset {args.preset})") from exc
+        raise CliError(f"--init {args.init}: {exc} (preset {args.preset})" if args.init else str(exc)) from exc
     summary = RunSummary(
         config={**recipe.to_dict(), "workers": config.workers, "eval_windows": config.eval_windows,
                 "preset": args.preset},

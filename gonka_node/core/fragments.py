@@ -9,7 +9,6 @@ clients compute the same plan and the same root.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import math
 import struct
@@ -17,41 +16,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+# The plan is training's (streamed epochs cut by it too); named here for the shards, hosts and clients.
+from training.fragments import Fragment as Fragment
+from training.fragments import FragmentError as FragmentError
+from training.fragments import Spec as Spec
+from training.fragments import plan_fragments as plan_fragments
+
 if TYPE_CHECKING:
     from torch import Tensor
 
-Spec = Mapping[str, tuple[int, ...]]
 LEAF_TAG = b"gonka-fragment-v1\n"
 NODE_TAG = b"\x01"
-
-
-class FragmentError(ValueError):
-    """A plan or proof that cannot be: bad shard count, index or proof shape."""
-
-
-@dataclass(frozen=True)
-class Fragment:
-    index: int
-    names: tuple[str, ...]  # sorted
-    numel: int
-
-    def spec(self, spec: Spec) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(spec[name]) for name in self.names}
-
-
-def plan_fragments(spec: Spec, shards: int) -> list[Fragment]:
-    """Tensors in descending size (ties by name), each to the fragment with the fewest elements so far
-    (ties: lowest index): the largest fragment exceeds the mean by at most one tensor."""
-    if not 1 <= shards <= len(spec):
-        raise FragmentError(f"shards must be between 1 and the model's {len(spec)} tensors, got {shards}")
-    sizes = {name: math.prod(shape) for name, shape in spec.items()}
-    loads = [(0, i) for i in range(shards)]  # (elements, index): a heap
-    members: list[list[str]] = [[] for _ in range(shards)]
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        load, i = heapq.heappop(loads)
-        members[i].append(name)
-        heapq.heappush(loads, (load + sizes[name], i))
-    return [Fragment(i, tuple(sorted(m)), sum(sizes[n] for n in m)) for i, m in enumerate(members)]
 
 
 def global_offsets(spec: Spec) -> dict[str, int]:

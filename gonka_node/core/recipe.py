@@ -109,6 +109,16 @@ class Recipe:
         1, "aggregators splitting the model by fragment (docs/PROTOCOL.md \"Sharded aggregators\"): the epoch "
         "must name this many aggregators with aggregator_quorum equal to it (omitted from the canonical JSON when 1)"
     )
+    # Streamed epochs (training/streaming.py; both omitted from the canonical JSON at their defaults).
+    stream_fragments: int = _field(
+        1, "P: fragments of the model (balanced by size) synced one a round in turn, so each fragment syncs every "
+        "P rounds and a round's upload and download carry 1/P of the model (Streaming DiLoCo; needs "
+        'round_state = "carry", overlap "off" or "delayed"; 1: the whole model every round)'
+    )
+    stream_mix: float = _field(
+        0.0, "streamed epochs: the share of its own fragment a host keeps when the synced one arrives, "
+        "θ ← mix·θ_local + (1 − mix)·θ_global, in [0, 1) (0: replace it)"
+    )
     # The top-k challenge (docs/PROTOCOL.md "Challenge and opening"): a picked host opens this share of its
     # residual's chunks, and at least this many elements' worth (what the verdict's cosine needs is
     # elements, not chunks). Both omitted from the canonical JSON at their defaults.
@@ -131,6 +141,7 @@ class Recipe:
         if self.overlap not in ("off", "delayed", "eager"):  # training/overlap.py's OVERLAP_MODES (no torch here)
             raise RecipeError(f"overlap: must be one of off, delayed, eager, got {self.overlap!r}")
         self._check_rebases()
+        self._check_streaming()
         if self.broadcast not in ("dense", "codec"):
             raise RecipeError(f"broadcast: must be one of dense, codec, got {self.broadcast!r}")
         if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards <= 0:
@@ -268,6 +279,26 @@ class Recipe:
             raise RecipeError(f"forecast_step ({self.forecast_step}) must come before merge_step ({self.merge_step}): "
                               "a round moves onto its forecast, then onto round r - 1's model")
 
+    def _check_streaming(self) -> None:
+        p, mix = self.stream_fragments, self.stream_mix
+        if not isinstance(p, int) or isinstance(p, bool) or p <= 0:
+            raise RecipeError(f"stream_fragments: must be a positive integer (1: not streamed), got {p!r}")
+        if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix < 1.0:
+            raise RecipeError(f"stream_mix: must be a fraction in [0, 1), got {mix!r}")
+        if p == 1:
+            if mix:
+                raise RecipeError(f"stream_mix: {mix} needs stream_fragments > 1 (this recipe streams nothing)")
+            return
+        if self.round_state != "carry":
+            raise RecipeError(f'stream_fragments: {p} needs round_state = "carry": a streamed round trains on from '
+                              "the host's own model, so no round starts fresh from public inputs")
+        if self.overlap not in ("off", "delayed"):
+            raise RecipeError(f'stream_fragments: {p} with overlap = {self.overlap!r}: streamed rounds overlap as '
+                              '"delayed" (a fragment\'s sync lands one round late) or not at all ("off")')
+        if self.shards > 1:
+            raise RecipeError(f"stream_fragments: {p} with shards = {self.shards}: a sharded epoch's rounds "
+                              "carry every fragment; stream one or the other")
+
     # ---- canonical form --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -278,7 +309,7 @@ class Recipe:
             del out["tokenizer"]
         if self.assignment_seed == "epoch":
             del out["assignment_seed"]
-        for name, default in (("overlap", "off"), ("forecast_step", 0), ("merge_step", 0), ("broadcast", "dense"), ("shards", 1), ("residual_sample", 0.01),
+        for name, default in (("overlap", "off"), ("forecast_step", 0), ("merge_step", 0), ("broadcast", "dense"), ("shards", 1), ("stream_fragments", 1), ("stream_mix", 0.0), ("residual_sample", 0.01),
                               ("residual_sample_min", 1_048_576)):
             if out[name] == default:
                 del out[name]
@@ -386,6 +417,10 @@ def check_network_overlap(recipe: Recipe) -> None:
     """An epoch's recipe must name an overlap rule the host daemon and the aggregator's replay implement:
     all three run in the network, "eager" unsharded only (a shard's replay holds one fragment and cannot
     take the whole-model outer step that makes a host's eager base)."""
+    if recipe.stream_fragments > 1:
+        raise RecipeError(f"stream_fragments: {recipe.stream_fragments}: streamed epochs run in the local simulation "
+                          "(gonka-node train) only; the host daemon and the aggregator do not serve them yet "
+                          '(docs/PROTOCOL.md "Streaming fragments")')
     if recipe.overlap == "eager" and recipe.shards > 1:
         raise RecipeError(f"overlap: 'eager' with shards = {recipe.shards}: the sharded replay does not compute "
                           "the hosts' eager bases; use shards = 1 or overlap = \"delayed\"")

@@ -101,3 +101,16 @@ def test_a_warm_start_off_the_round_grid_is_refused_before_any_training(tmp_path
         run(tmp_path, "bad", "--warm-start", "3")
     assert str(exc.value) == "--warm-start 3 must be a multiple of ddp's H = 2"
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_a_streamed_method_trains_rounds_of_h_over_p_steps_and_syncs_each_fragment_every_h() -> None:
+    bench = load_script("bench_training")
+    method = bench.METHODS["diloco-topk-stream3-delayed"]
+    args = bench.argparse.Namespace(model="bench", steps=60, warm_start=30, ddp_eval_every=30, micro_batch=2,
+                                    workers=2, eval_windows=4, warmup=1, lr=1e-3, diloco_lr=1e-3)
+    assert bench.check_schedule(method, args) == 10  # the data stream's round: 10 steps
+    recipe = bench._config(args, 0, method, args.steps, 10).recipe
+    assert (recipe.inner_steps, recipe.n_rounds, recipe.stream_fragments, recipe.stream_mix, recipe.overlap) == \
+        (10, 6, 3, 0.5, "delayed")
+    with pytest.raises(SystemExit, match="H = 30 is not a multiple of its 4 fragments"):
+        bench.check_schedule(bench.Method("odd", "int8", 30, fragments=4), args)

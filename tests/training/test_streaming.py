@@ -1,0 +1,158 @@
+"""Streamed epochs (training/streaming.py): one fragment of the model synced a round, in turn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gonka_node.cli.train import local_recipe
+from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
+from training.codecs import ErrorFeedback, get_codec, spec_of
+from training.data import Windows
+from training.diloco import OuterOptimizer, StreamingAverager
+from training.fragments import FragmentError
+from training.local import LocalDiLoCo, LocalRunConfig
+from training.model import ModelConfig, build_model
+from training.streaming import StreamSchedule, merge_fragment
+
+TINY = ModelConfig.preset("tiny")
+
+
+def _run(windows: Windows, codec: str = "fp32", **fields: Any) -> LocalDiLoCo:
+    recipe = local_recipe(TINY, micro_batch=4, seq_len=32, codec=codec,
+                          **{"n_rounds": 6, "inner_steps": 2, "stream_fragments": 3, **fields})
+    return LocalDiLoCo(LocalRunConfig(recipe=recipe, workers=2, eval_windows=4), windows)
+
+
+def _copy(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+def test_the_schedule_syncs_each_fragment_in_turn_from_the_first_round_and_covers_the_model() -> None:
+    spec = spec_of(dict(build_model(TINY, seed=0).named_parameters()))
+    schedule = StreamSchedule.plan(spec, 3, first_round=5)
+    assert [schedule.fragment_of(r).index for r in range(5, 12)] == [0, 1, 2, 0, 1, 2, 0]
+    names = [n for f in schedule.fragments for n in f.names]
+    assert sorted(names) == sorted(spec) and len(names) == len(set(names))
+    sizes = [f.numel for f in schedule.fragments]
+    assert max(sizes) - min(sizes) <= max(torch.Size(s).numel() for s in spec.values())
+    with pytest.raises(ValueError, match="precedes the epoch's first round 5"):
+        schedule.fragment_of(4)
+    with pytest.raises(FragmentError, match="stream_fragments must be between 1 and the model's"):
+        StreamSchedule.plan(spec, len(spec) + 1)
+    with pytest.raises(ValueError, match=r"stream mix must be in \[0, 1\)"):
+        StreamSchedule.plan(spec, 2, mix=1.0)
+
+
+@pytest.mark.parametrize("mix", [0.0, 0.25])
+def test_a_synced_fragment_lands_by_the_mix_and_nothing_else_moves(mix: float) -> None:
+    model = build_model(TINY, seed=1)
+    before = _copy(dict(model.named_parameters()))
+    synced = {name: torch.full_like(p, 2.0) for name, p in before.items()}
+    names = sorted(before)[:3]
+    merge_fragment(model, synced, names, mix)
+    after = dict(model.named_parameters())
+    for name in before:
+        if name in names:
+            expected = synced[name] if mix == 0.0 else synced[name] + mix * (before[name] - synced[name])
+            torch.testing.assert_close(after[name].detach(), expected, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(after[name], before[name])
+    with pytest.raises(ValueError, match="not in both the model and the synced fragment"):
+        merge_fragment(model, synced, ["nope"], 0.0)
+
+
+def test_error_feedback_compresses_a_fragment_and_leaves_the_other_residuals() -> None:
+    feedback = ErrorFeedback(get_codec("int8:block=4"))
+    delta = {"a": torch.linspace(-1, 1, 8), "b": torch.linspace(0, 3, 8)}
+    feedback.compress({k: v.clone() for k, v in delta.items()})
+    residual_b = feedback.residual["b"]
+    payload = feedback.compress({"a": delta["a"].clone()}, part=True)
+    assert feedback.residual["b"] is residual_b  # untouched
+    assert get_codec("int8:block=4").decode(payload, {"a": (8,)}).keys() == {"a"}
+    with pytest.raises(ValueError, match="tensor names differ"):
+        feedback.compress({"a": delta["a"].clone()})
+
+
+def test_a_streamed_round_steps_its_fragment_alone_from_the_hosts_own_models(small_windows: Windows) -> None:
+    """fp32 payloads, so the outer step is checked bit for bit against one taken by hand on the hosts'
+    models (overlap "delayed": round 0's fragment has not landed when the round ends)."""
+    run = _run(small_windows, overlap="delayed")
+    assert run.stream is not None
+    fragment = run.stream.fragment_of(0)
+    before = _copy(run.params)
+    report = run.run_round()
+    after = _copy(run.params)
+    for name in before:
+        assert torch.equal(after[name], before[name]) == (name not in fragment.names), name
+    # by hand: the mean of θ_global,f − θ_local,f over the hosts, Nesterov's first step
+    averager = StreamingAverager(fragment.spec(run.spec))
+    for slot, host in enumerate(run.hosts):
+        local = dict(host.model.named_parameters())
+        averager.add(f"host-{slot:05d}", {n: before[n] - local[n].detach() for n in fragment.names})
+    expected = {n: before[n].clone() for n in fragment.names}
+    OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True).step(expected, averager.result())
+    for name in fragment.names:
+        assert torch.equal(after[name], expected[name]), name
+    assert report.bytes_per_worker == len(get_codec("fp32").encode(expected))  # the fragment's payload, 1/3
+    assert 4 * fragment.numel < report.bytes_per_worker < 4 * fragment.numel + 1024
+
+
+@pytest.mark.parametrize("overlap", ["off", "delayed"])
+def test_hosts_train_on_their_own_models_and_take_each_synced_fragment_back_when_it_lands(
+    small_windows: Windows, overlap: str
+) -> None:
+    run = _run(small_windows, codec="topk:chunk=64,k=8,bits=2", overlap=overlap)
+    assert run.stream is not None
+    first = run.stream.fragment_of(0)
+    host_before = _copy(dict(run.hosts[0].model.named_parameters()))
+    run.run_round()
+    run.run_round()  # round 1: its fragment's sync lands now ("off"), or after round 2 ("delayed")
+    synced, landed = run.stream.fragment_of(1), (run.stream.fragment_of(1) if overlap == "off" else first)
+    waiting = run.stream.fragment_of(1) if overlap == "delayed" else None
+    for host in run.hosts:
+        local = dict(host.model.named_parameters())
+        for name in run.params:
+            same = torch.equal(local[name], run.params[name])
+            if name in landed.names:
+                assert same, name  # mix 0: the synced values exactly
+            elif name in synced.names or (waiting is not None and name in waiting.names):
+                assert not same, name  # trained on since, and not landed yet
+        assert not any(torch.equal(local[n], host_before[n]) for n in run.stream.fragment_of(2).names)
+    # the error feedback keeps a residual for the fragments synced so far, and none for the others
+    assert set(run.hosts[0].feedback.residual) == set(first.names) | set(synced.names)
+
+
+def test_streaming_lowers_every_round_s_upload_and_still_trains(small_windows: Windows) -> None:
+    codec = "int8:block=256"
+    run = _run(small_windows, codec=codec, n_rounds=3, warmup_steps=2, stream_mix=0.5, overlap="delayed")
+    whole = len(get_codec(codec).encode({n: torch.zeros_like(p) for n, p in run.params.items()}))
+    start = run.heldout_loss()
+    reports = [run.run_round() for _ in range(3)]
+    assert max(r.bytes_per_worker for r in reports) < 0.45 * whole  # 3 fragments, balanced
+    assert sum(r.bytes_per_worker for r in reports) < 1.01 * whole  # every tensor once in 3 rounds
+    assert reports[-1].heldout_loss < start - 0.3
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"stream_fragments": 0}, "stream_fragments: must be a positive integer"),
+    ({"stream_fragments": 2, "round_state": "fresh"}, 'needs round_state = "carry"'),
+    ({"stream_fragments": 2, "overlap": "eager"}, "streamed rounds overlap as"),
+    ({"stream_fragments": 2, "shards": 2}, "stream one or the other"),
+    ({"stream_mix": 0.5}, "needs stream_fragments > 1"),
+    ({"stream_fragments": 2, "stream_mix": 1.0}, r"stream_mix: must be a fraction in \[0, 1\)"),
+])
+def test_the_recipe_refuses_streaming_it_cannot_run(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(RecipeError, match=message):
+        Recipe(model=TINY, **fields)
+
+
+def test_streaming_stays_out_of_the_canonical_recipe_when_off_and_out_of_the_network() -> None:
+    assert Recipe(model=TINY).sha256() == Recipe(model=TINY, stream_fragments=1, stream_mix=0.0).sha256()
+    streamed = Recipe(model=TINY, stream_fragments=4, stream_mix=0.5)
+    assert (streamed.to_dict()["stream_fragments"], streamed.to_dict()["stream_mix"]) == (4, 0.5)
+    assert Recipe.from_dict(streamed.to_dict()).sha256() == streamed.sha256()
+    with pytest.raises(RecipeError, match="streamed epochs run in the local simulation"):
+        check_network_overlap(streamed)

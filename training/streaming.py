@@ -1,0 +1,68 @@
+"""Streaming fragments (Streaming DiLoCo, Douillard et al. 2025): the model synced one fragment a round.
+
+A streamed epoch (`stream_fragments = P` in the recipe) cuts the model's tensors into P fragments
+balanced by size (`training.fragments.plan_fragments`, the plan sharded aggregators use) and syncs
+fragment (r − first) mod P at the end of round r. Each fragment thus syncs every P rounds, offset from
+the others by one round: a round's upload and download carry 1/P of the model, and the exchange of one
+fragment overlaps the training of all of them.
+
+A host never reloads the whole global model after its first round: it trains on from its own, and a
+fragment's sync measures the pseudo-gradient θ_global,f − θ_local,f from the global model's fragment
+(as its last sync left it: no other round's outer step touches it), the outer step moves that fragment
+alone (its own Nesterov buffers), and the host takes it back by `merge_fragment`: θ_f ← mix·θ_local,f
++ (1 − mix)·θ_global,f. With overlap "delayed" the synced fragment lands one round late, after the host
+trained the next round on its own values (Streaming DiLoCo's overlap with τ = H; `mix` > 0 keeps part
+of those steps, as the paper's α).
+
+No round of a streamed epoch is a pure function of public inputs (a host's other fragments are its own,
+trained since their last syncs), so streamed epochs carry AdamW state and are never replayed
+(docs/PROTOCOL.md "Streaming fragments").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from training.fragments import Fragment, Spec, plan_fragments
+
+
+@dataclass(frozen=True)
+class StreamSchedule:
+    """Which fragment each round of a streamed epoch syncs, and how a host takes a synced one back."""
+
+    fragments: tuple[Fragment, ...]
+    mix: float = 0.0
+    first_round: int = 0  # the epoch's first round, which syncs fragment 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.mix < 1.0:
+            raise ValueError(f"stream mix must be in [0, 1), got {self.mix}")
+
+    @classmethod
+    def plan(cls, spec: Spec, count: int, mix: float = 0.0, first_round: int = 0) -> StreamSchedule:
+        return cls(tuple(plan_fragments(spec, count, what="stream_fragments")), mix, first_round)
+
+    def fragment_of(self, round_index: int) -> Fragment:
+        if round_index < self.first_round:
+            raise ValueError(f"round {round_index} precedes the epoch's first round {self.first_round}")
+        return self.fragments[(round_index - self.first_round) % len(self.fragments)]
+
+
+def merge_fragment(model: torch.nn.Module, synced: Mapping[str, Tensor], names: Sequence[str], mix: float) -> None:
+    """Take a synced fragment back into a host's model: θ ← θ_synced + mix·(θ − θ_synced) for each tensor
+    of `names` (torch.lerp: `mix` = 0 copies the synced values exactly)."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(names) - set(params) | set(names) - set(synced))
+    if missing:
+        raise ValueError(f"merge_fragment: {missing[:3]} not in both the model and the synced fragment")
+    with torch.no_grad():
+        for name in names:
+            p, g = params[name], synced[name].to(params[name].device, torch.float32)
+            if mix == 0.0:
+                p.copy_(g)
+            else:
+                p.copy_(torch.lerp(g, p.detach().float(), mix))
