@@ -64,8 +64,8 @@ class RecordingFeedback(ErrorFeedback):
 
     def compress(self, delta: Mapping[str, Tensor], codec: Codec | None = None,
                  kept: dict[str, tuple[Tensor, Tensor]] | None = None, consume: bool = False,
-                 squares: dict[str, float] | None = None) -> bytes:
-        self.last_payload = super().compress(delta, codec, kept, consume, squares)
+                 squares: dict[str, float] | None = None, part: bool = False) -> bytes:
+        self.last_payload = super().compress(delta, codec, kept, consume, squares, part)
         return self.last_payload
 
 
