@@ -109,6 +109,10 @@ METHODS: dict[str, Method] = {
         Method("diloco-topk-stream3", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, fragments=3),
         Method("diloco-topk-stream3-delayed", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9, overlap="delayed",
                fragments=3, stream_mix=0.5),
+        # ... and landing late by replacing the host's own fragment (mix 0): what the mix buys
+        Method("diloco-int8-stream3-delayed-replace", "int8:block=256", 30, 0.9, 0.5, overlap="delayed", fragments=3),
+        Method("diloco-topk-stream3-delayed-replace", "topk:chunk=4096,k=128,bits=2", 30, 0.9, 0.5, 0.9,
+               overlap="delayed", fragments=3),
     ]
 }
 
@@ -285,6 +289,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "name": name,
                 "codec": group[0]["codec"],
                 "sync_every": group[0]["sync_every"],
+                "fragments": group[0]["fragments"],
+                "peak_round_bytes": group[0]["peak_round_bytes"],
                 "inner_lr": group[0]["inner_lr"],
                 "final_loss": statistics.fmean(losses),
                 "final_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
@@ -373,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, help="text file or folder (default: Python's stdlib sources)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per method; reports mean ± std")
     parser.add_argument(
-        "--methods", default=",".join(n for n, m in METHODS.items() if m.overlap == "off"),
-        help=f"comma-separated subset of {list(METHODS)} (default: all but the overlapped ones)"
+        "--methods", default=",".join(n for n, m in METHODS.items() if m.overlap == "off" and m.fragments == 1),
+        help=f"comma-separated subset of {list(METHODS)} (default: all but the overlapped and streamed ones)"
     )
     parser.add_argument("--extra", action="append", default=[], help=f"extra method {EXTRA_FORMAT}")
     parser.add_argument(

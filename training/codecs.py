@@ -108,7 +108,9 @@ class ErrorFeedback:
     ) -> bytes:
         """Encode Δ plus the residual; `codec` overrides this round's codec (see `Codec.for_round`).
         `part`: Δ holds some of the model's tensors (a streamed round's fragment): the others' residuals
-        stay as they are, and the payload is the fragment's (its header names its tensors alone).
+        stay as they are, and the payload is the fragment's (its header names its tensors alone). `previous`
+        is then no round's e_{r−1} (the fragment's is from its last sync, the others' older): streamed
+        epochs are never challenged, and nothing opens it.
         `kept`, for a sparse codec: filled with the payload's `decode_sparse`, as the encoder kept it.
         `consume`: Δ's tensors are the caller's to give up (it reads them no more): each residual is made
         in its Δ tensor instead of in new memory (the same bits: Δ + e is e + Δ); after a ValueError (a NaN

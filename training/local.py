@@ -158,8 +158,7 @@ class LocalDiLoCo:
         self.sent: list[Mapping[str, torch.Tensor] | None] = [None] * len(self.hosts)
         # A streamed epoch syncs one fragment a round (training/streaming.py); with overlap "delayed" the
         # fragment synced in round r lands on the hosts after round r + 1 trained (`landing`).
-        self.stream = StreamSchedule.plan(self.spec, recipe.stream_fragments, recipe.stream_mix, first_round) \
-            if recipe.stream_fragments > 1 else None
+        self.stream = _stream_schedule(recipe, self.spec, first_round)
         self.landing: Fragment | None = None
 
     def heldout_loss(self) -> float:
@@ -195,8 +194,8 @@ class LocalDiLoCo:
             if fragment is None:
                 self.sent[slot] = decoded
             averager.add(f"host-{slot:05d}", decoded)
-        if fragment is not None:
-            self._step_fragment(fragment, averager.result())
+        if self.stream is not None and fragment is not None:
+            self._step_fragment(self.stream, fragment, averager.result())
         else:
             if self.config.recipe.overlap != "off":
                 self.lagged = {name: p.detach().clone() for name, p in self.params.items()}
@@ -221,7 +220,7 @@ class LocalDiLoCo:
         start = self.params if self.round == self.first_round else None  # the epoch's model, once
         return host.stream_round(self.round, self.params, fragment.names, hook, start=start)
 
-    def _step_fragment(self, fragment: Fragment, average: Mapping[str, torch.Tensor]) -> None:
+    def _step_fragment(self, stream: StreamSchedule, fragment: Fragment, average: Mapping[str, torch.Tensor]) -> None:
         """A streamed round's outer step, on its fragment alone, and the synced fragment landing on the
         hosts: this round's, or with "delayed" the one synced the round before, which this round trained
         without. Its global values are as its sync left them either way (this step moved another one)."""
@@ -230,7 +229,19 @@ class LocalDiLoCo:
         self.landing = fragment
         if landing is not None:
             for host in self.hosts:
-                merge_fragment(host.model, self.params, landing.names, self.config.recipe.stream_mix)
+                merge_fragment(host.model, self.params, landing.names, stream.mix)
+
+
+def _stream_schedule(recipe: LocalRecipe, spec: Mapping[str, tuple[int, ...]], first_round: int) -> StreamSchedule | None:
+    """A streamed recipe's schedule (None when it streams nothing), refused (ValueError) where a streamed
+    round cannot run: from a fresh AdamW state or an eager forecast, both whole-model rules (a `Recipe`
+    refuses them itself; this guards any other `LocalRecipe`)."""
+    if recipe.stream_fragments <= 1:
+        return None
+    if recipe.overlap == "eager" or recipe.inner_config().round_state != "carry":
+        raise ValueError(f"stream_fragments = {recipe.stream_fragments} needs round_state 'carry' and overlap 'off' or "
+                         f"'delayed' (got {recipe.inner_config().round_state!r}, {recipe.overlap!r})")
+    return StreamSchedule.plan(spec, recipe.stream_fragments, recipe.stream_mix, first_round)
 
 
 def _zeros(like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -4,15 +4,16 @@ A streamed epoch (`stream_fragments = P` in the recipe) cuts the model's tensors
 balanced by size (`training.fragments.plan_fragments`, the plan sharded aggregators use) and syncs
 fragment (r − first) mod P at the end of round r. Each fragment thus syncs every P rounds, offset from
 the others by one round: a round's upload and download carry 1/P of the model, and the exchange of one
-fragment overlaps the training of all of them.
+fragment overlaps the training of all of them. A streamed recipe with the sync period of a whole-model
+one with H inner steps a round sets `inner_steps` = H / P (and P times the rounds): the same compute.
 
 A host never reloads the whole global model after its first round: it trains on from its own, and a
 fragment's sync measures the pseudo-gradient θ_global,f − θ_local,f from the global model's fragment
 (as its last sync left it: no other round's outer step touches it), the outer step moves that fragment
 alone (its own Nesterov buffers), and the host takes it back by `merge_fragment`: θ_f ← mix·θ_local,f
 + (1 − mix)·θ_global,f. With overlap "delayed" the synced fragment lands one round late, after the host
-trained the next round on its own values (Streaming DiLoCo's overlap with τ = H; `mix` > 0 keeps part
-of those steps, as the paper's α).
+trained the next round on its own values (Streaming DiLoCo's overlap with τ = one round, H / P steps;
+`mix` > 0 keeps part of those steps, as the paper's α).
 
 No round of a streamed epoch is a pure function of public inputs (a host's other fragments are its own,
 trained since their last syncs), so streamed epochs carry AdamW state and are never replayed

@@ -22,6 +22,7 @@ from gonka_node.core.recipe import BUILTIN_CORPUS, Recipe, recipe_default, recip
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from training.codecs import get_codec
 from training.data import TokenCorpus, Windows
+from training.fragments import FragmentError
 from training.hf_export import MODEL_CONFIG_KEY
 from training.local import LocalDiLoCo, LocalRunConfig, RoundReport, ddp_bytes_per_worker
 from training.model import ModelConfig
@@ -152,7 +153,9 @@ def _train(args: argparse.Namespace) -> int:
             raise CliError(f"--first-round must be >= 0, got {args.first_round}")
         run = LocalDiLoCo(config, windows, initial, args.first_round)
     except ValueError as exc:
-        raise CliError(f"--init {args.init}: {exc} (preset {args.preset})" if args.init else str(exc)) from exc
+        # a recipe the model cannot take (more fragments than tensors) is the flags' mistake, not --init's
+        blame_init = args.init is not None and not isinstance(exc, FragmentError)
+        raise CliError(f"--init {args.init}: {exc} (preset {args.preset})" if blame_init else str(exc)) from exc
     summary = RunSummary(
         config={**recipe.to_dict(), "workers": config.workers, "eval_windows": config.eval_windows,
                 "preset": args.preset},

@@ -113,7 +113,8 @@ class Recipe:
     stream_fragments: int = _field(
         1, "P: fragments of the model (balanced by size) synced one a round in turn, so each fragment syncs every "
         "P rounds and a round's upload and download carry 1/P of the model (Streaming DiLoCo; needs "
-        'round_state = "carry", overlap "off" or "delayed"; 1: the whole model every round)'
+        'round_state = "carry", overlap "off" or "delayed"; 1: the whole model every round). Local simulation only '
+        "(gonka-node train): the network refuses it"
     )
     stream_mix: float = _field(
         0.0, "streamed epochs: the share of its own fragment a host keeps when the synced one arrives, "
@@ -141,11 +142,11 @@ class Recipe:
         if self.overlap not in ("off", "delayed", "eager"):  # training/overlap.py's OVERLAP_MODES (no torch here)
             raise RecipeError(f"overlap: must be one of off, delayed, eager, got {self.overlap!r}")
         self._check_rebases()
-        self._check_streaming()
         if self.broadcast not in ("dense", "codec"):
             raise RecipeError(f"broadcast: must be one of dense, codec, got {self.broadcast!r}")
         if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards <= 0:
             raise RecipeError(f"shards: must be a positive integer, got {self.shards!r}")
+        self._check_streaming()
         if isinstance(self.residual_sample, bool) or not 0.0 < self.residual_sample <= 1.0:
             raise RecipeError(f"residual_sample: must be a fraction in (0, 1], got {self.residual_sample!r}")
         if not isinstance(self.residual_sample_min, int) or isinstance(self.residual_sample_min, bool) \
@@ -298,6 +299,9 @@ class Recipe:
         if self.shards > 1:
             raise RecipeError(f"stream_fragments: {p} with shards = {self.shards}: a sharded epoch's rounds "
                               "carry every fragment; stream one or the other")
+        if self.codec.split(":")[0] == "mask":
+            raise RecipeError(f"stream_fragments: {p} with the mask codec: its phase follows the round, so a "
+                              "fragment synced every P rounds could keep one phase and never send the others")
 
     # ---- canonical form --------------------------------------------------------------------------
 
@@ -416,7 +420,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 def check_network_overlap(recipe: Recipe) -> None:
     """An epoch's recipe must name an overlap rule the host daemon and the aggregator's replay implement:
     all three run in the network, "eager" unsharded only (a shard's replay holds one fragment and cannot
-    take the whole-model outer step that makes a host's eager base)."""
+    take the whole-model outer step that makes a host's eager base); streamed recipes run locally only."""
     if recipe.stream_fragments > 1:
         raise RecipeError(f"stream_fragments: {recipe.stream_fragments}: streamed epochs run in the local simulation "
                           "(gonka-node train) only; the host daemon and the aggregator do not serve them yet "

@@ -121,6 +121,9 @@ def test_local_run_is_a_pure_function_of_its_config(corpus: Path) -> None:
         (["--seq-len", "4096"], "max_seq_len"),
         (["--corpus", "/nonexistent/corpus"], "--corpus"),
         (["--first-round", "-1"], "--first-round must be >= 0"),
+        (["--stream-fragments", "2", "--round-state", "fresh"], 'stream_fragments: 2 needs round_state = "carry"'),
+        (["--stream-fragments", "999"], "error: stream_fragments must be between 1 and the model's 21 tensors, got 999"),
+        (["--stream-fragments", "2", "--codec", "mask"], "stream_fragments: 2 with the mask codec"),
     ],
 )
 def test_user_mistakes_exit_2_with_a_message(

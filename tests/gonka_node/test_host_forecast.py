@@ -117,11 +117,10 @@ def _epoch(tmp_path: Path, cls: type[HostNode], **recipe: object) -> tuple[Run, 
 @pytest.mark.parametrize("recipe", [
     {"codec": "int8"},  # the forecast taken whole: a plain move onto it
     {"codec": TOPK},
-    # written over the step taken ahead (a sparse broadcast): the move added as its shift (`Shifted`), then
-    # the merge onto the model after r − 1 (the sparse broadcast without a merge moves the same way: one
-    # epoch serves both, the suite's time being short)
-    {"codec": TOPK, "broadcast": "codec", "merge_step": MERGE},
-], ids=["int8", "topk", "topk-broadcast-merge"])
+    # written over the step taken ahead (a sparse broadcast): the move added as its shift (`Shifted`)
+    {"codec": TOPK, "broadcast": "codec"},
+    {"codec": TOPK, "broadcast": "codec", "merge_step": MERGE},  # then the merge onto the model after r − 1
+], ids=["int8", "topk", "topk-broadcast", "topk-broadcast-merge"])
 def test_a_late_forecast_epoch_seals_beside_the_next_round_and_passes_the_replay(
     tmp_path: Path, recipe: dict[str, object], monkeypatch: pytest.MonkeyPatch,
 ) -> None:

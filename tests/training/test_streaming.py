@@ -100,6 +100,48 @@ def test_a_streamed_round_steps_its_fragment_alone_from_the_hosts_own_models(sma
     assert 4 * fragment.numel < report.bytes_per_worker < 4 * fragment.numel + 1024
 
 
+def test_hosts_train_on_from_their_own_models_and_a_second_sync_steps_from_the_fragment_s_momentum(
+    small_windows: Windows, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four rounds of three fragments, "delayed", mix 0.25: each round trains from the model the host's
+    last round left (after the landing), never reloaded; round 3, fragment 0's second sync, is checked bit
+    for bit against the outer step by hand from the momentum its first sync left."""
+    import training.local
+
+    run = _run(small_windows, overlap="delayed", stream_mix=0.25, n_rounds=4)
+    assert run.stream is not None
+    starts: list[list[dict[str, torch.Tensor]]] = [[] for _ in run.hosts]
+    for slot, host in enumerate(run.hosts):
+        def recording(batches: Any, *args: Any, _run: Any = host.trainer.run, _slot: int = slot, **kw: Any) -> Any:
+            starts[_slot].append(_copy(dict(run.hosts[_slot].model.named_parameters())))
+            return _run(batches, *args, **kw)
+        monkeypatch.setattr(host.trainer, "run", recording)
+    landed: list[tuple[int, tuple[str, ...], float]] = []
+    real_merge = training.local.merge_fragment
+    monkeypatch.setattr(training.local, "merge_fragment", lambda model, synced, names, mix: (
+        landed.append((run.round, tuple(names), mix)), real_merge(model, synced, names, mix))[1])
+    ends: list[list[dict[str, torch.Tensor]]] = []
+    for _ in range(3):
+        run.run_round()
+        ends.append([_copy(dict(h.model.named_parameters())) for h in run.hosts])
+    for slot in range(len(run.hosts)):
+        for r in (1, 2):  # trained on from the model the last round (and its landing) left
+            assert all(torch.equal(starts[slot][r][n], ends[r - 1][slot][n]) for n in run.params)
+        assert not all(torch.equal(starts[slot][1][n], run.params[n]) for n in run.params)  # not the global model
+    fragments = [run.stream.fragment_of(r).names for r in range(4)]
+    # delayed: round r's fragment lands on each host as round r + 1 ends (round 0's in round 1, ...)
+    assert landed == [(1, fragments[0], 0.25)] * 2 + [(2, fragments[1], 0.25)] * 2
+    before = {n: run.params[n].detach().clone() for n in fragments[3]}
+    outer = run.outer.copy()  # the momentum fragment 0's first sync left
+    run.run_round()
+    averager = StreamingAverager({n: run.spec[n] for n in fragments[3]})
+    for slot, host in enumerate(run.hosts):
+        local = dict(host.model.named_parameters())  # fragment 0 not landed yet: as round 3 trained it
+        averager.add(f"host-{slot:05d}", {n: before[n] - local[n].detach() for n in fragments[3]})
+    outer.step(before, averager.result())
+    assert fragments[3] == fragments[0] and all(torch.equal(run.params[n], before[n]) for n in fragments[3])
+
+
 @pytest.mark.parametrize("overlap", ["off", "delayed"])
 def test_hosts_train_on_their_own_models_and_take_each_synced_fragment_back_when_it_lands(
     small_windows: Windows, overlap: str
@@ -141,6 +183,8 @@ def test_streaming_lowers_every_round_s_upload_and_still_trains(small_windows: W
     ({"stream_fragments": 2, "round_state": "fresh"}, 'needs round_state = "carry"'),
     ({"stream_fragments": 2, "overlap": "eager"}, "streamed rounds overlap as"),
     ({"stream_fragments": 2, "shards": 2}, "stream one or the other"),
+    ({"stream_fragments": 2, "codec": "mask:stride=2"}, "with the mask codec: its phase follows the round"),
+    ({"stream_fragments": 2, "shards": "2"}, "shards: must be a positive integer"),
     ({"stream_mix": 0.5}, "needs stream_fragments > 1"),
     ({"stream_fragments": 2, "stream_mix": 1.0}, r"stream_mix: must be a fraction in \[0, 1\)"),
 ])
