@@ -117,22 +117,28 @@ METHODS: dict[str, Method] = {
 }
 
 
-EXTRA_FORMAT = "NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY|INNER_LR]"
+EXTRA_FORMAT = "NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY|INNER_LR|FRAGMENTS]"
 
 
 def parse_extra(text: str) -> Method:
-    """NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY|INNER_LR], e.g. 'mask-s2|mask:stride=2|30|0.7|0.9|1.0'.
+    """NAME|CODEC|H[|OUTER_LR|MOMENTUM|EF_DECAY|INNER_LR|FRAGMENTS], e.g. 'mask-s2|mask:stride=2|30|0.7|0.9|1.0'.
 
-    CODEC 'ddp' makes a DDP run (H is then the evaluation interval, outer fields are ignored)."""
+    CODEC 'ddp' makes a DDP run (H is then the evaluation interval, outer fields are ignored). FRAGMENTS:
+    a streamed run (training/streaming.py), each fragment synced every H steps, in place."""
     fields = text.split("|")
-    if not 3 <= len(fields) <= 7:
+    if not 3 <= len(fields) <= 8:
         raise SystemExit(f"--extra {text!r}: expected {EXTRA_FORMAT}")
-    given: list[float | None] = [float(f) for f in fields[3:]]
+    try:
+        given: list[float | None] = [float(f) for f in fields[3:7]]
+        h, fragments = int(fields[2]), int(fields[7]) if len(fields) == 8 else 1
+    except ValueError as exc:
+        raise SystemExit(f"--extra {text!r}: {exc} (expected {EXTRA_FORMAT})") from exc
     n = given + [None] * (4 - len(given))
-    base = Method(fields[0], None if fields[1] == "ddp" else fields[1], int(fields[2]))
+    base = Method(fields[0], None if fields[1] == "ddp" else fields[1], h)
     return Method(
         base.name, base.codec, base.sync_every, base.outer_lr if n[0] is None else n[0],
         base.outer_momentum if n[1] is None else n[1], base.ef_decay if n[2] is None else n[2], n[3],
+        fragments=fragments,
     )
 
 

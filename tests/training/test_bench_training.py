@@ -114,3 +114,12 @@ def test_a_streamed_method_trains_rounds_of_h_over_p_steps_and_syncs_each_fragme
         (10, 6, 3, 0.5, "delayed")
     with pytest.raises(SystemExit, match="H = 30 is not a multiple of its 4 fragments"):
         bench.check_schedule(bench.Method("odd", "int8", 30, fragments=4), args)
+
+
+def test_an_extra_method_may_stream_and_a_bad_field_is_refused_in_one_line() -> None:
+    bench = load_script("bench_training")
+    method = bench.parse_extra("i8-s5|int8:block=256|30|0.9|0.5|1.0|0.0015|5")
+    assert (method.sync_every, method.fragments, method.round_steps, method.inner_lr) == (30, 5, 6, 0.0015)
+    assert bench.parse_extra("i8|int8|30").fragments == 1
+    with pytest.raises(SystemExit, match=r"--extra 'i8\|int8\|30\|x': could not convert string to float"):
+        bench.parse_extra("i8|int8|30|x")
