@@ -156,10 +156,10 @@ class LocalDiLoCo:
         # host's decoded payload of round r − 1 (None before its first).
         self.lagged_outer = OuterOptimizer(self.outer.lr, self.outer.momentum, self.outer.nesterov)
         self.sent: list[Mapping[str, torch.Tensor] | None] = [None] * len(self.hosts)
-        # A streamed epoch syncs one fragment a round (training/streaming.py); with overlap "delayed" the
-        # fragment synced in round r lands on the hosts after round r + 1 trained (`landing`).
+        # A streamed epoch syncs one fragment a round (training/streaming.py); the hosts have landed the
+        # syncs of rounds through `landed` (with overlap "delayed" round r's lands after round r + 1 trained).
         self.stream = _stream_schedule(recipe, self.spec, first_round)
-        self.landing: Fragment | None = None
+        self.landed = first_round - 1
 
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
@@ -225,11 +225,11 @@ class LocalDiLoCo:
         hosts: this round's, or with "delayed" the one synced the round before, which this round trained
         without. Its global values are as its sync left them either way (this step moved another one)."""
         self.outer.step({name: self.params[name] for name in fragment.names}, average)
-        landing = fragment if self.config.recipe.overlap == "off" else self.landing
-        self.landing = fragment
-        if landing is not None:
+        upto = self.round if self.config.recipe.overlap == "off" else self.round - 1
+        for landing in stream.landing(self.landed, upto):
             for host in self.hosts:
                 merge_fragment(host.model, self.params, landing.names, stream.mix)
+        self.landed = max(self.landed, upto)
 
 
 def _stream_schedule(recipe: LocalRecipe, spec: Mapping[str, tuple[int, ...]], first_round: int) -> StreamSchedule | None:

@@ -52,6 +52,15 @@ class StreamSchedule:
             raise ValueError(f"round {round_index} precedes the epoch's first round {self.first_round}")
         return self.fragments[(round_index - self.first_round) % len(self.fragments)]
 
+    def landing(self, landed: int, upto: int) -> list[Fragment]:
+        """The fragments a host takes back to bring its model from the syncs of rounds through `landed`
+        to those through `upto`: each fragment synced in rounds `landed` + 1 … `upto` once, in the order of
+        its latest sync there ([] when there is none). Each lands from the held global model, whose copy
+        of a fragment is as its latest sync left it, so a host that missed rounds (a late joiner, a
+        restart) lands each fragment once, never twice with a mix (which would not be idempotent)."""
+        start = max(landed + 1, upto - len(self.fragments) + 1, self.first_round)
+        return [self.fragment_of(r) for r in range(start, upto + 1)]
+
 
 def merge_fragment(model: torch.nn.Module, synced: Mapping[str, Tensor], names: Sequence[str], mix: float) -> None:
     """Take a synced fragment back into a host's model: θ ← θ_synced + mix·(θ − θ_synced) for each tensor

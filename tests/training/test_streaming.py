@@ -40,6 +40,10 @@ def test_the_schedule_syncs_each_fragment_in_turn_from_the_first_round_and_cover
     assert max(sizes) - min(sizes) <= max(torch.Size(s).numel() for s in spec.values())
     with pytest.raises(ValueError, match="precedes the epoch's first round 5"):
         schedule.fragment_of(4)
+    index = lambda fragments: [f.index for f in fragments]  # noqa: E731
+    assert index(schedule.landing(4, 5)) == [0] and index(schedule.landing(5, 7)) == [1, 2]
+    assert index(schedule.landing(4, 9)) == [2, 0, 1]  # rounds 5 … 9: each fragment once, by its latest sync
+    assert schedule.landing(9, 9) == schedule.landing(9, 8) == []
     with pytest.raises(FragmentError, match="stream_fragments must be between 1 and the model's"):
         StreamSchedule.plan(spec, len(spec) + 1)
     with pytest.raises(ValueError, match=r"stream mix must be in \[0, 1\)"):
