@@ -28,7 +28,7 @@ from training.fragments import Fragment
 from training.inner import InnerConfig, evaluate
 from training.model import ModelConfig, build_model
 from training.overlap import eager_base, eager_rebases
-from training.streaming import StreamSchedule, merge_fragment
+from training.streaming import StreamSchedule
 from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
 
 
@@ -156,10 +156,9 @@ class LocalDiLoCo:
         # host's decoded payload of round r − 1 (None before its first).
         self.lagged_outer = OuterOptimizer(self.outer.lr, self.outer.momentum, self.outer.nesterov)
         self.sent: list[Mapping[str, torch.Tensor] | None] = [None] * len(self.hosts)
-        # A streamed epoch syncs one fragment a round (training/streaming.py); the hosts have landed the
-        # syncs of rounds through `landed` (with overlap "delayed" round r's lands after round r + 1 trained).
+        # A streamed epoch syncs one fragment a round (training/streaming.py); each host lands the syncs
+        # (`DiLoCoWorker.land`: with overlap "delayed" round r's after round r + 1 trained).
         self.stream = _stream_schedule(recipe, self.spec, first_round)
-        self.landed = first_round - 1
 
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
@@ -217,8 +216,9 @@ class LocalDiLoCo:
         if fragment is None:
             base, rebases = self._base(slot)
             return host.train_round(self.round, base, hook, rebases=rebases)
-        start = self.params if self.round == self.first_round else None  # the epoch's model, once
-        return host.stream_round(self.round, self.params, fragment.names, hook, start=start)
+        if host.landed is None:  # the epoch's model, once: the host trains on from its own after it
+            host.begin_stream(self.params, self.round - 1)
+        return host.stream_round(self.round, self.params, fragment.names, hook)
 
     def _step_fragment(self, stream: StreamSchedule, fragment: Fragment, average: Mapping[str, torch.Tensor]) -> None:
         """A streamed round's outer step, on its fragment alone, and the synced fragment landing on the
@@ -226,10 +226,8 @@ class LocalDiLoCo:
         without. Its global values are as its sync left them either way (this step moved another one)."""
         self.outer.step({name: self.params[name] for name in fragment.names}, average)
         upto = self.round if self.config.recipe.overlap == "off" else self.round - 1
-        for landing in stream.landing(self.landed, upto):
-            for host in self.hosts:
-                merge_fragment(host.model, self.params, landing.names, stream.mix)
-        self.landed = max(self.landed, upto)
+        for host in self.hosts:
+            host.land(stream, self.params, upto)
 
 
 def _stream_schedule(recipe: LocalRecipe, spec: Mapping[str, tuple[int, ...]], first_round: int) -> StreamSchedule | None:

@@ -23,6 +23,7 @@ from training.inner import Batch, GradSync, InnerConfig, InnerResult, InnerTrain
 from training.model import Llama
 from training.residual_commit import commitment_layout, residual_root
 from training.rig import Rig
+from training.streaming import StreamSchedule, merge_fragment
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,9 @@ class DiLoCoWorker(SlotWorker):
         super().__init__(model, inner, codec, windows, assignment, ef_decay, first_round, sync=rig)
         self.rig = rig  # several processes of one rig: each takes its share of the micro-batches
         self.micro_batch = micro_batch or inner.micro_batch
+        # A streamed epoch (training/streaming.py): the round whose sync this worker's own model has landed
+        # last; None until `begin_stream` loads the global model (its model is then no longer the global one).
+        self.landed: int | None = None
 
     def train_round(
         self,
@@ -168,27 +172,42 @@ class DiLoCoWorker(SlotWorker):
         delta, result = self.local_delta(round_index, global_params, on_step, rebases)
         return self.seal(round_index, delta, result, root, sparse)
 
+    def begin_stream(self, global_params: Mapping[str, Tensor], landed: int) -> None:
+        """A streamed epoch's first round for this worker (or one after its own model was lost): load the
+        global model, which holds the syncs of rounds through `landed`; the worker trains on from its own
+        model after this, landing later syncs (`land`)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(global_params[name])
+        self.landed = landed
+
+    def land(self, schedule: StreamSchedule, synced: Mapping[str, Tensor], upto: int) -> None:
+        """Take back the fragments synced since this worker's last landing through round `upto`, from
+        `synced` (the held global model, after round `upto` or later): `StreamSchedule.landing`."""
+        if self.landed is None:
+            raise ValueError("land: this worker has not begun a streamed epoch (begin_stream)")
+        for fragment in schedule.landing(self.landed, upto):
+            merge_fragment(self.model, synced, fragment.names, schedule.mix)
+        self.landed = max(self.landed, upto)
+
     def stream_round(
         self,
         round_index: int,
         anchor: Mapping[str, Tensor],
         names: Sequence[str],
         on_step: Callable[[int, float], None] | None = None,
-        start: Mapping[str, Tensor] | None = None,
     ) -> WorkerRound:
-        """A streamed round (training/streaming.py): H steps on from the model as it stands (`start`: load
-        it first, a host's first round), then the pseudo-gradient of the fragment `names` alone, measured
-        from `anchor`'s values of it (the global model, whose fragment is as its last sync left it),
-        compressed with error feedback on those tensors' residuals. No residual root: a streamed epoch
-        carries AdamW state, and no round of it is replayed or challenged."""
+        """A streamed round (training/streaming.py): H steps on from the worker's own model (`begin_stream`
+        first), then the pseudo-gradient of the fragment `names` alone, measured from `anchor`'s values of
+        it (the global model, whose fragment is as its last sync left it), compressed with error feedback
+        on those tensors' residuals. No residual root: a streamed epoch carries AdamW state, and no round
+        of it is replayed or challenged."""
         params = dict(self.model.named_parameters())
         unknown = sorted(set(names) - set(params))
         if unknown or not names:
             raise ValueError(f"stream_round: the fragment's tensors {unknown[:3] or '(none)'} are not the model's")
-        if start is not None:
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(start[name])
+        if self.landed is None:
+            raise ValueError("stream_round: begin_stream first (the worker holds no model of its own yet)")
         batches = iter(self.start_round(round_index, self.micro_batch))
         if self.rig is not None:
             batches = iter(self.rig.shard(batches))
@@ -247,7 +266,14 @@ class DiLoCoWorker(SlotWorker):
         return pseudo_gradient(base, dict(self.model.named_parameters())), InnerResult.joined(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"inner": self._inner_state(), "feedback": self.feedback.state_dict()}
+        """What a killed host resumes from bit for bit: the inner state and both residuals, and in a
+        streamed epoch the worker's own model (its tensors themselves: saved before training goes on) and
+        the round it landed last."""
+        state = {"inner": self._inner_state(), "feedback": self.feedback.state_dict()}
+        if self.landed is not None:
+            state["stream"] = {"landed": self.landed,
+                               "model": {name: p.detach() for name, p in self.model.named_parameters()}}
+        return state
 
     def _inner_state(self) -> dict[str, Any]:
         """The inner trainer's part of what crosses rounds: in a `fresh` epoch only the clock, since every
@@ -261,7 +287,8 @@ class DiLoCoWorker(SlotWorker):
         """`state_dict()` as of now, to keep while training goes on (a refused round's rollback point):
         the optimizer's tensors, which its steps update in place, copied; the residuals, which a compress
         replaces and never updates, shared. One copy of the AdamW state (none in a `fresh` epoch), none
-        of the residuals."""
+        of the residuals. A streamed worker's own model is left out: a refused round's training stays in
+        it, sent with its fragments' next syncs, and `load_state_dict` keeps a model no state names."""
         return {"inner": self.inner_snapshot(), "feedback": self.feedback.state_dict()}
 
     def inner_snapshot(self) -> dict[str, Any]:
@@ -271,6 +298,12 @@ class DiLoCoWorker(SlotWorker):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.load_state_dict(dict(state["inner"]))
         self.feedback.load_state_dict(state["feedback"])
+        stream = state.get("stream")
+        if stream is not None:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(stream["model"][name])
+            self.landed = int(stream["landed"])
 
 
 def check_rebases(rebases: Sequence[Rebase], steps: int) -> list[int]:

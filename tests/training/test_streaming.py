@@ -110,7 +110,7 @@ def test_hosts_train_on_from_their_own_models_and_a_second_sync_steps_from_the_f
     """Four rounds of three fragments, "delayed", mix 0.25: each round trains from the model the host's
     last round left (after the landing), never reloaded; round 3, fragment 0's second sync, is checked bit
     for bit against the outer step by hand from the momentum its first sync left."""
-    import training.local
+    import training.worker
 
     run = _run(small_windows, overlap="delayed", stream_mix=0.25, n_rounds=4)
     assert run.stream is not None
@@ -121,8 +121,8 @@ def test_hosts_train_on_from_their_own_models_and_a_second_sync_steps_from_the_f
             return _run(batches, *args, **kw)
         monkeypatch.setattr(host.trainer, "run", recording)
     landed: list[tuple[int, tuple[str, ...], float]] = []
-    real_merge = training.local.merge_fragment
-    monkeypatch.setattr(training.local, "merge_fragment", lambda model, synced, names, mix: (
+    real_merge = training.worker.merge_fragment
+    monkeypatch.setattr(training.worker, "merge_fragment", lambda model, synced, names, mix: (
         landed.append((run.round, tuple(names), mix)), real_merge(model, synced, names, mix))[1])
     ends: list[list[dict[str, torch.Tensor]]] = []
     for _ in range(3):
@@ -144,6 +144,34 @@ def test_hosts_train_on_from_their_own_models_and_a_second_sync_steps_from_the_f
         averager.add(f"host-{slot:05d}", {n: before[n] - local[n].detach() for n in fragments[3]})
     outer.step(before, averager.result())
     assert fragments[3] == fragments[0] and all(torch.equal(run.params[n], before[n]) for n in fragments[3])
+
+
+def test_a_streamed_host_resumed_from_its_state_sends_what_it_would_have_sent(small_windows: Windows) -> None:
+    """The worker's state carries its own model and the round it landed last: a host killed after a
+    landing and resumed from its saved state trains the next round to the same payload, bit for bit."""
+    run = _run(small_windows, codec="topk:chunk=64,k=8,bits=2", stream_mix=0.25)
+    run.run_round()
+    run.run_round()
+    host = run.hosts[0]
+    saved = torch.load(_roundtrip(host.state_dict()), weights_only=True)  # as a host's store keeps it: a file
+    resumed = LocalDiLoCo(run.config, small_windows).hosts[0]
+    resumed.load_state_dict(saved)
+    assert resumed.landed == host.landed == 1
+    assert run.stream is not None
+    fragment = run.stream.fragment_of(2)
+    sent = [w.stream_round(2, run.params, fragment.names).payload for w in (host, resumed)]
+    assert sent[0] == sent[1]
+    with pytest.raises(ValueError, match="begin_stream first"):
+        LocalDiLoCo(run.config, small_windows).hosts[0].stream_round(2, run.params, fragment.names)
+
+
+def _roundtrip(state: dict[str, Any]) -> Any:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 @pytest.mark.parametrize("overlap", ["off", "delayed"])
