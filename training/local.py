@@ -227,7 +227,7 @@ class LocalDiLoCo:
         self.outer.step({name: self.params[name] for name in fragment.names}, average)
         upto = self.round if self.config.recipe.overlap == "off" else self.round - 1
         for host in self.hosts:
-            host.land(stream, self.params, upto)
+            host.land(stream, self.params, upto, held=self.round)
 
 
 def _stream_schedule(recipe: LocalRecipe, spec: Mapping[str, tuple[int, ...]], first_round: int) -> StreamSchedule | None:

@@ -52,14 +52,20 @@ class StreamSchedule:
             raise ValueError(f"round {round_index} precedes the epoch's first round {self.first_round}")
         return self.fragments[(round_index - self.first_round) % len(self.fragments)]
 
-    def landing(self, landed: int, upto: int) -> list[Fragment]:
+    def landing(self, landed: int, upto: int, held: int | None = None) -> list[Fragment]:
         """The fragments a host takes back to bring its model from the syncs of rounds through `landed`
-        to those through `upto`: each fragment synced in rounds `landed` + 1 … `upto` once, in the order of
-        its latest sync there ([] when there is none). Each lands from the held global model, whose copy
-        of a fragment is as its latest sync left it, so a host that missed rounds (a late joiner, a
-        restart) lands each fragment once, never twice with a mix (which would not be idempotent)."""
-        start = max(landed + 1, upto - len(self.fragments) + 1, self.first_round)
-        return [self.fragment_of(r) for r in range(start, upto + 1)]
+        to those through `upto`, from the global model it holds as of round `held` (≥ `upto`; default
+        `upto`): each fragment synced in rounds `landed` + 1 … `upto` once, in the order of its latest
+        sync there, but none synced again after `upto` (the held model shows that later sync, which lands
+        with it). So a host that missed rounds (a late joiner, a restart) never merges one sync twice,
+        which with a mix would not be idempotent."""
+        held = upto if held is None else held
+        if held < upto:
+            raise ValueError(f"landing: the held model (round {held}) precedes the syncs to land (through {upto})")
+        p = len(self.fragments)
+        later = {self.fragment_of(r).index for r in range(max(upto + 1, held - p + 1, self.first_round), held + 1)}
+        start = max(landed + 1, upto - p + 1, self.first_round)
+        return [f for f in map(self.fragment_of, range(start, upto + 1)) if f.index not in later]
 
 
 def merge_fragment(model: torch.nn.Module, synced: Mapping[str, Tensor], names: Sequence[str], mix: float) -> None:

@@ -181,12 +181,12 @@ class DiLoCoWorker(SlotWorker):
                 p.copy_(global_params[name])
         self.landed = landed
 
-    def land(self, schedule: StreamSchedule, synced: Mapping[str, Tensor], upto: int) -> None:
+    def land(self, schedule: StreamSchedule, synced: Mapping[str, Tensor], upto: int, held: int | None = None) -> None:
         """Take back the fragments synced since this worker's last landing through round `upto`, from
-        `synced` (the held global model, after round `upto` or later): `StreamSchedule.landing`."""
+        `synced`, the held global model as of round `held` (default `upto`): `StreamSchedule.landing`."""
         if self.landed is None:
             raise ValueError("land: this worker has not begun a streamed epoch (begin_stream)")
-        for fragment in schedule.landing(self.landed, upto):
+        for fragment in schedule.landing(self.landed, upto, held):
             merge_fragment(self.model, synced, fragment.names, schedule.mix)
         self.landed = max(self.landed, upto)
 
@@ -271,9 +271,12 @@ class DiLoCoWorker(SlotWorker):
         the round it landed last."""
         state = {"inner": self._inner_state(), "feedback": self.feedback.state_dict()}
         if self.landed is not None:
-            state["stream"] = {"landed": self.landed,
-                               "model": {name: p.detach() for name, p in self.model.named_parameters()}}
+            state["stream"] = self._stream_state(copy_model=False)
         return state
+
+    def _stream_state(self, copy_model: bool) -> dict[str, Any]:
+        model = {name: p.detach().clone() if copy_model else p.detach() for name, p in self.model.named_parameters()}
+        return {"landed": self.landed, "model": model}
 
     def _inner_state(self) -> dict[str, Any]:
         """The inner trainer's part of what crosses rounds: in a `fresh` epoch only the clock, since every
@@ -287,22 +290,29 @@ class DiLoCoWorker(SlotWorker):
         """`state_dict()` as of now, to keep while training goes on (a refused round's rollback point):
         the optimizer's tensors, which its steps update in place, copied; the residuals, which a compress
         replaces and never updates, shared. One copy of the AdamW state (none in a `fresh` epoch), none
-        of the residuals. A streamed worker's own model is left out: a refused round's training stays in
-        it, sent with its fragments' next syncs, and `load_state_dict` keeps a model no state names."""
-        return {"inner": self.inner_snapshot(), "feedback": self.feedback.state_dict()}
+        of the residuals. A streamed worker's own model copied too (one model more): going back to it
+        undoes the round whole, as going back to a `state_dict()` saved then does."""
+        state = {"inner": self.inner_snapshot(), "feedback": self.feedback.state_dict()}
+        if self.landed is not None:
+            state["stream"] = self._stream_state(copy_model=True)
+        return state
 
     def inner_snapshot(self) -> dict[str, Any]:
         """The inner trainer's part of `snapshot()`: a copy, unchanged by the steps trained after it."""
         return copy.deepcopy(self._inner_state())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        stream, params = state.get("stream"), dict(self.model.named_parameters())
+        saved = stream["model"] if stream is not None else params
+        # checked whole before anything loads
+        if set(saved) != set(params) or any(tuple(saved[n].shape) != tuple(p.shape) for n, p in params.items()):
+            raise ValueError("load_state_dict: the streamed state's model is not this worker's model")
         self.trainer.load_state_dict(dict(state["inner"]))
         self.feedback.load_state_dict(state["feedback"])
-        stream = state.get("stream")
         if stream is not None:
             with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    p.copy_(stream["model"][name])
+                for name, p in params.items():
+                    p.copy_(saved[name])
             self.landed = int(stream["landed"])
 
 

@@ -44,6 +44,11 @@ def test_the_schedule_syncs_each_fragment_in_turn_from_the_first_round_and_cover
     assert index(schedule.landing(4, 5)) == [0] and index(schedule.landing(5, 7)) == [1, 2]
     assert index(schedule.landing(4, 9)) == [2, 0, 1]  # rounds 5 … 9: each fragment once, by its latest sync
     assert schedule.landing(9, 9) == schedule.landing(9, 8) == []
+    assert index(schedule.landing(0, 6)) == [0, 1] and schedule.landing(0, 3) == []  # nothing before round 5
+    # a held model already past `upto` shows a later sync of a fragment: that one lands with it, once
+    assert index(schedule.landing(6, 9, held=10)) == [0, 1] and index(schedule.landing(9, 10)) == [2]
+    with pytest.raises(ValueError, match=r"the held model \(round 8\) precedes the syncs to land \(through 9\)"):
+        schedule.landing(6, 9, held=8)
     with pytest.raises(FragmentError, match="stream_fragments must be between 1 and the model's"):
         StreamSchedule.plan(spec, len(spec) + 1)
     with pytest.raises(ValueError, match=r"stream mix must be in \[0, 1\)"):
@@ -146,23 +151,51 @@ def test_hosts_train_on_from_their_own_models_and_a_second_sync_steps_from_the_f
     assert fragments[3] == fragments[0] and all(torch.equal(run.params[n], before[n]) for n in fragments[3])
 
 
-def test_a_streamed_host_resumed_from_its_state_sends_what_it_would_have_sent(small_windows: Windows) -> None:
+@pytest.mark.parametrize("overlap", ["off", "delayed"])
+def test_a_streamed_host_resumed_from_its_state_trains_on_bit_for_bit(small_windows: Windows, overlap: str) -> None:
     """The worker's state carries its own model and the round it landed last: a host killed after a
-    landing and resumed from its saved state trains the next round to the same payload, bit for bit."""
-    run = _run(small_windows, codec="topk:chunk=64,k=8,bits=2", stream_mix=0.25)
+    landing and resumed from its saved state trains and lands the next round as if it had not stopped."""
+    run = _run(small_windows, codec="topk:chunk=64,k=8,bits=2", stream_mix=0.25, overlap=overlap)
+    assert run.stream is not None
     run.run_round()
     run.run_round()
     host = run.hosts[0]
     saved = torch.load(_roundtrip(host.state_dict()), weights_only=True)  # as a host's store keeps it: a file
     resumed = LocalDiLoCo(run.config, small_windows).hosts[0]
     resumed.load_state_dict(saved)
-    assert resumed.landed == host.landed == 1
-    assert run.stream is not None
+    assert resumed.landed == host.landed == (1 if overlap == "off" else 0)
     fragment = run.stream.fragment_of(2)
     sent = [w.stream_round(2, run.params, fragment.names).payload for w in (host, resumed)]
-    assert sent[0] == sent[1]
+    for worker in (host, resumed):
+        worker.land(run.stream, run.params, 2 if overlap == "off" else 1)
+    assert sent[0] == sent[1] and host.landed == resumed.landed
+    theirs = dict(resumed.model.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in host.model.named_parameters())
     with pytest.raises(ValueError, match="begin_stream first"):
         LocalDiLoCo(run.config, small_windows).hosts[0].stream_round(2, run.params, fragment.names)
+
+
+def test_a_snapshot_undoes_a_streamed_round_whole_and_a_plain_worker_s_state_is_unchanged(
+    small_windows: Windows
+) -> None:
+    run = _run(small_windows)
+    assert run.stream is not None
+    run.run_round()
+    host = run.hosts[0]
+    point = host.snapshot()
+    before = _copy(dict(host.model.named_parameters()))
+    host.stream_round(1, run.params, run.stream.fragment_of(1).names)
+    host.land(run.stream, run.params, 1)
+    host.load_state_dict(point)  # a refused round: back to the state before it, model included
+    assert host.landed == 0 and all(torch.equal(p, before[n]) for n, p in host.model.named_parameters())
+    other = LocalDiLoCo(run.config, small_windows).hosts[0]
+    bad = {**point, "stream": {"landed": 0, "model": {"nope": torch.zeros(1)}}}
+    with pytest.raises(ValueError, match="the streamed state's model is not this worker's model"):
+        other.load_state_dict(bad)
+    assert other.landed is None  # nothing loaded
+    plain = LocalDiLoCo(LocalRunConfig(recipe=local_recipe(TINY, micro_batch=4, seq_len=32), workers=1,
+                                       eval_windows=4), small_windows).hosts[0]
+    assert set(plain.state_dict()) == set(plain.snapshot()) == {"inner", "feedback"}  # no new keys
 
 
 def _roundtrip(state: dict[str, Any]) -> Any:
