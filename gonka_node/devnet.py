@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from chain.client import ChainClient
 from chain.units import NGONKA_PER_GNK as GNK
 from gonka_node.core.config import (
@@ -75,8 +77,10 @@ from gonka_node.devnet_report import claim_rewards, make_report
 from gonka_node.devnet_serve import SERVICES, ExtraService, ServeContext, keep_serving
 from gonka_node.epoch_setup import EpochTerms, epoch_spec, initial_checkpoint
 from gonka_node.host.config import HostConfig
+from training.codecs import spec_of
 from training.dataset import DatasetError, read_manifest
-from training.model import ModelConfig
+from training.fragments import FragmentError, plan_fragments
+from training.model import Llama, ModelConfig
 from training.tokenizer import TokenizerError, load_tokenizer
 
 # The devnet's recipe where it differs from an epoch recipe's defaults (a few minutes on a CPU); every
@@ -110,6 +114,8 @@ class DevnetOptions:
     tokenizer: Path | None = None  # the dataset's tokenizer.json, checked against it (optional)
     shards: int = 1  # aggregator processes, each owning a fragment of the model (recipe `shards`)
     kernel_link: bool = False  # shape `link` in the kernel: a network namespace per host (devnet_links.py)
+    stream_fragments: int = 1  # the recipe's: fragments synced one a round (training/streaming.py); 1: whole model
+    stream_mix: float = 0.0  # the recipe's: how much of its own values a host keeps when a synced fragment lands
 
 
 def _data_fields(opts: DevnetOptions) -> dict[str, Any]:
@@ -149,6 +155,8 @@ def make_recipe(opts: DevnetOptions) -> Recipe:
         merge_step=opts.merge_step,
         broadcast=opts.broadcast,
         shards=opts.shards,
+        stream_fragments=opts.stream_fragments,
+        stream_mix=opts.stream_mix,
     ).with_data_manifest()
 
 
@@ -160,12 +168,22 @@ def check_shards(opts: DevnetOptions) -> None:
     if opts.shards > 1 and opts.overlap == "eager":
         raise DevnetError("--shards with --overlap eager: the sharded replay does not compute the hosts' eager "
                           "bases; use --overlap delayed or one aggregator")
-    try:  # the recipe's own refusal of the forecast and merge steps, before anything starts
-        Recipe(model=ModelConfig.preset(opts.preset), inner_steps=opts.inner_steps, overlap=opts.overlap,
-               forecast_step=opts.forecast_step, merge_step=opts.merge_step)
-    except RecipeError as exc:
-        flag = "--forecast-step" if str(exc).startswith("forecast_step") else "--merge-step"
-        raise DevnetError(f"{flag}: {exc}") from exc
+    if opts.stream_fragments > 1 and opts.replay_fraction > 0:
+        raise DevnetError(f"--stream-fragments {opts.stream_fragments}: a streamed round trains on from the host's "
+                          "own model, which no replay can recompute; add --replay-fraction 0 (no replays, no pay)")
+    try:  # the recipe's own refusal of the forecast and merge steps and the streaming, before anything starts
+        model = ModelConfig.preset(opts.preset)
+        Recipe(model=model, inner_steps=opts.inner_steps, overlap=opts.overlap, forecast_step=opts.forecast_step,
+                        merge_step=opts.merge_step, shards=opts.shards, codec=opts.codec,
+                        round_state="fresh" if opts.replay_fraction > 0 else "carry",
+                        stream_fragments=opts.stream_fragments, stream_mix=opts.stream_mix)
+        if opts.stream_fragments > 1:  # no more fragments than the model has tensors (shapes only: meta)
+            with torch.device("meta"):
+                shapes = spec_of(dict(Llama(model).named_parameters()))
+            plan_fragments(shapes, opts.stream_fragments, what="stream_fragments")
+    except (RecipeError, FragmentError) as exc:  # each names its field first: the flag that sets it
+        field = str(exc).split(":")[0].split()[0]
+        raise DevnetError(f"--{field.replace('_', '-')}: {exc}") from exc
 
 
 def kernel_links(opts: DevnetOptions) -> KernelLinks | None:

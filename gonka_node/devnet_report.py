@@ -129,6 +129,8 @@ def make_report(
         "forecast_step": opts.forecast_step,
         "merge_step": opts.merge_step,
         "broadcast": opts.broadcast,
+        "stream_fragments": recipe.stream_fragments,  # > 1: each round syncs one of that many fragments
+        "stream_mix": recipe.stream_mix,
         "shards": recipe.shards,  # > 1: checkpoint_hashes are Merkle roots over that many fragments
         "bytes_per_host": bytes_per_host,
         "download_bytes_per_host": received_per_host,

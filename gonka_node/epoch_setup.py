@@ -26,6 +26,7 @@ from gonka_node.core.recipe import Recipe, RecipeError, check_network_overlap
 from training.codecs import get_codec
 from training.hf_export import MODEL_CONFIG_KEY
 from training.model import build_model
+from training.streaming import stream_schedule
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,14 @@ def aggregator_context(
         initial_checkpoint(recipe, init_path)
     init = checkpoints.load(init_path, spec.init_checkpoint_hash)
     windows = recipe.windows(cache_dir)
+    shapes = {n: tuple(t.shape) for n, t in init.items()}
     return EpochContext(
         chain_id=chain_id,
         registry=bytes.fromhex(registry[2:]),
         epoch=info.epoch,
         codec_name=spec.codec,
         codec=get_codec(spec.codec),
-        spec={n: tuple(t.shape) for n, t in init.items()},
+        spec=shapes,
         n_rounds=spec.n_rounds,
         round_length_s=float(spec.round_length),
         outer_lr=spec.outer_lr,
@@ -169,6 +171,7 @@ def aggregator_context(
         ef_decay=recipe.ef_decay,
         residual_sample=recipe.residual_sample,
         residual_sample_min=recipe.residual_sample_min,
+        stream=stream_schedule(recipe, shapes, first_round=1),
     )
 
 

@@ -28,7 +28,7 @@ from training.fragments import Fragment
 from training.inner import InnerConfig, evaluate
 from training.model import ModelConfig, build_model
 from training.overlap import eager_base, eager_rebases
-from training.streaming import StreamSchedule
+from training.streaming import StreamSchedule, stream_schedule
 from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
 
 
@@ -158,7 +158,7 @@ class LocalDiLoCo:
         self.sent: list[Mapping[str, torch.Tensor] | None] = [None] * len(self.hosts)
         # A streamed epoch syncs one fragment a round (training/streaming.py); each host lands the syncs
         # (`DiLoCoWorker.land`: with overlap "delayed" round r's after round r + 1 trained).
-        self.stream = _stream_schedule(recipe, self.spec, first_round)
+        self.stream = stream_schedule(recipe, self.spec, first_round)
 
     def heldout_loss(self) -> float:
         return evaluate(self.global_model, self.windows.batches(self.heldout, 32))
@@ -224,22 +224,10 @@ class LocalDiLoCo:
         """A streamed round's outer step, on its fragment alone, and the synced fragment landing on the
         hosts: this round's, or with "delayed" the one synced the round before, which this round trained
         without. Its global values are as its sync left them either way (this step moved another one)."""
-        self.outer.step({name: self.params[name] for name in fragment.names}, average)
+        self.outer.step_part(self.params, average)
         upto = self.round if self.config.recipe.overlap == "off" else self.round - 1
         for host in self.hosts:
             host.land(stream, self.params, upto, held=self.round)
-
-
-def _stream_schedule(recipe: LocalRecipe, spec: Mapping[str, tuple[int, ...]], first_round: int) -> StreamSchedule | None:
-    """A streamed recipe's schedule (None when it streams nothing), refused (ValueError) where a streamed
-    round cannot run: from a fresh AdamW state or an eager forecast, both whole-model rules (a `Recipe`
-    refuses them itself; this guards any other `LocalRecipe`)."""
-    if recipe.stream_fragments <= 1:
-        return None
-    if recipe.overlap == "eager" or recipe.inner_config().round_state != "carry":
-        raise ValueError(f"stream_fragments = {recipe.stream_fragments} needs round_state 'carry' and overlap 'off' or "
-                         f"'delayed' (got {recipe.inner_config().round_state!r}, {recipe.overlap!r})")
-    return StreamSchedule.plan(spec, recipe.stream_fragments, recipe.stream_mix, first_round)
 
 
 def _zeros(like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

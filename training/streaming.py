@@ -24,11 +24,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from training.fragments import Fragment, Spec, plan_fragments
+from training.inner import InnerConfig
+
+
+class StreamedRecipe(Protocol):
+    """What a recipe says of streaming (gonka_node's `Recipe`, or a local run's)."""
+
+    @property
+    def stream_fragments(self) -> int: ...
+    @property
+    def stream_mix(self) -> float: ...
+    @property
+    def overlap(self) -> str: ...
+    def inner_config(self) -> InnerConfig: ...
 
 
 @dataclass(frozen=True)
@@ -82,3 +96,15 @@ def merge_fragment(model: torch.nn.Module, synced: Mapping[str, Tensor], names: 
                 p.copy_(g)
             else:
                 p.copy_(torch.lerp(g, p.detach().float(), mix))
+
+
+def stream_schedule(recipe: StreamedRecipe, spec: Mapping[str, tuple[int, ...]], first_round: int) -> StreamSchedule | None:
+    """A streamed recipe's schedule (None when it streams nothing), refused (ValueError) where a streamed
+    round cannot run: from a fresh AdamW state or an eager forecast, both whole-model rules (a `Recipe`
+    refuses them itself; this guards any other recipe)."""
+    if recipe.stream_fragments <= 1:
+        return None
+    if recipe.overlap == "eager" or recipe.inner_config().round_state != "carry":
+        raise ValueError(f"stream_fragments = {recipe.stream_fragments} needs round_state 'carry' and overlap 'off' or "
+                         f"'delayed' (got {recipe.inner_config().round_state!r}, {recipe.overlap!r})")
+    return StreamSchedule.plan(spec, recipe.stream_fragments, recipe.stream_mix, first_round)

@@ -239,10 +239,8 @@ class Acceptance:
     def _check(self, part: Path, round_: int) -> tuple[float, bytes]:
         """Decode and check a stored payload, memory-mapped, not copied."""
         with open(part, "rb") as f, mapped(f) as data:
-            offsets = None if self.ctx.shard is None else self.ctx.shard.offsets
-            norm, sketch = scan_update(
-                self.ctx.codec_for(round_), data, self.ctx.spec, self.settings.max_update_norm, offsets
-            )
+            norm, sketch = scan_update(self.ctx.codec_for(round_), data, self.ctx.spec_for(round_),
+                                       self.settings.max_update_norm, self.ctx.offsets_for(round_))
         return norm, sketch.numpy().tobytes()
 
     def receipt(

@@ -30,17 +30,18 @@ def residual_path(update_path: Path) -> Path:
 
 
 def compress_broadcast(
-    update: Mapping[str, Tensor], codec_name: str, seed: int, previous_residual: Path | None
+    update: Mapping[str, Tensor], codec_name: str, seed: int, previous_residual: Path | None, part: bool = False,
 ) -> tuple[bytes, dict[str, Tensor], dict[str, Tensor]]:
     """(the broadcast payload, its decoded tensors, the residual left for the next round). `codec_name`
     and `seed` (`training.codecs.round_seed` of the round) give the round's codec; `previous_residual`:
-    the last finalized round's residual file (None, or absent: nothing left over yet)."""
+    the last finalized round's residual file (None, or absent: nothing left over yet). `part`: `update`
+    is a streamed round's fragment; the other tensors' residuals are carried over as they are."""
     codec = get_codec(codec_name)
     feedback = ErrorFeedback(codec)
     if previous_residual is not None and previous_residual.exists():
         feedback.load_state_dict({"codec": codec.name, "decay": 1.0, "residual": load_file(str(previous_residual))})
     round_codec = codec.for_round(seed)
-    payload = feedback.compress(update, round_codec)
+    payload = feedback.compress(update, round_codec, part=part)
     decoded = round_codec.decode(payload, {name: tuple(t.shape) for name, t in update.items()})
     return payload, {n: t.float() for n, t in decoded.items()}, feedback.residual
 
@@ -55,11 +56,13 @@ class Broadcast:
 
 
 def prepare_broadcast(
-    mode: str, aggregate: Mapping[str, Tensor], codec_name: str, seed: int, previous_residual: Path | None
+    mode: str, aggregate: Mapping[str, Tensor], codec_name: str, seed: int, previous_residual: Path | None,
+    part: bool = False,
 ) -> Broadcast:
     """The round's broadcast in the recipe's `mode` (a shard passes its fragment's aggregate and
-    residual: codecs encode tensor by tensor, so a fragment's broadcast is its part of the whole's)."""
+    residual: codecs encode tensor by tensor, so a fragment's broadcast is its part of the whole's).
+    `part`: a streamed round's fragment, whose residual file carries every fragment's (`compress_broadcast`)."""
     if mode != "codec":
         return Broadcast(aggregate)
-    payload, decoded, residual = compress_broadcast(aggregate, codec_name, seed, previous_residual)
+    payload, decoded, residual = compress_broadcast(aggregate, codec_name, seed, previous_residual, part)
     return Broadcast(decoded, payload, residual)

@@ -208,11 +208,13 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
     epoch, round_ = round_row.epoch, round_row.round
     base = checkpoints.load(i.base_path, round_row.base_sha256)
 
+    spec, offsets = ctx.spec_for(round_), ctx.offsets_for(round_)  # a streamed round's: its fragment
+
     def decode(sub: SubmissionRow) -> dict[str, Tensor]:
-        update = decode_update(ctx.codec_for(round_), Path(sub.path).read_bytes(), ctx.spec)
+        update = decode_update(ctx.codec_for(round_), Path(sub.path).read_bytes(), spec)
         return {name: t.float() for name, t in update.items()}
 
-    public = public_tensors(store, epoch, round_, base)
+    public = public_tensors(store, epoch, round_, base, offsets)
     c = Closing(ctx, round_row, i.seed, submissions, i.earlier, i.slots, base, public, decode, aggregation,
                 eager=i.eager, opened=i.opened)
     for check in CHECKS:
@@ -231,7 +233,7 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
             yield sub.host.hex(), decode(sub)
 
     agg = robust.aggregate(
-        rule, source, {s.host.hex(): s.norm for s in eligible}, ctx.spec, aggregation.centered_clip_iters
+        rule, source, {s.host.hex(): s.norm for s in eligible}, spec, aggregation.centered_clip_iters
     )
     # The outer step applies to the latest global model, which is the round's training base unless the
     # recipe overlaps rounds (then the base is one round older: training/overlap.py).
@@ -240,12 +242,15 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
     del base, step_from
     # With broadcast "codec" the model is defined by the decoded broadcast (aggregator/broadcast.py).
     sent = prepare_broadcast(ctx.broadcast, agg.update, ctx.codec_name, round_seed(ctx.epoch_seed, round_),
-                             i.prev_residual)
+                             i.prev_residual, part=ctx.stream is not None)
     update = sent.update
     outer = OuterOptimizer(ctx.outer_lr, ctx.outer_momentum)
     if i.prev_outer_state is not None:
         outer.restore(*read_outer_state(i.prev_outer_state))
-    outer.step(params, update)
+    if ctx.stream is None:
+        outer.step(params, update)
+    else:  # the fragment alone, each tensor with its own momentum (training/streaming.py)
+        outer.step_part(params, update)
     meta = {
         "epoch": str(epoch),
         "round": str(round_),
@@ -256,7 +261,7 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
         meta[MODEL_CONFIG_KEY] = ctx.model_config
     sha = checkpoints.save(store.checkpoint_path(epoch, round_), params, meta)
     save_broadcast(store.update_path(epoch, round_), sent, meta)
-    sketch = count_sketch(update).numpy().tobytes()
+    sketch = count_sketch(update, offsets=offsets).numpy().tobytes()
     atomic_write(_sketch_path(store, epoch, round_), lambda tmp: tmp.write_bytes(sketch))
     _save_durably(store.outer_state_path(epoch, round_), outer.buffers, {"steps": str(outer.steps)})  # no copy
     heldout = heldout_losses(c, params, step_base)
@@ -298,11 +303,15 @@ def _loss(model: Llama, params: Mapping[str, Tensor], batch: tuple[Tensor, Tenso
     return evaluate(model, [batch], autocast="off")
 
 
-def public_tensors(store: Store, epoch: int, round_: int, base: Mapping[str, Tensor]) -> list[Labelled]:
+def public_tensors(
+    store: Store, epoch: int, round_: int, base: Mapping[str, Tensor], offsets: Mapping[str, int] | None = None
+) -> list[Labelled]:
     """Sketches of what every host holds without training: the round's base model, and the aggregated
     updates of the epoch's latest PUBLIC_ROUNDS finalized rounds (older ones are as stale as any old
-    work, and the resubmission check compares with all earlier submissions)."""
-    out: list[Labelled] = [("the base model", count_sketch({n: t.float() for n, t in base.items()}))]
+    work, and the resubmission check compares with all earlier submissions). `offsets`: the round's
+    updates hold these tensors alone (a streamed round's fragment), so the base is sketched as they are."""
+    held = base if offsets is None else {n: base[n] for n in offsets}
+    out: list[Labelled] = [("the base model", count_sketch({n: t.float() for n, t in held.items()}, offsets=offsets))]
     for r in range(round_ - 1, max(0, round_ - 1 - PUBLIC_ROUNDS), -1):
         path = _sketch_path(store, epoch, r)
         if path.exists():

@@ -16,7 +16,9 @@ from gonka_node.aggregator.replay import ReplayData
 from gonka_node.aggregator.scoring import ScoringData
 from gonka_node.aggregator.validate import Codec
 from gonka_node.core.envelope import ReceiptBody, Submission
+from gonka_node.core.fragments import global_offsets
 from training.codecs import round_seed
+from training.streaming import StreamSchedule
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.shard import ShardRole
@@ -68,10 +70,29 @@ class EpochContext:
     ef_decay: float = 1.0
     residual_sample: float = 0.01
     residual_sample_min: int = 1_048_576
+    # A streamed epoch (recipe stream_fragments > 1, training/streaming.py): round r's payloads, aggregate,
+    # outer step and broadcast are the tensors of its fragment alone (`spec_for`); None: the whole model.
+    stream: StreamSchedule | None = None
 
     def codec_for(self, round_: int) -> Codec:
         """The epoch's codec as used in `round_` (differs per round only for shared-state codecs)."""
         return self.codec.for_round(round_seed(self.epoch_seed, round_))
+
+    def spec_for(self, round_: int) -> Mapping[str, tuple[int, ...]]:
+        """The tensors round `round_`'s payloads and update hold: `spec`, or a streamed round's fragment."""
+        if self.stream is None:
+            return self.spec
+        return self.stream.fragment_of(round_).spec(self.spec)
+
+    def offsets_for(self, round_: int) -> Mapping[str, int] | None:
+        """Where round `round_`'s tensors sit in the whole update, for sketches comparable across rounds
+        and shards (a shard's fragment, or a streamed round's); None: they are the whole update."""
+        if self.shard is not None:
+            return self.shard.offsets
+        if self.stream is None:
+            return None
+        everywhere = global_offsets(self.spec)
+        return {name: everywhere[name] for name in self.stream.fragment_of(round_).names}
 
 
 class EvidenceSink(Protocol):

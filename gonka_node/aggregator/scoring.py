@@ -143,7 +143,8 @@ class Scorer:
     def _load(self, delta: Mapping[str, Tensor] | None) -> None:
         for name, p in self._params.items():
             base = self.base[name]
-            p.copy_(base if delta is None else base - delta[name].to(base.dtype))
+            # a streamed round's update holds its fragment alone: the other tensors stay at the base
+            p.copy_(base if delta is None or name not in delta else base - delta[name].to(base.dtype))
 
     def score(self, delta: Mapping[str, Tensor], assigned: Batch, veto: bool = True) -> Score:
         """Per-window gains on both sets. heldout_gain: the mean held-out gain (an update that makes unseen

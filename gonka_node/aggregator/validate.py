@@ -262,12 +262,19 @@ class Sketcher:
         return self._out.float()
 
 
-def count_sketch(update: Mapping[str, Tensor], buckets: int = SKETCH_BUCKETS) -> Tensor:
+def count_sketch(
+    update: Mapping[str, Tensor], buckets: int = SKETCH_BUCKETS, offsets: Mapping[str, int] | None = None
+) -> Tensor:
     """CountSketch of the concatenated update (names sorted): inner products are preserved in
-    expectation, so cosine(sketch_a, sketch_b) ≈ cosine(a, b), for dense and sparse updates alike."""
+    expectation, so cosine(sketch_a, sketch_b) ≈ cosine(a, b), for dense and sparse updates alike.
+    `offsets`: the update is part of the model's (a fragment), each tensor sketched at its coordinates
+    in the whole (as `scan_update` sketches it)."""
     sketcher = Sketcher(buckets)
     for name in sorted(update):
-        sketcher.add(update[name])
+        if offsets is None:
+            sketcher.add(update[name])
+        else:
+            sketcher.add_at(offsets[name], update[name])
     return sketcher.result()
 
 

@@ -84,6 +84,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "codec plus the aggregator's error feedback (codec; the model is defined by the decoded update)",
     )
     p.add_argument(
+        "--stream-fragments", type=int, default=1, metavar="P",
+        help="sync the model one fragment a round, P fragments in turn (Streaming DiLoCo): each round uploads "
+        "and downloads 1/P of the model and hosts train on from their own models (needs --replay-fraction 0; "
+        "--overlap off or delayed) (default 1: the whole model every round)",
+    )
+    p.add_argument(
+        "--stream-mix", type=float, default=0.0, metavar="A",
+        help="with --stream-fragments: the share of its own values a host keeps when a synced fragment lands, "
+        "in [0, 1) (the recipe's stream_mix; default 0: it takes the global fragment)",
+    )
+    p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
     )
     p.add_argument("--dataset", metavar="DIR|s3://BUCKET/PREFIX",
@@ -109,7 +120,8 @@ def _devnet(args: argparse.Namespace) -> int:
         replay_fraction=args.replay_fraction, serve=args.serve, dataset=args.dataset, tokenizer=args.tokenizer,
         link=args.link, kernel_link=args.kernel_link, overlap=args.overlap,
         forecast_step=args.forecast_step, merge_step=args.merge_step,
-        broadcast=args.broadcast, shards=args.shards,
+        broadcast=args.broadcast, shards=args.shards, stream_fragments=args.stream_fragments,
+        stream_mix=args.stream_mix,
         **{k: v for k, v in recipe.items() if v is not None},
     )
     if args.link is not None:

@@ -420,11 +420,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 def check_network_overlap(recipe: Recipe) -> None:
     """An epoch's recipe must name an overlap rule the host daemon and the aggregator's replay implement:
     all three run in the network, "eager" unsharded only (a shard's replay holds one fragment and cannot
-    take the whole-model outer step that makes a host's eager base); streamed recipes run locally only."""
-    if recipe.stream_fragments > 1:
-        raise RecipeError(f"stream_fragments: {recipe.stream_fragments}: streamed epochs run in the local simulation "
-                          "(gonka-node train) only; the host daemon and the aggregator do not serve them yet "
-                          '(docs/PROTOCOL.md "Streaming fragments")')
+    take the whole-model outer step that makes a host's eager base). Streamed recipes (`stream_fragments`)
+    run in the network too: `Recipe` itself holds them to what a streamed round needs."""
     if recipe.overlap == "eager" and recipe.shards > 1:
         raise RecipeError(f"overlap: 'eager' with shards = {recipe.shards}: the sharded replay does not compute "
                           "the hosts' eager bases; use shards = 1 or overlap = \"delayed\"")

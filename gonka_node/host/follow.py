@@ -93,7 +93,7 @@ def step_ahead(
             raise ValueError("step_ahead: a sparse update needs the step taken ahead (`speculated`)")
         update = cast(Mapping[str, Tensor], update)
         params, outer = {name: t.clone() for name, t in model.params.items()}, model.outer.copy()
-        outer.step(params, update)
+        outer.step_part(params, update)  # a streamed round's update holds its fragment alone
     ahead = NextModel(round_, params, outer, model.hash_of(params))
     if speculate_next:
         try:  # taken ahead of the update already (`SpeculativeStep.take_after`): fixed at its entries only
@@ -136,7 +136,8 @@ def follow_to(
 ) -> str:
     """Advance `model` to the chain's state after `target_round`. Returns how: "current", "updates",
     or "checkpoint". Raises FollowError when even the pulled checkpoint does not match the chain. `decode`
-    turns a downloaded update into tensors (a compressed broadcast: the epoch's codec)."""
+    turns a downloaded update into tensors (a compressed broadcast: the epoch's codec), the round's own
+    (every tensor, or a streamed round's fragment: checked there, the step moves the tensors it holds)."""
     if model.round_done == target_round:
         return "current"
     if model.round_done > target_round:
@@ -153,7 +154,7 @@ def follow_to(
             # model, the momentum and one update, nothing more (a 30B model: 360 GB, not 600).
             update = decode(r, fetch_update(r))
             model.sha256 = b""  # from here until the hash matches, the held model is no verified state
-            model.outer.step(model.params, update)
+            model.outer.step_part(model.params, update)  # every tensor, or a streamed round's fragment
         except Exception as exc:  # any failure here falls back to the verified pull below
             log.warning("round %d: cannot apply the aggregated update (%s); pulling the checkpoint", r, exc)
             model.outer = None

@@ -15,12 +15,13 @@ from typing import NamedTuple
 from torch import Tensor
 
 from gonka_node.host.follow import GlobalModel, NextModel, dense_update, step_ahead
+from gonka_node.host.rig_round import LocalRounds
 from gonka_node.host.saves import HostSaves
 from gonka_node.host.sealing import Beside, SealedRound
 from gonka_node.host.settings import HostError
 from gonka_node.host.store import Progress
 from gonka_node.host.upload import PendingUpload
-from training.codecs import Codec, get_codec, round_seed
+from training.codecs import Codec, Spec, get_codec, round_seed
 from training.diloco import OuterOptimizer, SpeculativeStep, Update
 from training.overlap import eager_base
 from training.worker import Rebase, Shifted, WorkerRound
@@ -57,9 +58,24 @@ class Forecasts(HostSaves):
     _own: WorkerRound | SealedRound | None
 
     def _decode_update(self, round_: int, data: bytes) -> Mapping[str, Tensor]:
-        """A compressed broadcast, decoded as the aggregator decoded it to take the outer step (the global
-        model is defined by these tensors: gonka_node/aggregator/broadcast.py)."""
-        return self._round_codec(round_).decode(data, self._spec)
+        """A compressed broadcast (or payload), decoded as the aggregator decoded it to take the outer step
+        (the global model is defined by these tensors: gonka_node/aggregator/broadcast.py)."""
+        return self._round_codec(round_).decode(data, self._spec_for(round_))
+
+    def _update_of(self, round_: int, data: bytes) -> Mapping[str, Tensor]:
+        """Round `round_`'s downloaded update as tensors, checked to hold the round's tensors (a streamed
+        round's fragment: an outer step on other tensors would need the checkpoint pulled instead)."""
+        if self.recipe.broadcast == "codec":
+            return self._decode_update(round_, data)
+        update, want = dense_update(round_, data), self._spec_for(round_)
+        if set(update) != set(want):
+            raise ValueError(f"round {round_}'s update holds {len(update)} tensors, not the round's {len(want)}")
+        return update
+
+    def _spec_for(self, round_: int) -> Spec:
+        """The tensors round `round_`'s payloads and update hold: the model's, or a streamed round's fragment."""
+        stream = self.rounds.stream if isinstance(self.rounds, LocalRounds) else None
+        return self._spec if stream is None else stream.fragment_of(round_).spec(self._spec)
 
     def _round_codec(self, round_: int) -> Codec:
         return get_codec(self.recipe.codec).for_round(round_seed(self.recipe.epoch_seed, round_))
@@ -188,7 +204,7 @@ class Forecasts(HostSaves):
         if speculated is not None:  # a sparse codec's broadcast (`_speculates`): its entries, no dense tensor
             update: Update = self._round_codec(round_).decode_sparse(data, self._spec)
         else:
-            update = (self._decode_update if self.recipe.broadcast == "codec" else dense_update)(round_, data)
+            update = self._update_of(round_, data)
         # An eager host forecasts the next round's base from the next step, right when the round after
         # this one starts: taken here, it is ready then (the daemon joins this thread before that round);
         # its dense part was taken on `speculated`'s +0 model while the upload was in flight (`take_after`),
@@ -228,4 +244,6 @@ class Forecasts(HostSaves):
         """Whether the upload thread takes the outer step ahead of the round's update: worth it when the
         update is a sparse codec's broadcast (3 % of the entries for top-k), so that little is left to do
         once it arrives; a dense update would be recomputed whole."""
-        return self.recipe.broadcast == "codec" and get_codec(self.recipe.codec).sparse
+        # never in a streamed epoch: the step taken ahead would move every tensor, not the round's fragment
+        return self.recipe.broadcast == "codec" and get_codec(self.recipe.codec).sparse \
+            and self.recipe.stream_fragments == 1

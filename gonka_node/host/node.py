@@ -35,12 +35,11 @@ from gonka_node.host.follow import (
     GlobalModel,
     NextModel,
     adopt,
-    dense_update,
     follow_to,
     speculate,
 )
 from gonka_node.host.forecast import Forecast, Forecasts, LatePlan
-from gonka_node.host.rig_round import LocalRounds, RigError, RigRounds, Rounds, make_worker
+from gonka_node.host.rig_round import LocalRounds, RigError, Rounds, host_rounds
 from gonka_node.host.sealing import SealedRound
 from gonka_node.host.settings import ChainHashes, HostError, HostSettings
 from gonka_node.host.store import HostStore, Progress, RollbackPoint
@@ -127,15 +126,10 @@ class HostNode(Forecasts):
 
     def _rounds(self, assignment: Assignment) -> Rounds:
         """A rig (`RigRounds`, started last in `_prepare`) or the daemon's own process (`LocalRounds`)."""
-        if not self.settings.uses_rig():
-            return LocalRounds(make_worker(self.recipe, assignment, self.settings.cache_dir))
-        for name, what in (("forecast_step", "its forecast"), ("merge_step", "the model after r - 1")):
-            if getattr(self.recipe, name):
-                raise HostError(f"{name} = {getattr(self.recipe, name)}: a rig does not move a round onto {what} "
-                                "partway yet; run this epoch's host without --gpus (one process)")
+        rig = self.settings.rig_options() if self.settings.uses_rig() else None
         try:
-            return RigRounds(self.settings.rig_options(), self.recipe, assignment, self.settings.cache_dir,
-                             self.settings.state_dir / "rig", keep_previous=self._rolls_back)
+            return host_rounds(self.recipe, assignment, self.settings.cache_dir, rig, self.settings.state_dir / "rig",
+                               keep_previous=self._rolls_back)
         except RigError as exc:
             raise HostError(str(exc)) from exc
 
@@ -297,7 +291,7 @@ class HostNode(Forecasts):
                 f"round {r}'s update", r, lambda: self.aggregator.round_update(epoch, r).data
             ),
             lambda r: fetch(f"round {r}'s checkpoint", r, lambda: self.aggregator.checkpoint(epoch, r).data),
-            self._decode_update if self.recipe.broadcast == "codec" else dense_update,
+            self._update_of,
         )
 
     def _catch_up(self, gm: GlobalModel, target: int, hashes: ChainHashes, progress: Progress) -> str:

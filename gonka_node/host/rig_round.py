@@ -40,8 +40,9 @@ from torch import Tensor
 
 from gonka_node.core.recipe import Recipe
 from gonka_node.host.sealing import SealedRound, StateAfterSeal
-from training.codecs import get_codec
+from training.codecs import get_codec, spec_of
 from training.model import Llama, build_model
+from training.overlap import base_round
 from training.plan import choose_sharding
 from training.rig import Rig
 from training.rig_service import (
@@ -53,6 +54,7 @@ from training.rig_service import (
     RoundWorker,
     StateVersions,
 )
+from training.streaming import StreamSchedule, stream_schedule
 from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
 
 SHARDINGS = ("auto", "replicated", "sharded")
@@ -114,6 +116,26 @@ def make_worker(recipe: Recipe, assignment: Assignment, cache_dir: Path | None, 
     )
 
 
+def host_rounds(
+    recipe: Recipe, assignment: Assignment, cache_dir: Path | None, rig: RigOptions | None, rig_dir: Path,
+    keep_previous: bool = False,
+) -> Rounds:
+    """What a host daemon trains its rounds with: its own process (`rig` None), or a rig of processes
+    started later (`RigRounds.start`) that keeps its state in `rig_dir`; RigError for what a rig does not
+    do yet."""
+    if rig is None:
+        worker = make_worker(recipe, assignment, cache_dir)
+        spec = spec_of(dict(worker.model.named_parameters()))
+        return LocalRounds(worker, stream_schedule(recipe, spec, first_round=1), recipe.overlap)
+    for name, what, off in (("forecast_step", "move a round onto its forecast partway", 0),
+                            ("merge_step", "move a round onto the model after r - 1 partway", 0),
+                            ("stream_fragments", "train streamed rounds", 1)):
+        if getattr(recipe, name) != off:
+            raise RigError(f"{name} = {getattr(recipe, name)}: a rig does not {what} yet; run this epoch's host "
+                           "without --gpus (one process)")
+    return RigRounds(rig, recipe, assignment, cache_dir, rig_dir, keep_previous=keep_previous)
+
+
 class Rounds(Protocol):
     """What the host daemon trains its rounds with (`LocalRounds` or `RigRounds`)."""
 
@@ -150,10 +172,11 @@ class Rounds(Protocol):
 
 
 class LocalRounds:
-    """Rounds in the daemon's process: its `DiLoCoWorker` holds the whole state."""
+    """Rounds in the daemon's process: its `DiLoCoWorker` holds the whole state. `stream`: a streamed
+    epoch's schedule (training/streaming.py); its rounds train on from the worker's own model."""
 
-    def __init__(self, worker: DiLoCoWorker) -> None:
-        self.worker = worker
+    def __init__(self, worker: DiLoCoWorker, stream: StreamSchedule | None = None, overlap: str = "off") -> None:
+        self.worker, self.stream, self.overlap = worker, stream, overlap
         self.sparse = False  # whether a round also returns its sparse payload's entries (an eager host)
         # an eager recipe's forecast_step: each round's seal runs beside the next round's first steps
         # (host/sealing.py); `on_sealed` is told of each round so sealed, from the seal's thread
@@ -173,6 +196,10 @@ class LocalRounds:
         def step(_step: int, loss: float) -> None:
             on_step(next(count), loss)
 
+        if self.stream is not None:
+            if rebases:
+                raise RigError("a streamed round does not move onto another base partway")
+            return self._stream_round(self.stream, round_index, params, step)
         if not self.seal_behind:
             # the residual's root is hashed where the round is saved (`HostSaves`), beside the next round
             return self.worker.train_round(round_index, params, step, root=False, sparse=self.sparse, rebases=rebases)
@@ -180,6 +207,19 @@ class LocalRounds:
         self._sealed()  # one seal at a time (the round before's: its forecast waited for it already)
         self._sealing = SealedRound(self.worker, round_index, delta, result, self.sparse, self.on_sealed)
         return self._sealing
+
+    def _stream_round(self, stream: StreamSchedule, round_index: int, params: Mapping[str, Tensor],
+                      step: Callable[[int, float], None]) -> WorkerRound:
+        """A streamed round from `params`, the held global model, which is the one after the round's base
+        (`base_round`: the daemon brings it there before training): the worker lands every fragment
+        synced since its last landing from it (or, its first round here, or its own model lost, loads
+        it whole), trains on, and sends the round's fragment measured from it."""
+        held = base_round(round_index, self.overlap)
+        if self.worker.landed is None:
+            self.worker.begin_stream(params, held)
+        else:
+            self.worker.land(stream, params, held)
+        return self.worker.stream_round(round_index, params, stream.fragment_of(round_index).names, step)
 
     def _sealed(self) -> None:
         """No seal runs once this returns (a seal that failed raises its error here)."""

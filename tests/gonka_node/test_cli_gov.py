@@ -103,10 +103,12 @@ def test_build_spec_fills_every_hash_and_check_spec_recomputes_them(
     recipe_toml.write_text(recipe_toml.read_text().replace('round_state = "fresh"', 'round_state = "carry"'))
     assert main([*build_again, "--force"]) == 2
     assert "round_state: replay probability 1 needs round_state" in capsys.readouterr().err
-    # A streamed recipe (carry, p = 0) is one the network does not serve yet: refused before anything is written.
+    # A streamed recipe (carry, p = 0: never replayed) builds an epoch the network serves.
     recipe_toml.write_text(re.sub(r"(?m)^stream_fragments = 1\b", "stream_fragments = 2", recipe_toml.read_text()))
-    assert main([*build_again, "--force", "--replay-probability", "0"]) == 2
-    assert "stream_fragments: 2: streamed epochs run in the local simulation" in capsys.readouterr().err
+    assert main([*build_again, "--force", "--replay-probability", "0"]) == 0, capsys.readouterr().err
+    streamed = Recipe.load(tmp_path / "recipe.json")
+    assert (streamed.stream_fragments, streamed.round_state) == (2, "carry")
+    assert load_epoch_spec(spec_file).model_spec_hash == streamed.sha256() != recipe.sha256()
 
 
 def test_create_and_fund_in_one_proposal_vote_and_execute(

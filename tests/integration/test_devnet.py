@@ -20,8 +20,13 @@ import pytest
 from gonka_node.aggregator.store import Store
 from gonka_node.cli import main
 from gonka_node.core.link import MBIT
+from gonka_node.core.recipe import Recipe
 from gonka_node.core.tls import load_identity
 from gonka_node.devnet_links import unavailable
+from gonka_node.host.store import HostStore
+from training.codecs import get_codec, spec_of
+from training.model import build_model
+from training.streaming import StreamSchedule
 
 
 @pytest.mark.slow
@@ -91,6 +96,37 @@ def test_devnet_with_shaped_links_eager_overlap_and_compressed_download_reports_
             assert len(reasons) == 2 and all(why.startswith("replay: cosine") for why in reasons), reasons
     finally:
         store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_devnet_streams_fragments_and_every_host_follows_each_round_by_its_fragment_s_update(tmp_path: Path) -> None:
+    """A streamed epoch (two fragments, delayed, a compressed download) end to end: each round's payloads
+    and download hold one fragment, and the hosts keep the chain's model by those updates alone."""
+    out = tmp_path / "devnet"
+    rc = main(["devnet", "--out", str(out), "--hosts", "2", "--rounds", "4", "--inner-steps", "8",
+               "--preset", "tiny", "--timeout", "400", "--replay-fraction", "0", "--stream-fragments", "2",
+               "--stream-mix", "0.5", "--overlap", "delayed", "--broadcast", "codec", "--link", "100/10"])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    recipe = Recipe.load(out / "recipe.json")
+    assert (recipe.stream_fragments, recipe.stream_mix, recipe.round_state) == (2, 0.5, "carry")
+    assert (report["stream_fragments"], report["stream_mix"]) == (2, 0.5)
+    assert len(set(report["checkpoint_hashes"])) == 5  # the devnet pulled and checked each against the chain
+    assert report["losses"][-1] < report["losses"][0]
+    model = build_model(recipe.model, recipe.init_seed)
+    spec = spec_of(dict(model.named_parameters()))
+    stream = StreamSchedule.plan(spec, 2, 0.5, first_round=1)
+    codec = get_codec(recipe.codec)
+    sent = sum(codec.encoded_size(stream.fragment_of(r).spec(spec)) for r in range(1, 5))
+    for i, host in enumerate(report["bytes_per_host"], start=1):
+        assert report["bytes_per_host"][host] == sent < 4 * codec.encoded_size(spec) * 0.75
+        assert report["download_bytes_per_host"][host] > 0
+        log = (out / "logs" / f"host{i}.log").read_text()
+        followed = re.findall(r"round (\d+): global model [0-9a-f]+… \((\w+)\)", log)
+        assert followed and {how for _, how in followed} <= {"updates", "ahead"}, followed
+        snap = HostStore(out / f"host{i}", report["epoch"]).load()
+        assert snap is not None and snap.progress.outer_steps == 4  # no checkpoint pulled to follow, ever
 
 
 WHY_NO_KERNEL_LINKS = unavailable()

@@ -258,10 +258,9 @@ def test_the_recipe_refuses_streaming_it_cannot_run(fields: dict[str, Any], mess
         Recipe(model=TINY, **fields)
 
 
-def test_streaming_stays_out_of_the_canonical_recipe_when_off_and_out_of_the_network() -> None:
+def test_streaming_stays_out_of_the_canonical_recipe_when_off_and_is_served_in_the_network() -> None:
     assert Recipe(model=TINY).sha256() == Recipe(model=TINY, stream_fragments=1, stream_mix=0.0).sha256()
     streamed = Recipe(model=TINY, stream_fragments=4, stream_mix=0.5)
     assert (streamed.to_dict()["stream_fragments"], streamed.to_dict()["stream_mix"]) == (4, 0.5)
     assert Recipe.from_dict(streamed.to_dict()).sha256() == streamed.sha256()
-    with pytest.raises(RecipeError, match="streamed epochs run in the local simulation"):
-        check_network_overlap(streamed)
+    check_network_overlap(streamed)  # the host daemon and the aggregator serve it (tests/gonka_node/test_host_stream.py)
