@@ -22,7 +22,7 @@ trained since their last syncs), so streamed epochs carry AdamW state and are ne
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,36 +66,45 @@ class StreamSchedule:
             raise ValueError(f"round {round_index} precedes the epoch's first round {self.first_round}")
         return self.fragments[(round_index - self.first_round) % len(self.fragments)]
 
-    def landing(self, landed: int, upto: int, held: int | None = None) -> list[Fragment]:
+    def landing(self, landed: int, upto: int, held: int | None = None, skipped: Collection[int] = ()) -> list[Fragment]:
         """The fragments a host takes back to bring its model from the syncs of rounds through `landed`
         to those through `upto`, from the global model it holds as of round `held` (≥ `upto`; default
         `upto`): each fragment synced in rounds `landed` + 1 … `upto` once, in the order of its latest
         sync there, but none synced again after `upto` (the held model shows that later sync, which lands
         with it). So a host that missed rounds (a late joiner, a restart) never merges one sync twice,
-        which with a mix would not be idempotent."""
+        which with a mix would not be idempotent. `skipped`: rounds that synced nothing (the chain skipped
+        them: no update, the model unchanged), so a fragment is not taken back from a sync it never had."""
         held = upto if held is None else held
         if held < upto:
             raise ValueError(f"landing: the held model (round {held}) precedes the syncs to land (through {upto})")
-        p = len(self.fragments)
-        later = {self.fragment_of(r).index for r in range(max(upto + 1, held - p + 1, self.first_round), held + 1)}
-        start = max(landed + 1, upto - p + 1, self.first_round)
-        return [f for f in map(self.fragment_of, range(start, upto + 1)) if f.index not in later]
+        later = {self.fragment_of(r).index for r in range(max(upto + 1, self.first_round), held + 1) if r not in skipped}
+        latest: dict[int, int] = {}  # fragment -> the round of its latest sync to land
+        for r in range(max(landed + 1, self.first_round), upto + 1):
+            if r not in skipped:
+                latest[self.fragment_of(r).index] = r
+        return [self.fragment_of(r) for r in sorted(latest.values()) if self.fragment_of(r).index not in later]
 
 
 def merge_fragment(model: torch.nn.Module, synced: Mapping[str, Tensor], names: Sequence[str], mix: float) -> None:
-    """Take a synced fragment back into a host's model: θ ← θ_synced + mix·(θ − θ_synced) for each tensor
-    of `names` (torch.lerp: `mix` = 0 copies the synced values exactly)."""
+    """Take a synced fragment back into a host's model: `merge_tensor` for each tensor of `names`."""
     params = dict(model.named_parameters())
     missing = sorted(set(names) - set(params) | set(names) - set(synced))
     if missing:
         raise ValueError(f"merge_fragment: {missing[:3]} not in both the model and the synced fragment")
-    with torch.no_grad():
-        for name in names:
-            p, g = params[name], synced[name].to(params[name].device, torch.float32)
-            if mix == 0.0:
-                p.copy_(g)
-            else:
-                p.copy_(torch.lerp(g, p.detach().float(), mix))
+    for name in names:
+        merge_tensor(params[name], synced[name], mix)
+
+
+@torch.no_grad()
+def merge_tensor(param: Tensor, synced: Tensor, mix: float) -> None:
+    """θ ← θ_synced + mix·(θ − θ_synced), in place (torch.lerp: `mix` = 0 copies the synced values
+    exactly). Element by element, so a rig process that holds some rows of a tensor merges those rows
+    as one process merges the whole."""
+    g = synced.to(param.device, torch.float32)
+    if mix == 0.0:
+        param.copy_(g)
+    else:
+        param.copy_(torch.lerp(g, param.detach().float(), mix))
 
 
 def stream_schedule(recipe: StreamedRecipe, spec: Mapping[str, tuple[int, ...]], first_round: int) -> StreamSchedule | None:

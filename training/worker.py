@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -181,14 +181,30 @@ class DiLoCoWorker(SlotWorker):
                 p.copy_(global_params[name])
         self.landed = landed
 
-    def land(self, schedule: StreamSchedule, synced: Mapping[str, Tensor], upto: int, held: int | None = None) -> None:
+    def land(self, schedule: StreamSchedule, synced: Mapping[str, Tensor], upto: int, held: int | None = None,
+             skipped: Collection[int] = ()) -> None:
         """Take back the fragments synced since this worker's last landing through round `upto`, from
-        `synced`, the held global model as of round `held` (default `upto`): `StreamSchedule.landing`."""
+        `synced`, the held global model as of round `held` (default `upto`), `skipped` rounds synced
+        nothing: `StreamSchedule.landing`."""
         if self.landed is None:
             raise ValueError("land: this worker has not begun a streamed epoch (begin_stream)")
-        for fragment in schedule.landing(self.landed, upto, held):
+        for fragment in schedule.landing(self.landed, upto, held, skipped):
             merge_fragment(self.model, synced, fragment.names, schedule.mix)
         self.landed = max(self.landed, upto)
+
+    def network_stream_round(
+        self, schedule: StreamSchedule, round_index: int, held_params: Mapping[str, Tensor], held: int,
+        skipped: Collection[int] = (), on_step: Callable[[int, float], None] | None = None, root: bool = False,
+    ) -> WorkerRound:
+        """A network host's streamed round: `held_params` is the global model after round `held`, the
+        round's base (training/overlap.py `base_round`). Lands every fragment synced since the last
+        landing from it (`skipped` rounds synced nothing), or loads it whole when the worker has no model
+        of its own yet (its first round here, or its state before that was restored), then `stream_round`."""
+        if self.landed is None:
+            self.begin_stream(held_params, held)
+        else:
+            self.land(schedule, held_params, held, skipped=skipped)
+        return self.stream_round(round_index, held_params, schedule.fragment_of(round_index).names, on_step, root)
 
     def stream_round(
         self,
@@ -196,12 +212,13 @@ class DiLoCoWorker(SlotWorker):
         anchor: Mapping[str, Tensor],
         names: Sequence[str],
         on_step: Callable[[int, float], None] | None = None,
+        root: bool = False,
     ) -> WorkerRound:
         """A streamed round (training/streaming.py): H steps on from the worker's own model (`begin_stream`
         first), then the pseudo-gradient of the fragment `names` alone, measured from `anchor`'s values of
         it (the global model, whose fragment is as its last sync left it), compressed with error feedback
-        on those tensors' residuals. No residual root: a streamed epoch carries AdamW state, and no round
-        of it is replayed or challenged."""
+        on those tensors' residuals. `root`: also the root over the whole residual (a rig reports it; a
+        streamed epoch carries AdamW state, so no round of it is challenged, but the host signs one)."""
         params = dict(self.model.named_parameters())
         unknown = sorted(set(names) - set(params))
         if unknown or not names:
@@ -213,7 +230,7 @@ class DiLoCoWorker(SlotWorker):
             batches = iter(self.rig.shard(batches))
         result = self.trainer.run(batches, on_step=on_step)
         delta = pseudo_gradient({n: anchor[n] for n in names}, {n: params[n] for n in names})
-        return self.seal(round_index, delta, result, root=False, part=True)
+        return self.seal(round_index, delta, result, root=root, part=True)
 
     def seal(self, round_index: int, delta: dict[str, Tensor], result: InnerResult, root: bool = True,
              sparse: bool = False, part: bool = False) -> WorkerRound:
@@ -228,8 +245,10 @@ class DiLoCoWorker(SlotWorker):
         # Δ is read no more: e_r is made in it, and its norm taken on the way
         payload = self.feedback.compress(delta, codec, kept, consume=True, squares=squares, part=part)
         norm = math.sqrt(math.fsum(squares[name] for name in delta))
-        signed = commitment_root(self.feedback.residual, {n: tuple(d.shape) for n, d in delta.items()},
-                                 self.feedback.codec) if root else None
+        # the root is over the whole model's residual (a fragment's round leaves the others' as they were)
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()} if part else \
+            {n: tuple(d.shape) for n, d in delta.items()}
+        signed = commitment_root(self.feedback.residual, shapes, self.feedback.codec) if root else None
         return WorkerRound(
             round=round_index,
             payload=payload,
@@ -314,6 +333,8 @@ class DiLoCoWorker(SlotWorker):
                 for name, p in params.items():
                     p.copy_(saved[name])
             self.landed = int(stream["landed"])
+        else:  # a state from before the worker's first streamed round: its next one loads the global model whole
+            self.landed = None
 
 
 def check_rebases(rebases: Sequence[Rebase], steps: int) -> list[int]:

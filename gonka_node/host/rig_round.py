@@ -183,6 +183,8 @@ class LocalRounds:
         self.seal_behind = False
         self.on_sealed: Callable[[WorkerRound], None] = lambda _round: None
         self._sealing: SealedRound | None = None  # the last round sealed behind (its thread may run yet)
+        # a streamed epoch: whether the chain skipped a finalized round (it synced no fragment); the daemon's
+        self.skipped: Callable[[int], bool] = lambda _round: False
 
     def start(self) -> None:
         return None
@@ -211,15 +213,12 @@ class LocalRounds:
     def _stream_round(self, stream: StreamSchedule, round_index: int, params: Mapping[str, Tensor],
                       step: Callable[[int, float], None]) -> WorkerRound:
         """A streamed round from `params`, the held global model, which is the one after the round's base
-        (`base_round`: the daemon brings it there before training): the worker lands every fragment
-        synced since its last landing from it (or, its first round here, or its own model lost, loads
-        it whole), trains on, and sends the round's fragment measured from it."""
+        (`base_round`: the daemon brings it there before training); `skipped` says which rounds the chain
+        skipped (no sync: nothing of them lands)."""
         held = base_round(round_index, self.overlap)
-        if self.worker.landed is None:
-            self.worker.begin_stream(params, held)
-        else:
-            self.worker.land(stream, params, held)
-        return self.worker.stream_round(round_index, params, stream.fragment_of(round_index).names, step)
+        since = held if self.worker.landed is None else self.worker.landed  # None: nothing lands (it begins)
+        skipped = [r for r in range(since + 1, held + 1) if self.skipped(r)]
+        return self.worker.network_stream_round(stream, round_index, params, held, skipped, step)
 
     def _sealed(self) -> None:
         """No seal runs once this returns (a seal that failed raises its error here)."""

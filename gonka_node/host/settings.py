@@ -76,9 +76,20 @@ class ChainHashes:
 
     def __init__(self, chain: ChainClient, epoch: int) -> None:
         self.chain, self.epoch = chain, epoch
+        self._skipped: dict[int, bool] = {}
 
     def checkpoint_sha256(self, round_: int) -> bytes:
         result = self.chain.round_result(self.epoch, round_)
         if not result.finalized:
             raise HostError(f"round {self.epoch}/{round_} is not finalized on chain")
         return bytes(result.checkpoint_sha256)
+
+    def skipped(self, round_: int) -> bool:
+        """Whether the chain skipped finalized round `round_`: it records the model of the round before
+        (or the epoch's initial one) unchanged, and no update. Final once known, so remembered."""
+        known = self._skipped.get(round_)
+        if known is None:
+            before = self.checkpoint_sha256(round_ - 1) if round_ > 1 else \
+                bytes(self.chain.get_epoch(self.epoch).spec.init_checkpoint_hash)
+            known = self._skipped[round_] = self.checkpoint_sha256(round_) == before
+        return known

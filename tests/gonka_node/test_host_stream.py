@@ -9,6 +9,7 @@ global model is `LocalDiLoCo`'s bit for bit, one host stopping and resuming mid-
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from gonka_node.core.client import AggregatorClient
 from gonka_node.host.node import HostError, HostNode, HostSettings
+from gonka_node.host.rig_round import LocalRounds, host_rounds
 from gonka_node.host.store import Progress
 from training.checkpoint import load_checkpoint
 from training.codecs import get_codec, round_seed
@@ -204,3 +206,37 @@ def test_a_rig_refuses_a_streamed_epoch_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(HostError, match=r"^stream_fragments = 2: a rig does not train streamed rounds yet; run this "
                                         r"epoch's host without --gpus \(one process\)$"):
         node.run()
+
+
+def test_a_round_the_chain_skipped_lands_nothing_and_a_refused_first_round_begins_again(tmp_path: Path) -> None:
+    """A host's streamed round lands from its held model the syncs since its last landing, less the rounds
+    the chain skipped (told by `LocalRounds.skipped`, the daemon's `ChainHashes.skipped`); a first round
+    rolled back (refused) leaves no own model, so the next one loads the global model whole again."""
+    world = base.build_world(tmp_path, replay_probability=0.0, round_state="carry", inner_steps=2, n_rounds=4,
+                             stream_fragments=FRAGMENTS, stream_mix=0.5)
+    rounds = host_rounds(world.recipe, Assignment(world.recipe.epoch_seed, 1, 4), None, None, tmp_path / "rig")
+    assert isinstance(rounds, LocalRounds) and rounds.stream is not None
+    worker = rounds.worker
+    landings: list[tuple[int, list[int]]] = []
+    land = worker.land
+
+    def spy(schedule: StreamSchedule, synced: Mapping[str, Tensor], upto: int, held: int | None = None,
+            skipped: Collection[int] = ()) -> None:
+        landings.append((upto, sorted(skipped)))
+        land(schedule, synced, upto, held, skipped)
+
+    worker.land = spy  # type: ignore[method-assign]
+    rounds.skipped = lambda r: r == 2
+    params = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    path = tmp_path / "unused"
+    before_first = rounds.snapshot()
+    rounds.train_round(1, params, lambda: path, lambda s, loss: None)
+    rounds.load_state_dict(before_first)  # refused: as if it never ran
+    assert worker.landed is None
+    rounds.train_round(1, params, lambda: path, lambda s, loss: None)  # begins again from the global model
+    assert worker.landed == 0 and landings == []
+    rounds.train_round(2, params, lambda: path, lambda s, loss: None)
+    rounds.train_round(3, params, lambda: path, lambda s, loss: None)  # round 2 skipped: its fragment stays
+    assert landings == [(1, []), (2, [2])] and worker.landed == 2
+    own = dict(worker.model.named_parameters())
+    assert not all(torch.equal(own[n], params[n]) for n in rounds.stream.fragment_of(2).names)

@@ -47,6 +47,11 @@ def test_the_schedule_syncs_each_fragment_in_turn_from_the_first_round_and_cover
     assert index(schedule.landing(0, 6)) == [0, 1] and schedule.landing(0, 3) == []  # nothing before round 5
     # a held model already past `upto` shows a later sync of a fragment: that one lands with it, once
     assert index(schedule.landing(6, 9, held=10)) == [0, 1] and index(schedule.landing(9, 10)) == [2]
+    # a round the chain skipped synced nothing: no fragment lands from it, the one before it counts
+    assert index(schedule.landing(4, 9, skipped={9})) == [1, 2, 0]  # f1 from round 6, not round 9
+    assert index(schedule.landing(4, 10, skipped={9, 10})) == [1, 2, 0]  # older than the last P rounds
+    assert index(schedule.landing(6, 9, held=10, skipped={10})) == [2, 0, 1]  # round 10 showed no later sync
+    assert schedule.landing(8, 9, skipped={9}) == []
     with pytest.raises(ValueError, match=r"the held model \(round 8\) precedes the syncs to land \(through 9\)"):
         schedule.landing(6, 9, held=8)
     with pytest.raises(FragmentError, match="stream_fragments must be between 1 and the model's"):
@@ -188,6 +193,14 @@ def test_a_snapshot_undoes_a_streamed_round_whole_and_a_plain_worker_s_state_is_
     host.land(run.stream, run.params, 1)
     host.load_state_dict(point)  # a refused round: back to the state before it, model included
     assert host.landed == 0 and all(torch.equal(p, before[n]) for n, p in host.model.named_parameters())
+    # A refused first streamed round (a late joiner's, say): its state before holds no own model, so the
+    # worker forgets the one it began and trained, and its next round loads the global model whole again.
+    fresh = LocalDiLoCo(run.config, small_windows).hosts[0]
+    first = fresh.snapshot()
+    fresh.begin_stream(run.params, 0)
+    fresh.stream_round(1, run.params, run.stream.fragment_of(1).names)
+    fresh.load_state_dict(first)
+    assert fresh.landed is None
     other = LocalDiLoCo(run.config, small_windows).hosts[0]
     bad = {**point, "stream": {"landed": 0, "model": {"nope": torch.zeros(1)}}}
     with pytest.raises(ValueError, match="the streamed state's model is not this worker's model"):
