@@ -5,7 +5,7 @@ The daemon (`gonka_node.host.rig_round.RigRounds`) starts one torchrun job; ever
 Every process reads the daemon's orders itself (no collective waits while the rig idles between rounds:
 a round's aggregation can take longer than a collective's timeout); rank 0 alone writes back.
 
-    order.json             the daemon's latest order: {"seq", "round", "global", "base", "keep"} or {"seq", "stop"}
+    order.json             the daemon's latest order: {"seq", "round", "global", "base", "keep", "skipped"} or {"seq", "stop"}
     progress-<seq>.jsonl   rank 0, one line per inner step: {"step": i (1 … H), "loss": x}
     payload-<seq>.bin      rank 0: the round's payload, written before the report
     report-<seq>.json      rank 0: the round's figures; it exists once round <seq> is done
@@ -27,7 +27,7 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,8 +37,10 @@ from safetensors import safe_open
 from torch import Tensor
 
 from training.durable import atomic_write, durable_replace, fsync_path
+from training.overlap import base_round
 from training.rig import Rig
 from training.sharded import held_bytes
+from training.streaming import StreamSchedule
 from training.worker import DiLoCoWorker, RoundFigures
 
 StepHook = Callable[[int, float], None]
@@ -47,8 +49,10 @@ StepHook = Callable[[int, float], None]
 class RoundWorker(Protocol):
     """One host slot's rounds on a rig; `training.sharded.ShardedWorker` or `ReplicatedWorker`."""
 
-    def run_round(self, round_index: int, global_path: Path, payload_path: Path, on_step: StepHook | None) -> RoundFigures:
-        """Train the round from the global model in `global_path`; rank 0 writes the payload."""
+    def run_round(self, round_index: int, global_path: Path, payload_path: Path, on_step: StepHook | None,
+                  skipped: Sequence[int] = ()) -> RoundFigures:
+        """Train the round from the global model in `global_path`; rank 0 writes the payload. `skipped`:
+        a streamed epoch's rounds the chain skipped since the state's last landing (they land nothing)."""
         ...
 
     def reset(self) -> None: ...
@@ -70,6 +74,9 @@ class RoundOrder:
     # A version the daemon may still roll back to, kept with `base` (an overlapped top-k host's state
     # before the round uploading meanwhile: the previous order's base); None: only `base`.
     keep: int | None = None
+    # A streamed epoch (training/streaming.py): the rounds the chain skipped since the landing of `base`'s
+    # state, up to the global model's round: no fragment lands from them.
+    skipped: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -225,14 +232,24 @@ class FileTensors(Mapping[str, Tensor]):
 
 
 class ReplicatedWorker:
-    """`RoundWorker` for a rig whose processes each hold the whole model (gradients all-reduced)."""
+    """`RoundWorker` for a rig whose processes each hold the whole model (gradients all-reduced).
+    `stream`: a streamed epoch's schedule, its rounds trained on from the worker's own model, landing the
+    synced fragments from the global model of the round's base (`overlap`'s `base_round`)."""
 
-    def __init__(self, worker: DiLoCoWorker, rig: Rig) -> None:
-        self.worker, self.rig = worker, rig
+    def __init__(self, worker: DiLoCoWorker, rig: Rig, stream: StreamSchedule | None = None,
+                 overlap: str = "off") -> None:
+        self.worker, self.rig, self.stream, self.overlap = worker, rig, stream, overlap
 
-    def run_round(self, round_index: int, global_path: Path, payload_path: Path, on_step: StepHook | None) -> RoundFigures:
+    def run_round(self, round_index: int, global_path: Path, payload_path: Path, on_step: StepHook | None,
+                  skipped: Sequence[int] = ()) -> RoundFigures:
         with safe_open(str(global_path), "pt") as handle:
-            result = self.worker.train_round(round_index, FileTensors(handle, self.rig.device), on_step)
+            params = FileTensors(handle, self.rig.device)
+            if self.stream is None:
+                result = self.worker.train_round(round_index, params, on_step)
+            else:
+                result = self.worker.network_stream_round(self.stream, round_index, params,
+                                                          base_round(round_index, self.overlap), skipped, on_step,
+                                                          root=True)
         if self.rig.is_rank0:
             atomic_write(payload_path, lambda p: p.write_bytes(result.payload))
         assert result.residual_root is not None  # asked for (train_round's default)
@@ -242,6 +259,7 @@ class ReplicatedWorker:
     def reset(self) -> None:
         self.worker.trainer.restart(0)
         self.worker.feedback.residual = {}
+        self.worker.landed = None  # a streamed epoch's next round loads the global model whole
 
     def state_dict(self) -> dict[str, Any]:
         return self.worker.state_dict()
@@ -293,7 +311,7 @@ class RigService:
         steps = _StepLog(self.mailbox.progress_path(order.seq)) if self.rig.is_rank0 else None
         try:
             figures = self.worker.run_round(
-                order.round, Path(order.global_path), self.mailbox.payload_path(order.seq), steps
+                order.round, Path(order.global_path), self.mailbox.payload_path(order.seq), steps, order.skipped
             )
         finally:
             if steps is not None:

@@ -21,7 +21,7 @@ a single process sends from the same Δ (tests/training/test_sharded.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,10 @@ from training.data import Windows
 from training.durable import durable_replace
 from training.inner import InnerConfig, InnerResult
 from training.model import Llama
+from training.overlap import base_round
 from training.residual_commit import commitment_layout, root_of_leaves, tensor_leaves
 from training.rig import Rig
+from training.streaming import StreamSchedule, merge_tensor
 from training.worker import Assignment, RoundFigures, SlotWorker
 
 Parts = tuple[dict[str, int], dict[str, float], dict[str, list[bytes]]]  # one process's index, Σ Δ², leaves
@@ -202,24 +204,51 @@ class ShardedWorker(SlotWorker):
         rig: Rig,
         ef_decay: float = 1.0,
         first_round: int = 1,
+        stream: StreamSchedule | None = None,
+        overlap: str = "off",
     ) -> None:
         # the residuals `feedback` holds are those of the tensors this process owns
         super().__init__(model, inner, codec, windows, assignment, ef_decay, first_round, sync=ShardedSync(rig))
         self.rig = rig
         self.layout = ShardLayout.of(model, rig.rank, rig.world_size)
+        # A streamed epoch (training/streaming.py): rounds train on from the rig's own model (its rows here),
+        # landing synced fragments first; `landed` as `DiLoCoWorker.landed` (None: no own model yet).
+        self.stream, self.overlap = stream, overlap
+        self.landed: int | None = None
 
     def run_round(
-        self, round_index: int, global_path: Path, payload_path: Path, on_step: Callable[[int, float], None] | None = None
+        self, round_index: int, global_path: Path, payload_path: Path, on_step: Callable[[int, float], None] | None = None,
+        skipped: Sequence[int] = (),
     ) -> RoundFigures:
-        """Train `round_index` from the global model in `global_path`; rank 0 writes the payload."""
+        """Train `round_index` from the global model in `global_path`; rank 0 writes the payload. A streamed
+        round trains on from the rig's own model and sends its fragment (`skipped`: `_land`)."""
         with GlobalRows(global_path, self.layout, self.rig.device) as rows:
-            self._load(rows)
+            names = self._start(round_index, rows, skipped)
             batches = self.start_round(round_index, self.trainer.config.micro_batch)
             result = self.trainer.run(self.rig.shard(batches), on_step=on_step)
             codec = self.round_codec(round_index)
             parts = part_path(payload_path, self.rig.rank)
-            mine = self._encode_parts(rows, codec, parts)
-        return self._finish(round_index, result, codec, parts, mine, payload_path)
+            mine = self._encode_parts(rows, codec, parts, names)
+        return self._finish(round_index, result, codec, parts, mine, payload_path, names)
+
+    def _start(self, round_index: int, rows: GlobalRows, skipped: Sequence[int]) -> list[str] | None:
+        """Bring the model to where the round trains from: the global model (`rows`), or in a streamed
+        epoch the rig's own model with the fragments synced since its last landing taken back from the
+        global model, which is the one after the round's base (`DiLoCoWorker.network_stream_round`, row
+        by row). Returns the names of the tensors the round sends (None: all)."""
+        if self.stream is None:
+            self._load(rows)
+            return None
+        held = base_round(round_index, self.overlap)
+        if self.landed is None:
+            self._load(rows)
+        else:
+            params = dict(self.model.named_parameters())
+            for fragment in self.stream.landing(self.landed, held, skipped=skipped):
+                for name in fragment.names:
+                    merge_tensor(_local(params[name]), rows[name], self.stream.mix)
+        self.landed = held if self.landed is None else max(self.landed, held)
+        return list(self.stream.fragment_of(round_index).names)
 
     @torch.no_grad()
     def _load(self, rows: GlobalRows) -> None:
@@ -227,18 +256,20 @@ class ShardedWorker(SlotWorker):
             _local(param).copy_(rows[name])
 
     @torch.no_grad()
-    def _encode_parts(self, rows: GlobalRows, codec: Codec, path: Path) -> Parts:
+    def _encode_parts(self, rows: GlobalRows, codec: Codec, path: Path, names: Sequence[str] | None = None) -> Parts:
         """Δ's rows here, each tensor gathered on its owner, which appends its payload part to `path`.
         Returns {name: part length}, {name: Σ Δ²} and {name: its chunks' leaves of the new residual} for
         the tensors this process owns: rank 0 joins the leaves into the root (32 bytes per 4096 elements
-        travel, not the residual, and each owner hashes only its own tensors)."""
+        travel, not the residual, and each owner hashes only its own tensors). `names`: the tensors sent
+        (a streamed round's fragment); the leaves cover every owned tensor, so the root is the whole
+        residual's, the others' residuals as earlier rounds left them."""
         params = dict(self.model.named_parameters())
         commit = commitment_layout(self.layout.spec(), codec)
         index: dict[str, int] = {}
         squares: dict[str, float] = {}
         leaves: dict[str, list[bytes]] = {}
         with path.open("wb") as out:
-            for name in sorted(params):  # every process takes part in every gather, in one order
+            for name in sorted(params if names is None else names):  # every process takes part in every gather, in one order
                 delta = rows[name].float() - _local(params[name]).detach().float()
                 whole = self.layout.gather_to_owner(name, delta)
                 if whole is None:
@@ -248,16 +279,22 @@ class ShardedWorker(SlotWorker):
                 out.write(part)
                 index[name] = len(part)
                 leaves[name] = tensor_leaves(self.feedback.residual, commit, name)
+        for name, shard in self.layout.tensors.items():
+            if shard.owner == self.rig.rank and name not in leaves:  # not sent this round: its residual as it was
+                leaves[name] = tensor_leaves(self.feedback.residual, commit, name)
         return index, squares, leaves
 
     def _finish(
         self, round_index: int, result: InnerResult, codec: Codec, parts: Path, mine: Parts, payload_path: Path,
+        names: Sequence[str] | None = None,
     ) -> RoundFigures:
         gathered = self.rig.gather_object(mine)
         norm, root = math.nan, b""
         if self.rig.is_rank0:
             assert gathered is not None
-            norm = assemble_payload(codec.header(self.layout.spec()), [(i, s) for i, s, _ in gathered], payload_path)
+            spec = self.layout.spec()
+            header = codec.header(spec if names is None else {n: spec[n] for n in names})
+            norm = assemble_payload(header, [(i, s) for i, s, _ in gathered], payload_path)
             leaves = {name: ls for _, _, owned in gathered for name, ls in owned.items()}
             root = root_of_leaves([leaf for name in sorted(leaves) for leaf in leaves[name]])
         self.rig.barrier()  # the parts are read before anyone deletes theirs
@@ -265,9 +302,10 @@ class ShardedWorker(SlotWorker):
         return RoundFigures(round_index, norm, result.mean_loss, result.last_loss, result.tokens, result.seconds, root)
 
     def reset(self) -> None:
-        """The state before the epoch's first round: fresh AdamW, schedule at 0, no residual."""
+        """The state before the epoch's first round: fresh AdamW, schedule at 0, no residual (nor own model)."""
         self.trainer.restart(0)
         self.feedback.residual = {}
+        self.landed = None
 
     def state_dict(self) -> dict[str, Any]:
         """This process's share: its optimizer rows (none in a `fresh` epoch, whose rounds restart AdamW:
@@ -277,7 +315,11 @@ class ShardedWorker(SlotWorker):
             optimizer = self.trainer.optimizer.state_dict()
             optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
             inner["optimizer"] = optimizer
-        return {"layout": self.layout.describe(), "inner": inner, "feedback": self.feedback.state_dict()}
+        state = {"layout": self.layout.describe(), "inner": inner, "feedback": self.feedback.state_dict()}
+        if self.landed is not None:  # a streamed epoch: this process's rows of its own model (saved before it trains on)
+            state["stream"] = {"landed": self.landed,
+                               "model": {n: _local(p).detach() for n, p in self.model.named_parameters()}}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("layout") != self.layout.describe():
@@ -296,6 +338,12 @@ class ShardedWorker(SlotWorker):
             inner["optimizer"] = optimizer
         self.trainer.load_state_dict(inner)
         self.feedback.load_state_dict(state["feedback"])
+        stream = state.get("stream")
+        self.landed = None if stream is None else int(stream["landed"])
+        if stream is not None:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    _local(param).copy_(stream["model"][name])
 
     def held_bytes(self) -> dict[str, int]:
         return held_bytes(self.model, self.trainer.optimizer)

@@ -152,7 +152,7 @@ class HostNode(Forecasts):
             self.rounds.seal_behind = self.recipe.overlap == "eager" and self.recipe.forecast_step > 0 \
                 and self.recipe.round_state == "fresh"
             self.rounds.on_sealed = self._round_sealed
-            self.rounds.skipped = ChainHashes(self.chain, self.settings.epoch).skipped  # a streamed round's landing
+        self.rounds.skipped = ChainHashes(self.chain, self.settings.epoch).skipped  # a streamed round's landing
         snap = self.store.load()
         if snap is not None and snap.progress.epoch == self.settings.epoch:
             progress = snap.progress

@@ -127,17 +127,17 @@ def host_rounds(
         worker = make_worker(recipe, assignment, cache_dir)
         spec = spec_of(dict(worker.model.named_parameters()))
         return LocalRounds(worker, stream_schedule(recipe, spec, first_round=1), recipe.overlap)
-    for name, what, off in (("forecast_step", "move a round onto its forecast partway", 0),
-                            ("merge_step", "move a round onto the model after r - 1 partway", 0),
-                            ("stream_fragments", "train streamed rounds", 1)):
-        if getattr(recipe, name) != off:
-            raise RigError(f"{name} = {getattr(recipe, name)}: a rig does not {what} yet; run this epoch's host "
-                           "without --gpus (one process)")
+    for name, what in (("forecast_step", "its forecast"), ("merge_step", "the model after r - 1")):
+        if getattr(recipe, name):
+            raise RigError(f"{name} = {getattr(recipe, name)}: a rig does not move a round onto {what} partway yet; "
+                           "run this epoch's host without --gpus (one process)")
     return RigRounds(rig, recipe, assignment, cache_dir, rig_dir, keep_previous=keep_previous)
 
 
 class Rounds(Protocol):
     """What the host daemon trains its rounds with (`LocalRounds` or `RigRounds`)."""
+
+    skipped: Callable[[int], bool]  # a streamed epoch: whether the chain skipped a finalized round (the daemon's)
 
     def start(self) -> None: ...
 
@@ -301,6 +301,8 @@ class RigRounds:
         self.mailbox: Mailbox | None = None
         self.log_path: Path | None = None
         self.last_report: RoundReport | None = None  # the rig's figures of the last round (benchmarks)
+        # a streamed epoch: whether the chain skipped a finalized round (it synced no fragment); the daemon's
+        self.skipped: Callable[[int], bool] = lambda _round: False
 
     def start(self) -> None:
         """Launch the rig (it builds its model and loads its data while the daemon waits for a round)."""
@@ -362,7 +364,8 @@ class RigRounds:
             raise RigError("the rig is not started")
         self.seq += 1
         keep = self.previous_base if self.keep_previous else None
-        order = RoundOrder(self.seq, round_index, str(params_file()), self.base, keep=keep)
+        order = RoundOrder(self.seq, round_index, str(params_file()), self.base, keep=keep,
+                           skipped=self._skipped_since_base(round_index))
         self.mailbox.post(order)
         self.previous_base = order.base
         report = self._await(order, on_step)
@@ -374,6 +377,15 @@ class RigRounds:
         self.last_report = report
         return WorkerRound(round_index, payload, report.delta_norm, report.mean_loss, report.last_loss,
                            report.tokens, report.seconds, bytes.fromhex(report.residual_root))
+
+    def _skipped_since_base(self, round_index: int) -> tuple[int, ...]:
+        """A streamed round's skipped rounds the rig's landing must know of: those after the last landing of
+        the state it starts from (the one after round `base`, which landed through `base`'s base round;
+        none before the first round: that state begins from the global model) up to the held model's."""
+        if self.recipe.stream_fragments == 1 or self.base == 0:
+            return ()
+        held, since = base_round(round_index, self.recipe.overlap), base_round(self.base, self.recipe.overlap)
+        return tuple(r for r in range(since + 1, held + 1) if self.skipped(r))
 
     def _await(self, order: RoundOrder, on_step: StepHook) -> RoundReport:
         """The round's report, passing its steps on as they come; a rig that stopped, or went
@@ -539,12 +551,13 @@ def build_rig_worker(setup: RigSetup, rig: Rig) -> tuple[RoundWorker, str]:
     assignment = Assignment(setup.epoch_seed, setup.slot, setup.max_slots, bytes.fromhex(setup.beacon))
     cache = Path(setup.cache_dir) if setup.cache_dir is not None else None
     model = Llama(recipe.model, device="meta")
+    stream = stream_schedule(recipe, spec_of(dict(model.named_parameters())), first_round=1)
     if not _sharded(setup, recipe, rig):
         model.checkpoint_layers = setup.checkpoint_activations
         inner = replace(recipe.inner_config(), compile=setup.compile)
         worker = DiLoCoWorker(model.to_empty(device=rig.device), inner, get_codec(recipe.codec),
                               recipe.windows(cache), assignment, recipe.ef_decay, rig=rig)
-        return ReplicatedWorker(worker, rig), "replicated"
+        return ReplicatedWorker(worker, rig, stream, recipe.overlap), "replicated"
     from torch.distributed.device_mesh import init_device_mesh
 
     from training.sharded import ShardedWorker, ShardOptions, shard_model
@@ -553,7 +566,7 @@ def build_rig_worker(setup: RigSetup, rig: Rig) -> tuple[RoundWorker, str]:
     shard_model(model, mesh, ShardOptions(checkpoint_activations=setup.checkpoint_activations, compile=setup.compile))
     model.to_empty(device=rig.device)
     sharded = ShardedWorker(model, recipe.inner_config(), get_codec(recipe.codec), recipe.windows(cache), assignment,
-                            rig, recipe.ef_decay)
+                            rig, recipe.ef_decay, stream=stream, overlap=recipe.overlap)
     return sharded, "sharded"
 
 

@@ -33,7 +33,10 @@ from gonka_node.host.rig_round import (
     RigError,
     RigOptions,
     RigRounds,
+    RigSetup,
+    build_rig_worker,
     check_rig_size,
+    host_rounds,
     make_worker,
 )
 from gonka_node.host.store import HostStore, Progress
@@ -211,6 +214,57 @@ def test_a_rig_keeps_the_state_an_overlapped_top_k_host_rolls_back_to(tmp_path: 
         rounds.load_state_dict({"rig": {"base": 1, "procs": 1}})  # round 2 refused: the state before it
         assert rounds.train_round(3, params, lambda: path, lambda s, loss: None).payload == want
         assert sorted(p.name for p in (tmp_path / "rig" / "state").iterdir()) == ["after-1", "after-2", "after-3"]
+    finally:
+        running.clear()
+        thread.join(30)
+        rounds.close(timeout_s=0.0)
+
+
+def test_a_rig_trains_a_streamed_epoch_as_one_process_does_past_a_skipped_round_and_a_rollback(tmp_path: Path) -> None:
+    """A streamed epoch (two fragments, delayed, mix 0.5) on a rig built as `gonka-node run --gpus` builds
+    it: each round's fragment payload and residual root are the one-process host's, round 4 landing
+    nothing of round 2, which the chain skipped (the order carries it), and a refused round 5 trained
+    again from the rig's version after round 4, its own model included, sends the same payload."""
+    recipe = tiny_recipe(tmp_path, grad_accum=1, round_state="carry", stream_fragments=2, stream_mix=0.5,
+                         overlap="delayed", n_rounds=5, codec="topk:chunk=4096,k=128,bits=2")
+    assignment = Assignment(recipe.epoch_seed, slot=0, max_slots=2)
+    models = []
+    for r in range(1, 6):  # the held model each round trains from: a different one each time
+        params = {n: p.detach().clone() for n, p in build_model(recipe.model, recipe.init_seed + r).named_parameters()}
+        save_file(params, str(tmp_path / f"held-{r}.safetensors"))
+        models.append((params, tmp_path / f"held-{r}.safetensors"))
+    alone = host_rounds(recipe, assignment, None, None, tmp_path / "unused")
+    rounds = RigRounds(RigOptions(1, stall_s=20.0), recipe, assignment, None, tmp_path / "rig")
+    alone.skipped = rounds.skipped = lambda r: r == 2
+    rounds.mailbox = Mailbox(tmp_path / "mailbox")
+    rounds.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    rig, running = Rig.single("cpu"), threading.Event()
+    running.set()
+    setup = RigSetup(recipe.to_dict(), recipe.epoch_seed, 0, 2, None, "replicated", False, False,
+                     str(rounds.mailbox.root), str(tmp_path / "rig" / "state"), os.getpid())
+    worker, mode = build_rig_worker(setup, rig)
+    assert mode == "replicated"
+    service = RigService(rig, rounds.mailbox, StateVersions(tmp_path / "rig" / "state"), worker, running.is_set,
+                         poll_s=0.01)
+    thread = threading.Thread(target=service.serve)
+    thread.start()
+    orders: list[tuple[int, ...]] = []
+    post = rounds.mailbox.post
+    rounds.mailbox.post = lambda order: orders.append(tuple(order.skipped)) or post(order)  # type: ignore[method-assign]
+    try:
+        sent = []
+        for r, (params, path) in enumerate(models, start=1):
+            want = alone.train_round(r, params, lambda p=path: p, lambda s, loss: None)
+            got = rounds.train_round(r, params, lambda p=path: p, lambda s, loss: None)
+            assert got.payload == want.payload, f"round {r}"
+            assert isinstance(alone, LocalRounds)
+            ef = alone.worker.feedback
+            assert got.residual_root == commitment_root(ef.residual, spec_of(params), ef.codec)
+            sent.append(got.payload)
+        assert orders == [(), (), (), (2,), ()]
+        rounds.load_state_dict({"rig": {"base": 4, "procs": 1}})  # round 5 refused: the state after round 4
+        params, path = models[4]
+        assert rounds.train_round(5, params, lambda: path, lambda s, loss: None).payload == sent[4]
     finally:
         running.clear()
         thread.join(30)

@@ -20,8 +20,6 @@ import torch
 from test_host_eager import MEAN, Notes, address
 from torch import Tensor
 
-from gonka_node.core.client import AggregatorClient
-from gonka_node.host.node import HostError, HostNode, HostSettings
 from gonka_node.host.rig_round import LocalRounds, host_rounds
 from gonka_node.host.store import Progress
 from training.checkpoint import load_checkpoint
@@ -195,17 +193,6 @@ def test_a_streamed_epoch_with_a_compressed_broadcast_follows_every_round_by_its
         assert len(run.updates[r]) == codec.encoded_size(fragment)  # the fragment's broadcast alone
     whole = codec.encoded_size(spec)
     assert all(len(p) < 0.75 * whole for p in run.payloads.values())
-
-
-def test_a_rig_refuses_a_streamed_epoch_in_one_line(tmp_path: Path) -> None:
-    world = base.build_world(tmp_path, replay_probability=0.0, round_state="carry", inner_steps=4, n_rounds=2,
-                             stream_fragments=FRAGMENTS)
-    settings = HostSettings(epoch=world.epoch, stake=5 * base.GNK, state_dir=tmp_path / "host1", poll_s=0.05, procs=2)
-    node = HostNode(settings, world.recipe, world.client(1), AggregatorClient("127.0.0.1:1", base.TLS.cert_pem, 1.0),
-                    base.host_keys(1, world))
-    with pytest.raises(HostError, match=r"^stream_fragments = 2: a rig does not train streamed rounds yet; run this "
-                                        r"epoch's host without --gpus \(one process\)$"):
-        node.run()
 
 
 def test_a_round_the_chain_skipped_lands_nothing_and_a_refused_first_round_begins_again(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from training.inner import InnerConfig, RoundState, clip_grad_norm
 from training.model import Llama, ModelConfig, build_model
 from training.residual_commit import ChunkLayout, residual_root, zero_root
 from training.rig import Rig
+from training.rig_service import ReplicatedWorker
 from training.sharded import (
     ShardedWorker,
     ShardLayout,
@@ -37,6 +38,7 @@ from training.sharded import (
     held_bytes,
     shard_model,
 )
+from training.streaming import StreamSchedule
 from training.worker import Assignment, DiLoCoWorker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,15 +81,42 @@ def _rig_process(rank: int, world_size: int, store: str, out: Path) -> None:
                     worker.load_state_dict(torch.load(out / f"state-{rank}.pt", weights_only=True))
             results[f"residual-{accum}"] = sorted(worker.feedback.residual)
             results[f"held-{accum}"] = worker.held_bytes()
+        results.update(_streamed_rounds(rig, mesh, out))
         torch.save(results, out / f"rank-{rank}.pt")
     finally:
         rig.close()
 
 
+STREAM = StreamSchedule.plan(spec_of(dict(Llama(CFG, device="meta").named_parameters())), 3, mix=0.5, first_round=1)
+SKIPPED = {4: (3,)}  # round 4 lands nothing: the chain skipped round 3
+
+
+def _streamed_rounds(rig: Rig, mesh: torch.distributed.device_mesh.DeviceMesh, out: Path) -> dict[str, object]:
+    """A streamed epoch's rounds 1-4 on a sharded and on a replicated rig, the state saved, reset and
+    reloaded after round 2 (a restarted rig); rank 0's roots."""
+    model = shard_model(Llama(CFG, device="meta"), mesh, ShardOptions()).to_empty(device="cpu")
+    sharded = ShardedWorker(model, inner(2), get_codec(CODEC), windows(), ASSIGNMENT, rig, ef_decay=0.9,
+                            stream=STREAM, overlap="off")
+    replicated = ReplicatedWorker(DiLoCoWorker(build_model(CFG, 0), inner(2), get_codec(CODEC), windows(), ASSIGNMENT,
+                                               ef_decay=0.9, rig=rig), rig, STREAM, "off")
+    results: dict[str, object] = {}
+    for kind, worker in (("sharded", sharded), ("replicated", replicated)):
+        worker.reset()
+        for r in (1, 2, 3, 4):
+            figures = worker.run_round(r, out / f"global-{r}.safetensors", out / f"payload-stream-{kind}-{r}.bin",
+                                       None, SKIPPED.get(r, ()))
+            results[f"stream-root-{kind}-{r}"] = figures.residual_root.hex()
+            if r == 2:
+                torch.save(worker.state_dict(), out / f"stream-{kind}-{rig.rank}.pt")
+                worker.reset()
+                worker.load_state_dict(torch.load(out / f"stream-{kind}-{rig.rank}.pt", weights_only=True))
+    return results
+
+
 @pytest.mark.slow  # two spawned processes: ~20-30 s on a loaded 2-core machine
 @pytest.mark.multiprocess
 def test_sharded_rig_sends_one_process_payloads_and_holds_half_the_state(tmp_path: Path) -> None:
-    for r in (1, 2, 3):  # a different global model each round, as the daemon hands it over
+    for r in (1, 2, 3, 4):  # a different global model each round, as the daemon hands it over
         params = {n: p.detach() for n, p in build_model(CFG, 10 + r).named_parameters()}
         save_file(params, str(tmp_path / f"global-{r}.safetensors"))
     mp.spawn(_rig_process, args=(2, str(tmp_path / "store"), tmp_path), nprocs=2, join=True)
@@ -122,6 +151,17 @@ def test_sharded_rig_sends_one_process_payloads_and_holds_half_the_state(tmp_pat
         assert sum(x["held-2"].values()) <= 0.55 * replicated  # half, plus FSDP's uneven last rows
 
     # Four micro-batches on two processes: (g0+g2)+(g1+g3) against ((g0+g1)+g2)+g3.
+    # A streamed epoch: each round's fragment alone, from the rig's own model (its rows, on a sharded rig),
+    # landing with the mix, after a restart and past a skipped round: one process's payloads and roots.
+    streamed = DiLoCoWorker(build_model(CFG, 0), inner(2), get_codec(CODEC), windows(), ASSIGNMENT, ef_decay=0.9)
+    for r in (1, 2, 3, 4):
+        want = streamed.network_stream_round(STREAM, r, _load(tmp_path / f"global-{r}.safetensors"), r - 1,
+                                             SKIPPED.get(r, ()), root=True)
+        assert len(want.payload) < 0.5 * len((tmp_path / "payload-2-1.bin").read_bytes())  # a third of the model
+        for kind in ("sharded", "replicated"):
+            assert (tmp_path / f"payload-stream-{kind}-{r}.bin").read_bytes() == want.payload, f"{kind} round {r}"
+            assert ranks[0][f"stream-root-{kind}-{r}"] == want.residual_root.hex(), f"{kind} round {r}"
+
     four = DiLoCoWorker(build_model(CFG, 0), inner(4), get_codec("fp32"), windows(), ASSIGNMENT, ef_decay=0.9)
     want = four.train_round(1, _load(tmp_path / "global-1.safetensors")).payload
     spec = {n: tuple(p.shape) for n, p in four.model.named_parameters()}
