@@ -328,6 +328,9 @@ class ShardedWorker(SlotWorker):
                 f"this rig state was saved by rank {saved.get('rank')} of {saved.get('world_size')} processes "
                 f"for another split; this is rank {self.rig.rank} of {self.rig.world_size}"
             )
+        stream = state.get("stream")
+        if stream is not None and set(stream["model"]) != set(self.layout.tensors):  # checked before anything loads
+            raise ValueError("this rig state's own model is not this model's")
         inner = dict(state["inner"])
         if "optimizer" in inner:
             optimizer = dict(inner["optimizer"])
@@ -338,7 +341,6 @@ class ShardedWorker(SlotWorker):
             inner["optimizer"] = optimizer
         self.trainer.load_state_dict(inner)
         self.feedback.load_state_dict(state["feedback"])
-        stream = state.get("stream")
         self.landed = None if stream is None else int(stream["landed"])
         if stream is not None:
             with torch.no_grad():

@@ -15,7 +15,6 @@ from typing import NamedTuple
 from torch import Tensor
 
 from gonka_node.host.follow import GlobalModel, NextModel, dense_update, step_ahead
-from gonka_node.host.rig_round import LocalRounds
 from gonka_node.host.saves import HostSaves
 from gonka_node.host.sealing import Beside, SealedRound
 from gonka_node.host.settings import HostError
@@ -74,7 +73,7 @@ class Forecasts(HostSaves):
 
     def _spec_for(self, round_: int) -> Spec:
         """The tensors round `round_`'s payloads and update hold: the model's, or a streamed round's fragment."""
-        stream = self.rounds.stream if isinstance(self.rounds, LocalRounds) else None
+        stream = self.rounds.stream
         return self._spec if stream is None else stream.fragment_of(round_).spec(self._spec)
 
     def _round_codec(self, round_: int) -> Codec:

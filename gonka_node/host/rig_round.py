@@ -124,9 +124,7 @@ def host_rounds(
     started later (`RigRounds.start`) that keeps its state in `rig_dir`; RigError for what a rig does not
     do yet."""
     if rig is None:
-        worker = make_worker(recipe, assignment, cache_dir)
-        spec = spec_of(dict(worker.model.named_parameters()))
-        return LocalRounds(worker, stream_schedule(recipe, spec, first_round=1), recipe.overlap)
+        return LocalRounds(make_worker(recipe, assignment, cache_dir), recipe_stream(recipe), recipe.overlap)
     for name, what in (("forecast_step", "its forecast"), ("merge_step", "the model after r - 1")):
         if getattr(recipe, name):
             raise RigError(f"{name} = {getattr(recipe, name)}: a rig does not move a round onto {what} partway yet; "
@@ -134,9 +132,15 @@ def host_rounds(
     return RigRounds(rig, recipe, assignment, cache_dir, rig_dir, keep_previous=keep_previous)
 
 
+def recipe_stream(recipe: Recipe) -> StreamSchedule | None:
+    """A network epoch's stream schedule (rounds from 1; None: not streamed), from the model's shapes alone."""
+    return stream_schedule(recipe, spec_of(dict(Llama(recipe.model, device="meta").named_parameters())), first_round=1)
+
+
 class Rounds(Protocol):
     """What the host daemon trains its rounds with (`LocalRounds` or `RigRounds`)."""
 
+    stream: StreamSchedule | None  # a streamed epoch's schedule: round r's payload and update hold its fragment
     skipped: Callable[[int], bool]  # a streamed epoch: whether the chain skipped a finalized round (the daemon's)
 
     def start(self) -> None: ...
@@ -301,6 +305,7 @@ class RigRounds:
         self.mailbox: Mailbox | None = None
         self.log_path: Path | None = None
         self.last_report: RoundReport | None = None  # the rig's figures of the last round (benchmarks)
+        self.stream = recipe_stream(recipe)  # the rig's processes build the same schedule (`build_rig_worker`)
         # a streamed epoch: whether the chain skipped a finalized round (it synced no fragment); the daemon's
         self.skipped: Callable[[int], bool] = lambda _round: False
 
@@ -382,7 +387,7 @@ class RigRounds:
         """A streamed round's skipped rounds the rig's landing must know of: those after the last landing of
         the state it starts from (the one after round `base`, which landed through `base`'s base round;
         none before the first round: that state begins from the global model) up to the held model's."""
-        if self.recipe.stream_fragments == 1 or self.base == 0:
+        if self.stream is None or self.base == 0:
             return ()
         held, since = base_round(round_index, self.recipe.overlap), base_round(self.base, self.recipe.overlap)
         return tuple(r for r in range(since + 1, held + 1) if self.skipped(r))
@@ -551,7 +556,7 @@ def build_rig_worker(setup: RigSetup, rig: Rig) -> tuple[RoundWorker, str]:
     assignment = Assignment(setup.epoch_seed, setup.slot, setup.max_slots, bytes.fromhex(setup.beacon))
     cache = Path(setup.cache_dir) if setup.cache_dir is not None else None
     model = Llama(recipe.model, device="meta")
-    stream = stream_schedule(recipe, spec_of(dict(model.named_parameters())), first_round=1)
+    stream = recipe_stream(recipe)
     if not _sharded(setup, recipe, rig):
         model.checkpoint_layers = setup.checkpoint_activations
         inner = replace(recipe.inner_config(), compile=setup.compile)

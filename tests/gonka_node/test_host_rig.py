@@ -282,12 +282,18 @@ def test_local_rounds_count_steps_within_the_round(tmp_path: Path) -> None:
     assert seen == [1, 2, 3, 1, 2, 3] and worker.trainer.step == 6
 
 
-def rig_world(tmp: Path) -> World:
+def rig_world(tmp: Path, **recipe: object) -> World:
     """test_host_node's world with a 3-round recipe whose step takes 2 micro-batches (one per process)."""
     from test_host_node import build_world
 
     tmp.mkdir(parents=True)
-    return build_world(tmp, inner_steps=6, micro_batch=2, grad_accum=2, warmup_steps=2, n_rounds=3)
+    return build_world(tmp, inner_steps=6, micro_batch=2, grad_accum=2, warmup_steps=2, n_rounds=3,
+                       **recipe)  # type: ignore[arg-type]
+
+
+# two fragments, one a round, landing a round late with a mix; the update broadcast with the codec
+STREAMED = dict(replay_probability=0.0, round_state="carry", stream_fragments=2, stream_mix=0.5, overlap="delayed",
+                broadcast="codec")
 
 
 def run_epoch(world: World, tmp: Path, host1: HostSettings) -> list[Progress]:
@@ -304,11 +310,16 @@ def run_epoch(world: World, tmp: Path, host1: HostSettings) -> list[Progress]:
 
 @pytest.mark.slow  # two 3-round epochs with a real aggregator, one with a torchrun rig: ~1-2 min
 @pytest.mark.multiprocess
-def test_a_host_on_a_sharded_two_process_rig_submits_the_one_process_hosts_payloads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", [{}, STREAMED], ids=["fresh", "streamed"])
+def test_a_host_on_a_sharded_two_process_rig_submits_the_one_process_hosts_payloads(
+    tmp_path: Path, recipe: dict[str, object]
+) -> None:
+    """A streamed epoch too: the rig host sends each round's fragment as the one-process host does, and
+    follows each round by its fragment's update (its outer momentum never dropped for a pulled checkpoint)."""
     single, on_rig = tmp_path / "single", tmp_path / "rig"
-    world = rig_world(single)
+    world = rig_world(single, **recipe)
     alone = run_epoch(world, single, HostSettings(world.epoch, 5 * 10**9, single / "host1", poll_s=0.05))
-    world = rig_world(on_rig)
+    world = rig_world(on_rig, **recipe)
     rigged = run_epoch(world, on_rig, HostSettings(world.epoch, 5 * 10**9, on_rig / "host1", poll_s=0.05,
                                                    procs=2, sharding="sharded"))
     assert set(alone[0].submitted) == {"1", "2", "3"}
@@ -316,5 +327,6 @@ def test_a_host_on_a_sharded_two_process_rig_submits_the_one_process_hosts_paylo
     assert rigged[1].submitted == alone[1].submitted  # so the other host saw the same global models
     assert rigged[0].model_sha256 == alone[0].model_sha256 == world.client(0).round_result(
         world.epoch, 3).checkpoint_sha256.hex()
+    assert [p.outer_steps for p in (*alone, *rigged)] == [3] * 4
     assert HostStore(on_rig / "host1").load().worker_state == {"rig": {"base": 3, "procs": 2}}  # type: ignore[union-attr]
     assert sorted(p.name for p in (on_rig / "host1" / "rig" / "state").iterdir()) == ["after-2", "after-3"]

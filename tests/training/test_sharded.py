@@ -109,6 +109,9 @@ def _streamed_rounds(rig: Rig, mesh: torch.distributed.device_mesh.DeviceMesh, o
             if r == 2:
                 torch.save(worker.state_dict(), out / f"stream-{kind}-{rig.rank}.pt")
                 worker.reset()
+                with torch.no_grad():  # a restarted process holds no trained model: the state's must come back
+                    for p in (model if kind == "sharded" else replicated.worker.model).parameters():
+                        p.zero_()
                 worker.load_state_dict(torch.load(out / f"stream-{kind}-{rig.rank}.pt", weights_only=True))
     return results
 
