@@ -5,7 +5,8 @@ The daemon (`gonka_node.host.rig_round.RigRounds`) starts one torchrun job; ever
 Every process reads the daemon's orders itself (no collective waits while the rig idles between rounds:
 a round's aggregation can take longer than a collective's timeout); rank 0 alone writes back.
 
-    order.json             the daemon's latest order: {"seq", "round", "global", "base", "keep", "skipped"} or {"seq", "stop"}
+    order.json             the daemon's latest order: {"seq", "round", "global", "base", "keep", "skipped", "moves"} or {"seq", "stop"}
+    move-<seq>-<i>[-shift].safetensors   the daemon: move i's target (and its shift), once its step is reported
     progress-<seq>.jsonl   rank 0, one line per inner step: {"step": i (1 … H), "loss": x}
     payload-<seq>.bin      rank 0: the round's payload, written before the report
     report-<seq>.json      rank 0: the round's figures; it exists once round <seq> is done
@@ -22,6 +23,8 @@ deterministic, so the retried round sends the payload the first attempt would ha
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import resource
@@ -39,9 +42,10 @@ from torch import Tensor
 from training.durable import atomic_write, durable_replace, fsync_path
 from training.overlap import base_round
 from training.rig import Rig
+from training.rig_moves import OrderReplaced, RigMove
 from training.sharded import held_bytes
 from training.streaming import StreamSchedule
-from training.worker import DiLoCoWorker, RoundFigures
+from training.worker import DiLoCoWorker, Rebase, RoundFigures, Shifted
 
 StepHook = Callable[[int, float], None]
 
@@ -50,9 +54,10 @@ class RoundWorker(Protocol):
     """One host slot's rounds on a rig; `training.sharded.ShardedWorker` or `ReplicatedWorker`."""
 
     def run_round(self, round_index: int, global_path: Path, payload_path: Path, on_step: StepHook | None,
-                  skipped: Sequence[int] = ()) -> RoundFigures:
+                  skipped: Sequence[int] = (), moves: Sequence[RigMove] = ()) -> RoundFigures:
         """Train the round from the global model in `global_path`; rank 0 writes the payload. `skipped`:
-        a streamed epoch's rounds the chain skipped since the state's last landing (they land nothing)."""
+        a streamed epoch's rounds the chain skipped since the state's last landing (they land nothing).
+        `moves`: where the round moves onto another base partway (an eager round's late forecast)."""
         ...
 
     def reset(self) -> None: ...
@@ -77,6 +82,9 @@ class RoundOrder:
     # A streamed epoch (training/streaming.py): the rounds the chain skipped since the landing of `base`'s
     # state, up to the global model's round: no fragment lands from them.
     skipped: Sequence[int] = ()
+    # An eager round's moves (training.worker.Rebase): the inner steps after which the rig moves onto the
+    # base the daemon writes then (`Mailbox.move_path`), once its first `step` steps are reported.
+    moves: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,11 @@ class Mailbox:
 
     def progress_path(self, seq: int) -> Path:
         return self.root / f"progress-{seq}.jsonl"
+
+    def move_path(self, seq: int, index: int, shift: bool = False) -> Path:
+        """Move `index` of order `seq`: its target model (safetensors), or the target's shift from the base
+        before it (`training.worker.Shifted`), which the daemon writes first when it has one."""
+        return self.root / f"move-{seq}-{index}{'-shift' if shift else ''}.safetensors"
 
     def payload_path(self, seq: int) -> Path:
         return self.root / f"payload-{seq}.bin"
@@ -241,11 +254,20 @@ class ReplicatedWorker:
         self.worker, self.rig, self.stream, self.overlap = worker, rig, stream, overlap
 
     def run_round(self, round_index: int, global_path: Path, payload_path: Path, on_step: StepHook | None,
-                  skipped: Sequence[int] = ()) -> RoundFigures:
-        with safe_open(str(global_path), "pt") as handle:
+                  skipped: Sequence[int] = (), moves: Sequence[RigMove] = ()) -> RoundFigures:
+        with contextlib.ExitStack() as files, safe_open(str(global_path), "pt") as handle:
             params = FileTensors(handle, self.rig.device)
+
+            def opened(path: Path) -> FileTensors:  # open until the round's Δ is taken from the last target
+                return FileTensors(files.enter_context(safe_open(str(path), "pt")), self.rig.device)
+
+            def target(move: RigMove) -> Mapping[str, Tensor] | Shifted:
+                at, shift = move.wait()
+                return opened(at) if shift is None else Shifted(opened(at), opened(shift))
+
+            rebases = [Rebase(m.step, functools.partial(target, m)) for m in moves]
             if self.stream is None:
-                result = self.worker.train_round(round_index, params, on_step)
+                result = self.worker.train_round(round_index, params, on_step, rebases=rebases)
             else:
                 result = self.worker.network_stream_round(self.stream, round_index, params,
                                                           base_round(round_index, self.overlap), skipped, on_step,
@@ -290,7 +312,8 @@ class RigService:
             order = self._next_order(done)
             if order is None or order.stop:
                 return
-            self.run(order)
+            with contextlib.suppress(OrderReplaced):  # every process sees the newer order: none waits in a collective
+                self.run(order)
             done = order.seq
 
     def _next_order(self, done: int) -> RoundOrder | None:
@@ -310,9 +333,15 @@ class RigService:
             self.versions.keep_only(order.base, *(() if order.keep is None else (order.keep,)))
         steps = _StepLog(self.mailbox.progress_path(order.seq)) if self.rig.is_rank0 else None
         try:
+            moves = [RigMove(step, self.mailbox.move_path(order.seq, i), self.mailbox.move_path(order.seq, i, True),
+                             functools.partial(self._replaced, order.seq), self.poll_s)
+                     for i, step in enumerate(order.moves)]
             figures = self.worker.run_round(
-                order.round, Path(order.global_path), self.mailbox.payload_path(order.seq), steps, order.skipped
+                order.round, Path(order.global_path), self.mailbox.payload_path(order.seq), steps, order.skipped, moves
             )
+        except OrderReplaced:
+            self.held = None  # half a round trained: the next order reloads its base version
+            raise
         finally:
             if steps is not None:
                 steps.close()
@@ -326,6 +355,10 @@ class RigService:
         if self.rig.is_rank0:
             self.mailbox.write_report(report)
         return report
+
+    def _replaced(self, seq: int) -> bool:
+        order = self.mailbox.order()
+        return order is not None and order.seq != seq
 
     def _hold(self, base: int) -> None:
         """Bring the worker's in-memory state to version `base` (nothing to do in the common case)."""

@@ -20,6 +20,7 @@ a single process sends from the same Δ (tests/training/test_sharded.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,8 +43,9 @@ from training.model import Llama
 from training.overlap import base_round
 from training.residual_commit import commitment_layout, root_of_leaves, tensor_leaves
 from training.rig import Rig
+from training.rig_moves import RigMove
 from training.streaming import StreamSchedule, merge_tensor
-from training.worker import Assignment, RoundFigures, SlotWorker
+from training.worker import Assignment, Rebase, RoundFigures, SlotWorker, check_rebases
 
 Parts = tuple[dict[str, int], dict[str, float], dict[str, list[bytes]]]  # one process's index, Σ Δ², leaves
 
@@ -218,18 +220,42 @@ class ShardedWorker(SlotWorker):
 
     def run_round(
         self, round_index: int, global_path: Path, payload_path: Path, on_step: Callable[[int, float], None] | None = None,
-        skipped: Sequence[int] = (),
+        skipped: Sequence[int] = (), moves: Sequence[RigMove] = (),
     ) -> RoundFigures:
         """Train `round_index` from the global model in `global_path`; rank 0 writes the payload. A streamed
-        round trains on from the rig's own model and sends its fragment (`skipped`: `_land`)."""
-        with GlobalRows(global_path, self.layout, self.rig.device) as rows:
+        round trains on from the rig's own model and sends its fragment (`skipped`: `_start`). `moves`: an
+        eager round's moves onto other bases partway (`_move`), its Δ measured from the last one."""
+        segments = check_rebases([Rebase(m.step, lambda: {}) for m in moves], self.trainer.config.steps)
+        with contextlib.ExitStack() as files:
+            rows = files.enter_context(GlobalRows(global_path, self.layout, self.rig.device))
             names = self._start(round_index, rows, skipped)
-            batches = self.start_round(round_index, self.trainer.config.micro_batch)
-            result = self.trainer.run(self.rig.shard(batches), on_step=on_step)
+            batches = iter(self.rig.shard(self.start_round(round_index, self.trainer.config.micro_batch)))
+            parts_run = []
+            for move, segment in zip((None, *moves), segments, strict=True):
+                if move is not None:
+                    rows = self._move(rows, move, files)
+                parts_run.append(self.trainer.run(batches, steps=segment, on_step=on_step))
+            result = InnerResult.joined(parts_run)
             codec = self.round_codec(round_index)
             parts = part_path(payload_path, self.rig.rank)
             mine = self._encode_parts(rows, codec, parts, names)
         return self._finish(round_index, result, codec, parts, mine, payload_path, names)
+
+    @torch.no_grad()
+    def _move(self, base: GlobalRows, move: RigMove, files: contextlib.ExitStack) -> GlobalRows:
+        """`training.worker.move_onto` on this process's rows: θ ← θ + (target − base), or + the shift the
+        daemon took already (`Shifted`); elementwise, so the rows move as one process's whole tensors do.
+        Returns the target's rows (the base from here on)."""
+        at, shift = move.wait()
+        target = files.enter_context(GlobalRows(at, self.layout, self.rig.device))
+        moved = None if shift is None else files.enter_context(GlobalRows(shift, self.layout, self.rig.device))
+        for name, param in self.model.named_parameters():
+            local = _local(param)
+            if moved is None:
+                local.add_(target[name].to(local.device, torch.float32) - base[name].to(local.device, torch.float32))
+            else:
+                local.add_(moved[name].to(local.device, torch.float32))
+        return target
 
     def _start(self, round_index: int, rows: GlobalRows, skipped: Sequence[int]) -> list[str] | None:
         """Bring the model to where the round trains from: the global model (`rows`), or in a streamed

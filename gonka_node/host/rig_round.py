@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 
 from gonka_node.core.recipe import Recipe
@@ -55,7 +56,7 @@ from training.rig_service import (
     StateVersions,
 )
 from training.streaming import StreamSchedule, stream_schedule
-from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
+from training.worker import Assignment, DiLoCoWorker, Rebase, Shifted, WorkerRound
 
 SHARDINGS = ("auto", "replicated", "sharded")
 StepHook = Callable[[int, float], None]  # (step within the round, from 1; loss)
@@ -125,10 +126,9 @@ def host_rounds(
     do yet."""
     if rig is None:
         return LocalRounds(make_worker(recipe, assignment, cache_dir), recipe_stream(recipe), recipe.overlap)
-    for name, what in (("forecast_step", "its forecast"), ("merge_step", "the model after r - 1")):
-        if getattr(recipe, name):
-            raise RigError(f"{name} = {getattr(recipe, name)}: a rig does not move a round onto {what} partway yet; "
-                           "run this epoch's host without --gpus (one process)")
+    if recipe.merge_step:  # its move waits on the chain, and may give the round up (`HostNode._merge`)
+        raise RigError(f"merge_step = {recipe.merge_step}: a rig does not move a round onto the model after r - 1 "
+                       "partway yet; run this epoch's host without --gpus (one process)")
     return RigRounds(rig, recipe, assignment, cache_dir, rig_dir, keep_previous=keep_previous)
 
 
@@ -363,17 +363,20 @@ class RigRounds:
         self, round_index: int, params: Mapping[str, Tensor], params_file: Callable[[], Path], on_step: StepHook,
         rebases: Sequence[Rebase] = (),
     ) -> WorkerRound:
-        if rebases:  # refused before any round (`HostNode._prepare`); never silently trained without them
-            raise RigError("a rig does not move a round onto another base partway (the recipe's merge_step)")
         if self.proc is None or self.mailbox is None:
             raise RigError("the rig is not started")
         self.seq += 1
         keep = self.previous_base if self.keep_previous else None
         order = RoundOrder(self.seq, round_index, str(params_file()), self.base, keep=keep,
-                           skipped=self._skipped_since_base(round_index))
+                           skipped=self._skipped_since_base(round_index), moves=tuple(r.step for r in rebases))
         self.mailbox.post(order)
         self.previous_base = order.base
-        report = self._await(order, on_step)
+        try:
+            report = self._await(order, on_step, rebases)
+        finally:  # read by the rig already (mapped: a file unlinked stays readable to who opened it)
+            for i in range(len(rebases)):
+                for shift in (False, True):
+                    self.mailbox.move_path(order.seq, i, shift).unlink(missing_ok=True)
         payload_path = self.mailbox.payload_path(order.seq)
         payload = payload_path.read_bytes()
         for path in (payload_path, self.mailbox.progress_path(order.seq)):
@@ -392,18 +395,23 @@ class RigRounds:
         held, since = base_round(round_index, self.recipe.overlap), base_round(self.base, self.recipe.overlap)
         return tuple(r for r in range(since + 1, held + 1) if self.skipped(r))
 
-    def _await(self, order: RoundOrder, on_step: StepHook) -> RoundReport:
+    def _await(self, order: RoundOrder, on_step: StepHook, rebases: Sequence[Rebase] = ()) -> RoundReport:
         """The round's report, passing its steps on as they come; a rig that stopped, or went
         `stall_s` without a step while up (a hung collective), or `start_s` (re)starting (a hung rendezvous),
         fails the round. The stall clock starts again when the rig is up: its first start, or a restart
-        after a process died, rebuilds the model, which on a large one may take longer than a step."""
+        after a process died, rebuilds the model, which on a large one may take longer than a step.
+        `rebases`: once a move's step is reported, its target is taken (`Rebase.target`, as a one-process
+        round takes it there) and written for the rig, which waits for it (`training.rig_moves`)."""
         assert self.proc is not None and self.mailbox is not None
-        offset, last_sign, starting_since = 0, time.monotonic(), None
+        offset, last_sign, starting_since, moved = 0, time.monotonic(), None, 0
         while True:
             report = self.mailbox.report(order.seq)
             steps, offset = self.mailbox.progress(order.seq, offset)
             for step, loss in steps:
                 on_step(step, loss)
+                while moved < len(rebases) and step >= rebases[moved].step:  # a restarted rig finds it written
+                    self._write_move(order.seq, moved, rebases[moved].target())
+                    moved, last_sign = moved + 1, time.monotonic()
             if report is not None:
                 return report
             if self.proc.poll() is not None:
@@ -424,6 +432,17 @@ class RigRounds:
                 self._stop(order, f"took no step for {self.options.stall_s:.0f} s",
                            "raise --rig-stall-s if its steps are that slow")
             time.sleep(self.poll_s)
+
+    def _write_move(self, seq: int, index: int, target: Mapping[str, Tensor] | Shifted) -> None:
+        """Move `index`'s files: the shift first when the target came with one, then the target, whose
+        arrival tells the rig both are there (each renamed into place whole)."""
+        assert self.mailbox is not None
+        files = [] if not isinstance(target, Shifted) else [(self.mailbox.move_path(seq, index, True), target.shift)]
+        files.append((self.mailbox.move_path(seq, index), target.target if isinstance(target, Shifted) else target))
+        for path, tensors in files:
+            staged = path.with_name(path.name + ".tmp")
+            save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(staged))
+            os.replace(staged, path)
 
     def _stop(self, order: RoundOrder, what: str, advice: str) -> NoReturn:
         """Stop the rig and fail `order`'s round with the log's tail."""

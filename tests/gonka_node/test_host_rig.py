@@ -16,6 +16,7 @@ import subprocess
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -45,7 +46,7 @@ from training.model import ModelConfig, build_model
 from training.residual_commit import ChunkLayout, residual_root
 from training.rig import Rig
 from training.rig_service import Mailbox, ReplicatedWorker, RigService, StateVersions
-from training.worker import Assignment, commitment_root, replay_round
+from training.worker import Assignment, Rebase, Shifted, commitment_root, replay_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -271,6 +272,57 @@ def test_a_rig_trains_a_streamed_epoch_as_one_process_does_past_a_skipped_round_
         rounds.close(timeout_s=0.0)
 
 
+def test_a_rig_moves_a_round_onto_the_daemon_s_targets_as_one_process_does_and_drops_a_round_given_up(
+    tmp_path: Path,
+) -> None:
+    """An eager round's late forecast on a rig: the daemon takes each move's target once the move's step is
+    reported and writes it (with its shift, `Shifted`) for the rig, whose payload is the one-process
+    round's; a round whose target fails is given up, and the rig trains the next order from its base."""
+    recipe = tiny_recipe(tmp_path, grad_accum=1, round_state="fresh", overlap="eager", forecast_step=2)
+    assignment = Assignment(recipe.epoch_seed, slot=0, max_slots=2)
+    models = global_models(recipe, tmp_path)
+    alone = LocalRounds(make_worker(recipe, assignment, None))
+    rounds = RigRounds(RigOptions(1, stall_s=20.0), recipe, assignment, None, tmp_path / "rig")
+    rounds.mailbox = Mailbox(tmp_path / "mailbox")
+    rounds.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    rig, running = Rig.single("cpu"), threading.Event()
+    running.set()
+    service = RigService(rig, rounds.mailbox, StateVersions(tmp_path / "rig" / "state"),
+                         ReplicatedWorker(make_worker(recipe, assignment, None), rig), running.is_set, poll_s=0.01)
+    thread = threading.Thread(target=service.serve)
+    thread.start()
+    (start, _), (target, _), (other, _) = models
+    shift = {n: target[n] - start[n] for n in start}  # as `shift_onto` takes it: fp32, one rounding
+    seen: list[int] = []
+    try:
+        for r, moved in ((1, lambda: target), (2, lambda: Shifted(other, shift))):
+            steps: list[int] = []
+
+            def taken(moved: Callable[[], object] = moved, steps: list[int] = steps) -> object:
+                seen.append(max(steps, default=0))  # the steps reported when the daemon took it
+                return moved()
+
+            want = alone.train_round(r, start, lambda: models[0][1], lambda s, loss: None, [Rebase(2, moved)])
+            got = rounds.train_round(r, start, lambda: models[0][1], lambda s, loss, steps=steps: steps.append(s),
+                                     [Rebase(2, taken)])  # type: ignore[list-item]
+            assert got.payload == want.payload, f"round {r}"
+        assert seen == [2, 2]
+
+        def fails() -> dict[str, torch.Tensor]:
+            raise RuntimeError("the forecast failed")
+
+        with pytest.raises(RuntimeError, match="the forecast failed"):
+            rounds.train_round(3, start, lambda: models[0][1], lambda s, loss: None, [Rebase(2, fails)])
+        # the daemon trains round 3 again without the move: the rig left the half-trained round for it
+        want = alone.train_round(3, start, lambda: models[0][1], lambda s, loss: None).payload
+        assert rounds.train_round(3, start, lambda: models[0][1], lambda s, loss: None).payload == want
+        assert not list(rounds.mailbox.root.glob("move-*"))  # each round's move files gone with it
+    finally:
+        running.clear()
+        thread.join(30)
+        rounds.close(timeout_s=0.0)
+
+
 def test_local_rounds_count_steps_within_the_round(tmp_path: Path) -> None:
     recipe = replace(tiny_recipe(tmp_path), inner_steps=3)
     worker = make_worker(recipe, Assignment(recipe.epoch_seed, 0, 2), None)
@@ -310,12 +362,15 @@ def run_epoch(world: World, tmp: Path, host1: HostSettings) -> list[Progress]:
 
 @pytest.mark.slow  # two 3-round epochs with a real aggregator, one with a torchrun rig: ~1-2 min
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("recipe", [{}, STREAMED], ids=["fresh", "streamed"])
+@pytest.mark.parametrize("recipe", [{}, STREAMED, {"overlap": "eager", "forecast_step": 2}],
+                         ids=["fresh", "streamed", "late-forecast"])
 def test_a_host_on_a_sharded_two_process_rig_submits_the_one_process_hosts_payloads(
     tmp_path: Path, recipe: dict[str, object]
 ) -> None:
     """A streamed epoch too: the rig host sends each round's fragment as the one-process host does, and
-    follows each round by its fragment's update (its outer momentum never dropped for a pulled checkpoint)."""
+    follows each round by its fragment's update (its outer momentum never dropped for a pulled checkpoint).
+    An eager epoch with a late forecast: the rig moves onto the daemon's forecast at its step, and every
+    round passes the aggregator's replay (p = 1) with the one-process host's payload."""
     single, on_rig = tmp_path / "single", tmp_path / "rig"
     world = rig_world(single, **recipe)
     alone = run_epoch(world, single, HostSettings(world.epoch, 5 * 10**9, single / "host1", poll_s=0.05))
@@ -328,5 +383,7 @@ def test_a_host_on_a_sharded_two_process_rig_submits_the_one_process_hosts_paylo
     assert rigged[0].model_sha256 == alone[0].model_sha256 == world.client(0).round_result(
         world.epoch, 3).checkpoint_sha256.hex()
     assert [p.outer_steps for p in (*alone, *rigged)] == [3] * 4
+    if recipe is not STREAMED:  # paid for every round: the aggregator's replay (p = 1) reproduced it
+        assert all(rigged[0].rewards[str(r)] > 0 for r in (1, 2, 3)), rigged[0].rewards
     assert HostStore(on_rig / "host1").load().worker_state == {"rig": {"base": 3, "procs": 2}}  # type: ignore[union-attr]
     assert sorted(p.name for p in (on_rig / "host1" / "rig" / "state").iterdir()) == ["after-2", "after-3"]

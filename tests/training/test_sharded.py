@@ -29,6 +29,7 @@ from training.inner import InnerConfig, RoundState, clip_grad_norm
 from training.model import Llama, ModelConfig, build_model
 from training.residual_commit import ChunkLayout, residual_root, zero_root
 from training.rig import Rig
+from training.rig_moves import RigMove
 from training.rig_service import ReplicatedWorker
 from training.sharded import (
     ShardedWorker,
@@ -39,7 +40,7 @@ from training.sharded import (
     shard_model,
 )
 from training.streaming import StreamSchedule
-from training.worker import Assignment, DiLoCoWorker
+from training.worker import Assignment, DiLoCoWorker, Rebase, Shifted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,6 +83,14 @@ def _rig_process(rank: int, world_size: int, store: str, out: Path) -> None:
             results[f"residual-{accum}"] = sorted(worker.feedback.residual)
             results[f"held-{accum}"] = worker.held_bytes()
         results.update(_streamed_rounds(rig, mesh, out))
+        # an eager round's moves partway (training.rig_moves): onto a target, then by a shift given with one
+        model = shard_model(Llama(CFG, device="meta"), mesh, ShardOptions()).to_empty(device="cpu")
+        moving = ShardedWorker(model, inner(2), get_codec(CODEC), windows(), ASSIGNMENT, rig, ef_decay=0.9)
+        moving.reset()
+        target, shift = out / "move-target.safetensors", out / "move-shift.safetensors"
+        for r, move in ((1, RigMove(1, target, out / "absent.safetensors", lambda: False)),
+                        (2, RigMove(2, target, shift, lambda: False))):
+            moving.run_round(r, out / f"global-{r}.safetensors", out / f"payload-move-{r}.bin", moves=[move])
         torch.save(results, out / f"rank-{rank}.pt")
     finally:
         rig.close()
@@ -122,6 +131,9 @@ def test_sharded_rig_sends_one_process_payloads_and_holds_half_the_state(tmp_pat
     for r in (1, 2, 3, 4):  # a different global model each round, as the daemon hands it over
         params = {n: p.detach() for n, p in build_model(CFG, 10 + r).named_parameters()}
         save_file(params, str(tmp_path / f"global-{r}.safetensors"))
+    target = {n: p.detach() for n, p in build_model(CFG, 30).named_parameters()}
+    save_file(target, str(tmp_path / "move-target.safetensors"))
+    save_file({n: (t * 0.01).contiguous() for n, t in target.items()}, str(tmp_path / "move-shift.safetensors"))
     mp.spawn(_rig_process, args=(2, str(tmp_path / "store"), tmp_path), nprocs=2, join=True)
 
     alone = DiLoCoWorker(build_model(CFG, 0), inner(2), get_codec(CODEC), windows(), ASSIGNMENT, ef_decay=0.9)
@@ -164,6 +176,13 @@ def test_sharded_rig_sends_one_process_payloads_and_holds_half_the_state(tmp_pat
         for kind in ("sharded", "replicated"):
             assert (tmp_path / f"payload-stream-{kind}-{r}.bin").read_bytes() == want.payload, f"{kind} round {r}"
             assert ranks[0][f"stream-root-{kind}-{r}"] == want.residual_root.hex(), f"{kind} round {r}"
+
+    # Moves partway: row by row, the one-process round's payloads (the shift given is added as it is).
+    target, shift = _load(tmp_path / "move-target.safetensors"), _load(tmp_path / "move-shift.safetensors")
+    moving = DiLoCoWorker(build_model(CFG, 0), inner(2), get_codec(CODEC), windows(), ASSIGNMENT, ef_decay=0.9)
+    for r, rebase in ((1, Rebase(1, lambda: target)), (2, Rebase(2, lambda: Shifted(target, shift)))):
+        want = moving.train_round(r, _load(tmp_path / f"global-{r}.safetensors"), rebases=[rebase])
+        assert (tmp_path / f"payload-move-{r}.bin").read_bytes() == want.payload, f"moved round {r}"
 
     four = DiLoCoWorker(build_model(CFG, 0), inner(4), get_codec("fp32"), windows(), ASSIGNMENT, ef_decay=0.9)
     want = four.train_round(1, _load(tmp_path / "global-1.safetensors")).payload
