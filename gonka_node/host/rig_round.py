@@ -122,13 +122,10 @@ def host_rounds(
     keep_previous: bool = False,
 ) -> Rounds:
     """What a host daemon trains its rounds with: its own process (`rig` None), or a rig of processes
-    started later (`RigRounds.start`) that keeps its state in `rig_dir`; RigError for what a rig does not
-    do yet."""
+    started later (`RigRounds.start`) that keeps its state in `rig_dir` (RigError: its size does not split
+    the recipe's step)."""
     if rig is None:
         return LocalRounds(make_worker(recipe, assignment, cache_dir), recipe_stream(recipe), recipe.overlap)
-    if recipe.merge_step:  # its move waits on the chain, and may give the round up (`HostNode._merge`)
-        raise RigError(f"merge_step = {recipe.merge_step}: a rig does not move a round onto the model after r - 1 "
-                       "partway yet; run this epoch's host without --gpus (one process)")
     return RigRounds(rig, recipe, assignment, cache_dir, rig_dir, keep_previous=keep_previous)
 
 

@@ -362,15 +362,16 @@ def run_epoch(world: World, tmp: Path, host1: HostSettings) -> list[Progress]:
 
 @pytest.mark.slow  # two 3-round epochs with a real aggregator, one with a torchrun rig: ~1-2 min
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("recipe", [{}, STREAMED, {"overlap": "eager", "forecast_step": 2}],
-                         ids=["fresh", "streamed", "late-forecast"])
+@pytest.mark.parametrize("recipe", [{}, STREAMED, {"overlap": "eager", "forecast_step": 2, "merge_step": 4}],
+                         ids=["fresh", "streamed", "late-forecast-merge"])
 def test_a_host_on_a_sharded_two_process_rig_submits_the_one_process_hosts_payloads(
     tmp_path: Path, recipe: dict[str, object]
 ) -> None:
     """A streamed epoch too: the rig host sends each round's fragment as the one-process host does, and
     follows each round by its fragment's update (its outer momentum never dropped for a pulled checkpoint).
-    An eager epoch with a late forecast: the rig moves onto the daemon's forecast at its step, and every
-    round passes the aggregator's replay (p = 1) with the one-process host's payload."""
+    An eager epoch with a late forecast and a merge: the rig moves onto the daemon's forecast, then onto
+    the model after r - 1, at their steps, and every round passes the aggregator's replay (p = 1) with
+    the one-process host's payload."""
     single, on_rig = tmp_path / "single", tmp_path / "rig"
     world = rig_world(single, **recipe)
     alone = run_epoch(world, single, HostSettings(world.epoch, 5 * 10**9, single / "host1", poll_s=0.05))
