@@ -1,4 +1,4 @@
-"""A rig round's moves onto other bases partway (an eager round's late forecast, training/overlap.py),
+"""A rig round's moves onto other bases partway (an eager round's late forecast and merge, training/overlap.py),
 from the rig's side: after a move's step the rig's processes wait for the target the daemon writes into
 the mailbox (`training.rig_service.Mailbox.move_path`) once it has seen that step reported."""
 

@@ -57,7 +57,7 @@ class RoundWorker(Protocol):
                   skipped: Sequence[int] = (), moves: Sequence[RigMove] = ()) -> RoundFigures:
         """Train the round from the global model in `global_path`; rank 0 writes the payload. `skipped`:
         a streamed epoch's rounds the chain skipped since the state's last landing (they land nothing).
-        `moves`: where the round moves onto another base partway (an eager round's late forecast)."""
+        `moves`: where the round moves onto another base partway (an eager round's late forecast, merge)."""
         ...
 
     def reset(self) -> None: ...
@@ -266,6 +266,8 @@ class ReplicatedWorker:
                 return opened(at) if shift is None else Shifted(opened(at), opened(shift))
 
             rebases = [Rebase(m.step, functools.partial(target, m)) for m in moves]
+            if self.stream is not None and moves:  # the recipe refuses it (streamed rounds are not eager)
+                raise ValueError("a streamed round does not move onto another base partway")
             if self.stream is None:
                 result = self.worker.train_round(round_index, params, on_step, rebases=rebases)
             else:

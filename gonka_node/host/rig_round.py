@@ -147,7 +147,7 @@ class Rounds(Protocol):
         rebases: Sequence[Rebase] = (),
     ) -> WorkerRound | SealedRound:
         """Train `round_index` from the global model (`params`, or the same in the file `params_file()`
-        returns), moving onto other bases on the way as `rebases` say (one process only); the state
+        returns), moving onto other bases on the way as `rebases` say (a rig through its mailbox); the state
         moves on to after this round (`load_state_dict` takes it back)."""
         ...
 
@@ -373,7 +373,9 @@ class RigRounds:
         finally:  # read by the rig already (mapped: a file unlinked stays readable to who opened it)
             for i in range(len(rebases)):
                 for shift in (False, True):
-                    self.mailbox.move_path(order.seq, i, shift).unlink(missing_ok=True)
+                    path = self.mailbox.move_path(order.seq, i, shift)
+                    for leftover in (path, path.with_name(path.name + ".tmp")):  # .tmp: a write that failed
+                        leftover.unlink(missing_ok=True)
         payload_path = self.mailbox.payload_path(order.seq)
         payload = payload_path.read_bytes()
         for path in (payload_path, self.mailbox.progress_path(order.seq)):
@@ -410,6 +412,9 @@ class RigRounds:
                     self._write_move(order.seq, moved, rebases[moved].target())
                     moved, last_sign = moved + 1, time.monotonic()
             if report is not None:
+                if moved < len(rebases):  # the rig reported a round without taking every move
+                    raise RigError(f"round {order.round}: the rig finished without {len(rebases) - moved} of "
+                                   f"its {len(rebases)} moves; the end of {self.log_path}:\n{self.log_tail()}")
                 return report
             if self.proc.poll() is not None:
                 raise RigError(f"round {order.round}: the rig stopped (exit code {self.proc.returncode}) after "

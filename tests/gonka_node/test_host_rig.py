@@ -277,8 +277,9 @@ def test_a_rig_moves_a_round_onto_the_daemon_s_targets_as_one_process_does_and_d
 ) -> None:
     """An eager round's late forecast on a rig: the daemon takes each move's target once the move's step is
     reported and writes it (with its shift, `Shifted`) for the rig, whose payload is the one-process
-    round's; a round whose target fails is given up, and the rig trains the next order from its base."""
-    recipe = tiny_recipe(tmp_path, grad_accum=1, round_state="fresh", overlap="eager", forecast_step=2)
+    round's; a round whose target fails is given up, and the rig trains the next order from its base (a
+    `carry` epoch: the half-trained round's AdamW steps must not survive into it)."""
+    recipe = tiny_recipe(tmp_path, grad_accum=1, round_state="carry", overlap="eager", forecast_step=2)
     assignment = Assignment(recipe.epoch_seed, slot=0, max_slots=2)
     models = global_models(recipe, tmp_path)
     alone = LocalRounds(make_worker(recipe, assignment, None))

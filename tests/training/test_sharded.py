@@ -29,7 +29,7 @@ from training.inner import InnerConfig, RoundState, clip_grad_norm
 from training.model import Llama, ModelConfig, build_model
 from training.residual_commit import ChunkLayout, residual_root, zero_root
 from training.rig import Rig
-from training.rig_moves import RigMove
+from training.rig_moves import OrderReplaced, RigMove
 from training.rig_service import ReplicatedWorker
 from training.sharded import (
     ShardedWorker,
@@ -91,6 +91,12 @@ def _rig_process(rank: int, world_size: int, store: str, out: Path) -> None:
         for r, move in ((1, RigMove(1, target, out / "absent.safetensors", lambda: False)),
                         (2, RigMove(2, target, shift, lambda: False))):
             moving.run_round(r, out / f"global-{r}.safetensors", out / f"payload-move-{r}.bin", moves=[move])
+        # a move the daemon gave up (another order posted): every process leaves the round at it, none in a
+        # collective, and the rig takes its next order
+        with pytest.raises(OrderReplaced):
+            moving.run_round(3, out / "global-3.safetensors", out / "payload-given-up.bin",
+                             moves=[RigMove(1, out / "never.safetensors", out / "never-shift.safetensors", lambda: True)])
+        results["after-give-up"] = moving.run_round(3, out / "global-3.safetensors", out / "payload-move-3.bin").round
         torch.save(results, out / f"rank-{rank}.pt")
     finally:
         rig.close()
@@ -183,6 +189,7 @@ def test_sharded_rig_sends_one_process_payloads_and_holds_half_the_state(tmp_pat
     for r, rebase in ((1, Rebase(1, lambda: target)), (2, Rebase(2, lambda: Shifted(target, shift)))):
         want = moving.train_round(r, _load(tmp_path / f"global-{r}.safetensors"), rebases=[rebase])
         assert (tmp_path / f"payload-move-{r}.bin").read_bytes() == want.payload, f"moved round {r}"
+    assert [x["after-give-up"] for x in ranks] == [3, 3] and not (tmp_path / "payload-given-up.bin").exists()
 
     four = DiLoCoWorker(build_model(CFG, 0), inner(4), get_codec("fp32"), windows(), ASSIGNMENT, ef_decay=0.9)
     want = four.train_round(1, _load(tmp_path / "global-1.safetensors")).payload
