@@ -318,14 +318,6 @@ class OuterOptimizer:
             self._step_tensor(name, params[name], avg_delta[name])
         self.steps += 1
 
-    def step_part(self, params: Mapping[str, Tensor], avg_delta: Mapping[str, Tensor]) -> None:
-        """`step` on the tensors `avg_delta` names alone (a streamed round's fragment: training/streaming.py),
-        the others of `params` and their momentum untouched; every name must be one of `params`'."""
-        unknown = sorted(set(avg_delta) - set(params))
-        if unknown or not avg_delta:
-            raise ValueError(f"OuterOptimizer.step_part: the update's tensors {unknown[:3] or '(none)'} are not the model's")
-        self.step({name: params[name] for name in avg_delta}, avg_delta)
-
     def _step_tensor(self, name: str, p: Tensor, g: Tensor) -> None:
         """One parameter's step, in place, its momentum buffer replaced (never written: a copy of this
         optimizer may share it). Element by element: element i of the result depends on element i of

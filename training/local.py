@@ -28,7 +28,7 @@ from training.fragments import Fragment
 from training.inner import InnerConfig, evaluate
 from training.model import ModelConfig, build_model
 from training.overlap import eager_base, eager_rebases
-from training.streaming import StreamSchedule, stream_schedule
+from training.streaming import StreamSchedule, step_fragment, stream_schedule
 from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
 
 
@@ -224,7 +224,7 @@ class LocalDiLoCo:
         """A streamed round's outer step, on its fragment alone, and the synced fragment landing on the
         hosts: this round's, or with "delayed" the one synced the round before, which this round trained
         without. Its global values are as its sync left them either way (this step moved another one)."""
-        self.outer.step_part(self.params, average)
+        step_fragment(self.outer, self.params, average)
         upto = self.round if self.config.recipe.overlap == "off" else self.round - 1
         for host in self.hosts:
             host.land(stream, self.params, upto, held=self.round)

@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from training.diloco import OuterOptimizer
 from training.fragments import Fragment, Spec, plan_fragments
 from training.inner import InnerConfig
 
@@ -83,6 +84,16 @@ class StreamSchedule:
             if r not in skipped:
                 latest[self.fragment_of(r).index] = r
         return [self.fragment_of(r) for r in sorted(latest.values()) if self.fragment_of(r).index not in later]
+
+
+def step_fragment(outer: OuterOptimizer, params: Mapping[str, Tensor], update: Mapping[str, Tensor]) -> None:
+    """The outer step on the tensors `update` names alone (a streamed round's fragment, or every tensor),
+    each with its own momentum; the others of `params` and their momentum untouched. The step is element
+    by element, so stepping a fragment is stepping those tensors of the whole."""
+    unknown = sorted(set(update) - set(params))
+    if unknown or not update:
+        raise ValueError(f"step_fragment: the update's tensors {unknown[:3] or '(none)'} are not the model's")
+    outer.step({name: params[name] for name in update}, update)
 
 
 def merge_fragment(model: torch.nn.Module, synced: Mapping[str, Tensor], names: Sequence[str], mix: float) -> None:

@@ -50,6 +50,7 @@ from training.hf_export import MODEL_CONFIG_KEY
 from training.inner import evaluate
 from training.model import Llama
 from training.residual_commit import commitment_layout
+from training.streaming import step_fragment
 
 if TYPE_CHECKING:
     from gonka_node.aggregator.engine_types import CheckpointIO, EpochContext
@@ -250,7 +251,7 @@ def compute_outcome(inputs: ClosingInputs) -> RoundOutcome:
     if ctx.stream is None:
         outer.step(params, update)
     else:  # the fragment alone, each tensor with its own momentum (training/streaming.py)
-        outer.step_part(params, update)
+        step_fragment(outer, params, update)
     meta = {
         "epoch": str(epoch),
         "round": str(round_),

@@ -20,6 +20,7 @@ from torch import Tensor
 from gonka_node.core.fragments import model_root
 from training.checkpoint import tensors_view
 from training.diloco import OuterOptimizer, SpeculativeStep, Update
+from training.streaming import step_fragment
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def step_ahead(
             raise ValueError("step_ahead: a sparse update needs the step taken ahead (`speculated`)")
         update = cast(Mapping[str, Tensor], update)
         params, outer = {name: t.clone() for name, t in model.params.items()}, model.outer.copy()
-        outer.step_part(params, update)  # a streamed round's update holds its fragment alone
+        step_fragment(outer, params, update)  # a streamed round's update holds its fragment alone
     ahead = NextModel(round_, params, outer, model.hash_of(params))
     if speculate_next:
         try:  # taken ahead of the update already (`SpeculativeStep.take_after`): fixed at its entries only
@@ -154,7 +155,7 @@ def follow_to(
             # model, the momentum and one update, nothing more (a 30B model: 360 GB, not 600).
             update = decode(r, fetch_update(r))
             model.sha256 = b""  # from here until the hash matches, the held model is no verified state
-            model.outer.step_part(model.params, update)  # every tensor, or a streamed round's fragment
+            step_fragment(model.outer, model.params, update)  # every tensor, or a streamed round's fragment
         except Exception as exc:  # any failure here falls back to the verified pull below
             log.warning("round %d: cannot apply the aggregated update (%s); pulling the checkpoint", r, exc)
             model.outer = None

@@ -29,13 +29,13 @@ from test_host_node import World
 from gonka_node.core.client import AggregatorClient
 from gonka_node.core.recipe import Recipe
 from gonka_node.host.node import HostNode, HostSettings
+from gonka_node.host.rig_process import build_rig_worker
 from gonka_node.host.rig_round import (
     LocalRounds,
     RigError,
     RigOptions,
     RigRounds,
     RigSetup,
-    build_rig_worker,
     check_rig_size,
     host_rounds,
     make_worker,

@@ -37,7 +37,7 @@ time.sleep(120)
 """
 RIG_PROCESS = """
 import sys, time
-from gonka_node.host.rig_round import follow_daemon
+from gonka_node.host.rig_process import follow_daemon
 follow_daemon({daemon}, poll_s=0.1)  # armed once it returns
 print("following", flush=True)
 time.sleep(120)
