@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -116,15 +117,16 @@ def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Notes]:
         return collect(world, agg, progresses, tmp_path), notes
 
 
-def local_models(run: Run) -> list[dict[str, Tensor]]:
-    """The global model after each round as `LocalDiLoCo` computes it for the epoch's recipe, its two
-    simulated hosts given the network hosts' slots (the epoch has 4) and rounds numbered from 1."""
+def local_models(run: Run, rounds: Sequence[int] = ROUNDS) -> list[dict[str, Tensor]]:
+    """The global model after each of `rounds` as `LocalDiLoCo` computes it for the epoch's recipe, its
+    two simulated hosts given the network hosts' slots (the epoch has 4) and rounds numbered from 1.
+    `run`: anything with the epoch's `world` and the hosts' `slots` (test_host_stream's runs too)."""
     recipe = run.world.recipe
     local = LocalDiLoCo(LocalRunConfig(recipe=recipe, workers=2, eval_windows=4), recipe.windows(), first_round=1)
     for worker, i in zip(local.hosts, (1, 2), strict=True):
         worker.assignment = Assignment(recipe.epoch_seed, run.slots[address(run.world, i)], 4)
     out = []
-    for _ in ROUNDS:
+    for _ in rounds:
         local.run_round()
         out.append({n: p.detach().clone() for n, p in local.params.items()})
     return out

@@ -10,13 +10,14 @@ from disk and sends the same payload. A refused round rolls back to the previous
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sysconfig
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -45,7 +46,7 @@ from training.codecs import get_codec, round_seed, spec_of
 from training.model import ModelConfig, build_model
 from training.residual_commit import ChunkLayout, residual_root
 from training.rig import Rig
-from training.rig_service import Mailbox, ReplicatedWorker, RigService, StateVersions
+from training.rig_service import Mailbox, RigService, StateVersions
 from training.worker import Assignment, Rebase, Shifted, commitment_root, replay_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -190,6 +191,30 @@ def test_saved_state_of_another_rig_size_is_refused_with_the_fix(tmp_path: Path)
     assert not (tmp_path / "rig").exists()  # nothing launched, nothing written
 
 
+@contextlib.contextmanager
+def served_rig(recipe: Recipe, assignment: Assignment, tmp: Path, keep_previous: bool = False) -> Iterator[RigRounds]:
+    """The daemon's `RigRounds` over a one-process rig whose loop runs in this process on its mailbox (a
+    `sleep` stands for the torchrun agent), the worker built as `gonka-node run --gpus` builds it."""
+    rounds = RigRounds(RigOptions(1, stall_s=20.0), recipe, assignment, None, tmp / "rig", keep_previous=keep_previous)
+    rounds.mailbox = Mailbox(tmp / "mailbox")
+    rounds.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    rig, running = Rig.single("cpu"), threading.Event()
+    running.set()
+    setup = RigSetup(recipe.to_dict(), assignment.epoch_seed, assignment.slot, assignment.max_slots, None, "replicated",
+                     False, False, str(rounds.mailbox.root), str(tmp / "rig" / "state"), os.getpid())
+    worker, mode = build_rig_worker(setup, rig)
+    assert mode == "replicated"
+    service = RigService(rig, rounds.mailbox, StateVersions(tmp / "rig" / "state"), worker, running.is_set, poll_s=0.01)
+    thread = threading.Thread(target=service.serve)
+    thread.start()
+    try:
+        yield rounds
+    finally:
+        running.clear()
+        thread.join(30)
+        rounds.close(timeout_s=0.0)
+
+
 def test_a_rig_keeps_the_state_an_overlapped_top_k_host_rolls_back_to(tmp_path: Path) -> None:
     """Rounds 1-3, then round 2 refused: the daemon goes back to the state before round 2 (version 1,
     the base of the order before the last) and trains round 3 again; the rig still has it. The rig's
@@ -200,25 +225,12 @@ def test_a_rig_keeps_the_state_an_overlapped_top_k_host_rolls_back_to(tmp_path: 
     alone = make_worker(recipe, assignment, None)
     alone.train_round(1, params)
     want = alone.train_round(3, params).payload  # round 3 from the state after round 1
-    rounds = RigRounds(RigOptions(1, stall_s=20.0), recipe, assignment, None, tmp_path / "rig", keep_previous=True)
-    rounds.mailbox = Mailbox(tmp_path / "mailbox")
-    rounds.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
-    rig, running = Rig.single("cpu"), threading.Event()
-    running.set()
-    service = RigService(rig, rounds.mailbox, StateVersions(tmp_path / "rig" / "state"),
-                         ReplicatedWorker(make_worker(recipe, assignment, None), rig), running.is_set, poll_s=0.01)
-    thread = threading.Thread(target=service.serve)
-    thread.start()
-    try:
+    with served_rig(recipe, assignment, tmp_path, keep_previous=True) as rounds:
         for r in (1, 2, 3):
             rounds.train_round(r, params, lambda: path, lambda s, loss: None)
         rounds.load_state_dict({"rig": {"base": 1, "procs": 1}})  # round 2 refused: the state before it
         assert rounds.train_round(3, params, lambda: path, lambda s, loss: None).payload == want
         assert sorted(p.name for p in (tmp_path / "rig" / "state").iterdir()) == ["after-1", "after-2", "after-3"]
-    finally:
-        running.clear()
-        thread.join(30)
-        rounds.close(timeout_s=0.0)
 
 
 def test_a_rig_trains_a_streamed_epoch_as_one_process_does_past_a_skipped_round_and_a_rollback(tmp_path: Path) -> None:
@@ -235,30 +247,18 @@ def test_a_rig_trains_a_streamed_epoch_as_one_process_does_past_a_skipped_round_
         save_file(params, str(tmp_path / f"held-{r}.safetensors"))
         models.append((params, tmp_path / f"held-{r}.safetensors"))
     alone = host_rounds(recipe, assignment, None, None, tmp_path / "unused")
-    rounds = RigRounds(RigOptions(1, stall_s=20.0), recipe, assignment, None, tmp_path / "rig")
-    alone.skipped = rounds.skipped = lambda r: r == 2
-    rounds.mailbox = Mailbox(tmp_path / "mailbox")
-    rounds.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
-    rig, running = Rig.single("cpu"), threading.Event()
-    running.set()
-    setup = RigSetup(recipe.to_dict(), recipe.epoch_seed, 0, 2, None, "replicated", False, False,
-                     str(rounds.mailbox.root), str(tmp_path / "rig" / "state"), os.getpid())
-    worker, mode = build_rig_worker(setup, rig)
-    assert mode == "replicated"
-    service = RigService(rig, rounds.mailbox, StateVersions(tmp_path / "rig" / "state"), worker, running.is_set,
-                         poll_s=0.01)
-    thread = threading.Thread(target=service.serve)
-    thread.start()
-    orders: list[tuple[int, ...]] = []
-    post = rounds.mailbox.post
-    rounds.mailbox.post = lambda order: orders.append(tuple(order.skipped)) or post(order)  # type: ignore[method-assign]
-    try:
+    assert isinstance(alone, LocalRounds)
+    with served_rig(recipe, assignment, tmp_path) as rounds:
+        alone.skipped = rounds.skipped = lambda r: r == 2
+        assert rounds.mailbox is not None
+        orders: list[tuple[int, ...]] = []
+        post = rounds.mailbox.post
+        rounds.mailbox.post = lambda order: orders.append(tuple(order.skipped)) or post(order)  # type: ignore[method-assign]
         sent = []
         for r, (params, path) in enumerate(models, start=1):
             want = alone.train_round(r, params, lambda p=path: p, lambda s, loss: None)
             got = rounds.train_round(r, params, lambda p=path: p, lambda s, loss: None)
             assert got.payload == want.payload, f"round {r}"
-            assert isinstance(alone, LocalRounds)
             ef = alone.worker.feedback
             assert got.residual_root == commitment_root(ef.residual, spec_of(params), ef.codec)
             sent.append(got.payload)
@@ -266,10 +266,6 @@ def test_a_rig_trains_a_streamed_epoch_as_one_process_does_past_a_skipped_round_
         rounds.load_state_dict({"rig": {"base": 4, "procs": 1}})  # round 5 refused: the state after round 4
         params, path = models[4]
         assert rounds.train_round(5, params, lambda: path, lambda s, loss: None).payload == sent[4]
-    finally:
-        running.clear()
-        thread.join(30)
-        rounds.close(timeout_s=0.0)
 
 
 def test_a_rig_moves_a_round_onto_the_daemon_s_targets_as_one_process_does_and_drops_a_round_given_up(
@@ -283,19 +279,10 @@ def test_a_rig_moves_a_round_onto_the_daemon_s_targets_as_one_process_does_and_d
     assignment = Assignment(recipe.epoch_seed, slot=0, max_slots=2)
     models = global_models(recipe, tmp_path)
     alone = LocalRounds(make_worker(recipe, assignment, None))
-    rounds = RigRounds(RigOptions(1, stall_s=20.0), recipe, assignment, None, tmp_path / "rig")
-    rounds.mailbox = Mailbox(tmp_path / "mailbox")
-    rounds.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
-    rig, running = Rig.single("cpu"), threading.Event()
-    running.set()
-    service = RigService(rig, rounds.mailbox, StateVersions(tmp_path / "rig" / "state"),
-                         ReplicatedWorker(make_worker(recipe, assignment, None), rig), running.is_set, poll_s=0.01)
-    thread = threading.Thread(target=service.serve)
-    thread.start()
     (start, _), (target, _), (other, _) = models
     shift = {n: target[n] - start[n] for n in start}  # as `shift_onto` takes it: fp32, one rounding
     seen: list[int] = []
-    try:
+    with served_rig(recipe, assignment, tmp_path) as rounds:
         for r, moved in ((1, lambda: target), (2, lambda: Shifted(other, shift))):
             steps: list[int] = []
 
@@ -317,11 +304,7 @@ def test_a_rig_moves_a_round_onto_the_daemon_s_targets_as_one_process_does_and_d
         # the daemon trains round 3 again without the move: the rig left the half-trained round for it
         want = alone.train_round(3, start, lambda: models[0][1], lambda s, loss: None).payload
         assert rounds.train_round(3, start, lambda: models[0][1], lambda s, loss: None).payload == want
-        assert not list(rounds.mailbox.root.glob("move-*"))  # each round's move files gone with it
-    finally:
-        running.clear()
-        thread.join(30)
-        rounds.close(timeout_s=0.0)
+        assert rounds.mailbox is not None and not list(rounds.mailbox.root.glob("move-*"))  # gone with each round
 
 
 def test_local_rounds_count_steps_within_the_round(tmp_path: Path) -> None:

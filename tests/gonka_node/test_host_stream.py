@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import test_host_node as base
 import torch
-from test_host_eager import MEAN, Notes, address
+from test_host_eager import MEAN, Notes, address, local_models
 from torch import Tensor
 
 from gonka_node.host.rig_round import LocalRounds, host_rounds
 from gonka_node.host.store import Progress
 from training.checkpoint import load_checkpoint
 from training.codecs import get_codec, round_seed
-from training.local import LocalDiLoCo, LocalRunConfig
 from training.streaming import StreamSchedule
 from training.worker import Assignment
 
@@ -86,20 +85,6 @@ def streamed_epoch(root: Path, **recipe: object) -> Streamed:
         )
 
 
-def local_models(run: Streamed) -> list[dict[str, Tensor]]:
-    """The global model after each round as `LocalDiLoCo` computes it, its two hosts given the network
-    hosts' slots and rounds numbered from 1."""
-    recipe = run.world.recipe
-    local = LocalDiLoCo(LocalRunConfig(recipe=recipe, workers=2, eval_windows=4), recipe.windows(), first_round=1)
-    for worker, i in zip(local.hosts, (1, 2), strict=True):
-        worker.assignment = Assignment(recipe.epoch_seed, run.slots[address(run.world, i)], 4)
-    out = []
-    for _ in ROUNDS:
-        local.run_round()
-        out.append({n: p.detach().clone() for n, p in local.params.items()})
-    return out
-
-
 def _schedule(run: Streamed) -> StreamSchedule:
     spec = {n: tuple(t.shape) for n, t in run.models[1].items()}
     return StreamSchedule.plan(spec, FRAGMENTS, run.world.recipe.stream_mix, first_round=1)
@@ -121,7 +106,7 @@ def dense(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def test_a_streamed_epoch_s_model_is_local_diloco_s_bit_for_bit(dense: Streamed) -> None:
     chain = dense.world.client(0)
     assert chain.latest_round(dense.world.epoch) == len(ROUNDS)
-    for r, want in zip(ROUNDS, local_models(dense), strict=True):
+    for r, want in zip(ROUNDS, local_models(dense, ROUNDS), strict=True):  # type: ignore[arg-type]
         got = dense.models[r]
         assert set(got) == set(want)
         differ = [n for n in want if not _same(got[n], want[n])]
