@@ -74,8 +74,9 @@ def _sharded(setup: RigSetup, recipe: Recipe, rig: Rig) -> bool:
 
 
 def build_rig_worker(setup: RigSetup, rig: Rig) -> tuple[RoundWorker, str]:
-    """The worker of this rig process, on meta tensors first: nothing is initialised (every round
-    loads the global model), and a sharded model is only ever allocated shard by shard."""
+    """The worker of this rig process, on meta tensors first: nothing is initialised (every round loads
+    the global model, a streamed epoch's first; later ones train on from the rig's own), and a sharded
+    model is only ever allocated shard by shard."""
     recipe = Recipe.from_dict(setup.recipe)
     assignment = Assignment(setup.epoch_seed, setup.slot, setup.max_slots, bytes.fromhex(setup.beacon))
     cache = Path(setup.cache_dir) if setup.cache_dir is not None else None
