@@ -297,7 +297,12 @@ class RigRounds:
         self.skipped: Callable[[int], bool] = lambda _round: False
 
     def start(self) -> None:
-        """Launch the rig (it builds its model and loads its data while the daemon waits for a round)."""
+        """Launch the rig (it builds its model and loads its data while the daemon waits for a round).
+        An earlier daemon's runs keep their logs; the models their mailboxes may still hold (a round's
+        moves and payload, left by a crash mid-round) go: nothing reads them again."""
+        for stale in self.work_dir.glob("run-*/mailbox/*"):
+            if stale.name.startswith(("move-", "payload-")):
+                stale.unlink(missing_ok=True)
         run = self.work_dir / f"run-{uuid.uuid4().hex[:8]}"
         run.mkdir(parents=True)
         self.mailbox, self.log_path = Mailbox(run / "mailbox"), run / "rig.log"

@@ -99,7 +99,13 @@ def test_a_sharded_rig_sends_one_process_payloads_and_survives_a_killed_process(
     models = global_models(recipe, tmp_path)
     alone = LocalRounds(make_worker(recipe, assignment, cache))
     rig = RigRounds(RigOptions(2, "sharded"), recipe, assignment, cache, tmp_path / "rig")
+    old = tmp_path / "rig" / "run-0ld" / "mailbox"  # a crashed daemon's run: its models go, its log stays
+    old.mkdir(parents=True)
+    for name in ("move-3-0.safetensors", "payload-3.bin", "order.json"):
+        (old / name).write_bytes(b"x")
+    (old.parent / "rig.log").write_text("an earlier rig")
     rig.start()
+    assert sorted(p.name for p in old.iterdir()) == ["order.json"] and (old.parent / "rig.log").exists()
     try:
         steps: list[int] = []
         killed: list[int] = []
