@@ -113,8 +113,8 @@ class Recipe:
     stream_fragments: int = _field(
         1, "P: fragments of the model (balanced by size) synced one a round in turn, so each fragment syncs every "
         "P rounds and a round's upload and download carry 1/P of the model (Streaming DiLoCo; needs "
-        'round_state = "carry", overlap "off" or "delayed"; 1: the whole model every round). Local simulation only '
-        "(gonka-node train): the network refuses it"
+        'round_state = "carry", overlap "off" or "delayed", so a replay probability of 0; 1: the whole model every '
+        'round). docs/PROTOCOL.md "Streaming fragments"'
     )
     stream_mix: float = _field(
         0.0, "streamed epochs: the share of its own fragment a host keeps when the synced one arrives, "

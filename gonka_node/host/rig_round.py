@@ -121,6 +121,8 @@ def host_rounds(
 
 def recipe_stream(recipe: Recipe) -> StreamSchedule | None:
     """A network epoch's stream schedule (rounds from 1; None: not streamed), from the model's shapes alone."""
+    if recipe.stream_fragments <= 1:
+        return None
     return stream_schedule(recipe, spec_of(dict(Llama(recipe.model, device="meta").named_parameters())), first_round=1)
 
 
