@@ -25,15 +25,16 @@ from training.codecs import Codec, get_codec, round_seed, spec_of
 from training.data import Windows
 from training.diloco import OuterOptimizer, StreamingAverager
 from training.fragments import Fragment
-from training.inner import InnerConfig, evaluate
+from training.inner import evaluate
 from training.model import ModelConfig, build_model
 from training.overlap import eager_base, eager_rebases
-from training.streaming import StreamSchedule, step_fragment, stream_schedule
+from training.streaming import StreamedRecipe, StreamSchedule, step_fragment, stream_schedule
 from training.worker import Assignment, DiLoCoWorker, Rebase, WorkerRound
 
 
-class LocalRecipe(Protocol):
-    """What a local run reads of an epoch recipe (`gonka_node.core.recipe.Recipe` is one)."""
+class LocalRecipe(StreamedRecipe, Protocol):
+    """What a local run reads of an epoch recipe (`gonka_node.core.recipe.Recipe` is one); its streaming
+    fields, overlap and inner config are `StreamedRecipe`'s."""
 
     @property
     def model(self) -> ModelConfig: ...
@@ -50,16 +51,9 @@ class LocalRecipe(Protocol):
     @property
     def outer_momentum(self) -> float: ...
     @property
-    def overlap(self) -> str: ...
-    @property
     def forecast_step(self) -> int: ...
     @property
     def merge_step(self) -> int: ...
-    @property
-    def stream_fragments(self) -> int: ...
-    @property
-    def stream_mix(self) -> float: ...
-    def inner_config(self) -> InnerConfig: ...
 
 
 # The recipe type a run carries: callers keep their full recipe (`config.recipe.n_rounds`); the run

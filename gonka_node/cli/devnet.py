@@ -12,7 +12,7 @@ from gonka_node.cli.verbs import add_verb
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from gonka_node.cli.names import CODEC_NAMES, PRESET_NAMES, codec_name
-    from gonka_node.core.recipe import recipe_help
+    from gonka_node.core.recipe import recipe_default, recipe_help
 
     p = add_verb(
         subparsers, "devnet", help="run the whole network locally (chain, governance, aggregator, hosts) and report",
@@ -68,32 +68,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(eager; unsharded only) (default off)",
     )
     p.add_argument(
-        "--forecast-step", type=int, default=0, metavar="STEP",
-        help="with --overlap eager: each round starts from the outer step's momentum part and moves onto the "
-        "host's forecast at this inner step, so the host seals the round before it meanwhile (the recipe's "
-        "forecast_step; 0: from the forecast throughout)",
-    )
-    p.add_argument(
-        "--merge-step", type=int, default=0, metavar="STEP",
-        help="with --overlap eager: the inner step of each round at which a host moves onto round r-1's model, "
-        "which it waits for there, and measures its pseudo-gradient from it (the recipe's merge_step; 0: never)",
-    )
-    p.add_argument(
         "--broadcast", choices=("dense", "codec"), default="dense",
         help="what hosts download each round: the aggregated update as fp32 (dense) or encoded with the epoch's "
         "codec plus the aggregator's error feedback (codec; the model is defined by the decoded update)",
     )
-    p.add_argument(
-        "--stream-fragments", type=int, default=1, metavar="P",
-        help="sync the model one fragment a round, P fragments in turn (Streaming DiLoCo): each round uploads "
-        "and downloads 1/P of the model and hosts train on from their own models (needs --replay-fraction 0; "
-        "--overlap off or delayed) (default 1: the whole model every round)",
-    )
-    p.add_argument(
-        "--stream-mix", type=float, default=0.0, metavar="A",
-        help="with --stream-fragments: the share of its own values a host keeps when a synced fragment lands, "
-        "in [0, 1) (the recipe's stream_mix; default 0: it takes the global fragment)",
-    )
+    # the recipe's own fields: their help is the recipe's (one text for the recipe, `train` and the devnet)
+    for flag, name, metavar, note in (
+        ("--forecast-step", "forecast_step", "STEP", ""),
+        ("--merge-step", "merge_step", "STEP", ""),
+        ("--stream-fragments", "stream_fragments", "P", "; here: with --replay-fraction 0"),
+        ("--stream-mix", "stream_mix", "A", ""),
+    ):
+        default = recipe_default(name)
+        p.add_argument(flag, dest=name, type=type(default), default=default, metavar=metavar,
+                       help=f"the recipe's {name}: {recipe_help(name)}{note}")
     p.add_argument(
         "--rpc-url", help="use this development node (anvil, `gonka-node chain serve`) instead of an embedded chain"
     )

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sysconfig
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rig_kit import serving
 from safetensors.torch import save_file
 from test_host_node import World
 
@@ -46,7 +46,7 @@ from training.codecs import get_codec, round_seed, spec_of
 from training.model import ModelConfig, build_model
 from training.residual_commit import ChunkLayout, residual_root
 from training.rig import Rig
-from training.rig_service import Mailbox, RigService, StateVersions
+from training.rig_service import Mailbox, StateVersions
 from training.worker import Assignment, Rebase, Shifted, commitment_root, replay_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -204,20 +204,15 @@ def served_rig(recipe: Recipe, assignment: Assignment, tmp: Path, keep_previous:
     rounds = RigRounds(RigOptions(1, stall_s=20.0), recipe, assignment, None, tmp / "rig", keep_previous=keep_previous)
     rounds.mailbox = Mailbox(tmp / "mailbox")
     rounds.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
-    rig, running = Rig.single("cpu"), threading.Event()
-    running.set()
     setup = RigSetup(recipe.to_dict(), assignment.epoch_seed, assignment.slot, assignment.max_slots, None, "replicated",
                      False, False, str(rounds.mailbox.root), str(tmp / "rig" / "state"), os.getpid())
+    rig = Rig.single("cpu")
     worker, mode = build_rig_worker(setup, rig)
     assert mode == "replicated"
-    service = RigService(rig, rounds.mailbox, StateVersions(tmp / "rig" / "state"), worker, running.is_set, poll_s=0.01)
-    thread = threading.Thread(target=service.serve)
-    thread.start()
     try:
-        yield rounds
+        with serving(rounds.mailbox, StateVersions(tmp / "rig" / "state"), rig, worker):
+            yield rounds
     finally:
-        running.clear()
-        thread.join(30)
         rounds.close(timeout_s=0.0)
 
 

@@ -4,16 +4,14 @@ test_host_rig.py."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from rig_kit import serving
 from safetensors.torch import save_file
 
 from training.codecs import get_codec
@@ -21,7 +19,7 @@ from training.data import Windows
 from training.inner import InnerConfig
 from training.model import ModelConfig, build_model
 from training.rig import Rig
-from training.rig_service import Mailbox, ReplicatedWorker, RigService, RoundOrder, StateVersions
+from training.rig_service import Mailbox, ReplicatedWorker, RoundOrder, StateVersions
 from training.worker import Assignment, DiLoCoWorker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,21 +32,9 @@ def worker(rig: Rig | None = None) -> DiLoCoWorker:
     return DiLoCoWorker(build_model(CFG, 0), inner, get_codec("int8"), windows, Assignment(3, 0, 2), rig=rig)
 
 
-@contextlib.contextmanager
-def serving(mailbox: Mailbox, versions: StateVersions) -> Iterator[threading.Thread]:
-    """A one-process rig serving `mailbox` in a thread while the block runs; on leaving, its daemon is
-    gone (`alive` cleared), so its loop ends by itself."""
+def _served() -> tuple[Rig, ReplicatedWorker]:
     rig = Rig.single("cpu")
-    alive = threading.Event()
-    alive.set()
-    service = RigService(rig, mailbox, versions, ReplicatedWorker(worker(rig), rig), alive.is_set, poll_s=0.01)
-    thread = threading.Thread(target=service.serve)
-    thread.start()
-    try:
-        yield thread
-    finally:
-        alive.clear()
-        thread.join(30)
+    return rig, ReplicatedWorker(worker(rig), rig)
 
 
 def wait_for(what: str, ready: object, timeout_s: float = 60.0) -> None:
@@ -66,7 +52,7 @@ def test_orders_versions_and_a_rollback_give_one_process_payloads(tmp_path: Path
     want = [alone.train_round(r, params).payload for r in (1, 2)]
 
     mailbox, versions = Mailbox(tmp_path / "mailbox"), StateVersions(tmp_path / "state")
-    with serving(mailbox, versions) as thread:
+    with serving(mailbox, versions, *_served()) as thread:
         for seq, (round_, base) in enumerate([(1, 0), (2, 1), (2, 1), (1, 0)], start=1):
             mailbox.post(RoundOrder(seq, round_, str(global_path), base))
             wait_for(f"report {seq}", lambda s=seq: mailbox.report(s) is not None)
@@ -98,7 +84,7 @@ def test_an_order_keeps_the_previous_base_so_an_overlapped_host_rolls_back_two_v
     want.append(alone.train_round(4, params).payload)
 
     mailbox, versions = Mailbox(tmp_path / "mailbox"), StateVersions(tmp_path / "state")
-    with serving(mailbox, versions) as thread:
+    with serving(mailbox, versions, *_served()) as thread:
         orders = [(1, 0, None), (2, 1, 0), (3, 2, 1), (3, 1, 2), (4, 3, 1), (4, 1, 3)]
         for seq, (round_, base, keep) in enumerate(orders, start=1):
             mailbox.post(RoundOrder(seq, round_, str(global_path), base, keep=keep))
